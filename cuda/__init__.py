@@ -1,0 +1,1 @@
+"""CUDA kernel sources (.cu/.cuh), shipped as package data."""

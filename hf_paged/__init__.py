@@ -1,0 +1,1 @@
+"""hf_paged: paged KV cache for transformers generate."""

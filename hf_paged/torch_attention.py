@@ -1,0 +1,137 @@
+"""PyTorch paged attention: the CPU path and the reference the CUDA kernels are tested against.
+
+Pool layout (one for every backend)
+-----------------------------------
+Per layer, keys and values each live in a pool tensor
+
+    k_pool, v_pool : [num_blocks, block_size, num_kv_heads, head_dim]   (contiguous, model dtype)
+
+Slot ``s`` is token ``s % block_size`` of block ``s // block_size``; ``pool.view(-1, Hkv, D)[s]`` is
+its ``[Hkv, D]`` row. A sequence's tokens are the slots named by its block table, in order: stored
+index ``j`` lives in block ``block_tables[b, j // block_size]`` at offset ``j % block_size``. Only
+real tokens are stored, so the stored index of a token equals its position id.
+
+Step metadata (built once per forward by ``plan.StepPlan``, read by every layer)
+--------------------------------------------------------------------------------
+    slot_mapping  : int64 [B, Q]          slot of each new token, -1 where nothing is written
+    block_tables  : int32 [B, max_blocks] physical block ids; entries past a row's blocks are 0
+    context_lens  : int32 [B]             stored tokens of each row after this step's write
+    query_pos     : int32 [B, Q]          stored index of each query token, -1 for pad queries
+A query at stored index ``p`` sees keys ``j`` with ``j <= p`` and, with a sliding window ``w > 0``,
+``p - j < w``. Pad queries (``query_pos == -1``) and rows with no keys give zeros, never NaN.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store new keys/values into their slots.
+
+    key, value: [N, Hkv, D] (any strides); slot_mapping: int64 [N], -1 = skip.
+    """
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    num_kv_heads, head_dim = k_pool.shape[2], k_pool.shape[3]
+    k_pool.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key[keep].to(k_pool.dtype))
+    v_pool.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value[keep].to(v_pool.dtype))
+
+
+def copy_blocks(pools: list[torch.Tensor], pairs: torch.Tensor) -> None:
+    """Copy-on-write: ``pool[dst] = pool[src]`` for every ``(src, dst)`` row of int64 ``pairs`` [P, 2],
+    in every pool tensor given (all layers, keys and values)."""
+    if pairs.numel() == 0:
+        return
+    src, dst = pairs[:, 0], pairs[:, 1]
+    for pool in pools:
+        pool.index_copy_(0, dst, pool.index_select(0, src))
+
+
+def gather_kv(pool: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
+    """Read the first ``length`` stored tokens of every row: returns [Hkv, B, length, D] (one copy).
+
+    Indexing a head-major view gathers straight into the layout the matmuls want, so the KV is
+    copied once and never repeated per query head.
+    """
+    num_blocks_needed = -(-length // pool.shape[1])
+    table = block_tables[:, :num_blocks_needed].long()
+    heads_first = pool.permute(2, 0, 1, 3)                # [Hkv, num_blocks, block_size, D] (view)
+    gathered = heads_first[:, table]                      # [Hkv, B, nb, block_size, D]
+    hkv, batch, nb, bs, dim = gathered.shape
+    return gathered.view(hkv, batch, nb * bs, dim)[:, :, :length]
+
+
+def visible_keys(query_pos: torch.Tensor, length: int, sliding_window: int) -> torch.Tensor:
+    """Bool [B, Q, length]: which stored keys each query sees (causal, optional window, pads none)."""
+    keys = torch.arange(length, device=query_pos.device)
+    pos = query_pos.unsqueeze(-1)
+    visible = keys <= pos
+    if sliding_window > 0:
+        visible &= keys > pos - sliding_window
+    return visible & (pos >= 0)
+
+
+def decode_attention(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                     block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                     sliding_window: int = 0, max_context: int | None = None) -> torch.Tensor:
+    """One new token per row. query: [B, Hq, D] -> out [B, Hq, D].
+
+    Each row's query sits at stored index ``context_lens[b] - 1``; rows with ``context_lens == 0``
+    give zeros. ``max_context`` (= context_lens.max()) may be passed to avoid a device sync.
+    """
+    batch, num_q_heads, head_dim = query.shape
+    num_kv_heads = k_pool.shape[2]
+    group = num_q_heads // num_kv_heads
+    length = int(context_lens.max()) if max_context is None else max_context
+    if length == 0:
+        return torch.zeros_like(query)
+    keys = gather_kv(k_pool, block_tables, length)                          # [Hkv, B, L, D]
+    values = gather_kv(v_pool, block_tables, length)
+    # GQA: the query heads of one KV head are a group; [Hkv, B, group, D] meets [Hkv, B, L, D].
+    q = query.view(batch, num_kv_heads, group, head_dim).transpose(0, 1)
+    scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scale        # [Hkv, B, group, L]
+    query_pos = (context_lens.long() - 1).view(batch, 1)
+    visible = visible_keys(query_pos, length, sliding_window)               # [B, 1, L]
+    scores = scores.masked_fill(~visible.view(1, batch, 1, length), float("-inf"))
+    probs = _safe_softmax(scores).to(values.dtype)
+    out = torch.matmul(probs, values)                                       # [Hkv, B, group, D]
+    return out.transpose(0, 1).reshape(batch, num_q_heads, head_dim)
+
+
+def extend_attention(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                     block_tables: torch.Tensor, context_lens: torch.Tensor, query_pos: torch.Tensor,
+                     scale: float, sliding_window: int = 0, max_context: int | None = None) -> torch.Tensor:
+    """Several new tokens per row (prefill, chunked prefill, continuation, assisted decoding).
+
+    query: [B, Hq, Q, D]; query_pos: int32 [B, Q] (-1 = pad) -> out [B, Hq, Q, D].
+    The new tokens must already be written (``write_kv``); they attend to each other causally.
+    """
+    batch, num_q_heads, q_len, head_dim = query.shape
+    num_kv_heads = k_pool.shape[2]
+    length = int(context_lens.max()) if max_context is None else max_context
+    if length == 0:
+        return torch.zeros_like(query)
+    keys = gather_kv(k_pool, block_tables, length).transpose(0, 1)          # [B, Hkv, L, D]
+    values = gather_kv(v_pool, block_tables, length).transpose(0, 1)
+    visible = visible_keys(query_pos.long(), length, sliding_window)        # [B, Q, L]
+    # Pad queries see key 0 so that no softmax row is empty (no NaN); their output is zeroed below.
+    has_key = visible.any(-1, keepdim=True)
+    first_key = torch.zeros_like(visible)
+    first_key[..., 0] = True
+    safe_visible = torch.where(has_key, visible, first_key)
+    out = F.scaled_dot_product_attention(
+        query, keys, values, attn_mask=safe_visible.unsqueeze(1), scale=scale,
+        enable_gqa=num_q_heads != num_kv_heads,
+    )
+    return out * has_key.unsqueeze(1).to(out.dtype)
+
+
+def _safe_softmax(scores: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dim where a row with every score -inf gives zeros instead of NaN."""
+    row_max = scores.amax(-1, keepdim=True)
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    weights = torch.exp(scores - row_max)
+    total = weights.sum(-1, keepdim=True)
+    return weights / torch.where(total > 0, total, torch.ones_like(total))
