@@ -55,12 +55,13 @@ def gather_kv(pool: torch.Tensor, block_tables: torch.Tensor, length: int) -> to
     Indexing a head-major view gathers straight into the layout the matmuls want, so the KV is
     copied once and never repeated per query head.
     """
-    num_blocks_needed = -(-length // pool.shape[1])
-    table = block_tables[:, :num_blocks_needed].long()
+    num_blocks, block_size, num_kv_heads, head_dim = pool.shape
+    table = block_tables[:, :-(-length // block_size)]
+    batch, width = table.shape
     heads_first = pool.permute(2, 0, 1, 3)                # [Hkv, num_blocks, block_size, D] (view)
-    gathered = heads_first[:, table]                      # [Hkv, B, nb, block_size, D]
-    hkv, batch, nb, bs, dim = gathered.shape
-    return gathered.view(hkv, batch, nb * bs, dim)[:, :, :length]
+    out = pool.new_empty(num_kv_heads, batch * width, block_size, head_dim)
+    torch.index_select(heads_first, 1, table.reshape(-1).long(), out=out)
+    return out.view(num_kv_heads, batch, width * block_size, head_dim)[:, :, :length]
 
 
 def visible_keys(query_pos: torch.Tensor, length: int, sliding_window: int) -> torch.Tensor:

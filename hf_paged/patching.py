@@ -1,0 +1,165 @@
+"""``patch`` / ``unpatch`` one model, and the explicit global opt-in ``enable`` / ``disable``.
+
+``patch(model)`` changes only that model instance: its attention implementation, a forward pre-hook
+on its decoder (which plans each step from the 2D padding mask) and an instance-level ``generate``.
+Everything it changed is recorded on ``model._hf_paged`` and put back by ``unpatch``. Importing
+hf_paged changes nothing; the first ``patch`` registers the attention name ``"hf_paged"`` with
+transformers (a new name; no existing entry changes).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass, field
+
+import torch
+
+from hf_paged.integrations.families import adapter_for
+from hf_paged.integrations.generate import paged_generate, wants_paged
+
+from . import attention
+from .cache import PagedCache
+
+STATE_ATTR = "_hf_paged"
+
+
+@dataclass
+class PatchState:
+    """What ``patch`` changed on one model, so that ``unpatch`` can restore it exactly."""
+    attn_implementation: str | None
+    instance_generate: object          # the model's own instance attribute 'generate', or _MISSING
+    hook: torch.utils.hooks.RemovableHandle
+    cache_options: dict
+    last_stats: dict = field(default_factory=dict)
+
+
+_MISSING = object()
+
+
+def _plan_hook(decoder, args, kwargs):
+    """Forward pre-hook on the decoder: plan the step once, before any layer runs."""
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    if not isinstance(cache, PagedCache):
+        return None
+    input_ids = kwargs.get("input_ids", args[0] if args else None)
+    embeds = kwargs.get("inputs_embeds")
+    reference = input_ids if input_ids is not None else embeds
+    if reference is None:
+        raise ValueError("hf_paged needs input_ids or inputs_embeds to plan a step")
+    batch, q_len = reference.shape[:2]
+    weight = decoder.get_input_embeddings().weight
+    cache.plan_step(kwargs.get("attention_mask"), input_ids, batch, q_len, weight.dtype, weight.device)
+    return None
+
+
+def patch(model, *, block_size: int = 16, num_blocks: int | None = None, max_memory_bytes: int | None = None):
+    """Make ``model`` generate through a PagedCache when asked for ``cache_implementation="paged"``.
+
+    The keyword options size the caches that generate builds (see ``PagedCache``). Returns the model.
+    Raises UnsupportedModelError for model types other than llama, qwen2, qwen3, glm, glm4.
+    """
+    if getattr(model, STATE_ATTR, None) is not None:
+        return model
+    adapter_for(model.config)
+    PagedCache(model.config, block_size=block_size, num_blocks=num_blocks,
+               max_memory_bytes=max_memory_bytes, dtype=model.dtype)       # validates the options now
+    attention.register()
+    decoder = model.get_decoder()
+    state = PatchState(
+        attn_implementation=model.config._attn_implementation,
+        instance_generate=model.__dict__.get("generate", _MISSING),
+        hook=decoder.register_forward_pre_hook(_plan_hook, with_kwargs=True),
+        cache_options=dict(block_size=block_size, num_blocks=num_blocks, max_memory_bytes=max_memory_bytes),
+    )
+    setattr(model, STATE_ATTR, state)
+    model.set_attn_implementation(attention.ATTENTION_NAME)
+    original = model.generate
+
+    @functools.wraps(original)
+    def generate(*args, **kwargs):
+        def record(cache):
+            state.last_stats = cache.stats()
+        return paged_generate(model, original, args, kwargs, state.cache_options, record)
+
+    model.generate = generate
+    return model
+
+
+def unpatch(model):
+    """Undo ``patch``: attention implementation, hook and generate are as before. Returns the model."""
+    state = getattr(model, STATE_ATTR, None)
+    if state is None:
+        return model
+    state.hook.remove()
+    if state.instance_generate is _MISSING:
+        del model.generate
+    else:
+        model.generate = state.instance_generate
+    model.set_attn_implementation(state.attn_implementation)
+    delattr(model, STATE_ATTR)
+    return model
+
+
+def is_patched(model) -> bool:
+    return getattr(model, STATE_ATTR, None) is not None
+
+
+def last_stats(model) -> dict:
+    """``PagedCache.stats()`` of the patched model's most recent generate call."""
+    state = getattr(model, STATE_ATTR, None)
+    if state is None:
+        raise ValueError("model is not patched: call hf_paged.patch(model) first")
+    return dict(state.last_stats)
+
+
+# ---------------------------------------------------------------- global opt-in
+def _global_generate(original):
+    @functools.wraps(original)
+    def generate(self, *args, **kwargs):
+        generation_config = kwargs.get("generation_config", args[1] if len(args) > 1 else None)
+        if is_patched(self) or not wants_paged(kwargs, generation_config, self):
+            return original(self, *args, **kwargs)
+        patch(self)
+        try:
+            return self.generate(*args, **kwargs)
+        finally:
+            unpatch(self)
+    generate.__hf_paged_original__ = original
+    return generate
+
+
+def enable() -> None:
+    """Opt in, process-wide: ``model.generate(cache_implementation="paged")`` uses hf_paged on any
+    supported model, patched or not (patched for the call, unpatched after). Every other call passes
+    through untouched. Undo with ``disable()``. Idempotent."""
+    from transformers.generation.utils import GenerationMixin
+
+    if not hasattr(GenerationMixin.generate, "__hf_paged_original__"):
+        GenerationMixin.generate = _global_generate(GenerationMixin.generate)
+
+
+def disable() -> None:
+    """Undo ``enable()``: ``GenerationMixin.generate`` is the original function again."""
+    from transformers.generation.utils import GenerationMixin
+
+    original = getattr(GenerationMixin.generate, "__hf_paged_original__", None)
+    if original is not None:
+        GenerationMixin.generate = original
+
+
+def is_enabled() -> bool:
+    from transformers.generation.utils import GenerationMixin
+
+    return hasattr(GenerationMixin.generate, "__hf_paged_original__")
+
+
+@contextlib.contextmanager
+def enabled():
+    """``with hf_paged.enabled(): ...`` — ``enable()`` for the block, restored after."""
+    was = is_enabled()
+    enable()
+    try:
+        yield
+    finally:
+        if not was:
+            disable()

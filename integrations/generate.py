@@ -1,0 +1,74 @@
+"""The generate hook: turns ``cache_implementation="paged"`` into a PagedCache before transformers sees it.
+
+transformers routes the keyword ``cache_implementation="paged"`` to its own continuous batching and
+silently gives a DynamicCache when "paged" comes in a GenerationConfig. The hook looks in all three
+places (keyword, passed config, ``model.generation_config``), builds a PagedCache, and passes
+``cache_implementation=None`` explicitly (a config copy with None would be refilled from
+``model.generation_config``). Pipelines call ``model.generate``, so they go through the same hook.
+"""
+from __future__ import annotations
+
+import inspect
+
+PAGED = "paged"
+
+
+def _setting(name, kwargs, generation_config, model):
+    """A generation setting as generate resolves it: keyword, then passed config, then the model's."""
+    if name in kwargs:
+        return kwargs[name]
+    for config in (generation_config, model.generation_config):
+        value = getattr(config, name, None) if config is not None else None
+        if value is not None:
+            return value
+    return None
+
+
+def cache_keyword(model) -> str:
+    """The keyword this transformers release uses for the cache (``cache`` since 5.2x, else past_key_values)."""
+    return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+
+
+def wants_paged(kwargs: dict, generation_config, model) -> bool:
+    if "cache_implementation" in kwargs:
+        return kwargs["cache_implementation"] == PAGED
+    for config in (generation_config, model.generation_config):
+        if config is not None and getattr(config, "cache_implementation", None) is not None:
+            return config.cache_implementation == PAGED
+    return False
+
+
+def paged_generate(model, generate, args: tuple, kwargs: dict, cache_options: dict, on_cache=None):
+    """Run ``generate(*args, **kwargs)`` with a PagedCache when asked for one; pass through otherwise.
+
+    generate: the model's bound generate; args: its positional arguments (inputs, generation_config, ...).
+
+    cache_options: keyword arguments for PagedCache built here (block_size, num_blocks, ...).
+    on_cache: called with the cache once generate returns (to record its stats).
+    """
+    from hf_paged.cache import PagedCache
+
+    generation_config = kwargs.get("generation_config", args[1] if len(args) > 1 else None)
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    asked = wants_paged(kwargs, generation_config, model)
+    if not asked and not isinstance(cache, PagedCache):
+        return generate(*args, **kwargs)
+    kwargs = dict(kwargs)
+    if asked:
+        kwargs["cache_implementation"] = None
+    if cache is None:
+        options = dict(cache_options)
+        options.setdefault("dtype", model.dtype)
+        options.setdefault("device", model.device)
+        cache = PagedCache(model.config, **options)
+        kwargs[cache_keyword(model)] = cache
+    eos = _setting("eos_token_id", kwargs, generation_config, model)
+    eos_ids = frozenset([] if eos is None else [eos] if isinstance(eos, int) else list(eos))
+    num_beams = _setting("num_beams", kwargs, generation_config, model) or 1
+    # Beam search may keep a beam whose last token is EOS among the running ones: keep its blocks.
+    cache.eos_token_ids = eos_ids if num_beams == 1 else frozenset()
+    try:
+        return generate(*args, **kwargs)
+    finally:
+        if on_cache is not None:
+            on_cache(cache)
