@@ -324,8 +324,9 @@ class PagedCache(Cache):
         self._written = [w.index_select(0, index) for w in self._written]
 
     def crop(self, max_length: int) -> None:
-        """Drop columns: ``crop(-n)`` removes the last n, ``crop(n)`` (n > 0) keeps the first n."""
-        keep = self._columns + max_length if max_length < 0 else min(max_length, self._columns)
+        """Drop columns: ``crop(-n)`` removes the last n; ``crop(0)`` keeps all (transformers 5.2x);
+        ``crop(n)`` with n > 0 keeps the first n (the older absolute-length form)."""
+        keep = self._columns + max_length if max_length <= 0 else min(max_length, self._columns)
         if keep >= self._columns:
             return
         written = torch.cat(self._written, dim=1)[:, :keep]
