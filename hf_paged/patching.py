@@ -1,8 +1,10 @@
 """``patch`` / ``unpatch`` one model, and the explicit global opt-in ``enable`` / ``disable``.
 
-``patch(model)`` changes only that model instance: its attention implementation, a forward pre-hook
-on its decoder (which plans each step from the 2D padding mask) and an instance-level ``generate``.
-Everything it changed is recorded on ``model._hf_paged`` and put back by ``unpatch``. Importing
+``patch(model)`` changes only that model instance: a forward pre-hook on its decoder (which plans
+each step from the 2D padding mask, and only acts when the cache is a PagedCache) and an
+instance-level ``generate``. The attention implementation is switched to ``"hf_paged"`` only for the
+duration of a paged generate call, so plain forwards and other caches keep the model's own path.
+Everything patch changed is recorded on ``model._hf_paged`` and put back by ``unpatch``. Importing
 hf_paged changes nothing; the first ``patch`` registers the attention name ``"hf_paged"`` with
 transformers (a new name; no existing entry changes).
 """
@@ -26,10 +28,10 @@ STATE_ATTR = "_hf_paged"
 @dataclass
 class PatchState:
     """What ``patch`` changed on one model, so that ``unpatch`` can restore it exactly."""
-    attn_implementation: str | None
     instance_generate: object          # the model's own instance attribute 'generate', or _MISSING
     hook: torch.utils.hooks.RemovableHandle
     cache_options: dict
+    default_cache_implementation: object   # model.generation_config's value before patch(default=True)
     last_stats: dict = field(default_factory=dict)
 
 
@@ -47,16 +49,39 @@ def _plan_hook(decoder, args, kwargs):
     if reference is None:
         raise ValueError("hf_paged needs input_ids or inputs_embeds to plan a step")
     batch, q_len = reference.shape[:2]
+    if decoder.config._attn_implementation != attention.ATTENTION_NAME:
+        raise RuntimeError(
+            "a PagedCache was passed to a forward that does not use hf_paged attention "
+            f"(attn_implementation={decoder.config._attn_implementation!r}). Generate through a patched "
+            "model's generate, or wrap direct forwards in `with hf_paged.use_paged_attention(model):`.")
     weight = decoder.get_input_embeddings().weight
     cache.plan_step(kwargs.get("attention_mask"), input_ids, batch, q_len, weight.dtype, weight.device)
     return None
 
 
-def patch(model, *, block_size: int = 16, num_blocks: int | None = None, max_memory_bytes: int | None = None):
+@contextlib.contextmanager
+def use_paged_attention(model):
+    """Switch ``model`` to the hf_paged attention for the block (for direct forwards with a PagedCache)."""
+    attention.register()
+    previous = model.config._attn_implementation
+    if previous != attention.ATTENTION_NAME:
+        model.set_attn_implementation(attention.ATTENTION_NAME)
+    try:
+        yield model
+    finally:
+        if previous != attention.ATTENTION_NAME:
+            model.set_attn_implementation(previous)
+
+
+def patch(model, *, default: bool = False, block_size: int = 16, num_blocks: int | None = None,
+          max_memory_bytes: int | None = None):
     """Make ``model`` generate through a PagedCache when asked for ``cache_implementation="paged"``.
 
-    The keyword options size the caches that generate builds (see ``PagedCache``). Returns the model.
-    Raises UnsupportedModelError for model types other than llama, qwen2, qwen3, glm, glm4.
+    default: also make "paged" the model's default (``model.generation_config``), so plain
+        ``model.generate(...)`` and pipelines page without being asked; unpatch restores the old value.
+    block_size, num_blocks, max_memory_bytes: size the caches that generate builds (see PagedCache).
+    Returns the model. Raises UnsupportedModelError for model types other than llama, qwen2, qwen3,
+    glm, glm4. The hook needs the decoder's ``get_input_embeddings`` (all supported families have it).
     """
     if getattr(model, STATE_ATTR, None) is not None:
         return model
@@ -66,20 +91,22 @@ def patch(model, *, block_size: int = 16, num_blocks: int | None = None, max_mem
     attention.register()
     decoder = model.get_decoder()
     state = PatchState(
-        attn_implementation=model.config._attn_implementation,
         instance_generate=model.__dict__.get("generate", _MISSING),
         hook=decoder.register_forward_pre_hook(_plan_hook, with_kwargs=True),
         cache_options=dict(block_size=block_size, num_blocks=num_blocks, max_memory_bytes=max_memory_bytes),
+        default_cache_implementation=model.generation_config.cache_implementation,
     )
     setattr(model, STATE_ATTR, state)
-    model.set_attn_implementation(attention.ATTENTION_NAME)
+    if default:
+        model.generation_config.cache_implementation = "paged"
     original = model.generate
 
     @functools.wraps(original)
     def generate(*args, **kwargs):
         def record(cache):
             state.last_stats = cache.stats()
-        return paged_generate(model, original, args, kwargs, state.cache_options, record)
+        return paged_generate(model, original, args, kwargs, state.cache_options, record,
+                              scope=lambda: use_paged_attention(model))
 
     model.generate = generate
     return model
@@ -95,7 +122,7 @@ def unpatch(model):
         del model.generate
     else:
         model.generate = state.instance_generate
-    model.set_attn_implementation(state.attn_implementation)
+    model.generation_config.cache_implementation = state.default_cache_implementation
     delattr(model, STATE_ATTR)
     return model
 

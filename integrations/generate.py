@@ -8,6 +8,7 @@ places (keyword, passed config, ``model.generation_config``), builds a PagedCach
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 PAGED = "paged"
@@ -38,13 +39,15 @@ def wants_paged(kwargs: dict, generation_config, model) -> bool:
     return False
 
 
-def paged_generate(model, generate, args: tuple, kwargs: dict, cache_options: dict, on_cache=None):
+def paged_generate(model, generate, args: tuple, kwargs: dict, cache_options: dict, on_cache=None,
+                   scope=contextlib.nullcontext):
     """Run ``generate(*args, **kwargs)`` with a PagedCache when asked for one; pass through otherwise.
 
     generate: the model's bound generate; args: its positional arguments (inputs, generation_config, ...).
 
     cache_options: keyword arguments for PagedCache built here (block_size, num_blocks, ...).
     on_cache: called with the cache once generate returns (to record its stats).
+    scope: context manager factory wrapped around the paged call (switches the attention implementation).
     """
     from hf_paged.cache import PagedCache
 
@@ -68,7 +71,8 @@ def paged_generate(model, generate, args: tuple, kwargs: dict, cache_options: di
     # Beam search may keep a beam whose last token is EOS among the running ones: keep its blocks.
     cache.eos_token_ids = eos_ids if num_beams == 1 else frozenset()
     try:
-        return generate(*args, **kwargs)
+        with scope():
+            return generate(*args, **kwargs)
     finally:
         if on_cache is not None:
             on_cache(cache)

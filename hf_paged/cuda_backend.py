@@ -1,0 +1,221 @@
+"""CUDA backend: the four functions of ``torch_attention`` as launches of the kernels in ``cuda/``.
+
+Same signatures, pool layout and semantics as :mod:`hf_paged.torch_attention`. The host side (shape
+checks, argument packing, split-K planning) lives in :class:`KernelBackend`, which launches through a
+*launcher*: :class:`CupyLauncher` on a GPU, or the CPU shim in ``tests/kernels`` (same kernels, same
+arguments). cupy is imported on the first launch, never at ``import hf_paged``.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from . import kernel_registry as reg
+
+INSTALL_HINT = "pip install hf-paged[cuda]   (cupy-cuda13x and the CUDA headers, nvidia-cuda-runtime)"
+_DEFAULT_SMEM_LIMIT = 48 * 1024
+
+
+def _ptr(t: torch.Tensor | None) -> np.uint64:
+    return np.uint64(0 if t is None else t.data_ptr())
+
+
+class KernelBackend:
+    """write_kv / copy_blocks / decode_attention / extend_attention over a kernel launcher.
+
+    launcher: object with ``launch(spec, device, grid, block, args, shared_mem)`` (args: numpy
+    scalars; pointers as ``numpy.uint64``) and ``sm_count(device)``.
+    partition_size: keys per decode split; ``None`` chooses one per call so that the grid fills the
+    device (fewer, longer splits when the batch already does).
+    """
+
+    def __init__(self, launcher, partition_size: int | None = None):
+        self.launcher = launcher
+        self.partition_size = partition_size
+
+    # -- cache writes -------------------------------------------------------------------------
+    def write_kv(self, k_pool: torch.Tensor, v_pool: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        """key, value: [N, Hkv, D] (any strides); slot_mapping: int64 [N], -1 = skip."""
+        slots = slot_mapping.reshape(-1).to(torch.int64).contiguous()
+        n = slots.numel()
+        if n == 0:
+            return
+        tag = reg.dtype_tag(k_pool.dtype)
+        num_kv_heads, head_dim = k_pool.shape[2], k_pool.shape[3]
+        key, value = (x.to(k_pool.dtype) for x in (key, value))
+        key, value = (x if x.stride(-1) == 1 else x.contiguous() for x in (key, value))
+        args = (_ptr(k_pool), _ptr(v_pool), _ptr(key), _ptr(value), _ptr(slots),
+                np.int32(num_kv_heads), np.int32(head_dim),
+                np.int64(key.stride(0)), np.int64(key.stride(1)),
+                np.int64(value.stride(0)), np.int64(value.stride(1)))
+        self.launcher.launch(reg.write_kv_kernel(tag), k_pool.device, (n, 1, 1), (reg.THREADS, 1, 1), args, 0)
+
+    def copy_blocks(self, pools: list[torch.Tensor], pairs: torch.Tensor) -> None:
+        """``pool[dst] = pool[src]`` for every (src, dst) row of int64 ``pairs`` [P, 2], in every pool,
+        in one launch. Destinations must be distinct and not sources (copy-on-write targets)."""
+        if pairs.numel() == 0 or not pools:
+            return
+        device = pools[0].device
+        block_bytes = pools[0][0].numel() * pools[0].element_size()
+        for pool in pools:
+            if pool[0].numel() * pool.element_size() != block_bytes or not pool.is_contiguous():
+                raise ValueError("copy_blocks: every pool must be contiguous with the same block size in bytes")
+            if pool.data_ptr() % 16:
+                raise ValueError("copy_blocks: pool storage must be 16-byte aligned")
+        if block_bytes % 16:
+            raise ValueError(f"copy_blocks: block of {block_bytes} bytes is not a multiple of 16")
+        table = torch.tensor([p.data_ptr() for p in pools], dtype=torch.int64).to(device, non_blocking=True)
+        pairs = pairs.to(device=device, dtype=torch.int64).contiguous()
+        args = (_ptr(table), _ptr(pairs), np.int64(block_bytes // 16))
+        self.launcher.launch(reg.COPY_BLOCKS, device, (pairs.shape[0], len(pools), 1), (reg.THREADS, 1, 1),
+                             args, 0)
+
+    # -- attention ----------------------------------------------------------------------------
+    def decode_attention(self, query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                         block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                         sliding_window: int = 0, max_context: int | None = None) -> torch.Tensor:
+        """query [B, Hq, D] -> out [B, Hq, D]; see torch_attention.decode_attention."""
+        batch, num_q_heads, head_dim = query.shape
+        _, block_size, num_kv_heads, _ = k_pool.shape
+        tag = reg.check_attention_shape(k_pool.dtype, head_dim, block_size, num_q_heads, num_kv_heads)
+        group = num_q_heads // num_kv_heads
+        length = int(context_lens.max()) if max_context is None else int(max_context)
+        if batch == 0 or length == 0:
+            return torch.zeros_like(query)
+        query = query.to(k_pool.dtype).contiguous()
+        tables = block_tables.to(torch.int32).contiguous()
+        lens = context_lens.to(torch.int32).contiguous()
+        span = min(length, sliding_window) if sliding_window > 0 else length
+        partition = self._partition(query.device, batch * num_kv_heads, span,
+                                    reg.tile_tokens(head_dim, k_pool.element_size()))
+        splits = -(-span // partition)
+        out = torch.empty_like(query)
+        part_out = part_lse = None
+        if splits > 1:
+            part_out = torch.empty(batch, num_q_heads, splits, head_dim, dtype=torch.float32, device=query.device)
+            part_lse = torch.empty(batch, num_q_heads, splits, dtype=torch.float32, device=query.device)
+        args = (_ptr(out), _ptr(part_out), _ptr(part_lse), _ptr(query), _ptr(k_pool), _ptr(v_pool),
+                _ptr(tables), _ptr(lens), np.int32(tables.shape[1]), np.int32(num_kv_heads), np.int32(group),
+                np.int32(sliding_window), np.int32(partition), np.float32(scale * np.log2(np.e)))
+        smem = reg.attention_smem_bytes(head_dim, k_pool.element_size(), group)
+        self.launcher.launch(reg.decode_kernel(tag, head_dim, block_size), query.device,
+                             (num_kv_heads, batch, splits), (reg.THREADS, 1, 1), args, smem)
+        if splits > 1:
+            args = (_ptr(out), _ptr(part_out), _ptr(part_lse), np.int32(splits), np.int32(head_dim))
+            self.launcher.launch(reg.reduce_kernel(tag, head_dim, block_size), query.device,
+                                 (num_q_heads, batch, 1), (reg.THREADS, 1, 1), args, 0)
+        return out
+
+    def extend_attention(self, query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                         block_tables: torch.Tensor, context_lens: torch.Tensor, query_pos: torch.Tensor,
+                         scale: float, sliding_window: int = 0, max_context: int | None = None) -> torch.Tensor:
+        """query [B, Hq, Q, D], query_pos int32 [B, Q] (-1 = pad) -> out [B, Hq, Q, D]."""
+        batch, num_q_heads, q_len, head_dim = query.shape
+        _, block_size, num_kv_heads, _ = k_pool.shape
+        tag = reg.check_attention_shape(k_pool.dtype, head_dim, block_size, num_q_heads, num_kv_heads)
+        group = num_q_heads // num_kv_heads
+        length = int(context_lens.max()) if max_context is None else int(max_context)
+        if batch == 0 or q_len == 0 or length == 0:
+            return torch.zeros_like(query)
+        query = query.to(k_pool.dtype).contiguous()
+        out = torch.empty_like(query)
+        tables = block_tables.to(torch.int32).contiguous()
+        lens = context_lens.to(torch.int32).contiguous()
+        pos = query_pos.to(torch.int32).contiguous()
+        q_per_cta = min(q_len, max(1, reg.MAX_ROWS // group))
+        args = (_ptr(out), _ptr(query), _ptr(k_pool), _ptr(v_pool), _ptr(tables), _ptr(lens), _ptr(pos),
+                np.int32(tables.shape[1]), np.int32(num_kv_heads), np.int32(group), np.int32(q_len),
+                np.int32(q_per_cta), np.int32(sliding_window), np.float32(scale * np.log2(np.e)))
+        smem = reg.attention_smem_bytes(head_dim, k_pool.element_size(), group * q_per_cta)
+        self.launcher.launch(reg.extend_kernel(tag, head_dim, block_size), query.device,
+                             (num_kv_heads, batch, -(-q_len // q_per_cta)), (reg.THREADS, 1, 1), args, smem)
+        return out
+
+    def _partition(self, device: torch.device, ctas: int, span: int, tile: int) -> int:
+        """Keys per decode split: one split when (kv head, row) CTAs already fill two waves of the
+        device's SMs, else enough splits to do so, each a multiple of the tile and at least 256 keys."""
+        if self.partition_size is not None:
+            return self.partition_size
+        want_splits = -(-2 * self.launcher.sm_count(device) // ctas)
+        if want_splits <= 1:
+            return span
+        per_split = -(-span // want_splits)
+        return max(-(-per_split // tile) * tile, 256)
+
+
+class CupyLauncher:
+    """Builds each kernel module with NVRTC (through CuPy) on first use per device, and launches on
+    torch's current stream. Compiled modules are kept per device here and on disk by CuPy's cache."""
+
+    def __init__(self):
+        self._functions: dict[tuple[int, str], object] = {}
+        self._modules: dict[tuple[int, tuple], object] = {}
+        self._sm_counts: dict[int, int] = {}
+        self._cupy = None
+
+    def sm_count(self, device: torch.device) -> int:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index not in self._sm_counts:
+            self._sm_counts[index] = torch.cuda.get_device_properties(index).multi_processor_count
+        return self._sm_counts[index]
+
+    def launch(self, spec: reg.KernelSpec, device: torch.device, grid, block, args, shared_mem: int) -> None:
+        cupy = self._import_cupy()
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        function = self._functions.get((index, spec.name))
+        if function is None:
+            with cupy.cuda.Device(index):
+                function = self._module(cupy, index, spec).get_function(spec.name)
+            self._functions[(index, spec.name)] = function
+        with cupy.cuda.Device(index):
+            if shared_mem > _DEFAULT_SMEM_LIMIT and function.max_dynamic_shared_size_bytes < shared_mem:
+                function.max_dynamic_shared_size_bytes = shared_mem
+            stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(index).cuda_stream)
+            function(tuple(grid), tuple(block), args, shared_mem=shared_mem, stream=stream)
+
+    def _module(self, cupy, index: int, spec: reg.KernelSpec):
+        key = (index, spec.module)
+        if key not in self._modules:
+            options = ("-std=c++17", *spec.defines, *(f"-I{d}" for d in cuda_include_dirs()))
+            module = cupy.RawModule(code=reg.kernel_source(spec.source), options=options, backend="nvrtc")
+            module.compile()
+            self._modules[key] = module
+        return self._modules[key]
+
+    def _import_cupy(self):
+        if self._cupy is None:
+            try:
+                import cupy  # noqa: PLC0415  (optional dependency)
+            except ImportError as exc:
+                raise ImportError(f"hf_paged's CUDA kernels need CuPy: {INSTALL_HINT}. "
+                                  f"Or set HF_PAGED_FORCE_TORCH=1 to use the PyTorch path.") from exc
+            if not cuda_include_dirs():
+                raise ImportError(f"hf_paged's CUDA kernels need the CUDA headers (cuda_fp16.h) and none "
+                                  f"were found (CUDA_PATH, /usr/local/cuda, the nvidia-cuda-runtime wheel): "
+                                  f"{INSTALL_HINT}")
+            self._cupy = cupy
+        return self._cupy
+
+
+def cuda_include_dirs() -> list[str]:
+    """Folders holding cuda_fp16.h: $CUDA_PATH, /usr/local/cuda, then the pip runtime wheels."""
+    candidates = [Path(p) / "include" for p in (os.environ.get("CUDA_PATH"), "/usr/local/cuda") if p]
+    try:
+        import nvidia  # noqa: PLC0415  (namespace package of the pip CUDA wheels)
+        for root in map(Path, nvidia.__path__):
+            candidates += [root / "cu13" / "include", root / "cuda_runtime" / "include"]
+    except ImportError:
+        pass
+    return [str(c) for c in candidates if (c / "cuda_fp16.h").is_file()][:1]
+
+
+# Module-level functions for backends.select_backend: one backend object, its caches inside it.
+_BACKEND = KernelBackend(CupyLauncher())
+write_kv = _BACKEND.write_kv
+copy_blocks = _BACKEND.copy_blocks
+decode_attention = _BACKEND.decode_attention
+extend_attention = _BACKEND.extend_attention
