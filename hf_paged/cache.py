@@ -247,9 +247,10 @@ class PagedCache(Cache):
                 f"pool is {k_pool.dtype} on {k_pool.device}; build the cache with the model's dtype/device "
                 "(PagedCache(config, dtype=..., device=...)) or leave them unset.")
         batch, heads, q_len, dim = key_states.shape
+        # Inference only: the pools hold detached values, so no autograd graph grows across steps.
         plan.backend.write_kv(k_pool, v_pool,
-                              key_states.transpose(1, 2).reshape(batch * q_len, heads, dim),
-                              value_states.transpose(1, 2).reshape(batch * q_len, heads, dim),
+                              key_states.detach().transpose(1, 2).reshape(batch * q_len, heads, dim),
+                              value_states.detach().transpose(1, 2).reshape(batch * q_len, heads, dim),
                               plan.slot_mapping)
         if kwargs is not None:
             kwargs[PLAN_KWARG] = plan

@@ -1,0 +1,124 @@
+"""patch / unpatch / the global opt-in, pipelines, and what importing hf_paged does (nothing)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import DynamicCache, PreTrainedTokenizerFast, pipeline
+from transformers.generation.utils import GenerationMixin
+
+import hf_paged
+from conftest import BOS, EOS, PAD, VOCAB, make_batch, make_model, patched
+
+
+def word_tokenizer():
+    """An offline word-level tokenizer over the tiny models' vocabulary: token i is the word 'w<i>'."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(3, VOCAB)}
+    vocab.update({"<pad>": PAD, "</s>": EOS, "<s>": BOS})
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="</s>", bos_token="<s>")
+    tok.padding_side = "left"
+    return tok
+
+
+def test_import_changes_nothing_in_transformers():
+    code = (
+        "import transformers\n"
+        "from transformers import AttentionInterface\n"
+        "from transformers.masking_utils import AttentionMaskInterface\n"
+        "from transformers.generation.utils import GenerationMixin\n"
+        "before = (set(AttentionInterface._global_mapping), set(AttentionMaskInterface._global_mapping), GenerationMixin.generate)\n"
+        "import hf_paged, hf_paged.integrations.generate, hf_paged.integrations.families\n"
+        "after = (set(AttentionInterface._global_mapping), set(AttentionMaskInterface._global_mapping), GenerationMixin.generate)\n"
+        "assert before == after, 'import hf_paged changed transformers'\n"
+        "import sys; assert 'cupy' not in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_unpatch_restores_the_model_exactly():
+    model = make_model("qwen2")
+    decoder = model.get_decoder()
+    before = (model.config._attn_implementation, "generate" in model.__dict__, dict(decoder._forward_pre_hooks),
+              model.generation_config.to_dict())
+    hf_paged.patch(model, default=True)
+    assert hf_paged.is_patched(model) and model.generation_config.cache_implementation == "paged"
+    assert model.config._attn_implementation == before[0]      # switched only during paged calls
+    hf_paged.unpatch(model)
+    after = (model.config._attn_implementation, "generate" in model.__dict__, dict(decoder._forward_pre_hooks),
+             model.generation_config.to_dict())
+    assert after == before
+    assert not hf_paged.is_patched(model)
+
+
+def test_patched_model_keeps_its_own_path_for_other_calls():
+    model = make_model("llama")
+    ids, mask = make_batch([5, 3], seed=1)
+    reference_logits = model(input_ids=ids, attention_mask=mask).logits
+    with patched(model):
+        plain = model(input_ids=ids, attention_mask=mask).logits      # plain forward, no cache
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False,
+                             return_dict_in_generate=True)               # no "paged": DynamicCache
+    torch.testing.assert_close(plain, reference_logits)
+    assert isinstance(out.past_key_values, DynamicCache)
+
+
+def test_direct_forward_with_paged_cache_needs_the_scope():
+    model = make_model("llama")
+    ids, mask = make_batch([5, 3], seed=2)
+    reference = model(input_ids=ids, attention_mask=mask).logits
+    with patched(model):
+        cache = hf_paged.PagedCache(model.config)
+        with pytest.raises(RuntimeError, match="use_paged_attention"):
+            model(input_ids=ids, attention_mask=mask, past_key_values=cache)
+        cache.reset()
+        with hf_paged.use_paged_attention(model):
+            logits = model(input_ids=ids, attention_mask=mask, past_key_values=cache).logits
+    real = mask.bool()
+    torch.testing.assert_close(logits[real], reference[real], atol=1e-5, rtol=0)
+
+
+def test_global_opt_in_is_explicit_and_reversible():
+    model = make_model("glm")
+    ids, mask = make_batch([6, 2, 9], seed=3)
+    original = GenerationMixin.generate
+    reference = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+    assert not hf_paged.is_enabled()
+    with hf_paged.enabled():
+        assert GenerationMixin.generate is not original
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False,
+                             cache_implementation="paged", return_dict_in_generate=True)
+        assert isinstance(out.past_key_values, hf_paged.PagedCache)
+        assert not hf_paged.is_patched(model)                  # patched for the call only
+        passthrough = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False,
+                                     return_dict_in_generate=True)
+        assert isinstance(passthrough.past_key_values, DynamicCache)
+    assert GenerationMixin.generate is original
+    assert torch.equal(out.sequences, reference) and torch.equal(passthrough.sequences, reference)
+    hf_paged.enable()
+    hf_paged.enable()                                           # idempotent
+    hf_paged.disable()
+    assert GenerationMixin.generate is original
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_pipeline_batched_prompts(family):
+    model = make_model(family, seed=4)
+    tok = word_tokenizer()
+    gen = torch.Generator().manual_seed(5)
+    prompts = [" ".join(f"w{int(t)}" for t in torch.randint(3, VOCAB, (n,), generator=gen))
+               for n in (3, 9, 1, 6, 12, 4, 7)]
+    kw = dict(max_new_tokens=6, do_sample=False, batch_size=3)
+    reference = pipeline("text-generation", model=model, tokenizer=tok)(prompts, **kw)
+    with patched(model, default=True):
+        paged = pipeline("text-generation", model=model, tokenizer=tok)(prompts, **kw)
+        assert hf_paged.last_stats(model)["tokens_stored"] > 0
+    with patched(model):
+        keyword = pipeline("text-generation", model=model, tokenizer=tok)(prompts, cache_implementation="paged", **kw)
+    assert paged == reference
+    assert keyword == reference
