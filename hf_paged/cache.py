@@ -121,7 +121,7 @@ class PagedCache(Cache):
         if self._backend is None:
             self._backend = select_backend(self._device)
         g = self.geometry
-        shape = (blocks, self.block_size, g.num_kv_heads, g.head_dim)
+        shape = (g.num_kv_heads, blocks, self.block_size, g.head_dim)     # layout: see torch_attention
         self.key_pools = [torch.zeros(shape, dtype=self._dtype, device=self._device) for _ in range(g.num_layers)]
         self.value_pools = [torch.zeros(shape, dtype=self._dtype, device=self._device) for _ in range(g.num_layers)]
 
@@ -138,10 +138,10 @@ class PagedCache(Cache):
         extra = max(needed - alloc.num_free, alloc.num_blocks)
         alloc.grow(extra)
         g = self.geometry
-        pad_shape = (extra, self.block_size, g.num_kv_heads, g.head_dim)
+        pad_shape = (g.num_kv_heads, extra, self.block_size, g.head_dim)
         for pools in (self.key_pools, self.value_pools):
             for i, pool in enumerate(pools):
-                pools[i] = torch.cat([pool, pool.new_zeros(pad_shape)])
+                pools[i] = torch.cat([pool, pool.new_zeros(pad_shape)], dim=1)
 
     # ------------------------------------------------------------ planning
     def plan_step(self, attention_mask: torch.Tensor | None, input_ids: torch.Tensor | None,

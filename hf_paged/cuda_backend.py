@@ -163,7 +163,8 @@ class CupyLauncher:
             self._sm_counts[index] = torch.cuda.get_device_properties(index).multi_processor_count
         return self._sm_counts[index]
 
-    def launch(self, spec: reg.KernelSpec, device: torch.device, grid, block, args, shared_mem: int) -> None:
+    def prepare(self, spec: reg.KernelSpec, device: torch.device):
+        """The compiled kernel function (building its module on first use on this device)."""
         cupy = self._import_cupy()
         index = device.index if device.index is not None else torch.cuda.current_device()
         function = self._functions.get((index, spec.name))
@@ -171,6 +172,12 @@ class CupyLauncher:
             with cupy.cuda.Device(index):
                 function = self._module(cupy, index, spec).get_function(spec.name)
             self._functions[(index, spec.name)] = function
+        return function
+
+    def launch(self, spec: reg.KernelSpec, device: torch.device, grid, block, args, shared_mem: int) -> None:
+        function = self.prepare(spec, device)
+        cupy = self._cupy
+        index = device.index if device.index is not None else torch.cuda.current_device()
         with cupy.cuda.Device(index):
             if shared_mem > _DEFAULT_SMEM_LIMIT and function.max_dynamic_shared_size_bytes < shared_mem:
                 function.max_dynamic_shared_size_bytes = shared_mem

@@ -7,13 +7,15 @@ memory each path held and its generated tokens/s.
 KV accounting (bytes per token = 2 · layers · kv_heads · head_dim · dtype size):
 - DynamicCache: the nbytes of its key/value tensors at the end of generate. It only grows, so that
   is also its peak; it includes pad columns (left padding, and rows that finished early).
-- PagedCache: ``cache.stats()``, sampled after every decoding step.
+- PagedCache: ``cache.stats()`` sampled after every decoding step (blocks in use, real tokens
+  stored) and the nbytes of its pool tensors (reserved; the pool doubles on demand).
 - "real tokens": prompt and generated tokens (EOS included) that a sequence still needs, no pads.
 """
 from __future__ import annotations
 
 import argparse
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -38,6 +40,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     p.add_argument("--quiet", action="store_true", help="print the summary only, not the texts")
     return p.parse_args(argv)
 
@@ -80,7 +83,9 @@ class _StatsProbe:
 def _generate(model, inputs, cache, max_new_tokens, stopping=None):
     from transformers import StoppingCriteriaList  # noqa: PLC0415
     start = time.perf_counter()
-    with torch.inference_mode():
+    # transformers 5.24 renamed generate's past_key_values to cache; the old name works through 5.x.
+    with torch.inference_mode(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated", category=FutureWarning)
         out = model.generate(**inputs, past_key_values=cache, max_new_tokens=max_new_tokens, do_sample=False,
                              stopping_criteria=StoppingCriteriaList(stopping or []))
     return out, time.perf_counter() - start
@@ -101,6 +106,8 @@ def main(argv=None) -> None:
     if args.prompts:
         prompts = [line.strip() for line in args.prompts.read_text().splitlines() if line.strip()]
     dtype = getattr(torch, args.dtype)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     t0 = time.perf_counter()
     model, tokenizer = load_smollm2(dtype=dtype)
@@ -130,10 +137,12 @@ def main(argv=None) -> None:
         out, paged_s = _generate(model, inputs, cache, args.max_new_tokens, [probe])
     finally:
         hf_paged.unpatch(model)
+    # stats(): kv_bytes_reserved = blocks in use, kv_bytes_used = real tokens stored (shared blocks once);
+    # the pool tensors themselves (blocks_total) may be larger: the pool doubles on demand.
     samples = probe.samples or [cache.stats()]
-    peak = max(samples, key=lambda s: s["kv_bytes_used"])
-    paged_reserved = max(s.get("peak_kv_bytes_reserved", s["kv_bytes_reserved"]) for s in samples)
-    paged_real = peak["tokens_stored"] * bpt
+    peak = max(samples, key=lambda s: s["kv_bytes_reserved"])
+    pool_bytes = sum(t.nbytes for t in cache.key_pools + cache.value_pools)
+    paged_in_use, paged_real = peak["kv_bytes_reserved"], peak["kv_bytes_used"]
 
     texts_ref = tokenizer.batch_decode(ref[:, width:], skip_special_tokens=True)
     texts_paged = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
@@ -153,12 +162,13 @@ def main(argv=None) -> None:
     print(header + "\n" + "-" * len(header))
     print(f"{'DynamicCache':13}|{_mib(dyn_reserved):>20} |{_mib(dyn_reserved):>18} |{_mib(dyn_real):>14} |"
           f"{dyn_real / dyn_reserved:7.1%} |{tokens / dyn_s:9.1f}")
-    print(f"{'PagedCache':13}|{_mib(paged_reserved):>20} |{_mib(peak['kv_bytes_used']):>18} |{_mib(paged_real):>14} |"
-          f"{paged_real / max(peak['kv_bytes_used'], 1):7.1%} |{tokens / paged_s:9.1f}")
+    print(f"{'PagedCache':13}|{_mib(pool_bytes):>20} |{_mib(paged_in_use):>18} |{_mib(paged_real):>14} |"
+          f"{paged_real / max(paged_in_use, 1):7.1%} |{tokens / paged_s:9.1f}")
     print(f"\nPagedCache: block_size {args.block_size}, pool {samples[-1]['blocks_total']} blocks, "
-          f"peak {max(s['peak_blocks_used'] for s in samples)} blocks in use; utilisation = real-token bytes / "
-          f"bytes in use at the peak. DynamicCache holds pad columns and finished rows until generate returns.")
-    print(f"Peak KV in use: PagedCache {peak['kv_bytes_used'] / dyn_reserved:.0%} of DynamicCache's; "
+          f"peak {max(s['peak_blocks_used'] for s in samples)} blocks in use; reserved = the pool's tensors (it "
+          f"doubles on demand), utilisation = real-token bytes / bytes of blocks in use at the peak.\n"
+          f"DynamicCache holds pad columns and finished rows until generate returns.")
+    print(f"Peak KV in use: PagedCache {paged_in_use / dyn_reserved:.0%} of DynamicCache's; "
           f"speed {dyn_s / paged_s:.2f}x DynamicCache's tokens/s.")
 
 

