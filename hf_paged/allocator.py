@@ -101,14 +101,17 @@ class BlockAllocator:
             refcounts[src] -= 1
             table.blocks[-1] = dst
             copies.append((src, dst))
-        slots = []
-        pos = table.num_tokens
-        for _ in range(num_new_tokens):
+        slots: list[int] = []
+        pos, remaining = table.num_tokens, num_new_tokens
+        while remaining:            # one run of consecutive slots per block
             offset = pos % bs
             if offset == 0:
                 table.blocks.append(self._take())
-            slots.append(table.blocks[-1] * bs + offset)
-            pos += 1
+            run = min(bs - offset, remaining)
+            base = table.blocks[-1] * bs + offset
+            slots.extend(range(base, base + run))
+            pos += run
+            remaining -= run
         table.num_tokens = pos
         self._note_peak()
         return slots

@@ -5,16 +5,17 @@ How a forward flows through it
 1. A forward pre-hook on the decoder (installed by ``hf_paged.patch``) calls ``plan_step`` with the
    2D padding mask once per forward: rows get slots for their *real* new tokens only, shared
    partly-filled blocks are copied (copy-on-write), and a ``StepPlan`` is built.
-2. Each layer's ``update`` writes its new K/V into the planned slots and puts the plan into the
-   attention kwargs; it returns the layer's pools as "keys"/"values".
+2. The hook passes the plan down the decoder's kwargs to every attention call; each layer's
+   ``update`` writes its new K/V into the planned slots and returns the layer's pools as "keys"/"values".
 3. The registered attention function (``attention.paged_attention``) reads K/V through the plan.
 
 Lengths: transformers sees the *logical* length (columns, pads included) from ``get_seq_length``;
 the pool stores only real tokens, so a row's stored index of a token equals its position id.
 
 Pool size: ``num_blocks`` or ``max_memory_bytes`` fixes it (exhaustion raises PoolExhaustedError and
-changes nothing); with neither, the pool starts small and doubles on demand (each growth copies
-the pools once, like DynamicCache's concatenation).
+changes nothing); with neither, the pool grows on demand: it starts at what the first step needs
+plus one block per row, and each growth adds half the current size or what the step needs, whichever
+is more (each growth copies the pools once, like DynamicCache's concatenation).
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from .backends import select_backend
 from .plan import StepPlan, build_plan
 
 PLAN_KWARG = "hf_paged_plan"
-_GROWABLE_START_BLOCKS = 64
+_MIN_BLOCKS = 16
 
 
 class PagedCache(Cache):
@@ -106,7 +107,7 @@ class PagedCache(Cache):
         self.allocator.add_sequence(self._next_seq_id)
         return self._next_seq_id
 
-    def _ensure_pools(self, dtype: torch.dtype, device: torch.device) -> None:
+    def _ensure_pools(self, dtype: torch.dtype, device: torch.device, first_need: int) -> None:
         if self.allocator is not None:
             return
         self._dtype = self._dtype or dtype
@@ -116,7 +117,7 @@ class PagedCache(Cache):
         elif self._budget is not None:
             blocks = self._blocks_for_budget(self._dtype)
         else:
-            blocks = _GROWABLE_START_BLOCKS
+            blocks = max(_MIN_BLOCKS, first_need)
         self.allocator = BlockAllocator(blocks, self.block_size)
         if self._backend is None:
             self._backend = select_backend(self._device)
@@ -135,7 +136,7 @@ class PagedCache(Cache):
             return
         if not self.growable:
             raise PoolExhaustedError(needed, alloc.num_free, alloc.num_blocks, self.block_size, hint)
-        extra = max(needed - alloc.num_free, alloc.num_blocks)
+        extra = max(needed - alloc.num_free, alloc.num_blocks // 2)
         alloc.grow(extra)
         g = self.geometry
         pad_shape = (g.num_kv_heads, extra, self.block_size, g.head_dim)
@@ -151,8 +152,9 @@ class PagedCache(Cache):
         attention_mask: the 2D padding mask [B, columns_before + Q] (or None: all real).
         Nothing changes when this raises (pool exhausted, bad shapes).
         """
-        self._ensure_pools(dtype, device)
         new_real = self._new_real_columns(attention_mask, batch_size, q_len)
+        real_tokens = int(new_real.sum())
+        self._ensure_pools(dtype, device, -(-real_tokens // self.block_size) + 2 * batch_size)
         first_step = not self._rows
         if first_step:
             leaders = _duplicate_leaders(input_ids, attention_mask, batch_size)
@@ -233,7 +235,7 @@ class PagedCache(Cache):
 
     # ------------------------------------------------------------ Cache contract
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
-               *args, kwargs: dict | None = None, **unused) -> tuple[torch.Tensor, torch.Tensor]:
+               *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         """Write this step's K/V ([B, Hkv, Q, D]) into the planned slots; return the layer's pools."""
         plan = self._plan
         if plan is None:
@@ -252,8 +254,6 @@ class PagedCache(Cache):
                               key_states.detach().transpose(1, 2).reshape(batch * q_len, heads, dim),
                               value_states.detach().transpose(1, 2).reshape(batch * q_len, heads, dim),
                               plan.slot_mapping)
-        if kwargs is not None:
-            kwargs[PLAN_KWARG] = plan
         return k_pool, v_pool
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -321,8 +321,7 @@ class PagedCache(Cache):
                 alloc.free(old[row])
         self._rows = new_rows
         self._finished = [self._finished[src] for src in order]
-        index = torch.tensor(order)
-        self._written = [w.index_select(0, index) for w in self._written]
+        self._written = [torch.cat(self._written, dim=1).index_select(0, torch.tensor(order))]
 
     def crop(self, max_length: int) -> None:
         """Drop columns: ``crop(-n)`` removes the last n; ``crop(0)`` keeps all (transformers 5.2x);
@@ -351,7 +350,8 @@ class PagedCache(Cache):
         alloc = self.allocator
         if alloc is None:
             return dict(blocks_total=0, blocks_used=0, block_size=bs, tokens_stored=0, kv_bytes_reserved=0,
-                        kv_bytes_used=0, peak_blocks_used=0, peak_kv_bytes_reserved=0, bytes_per_token=per_token)
+                        kv_bytes_used=0, peak_blocks_used=0, peak_kv_bytes_reserved=0, bytes_per_token=per_token,
+                        kv_bytes_allocated=0)
         filled: dict[int, int] = {}
         for table in alloc.tables.values():
             for i, block in enumerate(table.blocks):
@@ -361,7 +361,7 @@ class PagedCache(Cache):
             blocks_total=alloc.num_blocks, blocks_used=alloc.num_used, block_size=bs, tokens_stored=tokens,
             kv_bytes_reserved=alloc.num_used * bs * per_token, kv_bytes_used=tokens * per_token,
             peak_blocks_used=alloc.peak_used, peak_kv_bytes_reserved=alloc.peak_used * bs * per_token,
-            bytes_per_token=per_token,
+            bytes_per_token=per_token, kv_bytes_allocated=alloc.num_blocks * bs * per_token,
         )
 
     def __repr__(self) -> str:

@@ -23,6 +23,14 @@ def _ptr(t: torch.Tensor | None) -> np.uint64:
     return np.uint64(0 if t is None else t.data_ptr())
 
 
+def _check_pools(k_pool: torch.Tensor, v_pool: torch.Tensor) -> None:
+    if k_pool.shape != v_pool.shape or k_pool.dtype != v_pool.dtype:
+        raise ValueError(f"k_pool {tuple(k_pool.shape)} {k_pool.dtype} and v_pool {tuple(v_pool.shape)} "
+                         f"{v_pool.dtype} differ")
+    if not (k_pool.is_contiguous() and v_pool.is_contiguous()):
+        raise ValueError("pools must be contiguous [Hkv, num_blocks, block_size, D] tensors")
+
+
 class KernelBackend:
     """write_kv / copy_blocks / decode_attention / extend_attention over a kernel launcher.
 
@@ -44,33 +52,36 @@ class KernelBackend:
         n = slots.numel()
         if n == 0:
             return
+        _check_pools(k_pool, v_pool)
         tag = reg.dtype_tag(k_pool.dtype)
-        num_kv_heads, head_dim = k_pool.shape[2], k_pool.shape[3]
+        num_kv_heads, head_dim = k_pool.shape[0], k_pool.shape[3]
         key, value = (x.to(k_pool.dtype) for x in (key, value))
         key, value = (x if x.stride(-1) == 1 else x.contiguous() for x in (key, value))
-        args = (_ptr(k_pool), _ptr(v_pool), _ptr(key), _ptr(value), _ptr(slots),
+        args = (_ptr(k_pool), _ptr(v_pool), _ptr(key), _ptr(value), _ptr(slots), np.int64(k_pool.stride(0)),
                 np.int32(num_kv_heads), np.int32(head_dim),
                 np.int64(key.stride(0)), np.int64(key.stride(1)),
                 np.int64(value.stride(0)), np.int64(value.stride(1)))
         self.launcher.launch(reg.write_kv_kernel(tag), k_pool.device, (n, 1, 1), (reg.THREADS, 1, 1), args, 0)
 
     def copy_blocks(self, pools: list[torch.Tensor], pairs: torch.Tensor) -> None:
-        """``pool[dst] = pool[src]`` for every (src, dst) row of int64 ``pairs`` [P, 2], in every pool,
-        in one launch. Destinations must be distinct and not sources (copy-on-write targets)."""
+        """Block ``dst`` = block ``src`` (every head) for each (src, dst) row of int64 ``pairs`` [P, 2], in
+        every pool, in one launch. Destinations must be distinct and not sources (copy-on-write targets)."""
         if pairs.numel() == 0 or not pools:
             return
         device = pools[0].device
-        block_bytes = pools[0][0].numel() * pools[0].element_size()
+        shape, itemsize = pools[0].shape, pools[0].element_size()
         for pool in pools:
-            if pool[0].numel() * pool.element_size() != block_bytes or not pool.is_contiguous():
-                raise ValueError("copy_blocks: every pool must be contiguous with the same block size in bytes")
+            if pool.shape != shape or pool.element_size() != itemsize or not pool.is_contiguous():
+                raise ValueError("copy_blocks: every pool must be contiguous with the same shape and dtype size")
             if pool.data_ptr() % 16:
                 raise ValueError("copy_blocks: pool storage must be 16-byte aligned")
-        if block_bytes % 16:
-            raise ValueError(f"copy_blocks: block of {block_bytes} bytes is not a multiple of 16")
+        tile_bytes = shape[2] * shape[3] * itemsize                      # one (head, block) tile
+        if tile_bytes % 16:
+            raise ValueError(f"copy_blocks: a block of {tile_bytes} bytes per head is not a multiple of 16")
         table = torch.tensor([p.data_ptr() for p in pools], dtype=torch.int64).to(device, non_blocking=True)
         pairs = pairs.to(device=device, dtype=torch.int64).contiguous()
-        args = (_ptr(table), _ptr(pairs), np.int64(block_bytes // 16))
+        args = (_ptr(table), _ptr(pairs), np.int32(shape[0]), np.int64(shape[1] * tile_bytes // 16),
+                np.int64(tile_bytes // 16))
         self.launcher.launch(reg.COPY_BLOCKS, device, (pairs.shape[0], len(pools), 1), (reg.THREADS, 1, 1),
                              args, 0)
 
@@ -80,7 +91,8 @@ class KernelBackend:
                          sliding_window: int = 0, max_context: int | None = None) -> torch.Tensor:
         """query [B, Hq, D] -> out [B, Hq, D]; see torch_attention.decode_attention."""
         batch, num_q_heads, head_dim = query.shape
-        _, block_size, num_kv_heads, _ = k_pool.shape
+        num_kv_heads, _, block_size, _ = k_pool.shape
+        _check_pools(k_pool, v_pool)
         tag = reg.check_attention_shape(k_pool.dtype, head_dim, block_size, num_q_heads, num_kv_heads)
         group = num_q_heads // num_kv_heads
         length = int(context_lens.max()) if max_context is None else int(max_context)
@@ -99,8 +111,9 @@ class KernelBackend:
             part_out = torch.empty(batch, num_q_heads, splits, head_dim, dtype=torch.float32, device=query.device)
             part_lse = torch.empty(batch, num_q_heads, splits, dtype=torch.float32, device=query.device)
         args = (_ptr(out), _ptr(part_out), _ptr(part_lse), _ptr(query), _ptr(k_pool), _ptr(v_pool),
-                _ptr(tables), _ptr(lens), np.int32(tables.shape[1]), np.int32(num_kv_heads), np.int32(group),
-                np.int32(sliding_window), np.int32(partition), np.float32(scale * np.log2(np.e)))
+                _ptr(tables), _ptr(lens), np.int64(k_pool.stride(0)), np.int32(tables.shape[1]),
+                np.int32(num_kv_heads), np.int32(group), np.int32(sliding_window), np.int32(partition),
+                np.float32(scale * np.log2(np.e)))
         smem = reg.attention_smem_bytes(head_dim, k_pool.element_size(), group)
         self.launcher.launch(reg.decode_kernel(tag, head_dim, block_size), query.device,
                              (num_kv_heads, batch, splits), (reg.THREADS, 1, 1), args, smem)
@@ -115,7 +128,8 @@ class KernelBackend:
                          scale: float, sliding_window: int = 0, max_context: int | None = None) -> torch.Tensor:
         """query [B, Hq, Q, D], query_pos int32 [B, Q] (-1 = pad) -> out [B, Hq, Q, D]."""
         batch, num_q_heads, q_len, head_dim = query.shape
-        _, block_size, num_kv_heads, _ = k_pool.shape
+        num_kv_heads, _, block_size, _ = k_pool.shape
+        _check_pools(k_pool, v_pool)
         tag = reg.check_attention_shape(k_pool.dtype, head_dim, block_size, num_q_heads, num_kv_heads)
         group = num_q_heads // num_kv_heads
         length = int(context_lens.max()) if max_context is None else int(max_context)
@@ -128,7 +142,8 @@ class KernelBackend:
         pos = query_pos.to(torch.int32).contiguous()
         q_per_cta = min(q_len, max(1, reg.MAX_ROWS // group))
         args = (_ptr(out), _ptr(query), _ptr(k_pool), _ptr(v_pool), _ptr(tables), _ptr(lens), _ptr(pos),
-                np.int32(tables.shape[1]), np.int32(num_kv_heads), np.int32(group), np.int32(q_len),
+                np.int64(k_pool.stride(0)), np.int32(tables.shape[1]), np.int32(num_kv_heads), np.int32(group),
+                np.int32(q_len),
                 np.int32(q_per_cta), np.int32(sliding_window), np.float32(scale * np.log2(np.e)))
         smem = reg.attention_smem_bytes(head_dim, k_pool.element_size(), group * q_per_cta)
         self.launcher.launch(reg.extend_kernel(tag, head_dim, block_size), query.device,

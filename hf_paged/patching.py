@@ -20,7 +20,7 @@ from hf_paged.integrations.families import adapter_for
 from hf_paged.integrations.generate import paged_generate, wants_paged
 
 from . import attention
-from .cache import PagedCache
+from .cache import PLAN_KWARG, PagedCache
 
 STATE_ATTR = "_hf_paged"
 
@@ -39,7 +39,11 @@ _MISSING = object()
 
 
 def _plan_hook(decoder, args, kwargs):
-    """Forward pre-hook on the decoder: plan the step once, before any layer runs."""
+    """Forward pre-hook on the decoder: plan the step once, before any layer runs.
+
+    The plan travels to every attention call in the decoder's ``**kwargs`` (transformers passes them
+    through the layers to the attention function), which works the same in every supported release.
+    """
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     if not isinstance(cache, PagedCache):
         return None
@@ -55,8 +59,8 @@ def _plan_hook(decoder, args, kwargs):
             f"(attn_implementation={decoder.config._attn_implementation!r}). Generate through a patched "
             "model's generate, or wrap direct forwards in `with hf_paged.use_paged_attention(model):`.")
     weight = decoder.get_input_embeddings().weight
-    cache.plan_step(kwargs.get("attention_mask"), input_ids, batch, q_len, weight.dtype, weight.device)
-    return None
+    plan = cache.plan_step(kwargs.get("attention_mask"), input_ids, batch, q_len, weight.dtype, weight.device)
+    return args, {**kwargs, PLAN_KWARG: plan}
 
 
 @contextlib.contextmanager
