@@ -247,3 +247,23 @@ def test_qwen2_sliding_window():
 def _null():
     import contextlib
     return contextlib.nullcontext()
+
+
+def test_fresh_seed_mixed_modes(family):
+    """A new seed every run (printed; set HF_PAGED_SEED to replay): model weights, prompt lengths and
+    the sampling seed all drawn from it, greedy and beam search compared token for token."""
+    import os
+    import random
+
+    seed = int(os.environ.get("HF_PAGED_SEED", random.SystemRandom().randrange(2**31)))
+    print(f"HF_PAGED_SEED={seed}")
+    rng = random.Random(seed)
+    model = make_model(family, seed=seed)
+    lengths = [rng.randint(1, 40) for _ in range(rng.randint(2, 6))] + [1]
+    ids, mask = make_batch(lengths, seed=seed)
+    ref, out = generate_both(model, seed=seed, input_ids=ids, attention_mask=mask, max_new_tokens=10,
+                             do_sample=False, return_dict_in_generate=True, output_logits=True)
+    assert_same(ref, out, logits=True, rows_running=running_rows(ref.sequences, ids.shape[1]))
+    ref, out = generate_both(model, seed=seed, input_ids=ids, attention_mask=mask, max_new_tokens=6,
+                             num_beams=3, do_sample=rng.random() < 0.5)
+    assert_same(ref, out)
