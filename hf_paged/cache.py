@@ -40,7 +40,8 @@ class PagedCache(Cache):
         block_size: tokens per block (1..1024; 16 by default, as in vLLM).
         num_blocks: fixed pool size in blocks.
         max_memory_bytes: fixed pool size as a KV byte budget (over all layers, keys and values).
-        release_finished_rows: free a row's blocks once its input is an EOS token (set by generate).
+        release_finished_rows: once a row's input is an EOS token (generate sets the EOS ids), free its
+            blocks and leave it out of later forwards (its logits are zeros from then on).
         dtype, device: pool dtype/device; by default those of the model on the first forward.
         backend: attention backend object (see ``backends``); by default chosen by device.
     """
@@ -101,6 +102,7 @@ class PagedCache(Cache):
         self._columns = 0                    # logical length: columns seen, pads included
         self._written: list[torch.Tensor] = []  # bool [B, Q] per step: which columns were stored
         self._plan: StepPlan | None = None
+        self.active_rows: torch.Tensor | None = None   # rows this forward computes, None = all
 
     def _new_seq_id(self) -> int:
         self._next_seq_id += 1
@@ -182,10 +184,17 @@ class PagedCache(Cache):
         if copies:
             pairs = torch.tensor(copies, dtype=torch.int64, device=self._device)
             self._backend.copy_blocks(self.key_pools + self.value_pools, pairs)
-        tables = [alloc.tables[s] for s in self._rows]
-        plan = build_plan(tables, new_real, writes, kv_before, slots, self._device, self._backend)
         self._columns += q_len
         self._written.append(new_real)
+        # Finished rows (decode only) are left out of the forward: the hooks run it on the others.
+        active = [r for r, done in enumerate(self._finished) if not done] if q_len == 1 else []
+        self.active_rows = torch.tensor(active) if 0 < len(active) < batch_size else None
+        rows = active if self.active_rows is not None else range(batch_size)
+        tables = [alloc.tables[self._rows[r]] for r in rows]
+        if self.active_rows is not None:
+            new_real, writes = new_real[self.active_rows], writes[self.active_rows]
+            kv_before = [kv_before[r] for r in rows]
+        plan = build_plan(tables, new_real, writes, kv_before, slots, self._device, self._backend)
         self._plan = plan
         return plan
 

@@ -29,7 +29,7 @@ STATE_ATTR = "_hf_paged"
 class PatchState:
     """What ``patch`` changed on one model, so that ``unpatch`` can restore it exactly."""
     instance_generate: object          # the model's own instance attribute 'generate', or _MISSING
-    hook: torch.utils.hooks.RemovableHandle
+    hooks: tuple[torch.utils.hooks.RemovableHandle, ...]
     cache_options: dict
     default_cache_implementation: object   # model.generation_config's value before patch(default=True)
     last_stats: dict = field(default_factory=dict)
@@ -60,7 +60,37 @@ def _plan_hook(decoder, args, kwargs):
             "model's generate, or wrap direct forwards in `with hf_paged.use_paged_attention(model):`.")
     weight = decoder.get_input_embeddings().weight
     plan = cache.plan_step(kwargs.get("attention_mask"), input_ids, batch, q_len, weight.dtype, weight.device)
-    return args, {**kwargs, PLAN_KWARG: plan}
+    kwargs = {**kwargs, PLAN_KWARG: plan}
+    if cache.active_rows is not None and not args:
+        # Finished rows are not computed: the forward sees only the active rows; _expand_hook puts
+        # the batch back together (zeros for finished rows) so generate sees the shapes it expects.
+        rows = cache.active_rows.to(reference.device)
+        for name in _ROW_TENSORS:
+            value = kwargs.get(name)
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == batch:
+                kwargs[name] = value.index_select(0, rows)
+        kwargs[_FULL_BATCH_KWARG] = batch
+    elif cache.active_rows is not None:
+        raise RuntimeError("hf_paged: the decoder was called with positional arguments; pass them by name")
+    return args, kwargs
+
+
+_ROW_TENSORS = ("input_ids", "inputs_embeds", "attention_mask", "position_ids", "token_type_ids")
+_FULL_BATCH_KWARG = "hf_paged_full_batch"
+
+
+def _expand_hook(decoder, args, kwargs, output):
+    """Forward hook on the decoder: after a forward on the active rows only, scatter the hidden states
+    back into the full batch (finished rows get zeros)."""
+    batch = kwargs.get(_FULL_BATCH_KWARG)
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    if batch is None or not isinstance(cache, PagedCache):
+        return None
+    hidden = output.last_hidden_state
+    full = hidden.new_zeros((batch, *hidden.shape[1:]))
+    full[cache.active_rows.to(hidden.device)] = hidden
+    output.last_hidden_state = full
+    return output
 
 
 @contextlib.contextmanager
@@ -96,7 +126,8 @@ def patch(model, *, default: bool = False, block_size: int = 16, num_blocks: int
     decoder = model.get_decoder()
     state = PatchState(
         instance_generate=model.__dict__.get("generate", _MISSING),
-        hook=decoder.register_forward_pre_hook(_plan_hook, with_kwargs=True),
+        hooks=(decoder.register_forward_pre_hook(_plan_hook, with_kwargs=True),
+               decoder.register_forward_hook(_expand_hook, with_kwargs=True)),
         cache_options=dict(block_size=block_size, num_blocks=num_blocks, max_memory_bytes=max_memory_bytes),
         default_cache_implementation=model.generation_config.cache_implementation,
     )
@@ -121,7 +152,8 @@ def unpatch(model):
     state = getattr(model, STATE_ATTR, None)
     if state is None:
         return model
-    state.hook.remove()
+    for hook in state.hooks:
+        hook.remove()
     if state.instance_generate is _MISSING:
         del model.generate
     else:

@@ -44,13 +44,13 @@ def test_import_changes_nothing_in_transformers():
 def test_unpatch_restores_the_model_exactly():
     model = make_model("qwen2")
     decoder = model.get_decoder()
-    before = (model.config._attn_implementation, "generate" in model.__dict__, dict(decoder._forward_pre_hooks),
+    before = (model.config._attn_implementation, "generate" in model.__dict__, dict(decoder._forward_pre_hooks), dict(decoder._forward_hooks),
               model.generation_config.to_dict())
     hf_paged.patch(model, default=True)
     assert hf_paged.is_patched(model) and model.generation_config.cache_implementation == "paged"
     assert model.config._attn_implementation == before[0]      # switched only during paged calls
     hf_paged.unpatch(model)
-    after = (model.config._attn_implementation, "generate" in model.__dict__, dict(decoder._forward_pre_hooks),
+    after = (model.config._attn_implementation, "generate" in model.__dict__, dict(decoder._forward_pre_hooks), dict(decoder._forward_hooks),
              model.generation_config.to_dict())
     assert after == before
     assert not hf_paged.is_patched(model)
