@@ -83,7 +83,7 @@ def correctness(backend, quick):
     heads = [(8, 8), (32, 8), (28, 4), (32, 2), (16, 1)]
     # Build the modules in parallel first (NVRTC, then CuPy's disk cache on later runs).
     with ThreadPoolExecutor(8) as pool:
-        list(pool.map(lambda c: backend.launcher.prepare(reg.decode_kernel("f16", *c), DEV), combos))
+        list(pool.map(lambda d: backend.launcher.prepare(reg.decode_kernel("f16", d), DEV), reg.HEAD_DIMS))
     for i, (d, bs) in enumerate(combos):
         for dtype in (torch.float16, torch.bfloat16):
             hq, hkv = heads[i % len(heads)]

@@ -111,15 +111,16 @@ class KernelBackend:
             part_out = torch.empty(batch, num_q_heads, splits, head_dim, dtype=torch.float32, device=query.device)
             part_lse = torch.empty(batch, num_q_heads, splits, dtype=torch.float32, device=query.device)
         args = (_ptr(out), _ptr(part_out), _ptr(part_lse), _ptr(query), _ptr(k_pool), _ptr(v_pool),
-                _ptr(tables), _ptr(lens), np.int64(k_pool.stride(0)), np.int32(tables.shape[1]),
+                _ptr(tables), _ptr(lens), np.int64(k_pool.stride(0)), np.int32(block_size.bit_length() - 1),
+                np.int32(tables.shape[1]),
                 np.int32(num_kv_heads), np.int32(group), np.int32(sliding_window), np.int32(partition),
                 np.float32(scale * np.log2(np.e)))
         smem = reg.attention_smem_bytes(head_dim, k_pool.element_size(), group)
-        self.launcher.launch(reg.decode_kernel(tag, head_dim, block_size), query.device,
+        self.launcher.launch(reg.decode_kernel(tag, head_dim), query.device,
                              (num_kv_heads, batch, splits), (reg.THREADS, 1, 1), args, smem)
         if splits > 1:
             args = (_ptr(out), _ptr(part_out), _ptr(part_lse), np.int32(splits), np.int32(head_dim))
-            self.launcher.launch(reg.reduce_kernel(tag, head_dim, block_size), query.device,
+            self.launcher.launch(reg.reduce_kernel(tag, head_dim), query.device,
                                  (num_q_heads, batch, 1), (reg.THREADS, 1, 1), args, 0)
         return out
 
@@ -142,11 +143,11 @@ class KernelBackend:
         pos = query_pos.to(torch.int32).contiguous()
         q_per_cta = min(q_len, max(1, reg.MAX_ROWS // group))
         args = (_ptr(out), _ptr(query), _ptr(k_pool), _ptr(v_pool), _ptr(tables), _ptr(lens), _ptr(pos),
-                np.int64(k_pool.stride(0)), np.int32(tables.shape[1]), np.int32(num_kv_heads), np.int32(group),
-                np.int32(q_len),
+                np.int64(k_pool.stride(0)), np.int32(block_size.bit_length() - 1), np.int32(tables.shape[1]),
+                np.int32(num_kv_heads), np.int32(group), np.int32(q_len),
                 np.int32(q_per_cta), np.int32(sliding_window), np.float32(scale * np.log2(np.e)))
         smem = reg.attention_smem_bytes(head_dim, k_pool.element_size(), group * q_per_cta)
-        self.launcher.launch(reg.extend_kernel(tag, head_dim, block_size), query.device,
+        self.launcher.launch(reg.extend_kernel(tag, head_dim), query.device,
                              (num_kv_heads, batch, -(-q_len // q_per_cta)), (reg.THREADS, 1, 1), args, smem)
         return out
 
@@ -202,7 +203,7 @@ class CupyLauncher:
     def _module(self, cupy, index: int, spec: reg.KernelSpec):
         key = (index, spec.module)
         if key not in self._modules:
-            options = ("-std=c++17", *spec.defines, *(f"-I{d}" for d in cuda_include_dirs()))
+            options = (*spec.defines, *(f"-I{d}" for d in cuda_include_dirs()))  # NVRTC 12+: C++17 by default
             module = cupy.RawModule(code=reg.kernel_source(spec.source), options=options, backend="nvrtc")
             module.compile()
             self._modules[key] = module

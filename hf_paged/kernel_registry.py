@@ -13,7 +13,7 @@ from importlib import resources
 import torch
 
 HEAD_DIMS = (64, 80, 96, 128, 256)
-BLOCK_SIZES = (8, 16, 32)
+BLOCK_SIZES = (8, 16, 32)   # a runtime power of two in the kernels; these are the tested ones
 DTYPE_TAGS = {torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32"}
 MAX_GROUP = 32            # query heads per KV head (decode puts a whole group in one CTA)
 MAX_ROWS = 32             # query rows (heads x tokens) per extend CTA
@@ -25,36 +25,33 @@ CACHE_SOURCE = "cache_ops.cu"
 @dataclass(frozen=True)
 class KernelSpec:
     """One entry point. ``module`` names the compiled unit it lives in: attention kernels are built
-    per (head dim, block size) with all dtypes; cache kernels all together."""
+    per head dim with all dtypes (block size is a runtime argument); cache kernels all together."""
 
     name: str
     source: str
     head_dim: int = 0       # 0: any
-    block_size: int = 0     # 0: any
 
     @property
-    def module(self) -> tuple[str, int, int]:
-        return (self.source, self.head_dim, self.block_size)
+    def module(self) -> tuple[str, int]:
+        return (self.source, self.head_dim)
 
     @property
     def defines(self) -> tuple[str, ...]:
         """Preprocessor options selecting this kernel's module (see the end of attention.cu)."""
-        if self.source != ATTENTION_SOURCE:
-            return ()
-        return (f"-DHFP_ONLY_HEAD_DIM={self.head_dim}", f"-DHFP_ONLY_BLOCK_SIZE={self.block_size}")
+        return (f"-DHFP_ONLY_HEAD_DIM={self.head_dim}",) if self.source == ATTENTION_SOURCE else ()
 
 
-def decode_kernel(tag: str, head_dim: int, block_size: int) -> KernelSpec:
-    return KernelSpec(f"hfp_decode_{tag}_d{head_dim}_b{block_size}", ATTENTION_SOURCE, head_dim, block_size)
+def decode_kernel(tag: str, head_dim: int) -> KernelSpec:
+    return KernelSpec(f"hfp_decode_{tag}_d{head_dim}", ATTENTION_SOURCE, head_dim)
 
 
-def extend_kernel(tag: str, head_dim: int, block_size: int) -> KernelSpec:
-    return KernelSpec(f"hfp_extend_{tag}_d{head_dim}_b{block_size}", ATTENTION_SOURCE, head_dim, block_size)
+def extend_kernel(tag: str, head_dim: int) -> KernelSpec:
+    return KernelSpec(f"hfp_extend_{tag}_d{head_dim}", ATTENTION_SOURCE, head_dim)
 
 
-def reduce_kernel(tag: str, head_dim: int, block_size: int) -> KernelSpec:
+def reduce_kernel(tag: str, head_dim: int) -> KernelSpec:
     """The split-K merge; compiled into every attention module, so it is looked up in the caller's."""
-    return KernelSpec(f"hfp_decode_reduce_{tag}", ATTENTION_SOURCE, head_dim, block_size)
+    return KernelSpec(f"hfp_decode_reduce_{tag}", ATTENTION_SOURCE, head_dim)
 
 
 def write_kv_kernel(tag: str) -> KernelSpec:
@@ -65,12 +62,11 @@ COPY_BLOCKS = KernelSpec("hfp_copy_blocks", CACHE_SOURCE)
 
 
 def all_kernels() -> list[KernelSpec]:
-    """Every entry point, each once (the reduce kernels under head dim / block size 0)."""
+    """Every entry point, each once (the reduce kernels under head dim 0)."""
     tags = list(DTYPE_TAGS.values())
     specs = [KernelSpec(f"hfp_decode_reduce_{t}", ATTENTION_SOURCE) for t in tags]
     for d in HEAD_DIMS:
-        for bs in BLOCK_SIZES:
-            specs += [decode_kernel(t, d, bs) for t in tags] + [extend_kernel(t, d, bs) for t in tags]
+        specs += [decode_kernel(t, d) for t in tags] + [extend_kernel(t, d) for t in tags]
     return specs + [write_kv_kernel(t) for t in tags] + [COPY_BLOCKS]
 
 

@@ -94,13 +94,19 @@ def decode_attention(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Te
     values = gather_kv(v_pool, block_tables, length)
     # GQA: the query heads of one KV head are a group; [Hkv, B, group, D] meets [Hkv, B, L, D].
     q = query.view(batch, num_kv_heads, group, head_dim).transpose(0, 1)
-    scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scale        # [Hkv, B, group, L]
-    query_pos = (context_lens.long() - 1).view(batch, 1)
-    visible = visible_keys(query_pos, length, sliding_window)               # [B, 1, L]
-    scores = scores.masked_fill(~visible.view(1, batch, 1, length), float("-inf"))
-    probs = _safe_softmax(scores).to(values.dtype)
+    scores = torch.matmul(q, keys.transpose(-1, -2)).float()                # [Hkv, B, group, L]
+    lens = context_lens.long().view(batch, 1)
+    key_index = torch.arange(length, device=query.device)
+    hidden = key_index >= lens                                              # [B, L]
+    if sliding_window > 0:
+        hidden |= key_index <= lens - 1 - sliding_window
+    # A row with no keys keeps key 0 visible (no NaN); its output is zeroed below.
+    hidden[:, 0] &= lens[:, 0] > 0
+    bias = torch.zeros(hidden.shape, dtype=scores.dtype, device=scores.device).masked_fill_(hidden, float("-inf"))
+    probs = torch.softmax(scores.mul_(scale).add_(bias.view(1, batch, 1, length)), dim=-1).to(values.dtype)
     out = torch.matmul(probs, values)                                       # [Hkv, B, group, D]
-    return out.transpose(0, 1).reshape(batch, num_q_heads, head_dim)
+    out = out.transpose(0, 1).reshape(batch, num_q_heads, head_dim)
+    return out * (lens > 0).to(out.dtype).view(batch, 1, 1)
 
 
 def extend_attention(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
@@ -129,12 +135,3 @@ def extend_attention(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Te
         enable_gqa=num_q_heads != num_kv_heads,
     )
     return out * has_key.unsqueeze(1).to(out.dtype)
-
-
-def _safe_softmax(scores: torch.Tensor) -> torch.Tensor:
-    """Softmax over the last dim where a row with every score -inf gives zeros instead of NaN."""
-    row_max = scores.amax(-1, keepdim=True)
-    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
-    weights = torch.exp(scores - row_max)
-    total = weights.sum(-1, keepdim=True)
-    return weights / torch.where(total > 0, total, torch.ones_like(total))
