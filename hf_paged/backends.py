@@ -16,8 +16,8 @@ FORCE_TORCH_ENV = "HF_PAGED_FORCE_TORCH"
 
 
 def select_backend(device: torch.device):
-    """The backend for tensors on ``device``. cupy is imported only when a CUDA device asks for it."""
+    """The backend for tensors on ``device``. cupy is imported only when a CUDA kernel first runs."""
     if device.type == "cuda" and os.environ.get(FORCE_TORCH_ENV, "") not in ("1", "true", "yes"):
         from . import cuda_backend  # noqa: PLC0415  (optional dependency, imported on demand)
-        return cuda_backend
+        return cuda_backend.make_backend()
     return torch_attention

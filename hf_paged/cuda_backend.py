@@ -236,9 +236,7 @@ def cuda_include_dirs() -> list[str]:
     return [str(c) for c in candidates if (c / "cuda_fp16.h").is_file()][:1]
 
 
-# Module-level functions for backends.select_backend: one backend object, its caches inside it.
-_BACKEND = KernelBackend(CupyLauncher())
-write_kv = _BACKEND.write_kv
-copy_blocks = _BACKEND.copy_blocks
-decode_attention = _BACKEND.decode_attention
-extend_attention = _BACKEND.extend_attention
+def make_backend() -> KernelBackend:
+    """A backend for CUDA tensors. Each PagedCache makes its own (no module-global state); compiled
+    kernels are loaded from CuPy's disk cache after the first build."""
+    return KernelBackend(CupyLauncher())
