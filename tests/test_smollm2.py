@@ -12,19 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hf_paged.demo import DEFAULT_PROMPTS
 from hf_paged.integrations import smollm2
 
-PROMPTS = [
-    "What is the capital of France?",
-    "Hi!",
-    "Write a haiku about autumn leaves falling on a quiet pond.",
-    "Explain in two sentences why the sky is blue.",
-    "List three uses of a paperclip.",
-    "I am planning a week-long trip to Japan in spring. I like food, old temples and walking. "
-    "Suggest a rough itinerary that starts in Tokyo and ends in Osaka, with one day trip.",
-    "What is 17 times 3?",
-    "Summarise the plot of Romeo and Juliet for a ten-year-old, in a friendly tone.",
-]
+PROMPTS = DEFAULT_PROMPTS          # the demo's 8 chat prompts of mixed lengths
 MAX_NEW_TOKENS = 32
 # fp32 logits within atol + rtol * |reference| (torch.isclose). SmolLM2's logits reach +-40 after 30
 # layers; a different attention summation order moves them by up to ~1e-4 (seen: 4e-5 with 1 thread,
