@@ -9,11 +9,23 @@ Importing this package changes nothing in transformers.
 from .allocator import BlockAllocator, PoolExhaustedError
 from .attention import ATTENTION_NAME
 from .cache import PagedCache
+from .engine import LLM, Engine, EngineConfig, RequestOutput, generate_many
 from .patching import (disable, enable, enabled, is_enabled, is_patched, last_stats, patch, unpatch,
                        use_paged_attention)
 
+
+
+def pipeline(task: str = "text-generation", model=None, **kwargs):
+    """``transformers.pipeline`` whose lists of prompts run through the continuous-batching engine
+    (see ``hf_paged.integrations.pipeline``; imported on first use)."""
+    from hf_paged.integrations.pipeline import pipeline as paged_pipeline
+
+    return paged_pipeline(task, model, **kwargs)
+
+
 __all__ = [
-    "ATTENTION_NAME", "BlockAllocator", "PagedCache", "PoolExhaustedError", "disable", "enable", "enabled",
-    "is_enabled", "is_patched", "last_stats", "patch", "unpatch", "use_paged_attention",
+    "ATTENTION_NAME", "BlockAllocator", "Engine", "EngineConfig", "LLM", "PagedCache", "PoolExhaustedError",
+    "RequestOutput", "disable", "enable", "enabled", "generate_many", "is_enabled", "is_patched", "last_stats",
+    "patch", "pipeline", "unpatch", "use_paged_attention",
 ]
 __version__ = "0.1.0"

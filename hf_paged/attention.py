@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from .cache import PLAN_KWARG
+from .plan import PackedPlan
 
 ATTENTION_NAME = "hf_paged"
 
@@ -33,6 +34,8 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
         raise ValueError("hf_paged attention is for inference: dropout must be 0 (call model.eval()).")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     window = int(sliding_window or 0)
+    if isinstance(plan, PackedPlan):
+        return packed_attention(plan, query, key, value, scale, window), None
     if plan.is_decode:
         out = plan.backend.decode_attention(query[:, :, 0], key, value, plan.block_tables, plan.decode_lens,
                                             scale, window, plan.max_context)
@@ -40,6 +43,33 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     out = plan.backend.extend_attention(query, key, value, plan.block_tables, plan.context_lens, plan.query_pos,
                                         scale, window, plan.max_context)
     return out.transpose(1, 2), None
+
+
+def packed_attention(plan: PackedPlan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     scale: float, window: int) -> torch.Tensor:
+    """query: [1, Hq, N, D] (packed tokens of many sequences) -> out [1, N, Hq, D].
+
+    Decode tokens go to the backend's decode attention as they are; the others are scattered into
+    the extend plan's padded [B_e, Hq, Q_e, D] (zeros elsewhere, query_pos -1), attended, and gathered back.
+    """
+    _, num_heads, total, head_dim = query.shape
+    packed = query[0].transpose(0, 1)                                       # [N, Hq, D]
+    backend, nd = plan.backend, plan.num_decode
+    parts = []
+    if plan.decode is not None:
+        d = plan.decode
+        parts.append(backend.decode_attention(packed[:nd].contiguous(), key, value, d.block_tables,
+                                              d.decode_lens, scale, window, d.max_context))
+    if plan.extend is not None:
+        e = plan.extend
+        rows, q_len = e.query_pos.shape
+        padded = packed.new_zeros(rows * q_len, num_heads, head_dim)
+        padded.index_copy_(0, e.packed_index, packed[nd:])
+        out = backend.extend_attention(padded.view(rows, q_len, num_heads, head_dim).transpose(1, 2), key, value,
+                                       e.block_tables, e.context_lens, e.query_pos, scale, window, e.max_context)
+        parts.append(out.transpose(1, 2).reshape(rows * q_len, num_heads, head_dim).index_select(0, e.packed_index))
+    out = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return out.unsqueeze(0)
 
 
 def no_dense_mask(*args, **kwargs) -> None:

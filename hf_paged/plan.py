@@ -22,6 +22,8 @@ class StepPlan:
     query_pos    : int32 [B, Q]      stored index of each query, -1 for pad queries
     decode_lens  : int32 [B] | None  for Q == 1: context_lens, 0 where the query is a pad
     max_context  : int               context_lens.max(), known on the host without a sync
+    packed_index : int64 [N] | None  packed forwards only (see PackedPlan): index of each packed token
+                                     of this plan into the padded [B*Q] layout (row * Q + column)
     """
     slot_mapping: torch.Tensor
     block_tables: torch.Tensor
@@ -30,10 +32,31 @@ class StepPlan:
     decode_lens: torch.Tensor | None
     max_context: int
     backend: object
+    packed_index: torch.Tensor | None = None
 
     @property
     def is_decode(self) -> bool:
         return self.decode_lens is not None
+
+
+@dataclass(frozen=True)
+class PackedPlan:
+    """One packed forward: the scheduled tokens of many sequences as one row, ``input_ids [1, N]``.
+
+    The first ``num_decode`` packed tokens are the only new token of their sequence (one row each of
+    ``decode``, a Q == 1 StepPlan); the rest belong to sequences with several new tokens (chunked
+    prefill), laid out row by row in ``extend`` (a StepPlan whose ``packed_index`` places them into its
+    padded [B_e*Q_e]). Splitting keeps decode rows from being padded to the longest prefill chunk.
+
+    slot_mapping : int64 [N]   slot of each packed token (every packed token is written)
+    decode       : StepPlan | None
+    extend       : StepPlan | None (with packed_index int64 [N - num_decode])
+    """
+    slot_mapping: torch.Tensor
+    decode: StepPlan | None
+    extend: StepPlan | None
+    num_decode: int
+    backend: object
 
 
 def build_plan(tables: list[BlockTable], queries: torch.Tensor, writes: torch.Tensor, kv_before: list[int],

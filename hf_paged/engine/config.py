@@ -1,0 +1,106 @@
+"""Engine knobs, named as vLLM names them, and the sizing of the KV pool.
+
+GPU: ``gpu_memory_utilization`` of the device's total memory is the ceiling for weights, the peak
+activations of a profiled forward at ``max_num_batched_tokens`` tokens, and the KV pool; the pool
+gets what is left (the arithmetic is logged). CPU: ``kv_cache_memory_bytes``, by default the smaller
+of 512 MiB, 10% of available memory and what ``max_num_seqs`` full-length sequences need.
+``num_blocks`` overrides both (vLLM's ``num_gpu_blocks_override``).
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger("hf_paged.engine")
+_CPU_DEFAULT_CAP = 512 * 2**20
+
+
+@dataclass
+class EngineConfig:
+    """block_size: tokens per KV block. max_num_seqs: sequences running at once. max_num_batched_tokens:
+    tokens per forward (decode tokens + prefill chunks). max_model_len: longest prompt + output (default
+    the model's ``max_position_embeddings``). enable_prefix_caching: reuse full blocks across requests."""
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None
+    num_blocks: int | None = None
+    enable_prefix_caching: bool = True
+
+    def validate(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes!r}")
+        if self.num_blocks is not None and (not isinstance(self.num_blocks, int) or self.num_blocks < 1):
+            raise ValueError(f"num_blocks must be a positive int, got {self.num_blocks!r}")
+
+
+def _available_cpu_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def kv_pool_blocks(config: EngineConfig, bytes_per_token: int, max_model_len: int, device: torch.device,
+                   profile=None) -> int:
+    """Number of KV blocks for the pool. ``profile()`` runs the largest forward (GPU sizing only)."""
+    per_block = bytes_per_token * config.block_size
+    if config.num_blocks is not None:
+        blocks, how = config.num_blocks, "num_blocks"
+    elif device.type == "cuda" and config.kv_cache_memory_bytes is None:
+        budget = _gpu_kv_budget(config, device, profile)
+        blocks, how = budget // per_block, f"gpu_memory_utilization={config.gpu_memory_utilization}"
+    else:
+        if config.kv_cache_memory_bytes is not None:
+            budget, how = config.kv_cache_memory_bytes, "kv_cache_memory_bytes"
+        else:
+            need = config.max_num_seqs * (max_model_len + config.block_size) * bytes_per_token
+            budget = min(_CPU_DEFAULT_CAP, _available_cpu_bytes() // 10, need)
+            how = "CPU default: min(512 MiB, 10% of available memory, max_num_seqs full-length sequences)"
+        blocks = budget // per_block
+    if blocks < 1:
+        raise ValueError(f"the KV budget ({how}) holds no block: one block of {config.block_size} tokens takes "
+                         f"{per_block} bytes. Raise kv_cache_memory_bytes / gpu_memory_utilization or set num_blocks.")
+    log.info("KV pool: %d blocks x %d tokens x %d B/token = %.1f MiB (%s)", blocks, config.block_size,
+             bytes_per_token, blocks * per_block / 2**20, how)
+    return int(blocks)
+
+
+def _gpu_kv_budget(config: EngineConfig, device: torch.device, profile) -> int:
+    """vLLM's arithmetic: total * utilisation - (memory in use after weights + peak extra of a profiled forward)."""
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    if profile is not None:
+        profile()
+        torch.cuda.synchronize(device)
+    peak_extra = torch.cuda.max_memory_allocated(device) - before
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    in_use = total - free                       # weights, CUDA context, other processes
+    budget = int(total * config.gpu_memory_utilization) - in_use - peak_extra
+    log.info("GPU KV budget: total %.2f GiB x %.2f = %.2f GiB - in use %.2f GiB (weights, context, others) "
+             "- profiled forward peak %.2f GiB (%d tokens) = %.2f GiB", total / 2**30,
+             config.gpu_memory_utilization, total * config.gpu_memory_utilization / 2**30, in_use / 2**30,
+             peak_extra / 2**30, config.max_num_batched_tokens, budget / 2**30)
+    if budget <= 0:
+        raise ValueError(f"no GPU memory left for the KV pool: {budget / 2**30:.2f} GiB after weights and the "
+                         f"profiled forward. Raise gpu_memory_utilization (now {config.gpu_memory_utilization}) "
+                         "or lower max_num_batched_tokens.")
+    return budget

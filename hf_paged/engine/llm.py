@@ -1,0 +1,116 @@
+"""The list-of-prompts API: ``LLM`` (an engine kept across calls, so its prefix cache is too) and
+``generate_many`` (one call, one engine).
+
+    llm = hf_paged.LLM(model, tokenizer, max_num_seqs=32, kv_cache_memory_bytes=2**28)
+    outs = llm.generate(prompts, max_new_tokens=64, do_sample=False)     # RequestOutput per prompt, input order
+    outs[0].sequences            # LongTensor [n, prompt + new], what generate returns for that prompt
+    outs[0].outputs[0].text      # with a tokenizer
+    for event in llm.stream(prompts, max_new_tokens=64): ...             # TokenEvent as tokens come
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import fields
+
+from .config import EngineConfig
+from .engine import Engine, TokenEvent
+from .request import RequestOutput, SamplingParams
+
+_KNOBS = frozenset(f.name for f in fields(EngineConfig))
+TQDM_MIN_REQUESTS = 32
+
+
+def split_options(options: dict) -> tuple[dict, dict]:
+    """(engine knobs, generation settings) from one keyword dict."""
+    knobs = {k: v for k, v in options.items() if k in _KNOBS}
+    return knobs, {k: v for k, v in options.items() if k not in _KNOBS}
+
+
+class LLM:
+    """Continuous batching for lists of prompts on one model (knobs: EngineConfig fields)."""
+
+    def __init__(self, model, tokenizer=None, **knobs):
+        self.engine = Engine(model, tokenizer, **knobs)
+
+    def stream(self, prompts, settings=None, *, on_token=None, use_tqdm: bool | None = None, **common):
+        """Queue every prompt, then yield a TokenEvent per new token until all are done.
+
+        settings: one dict per prompt (merged over ``common``), or None. Failed requests yield nothing
+        (see ``results``). The request ids are in ``self.last_ids``, in input order. ``use_tqdm``: a progress
+        bar (default: for lists of ``TQDM_MIN_REQUESTS`` or more, when tqdm is installed).
+        """
+        engine = self.engine
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        if settings is not None and len(settings) != len(prompts):
+            raise ValueError(f"settings has {len(settings)} entries for {len(prompts)} prompts")
+        shared = None if settings is not None else SamplingParams.resolve(engine.model.generation_config, **common)
+        if shared is not None and shared.do_sample and "seed" not in common:
+            shared = None          # each request draws its own seed
+        ids = []
+        try:
+            for i, prompt in enumerate(prompts):
+                own = {**common, **(settings[i] if settings is not None else {})}
+                if shared is not None:
+                    ids.append(engine.add_request(prompt, index=i, on_token=on_token, params=shared))
+                else:
+                    ids.append(engine.add_request(prompt, index=i, on_token=on_token, **own))
+        except Exception:
+            for rid in ids:
+                engine.cancel(rid)
+            raise
+        self.last_ids = ids
+        show = len(prompts) >= TQDM_MIN_REQUESTS if use_tqdm is None else use_tqdm
+        with _progress(len(prompts) if show else 0) as bar:
+            finished = engine.totals["finished"]
+            while engine.has_work:
+                yield from engine.step()
+                if bar is not None:
+                    bar.update(engine.totals["finished"] - finished)
+                    finished = engine.totals["finished"]
+
+    def generate(self, prompts, settings=None, *, on_token=None, use_tqdm: bool | None = None,
+                 **common) -> list[RequestOutput]:
+        """Run every prompt to the end; one RequestOutput per prompt, in input order. Logs the stats."""
+        start = time.perf_counter()
+        for _ in self.stream(prompts, settings, on_token=on_token, use_tqdm=use_tqdm, **common):
+            pass
+        self.engine.totals["wall_s"] = self.engine.totals.get("wall_s", 0.0) + time.perf_counter() - start
+        self.engine.log_stats()
+        return [self.engine.output(rid) for rid in self.last_ids]
+
+    def cancel(self, request_id: int) -> None:
+        self.engine.cancel(request_id)
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+
+def generate_many(model, prompts, tokenizer=None, settings=None, *, on_token=None, use_tqdm: bool | None = None,
+                  **options) -> list[RequestOutput]:
+    """One-shot ``LLM(model, tokenizer, **knobs).generate(prompts, settings, **generation settings)``;
+    ``options`` mixes EngineConfig knobs and generation settings (their names do not overlap)."""
+    knobs, common = split_options(options)
+    return LLM(model, tokenizer, **knobs).generate(prompts, settings, on_token=on_token, use_tqdm=use_tqdm, **common)
+
+
+class _progress:
+    """A tqdm bar over ``total`` requests; nothing for 0 or without tqdm."""
+
+    def __init__(self, total: int):
+        self.total, self.bar = total, None
+
+    def __enter__(self):
+        if self.total:
+            try:
+                from tqdm.auto import tqdm
+            except ImportError:
+                return None
+            self.bar = tqdm(total=self.total, desc="hf_paged", unit="req", leave=False)
+        return self.bar
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.close()
+
+
+__all__ = ["LLM", "TokenEvent", "generate_many", "split_options"]

@@ -1,0 +1,110 @@
+"""``pipeline("text-generation")`` over lists of prompts through the hf_paged engine.
+
+The seam: a ``TextGenerationPipeline`` subclass, handed to transformers' own ``pipeline()`` through
+its public ``pipeline_class`` argument (``hf_paged.pipeline(...)`` does that for you). A pipeline
+gives ``model.generate`` one batch at a time, so a patched model's ``generate`` never sees the whole
+list; continuous batching needs the list up front (finished requests leave, waiting ones join across
+what would have been batch boundaries). Reaching the pipeline object from the model would take a
+process-wide patch of transformers, which hf_paged only does on explicit opt-in. So the subclass
+keeps the pipeline's own preprocessing (tokenizer, chat template, prefix) and postprocessing
+(``return_full_text``, ``return_tensors``, decoding) and replaces only the batched generate calls with
+one engine run over the whole list. Single prompts, and lists asking for what the engine does not do
+(beam search, scores), take the stock path unchanged. ``batch_size`` is accepted and ignored for
+lists: the engine's ``max_num_seqs`` / ``max_num_batched_tokens`` schedule instead.
+
+    pipe = hf_paged.pipeline("text-generation", model=model, tokenizer=tok, max_num_seqs=32)
+    pipe(list_of_prompts, max_new_tokens=64)          # same records as the stock pipeline, per prompt
+    pipe.engine_stats()
+"""
+from __future__ import annotations
+
+from transformers import TextGenerationPipeline
+from transformers.utils.chat_template_utils import Chat, is_valid_message
+
+from hf_paged.engine import LLM, SamplingParams
+from hf_paged.engine.llm import split_options
+
+_STOCK_ONLY = ("num_beams", "return_dict_in_generate", "output_scores", "output_logits", "output_attentions",
+               "output_hidden_states", "assistant_model", "streamer", "stopping_criteria", "logits_processor",
+               "prefix_allowed_tokens_fn")
+
+
+class PagedTextGenerationPipeline(TextGenerationPipeline):
+    """TextGenerationPipeline whose lists of prompts run through one continuous-batching engine (kept
+    across calls, so its prefix cache is too). ``engine_options``: EngineConfig knobs."""
+
+    def __init__(self, *args, engine_options: dict | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.engine_options = dict(engine_options or {})
+        self._llm: LLM | None = None
+
+    @property
+    def llm(self) -> LLM:
+        if self._llm is None:
+            self._llm = LLM(self.model, self.tokenizer, **self.engine_options)
+        return self._llm
+
+    def engine_stats(self) -> dict:
+        return self.llm.stats() if self._llm is not None else {}
+
+    def __call__(self, text_inputs, **kwargs):
+        items = _as_list(text_inputs)
+        if items is None or any(k in kwargs or k in kwargs.get("generate_kwargs", {}) for k in _STOCK_ONLY):
+            return super().__call__(text_inputs, **kwargs)
+        kwargs.pop("batch_size", None)
+        kwargs.pop("num_workers", None)
+        pre, fwd, post = self._sanitize_parameters(**kwargs)
+        pre = {**self._preprocess_params, **pre}
+        fwd = {**self._forward_params, **fwd}
+        post = {**self._postprocess_params, **post}
+        inputs = [self.preprocess(item, **pre) for item in items]
+        if any(x["input_ids"].shape[1] == 0 for x in inputs):
+            return super().__call__(text_inputs, **kwargs)      # empty prompts: generate starts from BOS
+        params = []
+        for x in inputs:
+            generate_kwargs = dict(fwd)
+            prefix_length = generate_kwargs.pop("prefix_length", 0)
+            generate_kwargs = self._prepare_generate_kwargs(generate_kwargs)
+            if prefix_length:
+                set_params = self._get_set_generation_params(generate_kwargs)
+                for length, new in (("max_length", "max_new_tokens"), ("min_length", "min_new_tokens")):
+                    if length in set_params and new not in set_params:
+                        generate_kwargs[length] = set_params[length] + prefix_length
+            base = generate_kwargs.pop("generation_config", None) or self.model.generation_config
+            _, settings = split_options(generate_kwargs)
+            params.append(SamplingParams.resolve(base, **settings))
+        engine = self.llm.engine
+        ids = [engine.add_request(x["input_ids"][0], index=i, params=p) for i, (x, p) in enumerate(zip(inputs, params))]
+        engine.run()
+        records = []
+        for rid, x in zip(ids, inputs):
+            out = engine.output(rid)
+            if out.error is not None:
+                raise ValueError(f"prompt {out.index}: {out.error}")
+            model_outputs = {"generated_sequence": out.sequences.unsqueeze(0), "input_ids": x["input_ids"],
+                             "prompt_text": x["prompt_text"]}
+            records.append(self.postprocess(model_outputs, **post))
+        return records
+
+
+def _as_list(text_inputs):
+    """The prompts of a list call (str or chats), or None for a single prompt / other input types."""
+    if not isinstance(text_inputs, (list, tuple)) or not text_inputs or is_valid_message(text_inputs[0]):
+        return None
+    if all(isinstance(x, str) for x in text_inputs):
+        return list(text_inputs)
+    if all(isinstance(x, (list, tuple)) and x and is_valid_message(x[0]) for x in text_inputs):
+        return [Chat(x) for x in text_inputs]
+    return None
+
+
+def pipeline(task: str = "text-generation", model=None, *, engine_options: dict | None = None, **kwargs):
+    """``transformers.pipeline(task, model, ...)`` whose lists of prompts run through the engine.
+
+    Only ``"text-generation"``. ``engine_options``: EngineConfig knobs (block_size, max_num_seqs, ...)."""
+    from transformers import pipeline as hf_pipeline
+
+    if task != "text-generation":
+        raise ValueError(f"hf_paged.pipeline supports task='text-generation', got {task!r}")
+    return hf_pipeline(task, model=model, pipeline_class=PagedTextGenerationPipeline,
+                       engine_options=engine_options, **kwargs)

@@ -1,0 +1,236 @@
+"""The continuous-batching engine: every request's tokens equal ``model.generate`` on that prompt alone."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_paged
+from conftest import EOS, VOCAB, make_model
+from hf_paged.engine import LLM, Engine, generate_many
+from hf_paged.engine.block_manager import BlockManager
+
+
+def reference(model, prompt, seed=None, **settings):
+    """generate on one prompt alone: LongTensor [n, prompt + new]."""
+    ids = torch.tensor([prompt])
+    if seed is not None:
+        torch.manual_seed(seed)
+    return model.generate(ids, attention_mask=torch.ones_like(ids), **settings)
+
+
+def mixed_requests(model, count: int, seed: int):
+    """(prompt, settings) pairs: prompt lengths 1..40, outputs 1..16, early EOS, n=3, seeded sampling."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = [1, 2, 40, 7] + torch.randint(1, 41, (count - 4,), generator=gen).tolist()
+    requests = []
+    for i, n in enumerate(lengths):
+        prompt = torch.randint(3, VOCAB, (n,), generator=gen).tolist()
+        settings = dict(max_new_tokens=int(torch.randint(1, 13, (), generator=gen)), do_sample=False)
+        if i % 5 == 1:      # stops early: EOS is the 3rd token greedy decoding produces
+            settings["max_new_tokens"] = 12
+            free_run = reference(model, prompt, max_new_tokens=3, do_sample=False)[0, n:].tolist()
+            settings["eos_token_id"] = [EOS, free_run[-1]]
+        if i % 7 == 2:      # generate refuses greedy n > 1: top_k=1 sampling is greedy and allowed
+            settings.update(num_return_sequences=3, do_sample=True, top_k=1, seed=i)
+        if i % 6 == 3:
+            settings.update(do_sample=True, seed=100 + i, temperature=0.8, top_k=20, top_p=0.9)
+        if i % 9 == 4:
+            settings["min_new_tokens"] = 2
+        requests.append((prompt, settings))
+    return requests
+
+
+def check_pool(engine: Engine) -> None:
+    bm = engine.block_manager
+    bm.check_invariants()
+    assert bm.num_used == 0, f"{bm.num_used} blocks still held after every request ended"
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "glm", "glm4"])
+def test_engine_matches_generate_per_request_with_preemption(family):
+    model = make_model(family, seed=1)
+    requests = mixed_requests(model, 42, seed=2)
+    llm = LLM(model, block_size=4, num_blocks=24, max_num_seqs=12, max_num_batched_tokens=48)
+    outs = llm.generate([p for p, _ in requests], [s for _, s in requests])
+    stats = llm.stats()
+    assert stats["preemptions"] > 0 and stats["recomputed_tokens"] > 0, stats
+    assert stats["requests_finished"] == len(requests)
+    check_pool(llm.engine)
+    early = 0
+    for i, ((prompt, settings), out) in enumerate(zip(requests, outs)):
+        settings = dict(settings)
+        seed = settings.pop("seed", None)
+        if settings.get("num_return_sequences", 1) > 1 and settings.get("top_k") != 1:
+            continue                              # checked for reproducibility below
+        expected = reference(model, prompt, seed=seed, **settings)
+        assert out.index == i and out.sequences.tolist() == expected.tolist(), f"request {i}: {settings}"
+        early += out.outputs[0].finish_reason == "stop"
+    assert early >= 5
+
+
+def test_seeded_sampling_is_reproducible_per_request():
+    model = make_model("qwen2", seed=3)
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, VOCAB, (int(n),), generator=gen).tolist() for n in torch.randint(1, 30, (12,), generator=gen)]
+    settings = dict(max_new_tokens=12, do_sample=True, top_k=0, temperature=1.3, num_return_sequences=3)
+    seeds = [dict(seed=s) for s in range(len(prompts))]
+    roomy = generate_many(model, prompts, settings=seeds, **settings)
+    tight = LLM(model, block_size=4, num_blocks=16, max_num_seqs=5, max_num_batched_tokens=16)
+    cramped = tight.generate(prompts, seeds, **settings)
+    alone = [generate_many(model, [p], settings=[s], **settings)[0] for p, s in zip(prompts[:3], seeds)]
+    assert tight.stats()["preemptions"] > 0
+    assert [o.sequences.tolist() for o in roomy] == [o.sequences.tolist() for o in cramped]
+    assert [o.sequences.tolist() for o in roomy[:3]] == [o.sequences.tolist() for o in alone]
+    assert any(len({tuple(r) for r in o.sequences.tolist()}) > 1 for o in roomy)   # the n samples differ
+    check_pool(tight.engine)
+
+
+def test_prefix_cache_second_call_computes_only_new_tokens():
+    model = make_model("llama", seed=5)
+    gen = torch.Generator().manual_seed(6)
+    system = torch.randint(3, VOCAB, (37,), generator=gen).tolist()
+    def questions():
+        return [system + torch.randint(3, VOCAB, (int(n),), generator=gen).tolist() for n in (3, 9, 1, 14)]
+    first, second = questions(), questions()
+    llm = LLM(model, block_size=8)
+    settings = dict(max_new_tokens=5, do_sample=False)
+    llm.generate(first, **settings)
+    before = llm.stats()
+    outs = llm.generate(second, **settings)
+    after = llm.stats()
+    cached = len(system) // 8 * 8
+    assert after["prefix_hit_tokens"] - before["prefix_hit_tokens"] == cached * len(second)
+    new_prompt_tokens = sum(len(p) - cached for p in second)
+    decode_tokens = len(second) * (settings["max_new_tokens"] - 1)
+    assert after["computed_tokens"] - before["computed_tokens"] == new_prompt_tokens + decode_tokens
+    assert all(o.num_cached_tokens == cached for o in outs)
+    plain = generate_many(model, second, enable_prefix_caching=False, **settings)
+    assert [o.sequences.tolist() for o in outs] == [o.sequences.tolist() for o in plain]
+    assert 0 < after["prefix_hit_rate"] < 1 and after["blocks_cached"] > 0
+    check_pool(llm.engine)
+
+
+def test_lru_eviction_only_when_the_pool_needs_the_block():
+    bm = BlockManager(num_blocks=4, block_size=2)
+    table: list[int] = []
+    bm.allocate(1, table, 0, 4, [])
+    bm.commit(table, [5, 6, 7, 8], 4, [])
+    first, second = table
+    bm.release(1)
+    assert bm.num_free == 4 and bm.num_cached_free == 2
+    assert bm.match_prefix([5, 6, 7, 8, 9], 5)[0] == [first, second]
+    assert bm.match_prefix([5, 6, 7, 9], 4)[0] == [first]          # chained: the second block differs
+    bm.allocate(2, [], 0, 4, [])                                    # the two uncached blocks go first
+    assert bm.evictions == 0 and bm.match_prefix([5, 6, 7, 8], 4)[0] == [first, second]
+    bm.allocate(3, [], 0, 2, [])                                    # then the LRU cached one: a prefix's tail
+    assert bm.evictions == 1 and bm.match_prefix([5, 6, 7, 8], 4)[0] == [first]
+    bm.check_invariants()
+
+
+def test_fork_and_copy_on_write_keep_invariants():
+    bm = BlockManager(num_blocks=6, block_size=4)
+    parent: list[int] = []
+    bm.allocate(1, parent, 0, 6, [])
+    child: list[int] = []
+    bm.fork(1, 2, child)
+    assert child == parent and bm.refcounts[parent[1]] == 2
+    assert bm.blocks_needed(child, 6, 7) == 1
+    copies: list[tuple[int, int]] = []
+    bm.allocate(2, child, 6, 7, copies)
+    assert copies == [(parent[1], child[1])] and child[0] == parent[0]
+    bm.check_invariants()
+    bm.release(1)
+    bm.release(2)
+    bm.check_invariants()
+    assert bm.num_used == 0
+
+
+def test_bad_input_fails_clearly_and_alone():
+    model = make_model("qwen3", seed=7)
+    llm = LLM(model, block_size=4, num_blocks=8)
+    with pytest.raises(ValueError, match="empty prompt"):
+        llm.generate([[5, 6], []], max_new_tokens=3)
+    with pytest.raises(ValueError, match="unknown generation argument.*tempreature"):
+        llm.generate([[5, 6]], max_new_tokens=3, tempreature=0.5)
+    with pytest.raises(ValueError, match="unknown engine option"):
+        LLM(model, max_num_seq=4)
+    with pytest.raises(ValueError, match="num_beams"):
+        llm.generate([[5, 6]], max_new_tokens=3, num_beams=2)
+    context = model.config.max_position_embeddings
+    prompts = [[7] * 5, [8] * (context + 1), [9] * 20, [10] * 3]
+    outs = llm.generate(prompts, max_new_tokens=14)
+    assert "max_model_len" in outs[1].error and str(context) in outs[1].error
+    assert "whole KV pool holds 8" in outs[2].error          # 34 tokens = 9 blocks of 4 > 8
+    for i in (0, 3):
+        assert outs[i].error is None
+        assert outs[i].sequences.tolist() == reference(model, prompts[i], max_new_tokens=14, do_sample=False).tolist()
+    with pytest.raises(RuntimeError, match="request 1 failed"):
+        outs[1].sequences
+    assert llm.stats()["requests_failed"] == 2
+    check_pool(llm.engine)
+
+
+def test_cancel_mid_way_frees_blocks_and_the_rest_complete():
+    model = make_model("glm", seed=8)
+    prompts = [[11] * 9, [12] * 30, [13] * 4]
+    llm = LLM(model, block_size=4)
+    seen = []
+    for event in llm.stream(prompts, max_new_tokens=10, do_sample=False):
+        seen.append(event)
+        if event.request_id == llm.last_ids[1] and len([e for e in seen if e.request_id == event.request_id]) == 3:
+            held = llm.engine.block_manager.num_used
+            llm.cancel(event.request_id)
+            assert llm.engine.block_manager.num_used < held
+            llm.engine.block_manager.check_invariants()
+    outs = [llm.engine.output(r) for r in llm.last_ids]
+    assert outs[1].outputs[0].finish_reason == "cancelled" and len(outs[1].outputs[0].token_ids) == 3
+    for i in (0, 2):
+        assert outs[i].sequences.tolist() == reference(model, prompts[i], max_new_tokens=10, do_sample=False).tolist()
+    assert llm.stats()["requests_cancelled"] == 1
+    check_pool(llm.engine)
+
+
+def test_stream_callbacks_and_text_prompts():
+    from test_patching import word_tokenizer
+    model = make_model("llama", seed=9)
+    tok = word_tokenizer()
+    texts = ["w5 w9 w33", "w100", "w7 w8 w9 w10 w11"]
+    got: dict[int, list[int]] = {}
+    outs = generate_many(model, texts, tok, on_token=lambda e: got.setdefault(e.request_id, []).append(e.token),
+                         max_new_tokens=6, do_sample=False)
+    for out, text in zip(outs, texts):
+        ids = tok(text, return_tensors="pt")
+        expected = model.generate(**ids, max_new_tokens=6, do_sample=False)
+        assert out.sequences.tolist() == expected.tolist()
+        assert out.outputs[0].text == tok.decode(expected[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert [got[i] for i in range(3)] == [o.outputs[0].token_ids for o in outs]
+
+
+def test_stop_strings_never_matching_and_matching():
+    from test_patching import word_tokenizer
+    model = make_model("qwen2", seed=10)
+    tok = word_tokenizer()
+    free = generate_many(model, ["w5 w6"], tok, max_new_tokens=8, do_sample=False)[0]
+    words = free.outputs[0].text.split()
+    never = generate_many(model, ["w5 w6"], tok, max_new_tokens=8, do_sample=False, stop_strings=["zz-never"])[0]
+    assert never.outputs[0].finish_reason == "length" and never.outputs[0].token_ids == free.outputs[0].token_ids
+    stop = words[-1]
+    first = next(k for k in range(len(words)) if stop in " ".join(words[:k + 1]))
+    hit = generate_many(model, ["w5 w6"], tok, max_new_tokens=8, do_sample=False, stop_strings=[stop])[0]
+    assert hit.outputs[0].finish_reason == "stop_string"
+    assert hit.outputs[0].token_ids == free.outputs[0].token_ids[:first + 1]
+    with pytest.raises(ValueError, match="need a tokenizer"):
+        generate_many(model, [[5, 6]], max_new_tokens=3, stop_strings=["x"])
+
+
+def test_generate_path_unchanged_by_the_engine():
+    model = make_model("llama", seed=11)
+    hf_paged.patch(model)
+    try:
+        ids = torch.tensor([[5, 6, 7]])
+        LLM(model).generate([[5, 6, 7]], max_new_tokens=4)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False,
+                             cache_implementation="paged")
+    finally:
+        hf_paged.unpatch(model)
+    assert out.tolist() == reference(model, [5, 6, 7], max_new_tokens=4, do_sample=False).tolist()

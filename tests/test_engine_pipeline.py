@@ -1,0 +1,46 @@
+"""hf_paged.pipeline over a list of prompts returns what the stock pipeline returns, prompt by prompt."""
+from __future__ import annotations
+
+import torch
+from transformers import pipeline
+
+import hf_paged
+from conftest import VOCAB, make_model
+from test_patching import word_tokenizer
+
+
+def _prompts(seed: int, lengths):
+    gen = torch.Generator().manual_seed(seed)
+    return [" ".join(f"w{int(t)}" for t in torch.randint(3, VOCAB, (n,), generator=gen)) for n in lengths]
+
+
+def test_pipeline_list_matches_stock_pipeline_prompt_by_prompt():
+    model = make_model("glm4", seed=12)
+    tok = word_tokenizer()
+    prompts = _prompts(13, (3, 9, 1, 6, 12, 15))
+    kw = dict(max_new_tokens=5, do_sample=False)
+    stock = pipeline("text-generation", model=model, tokenizer=tok)
+    expected = [stock(p, **kw) for p in prompts]
+    paged = hf_paged.pipeline("text-generation", model=model, tokenizer=tok, engine_options=dict(max_num_seqs=4, block_size=4))
+    assert paged(prompts, **kw) == expected
+    assert paged(prompts, batch_size=3, **kw) == expected              # batch_size is accepted
+    assert paged(prompts, return_full_text=False, **kw) == [stock(p, return_full_text=False, **kw) for p in prompts]
+    stats = paged.engine_stats()
+    assert stats["requests_finished"] == 3 * len(prompts) and stats["prefix_hit_tokens"] > 0
+    assert paged(prompts[0], **kw) == expected[0]                     # a single prompt takes the stock path
+
+
+def test_pipeline_with_a_patched_model_and_sampling():
+    model = make_model("qwen2", seed=14)
+    tok = word_tokenizer()
+    prompts = _prompts(15, (5, 2, 8))
+    hf_paged.patch(model)
+    try:
+        paged = hf_paged.pipeline("text-generation", model=model, tokenizer=tok)
+        kw = dict(max_new_tokens=5, do_sample=True, top_k=1, num_return_sequences=2)
+        out = paged(prompts, **kw)
+        stock = pipeline("text-generation", model=model, tokenizer=tok)
+        assert out == [stock(p, **kw) for p in prompts]
+        assert len(out[0]) == 2
+    finally:
+        hf_paged.unpatch(model)
