@@ -192,22 +192,34 @@ def _global_generate(original):
 
 
 def enable() -> None:
-    """Opt in, process-wide: ``model.generate(cache_implementation="paged")`` uses hf_paged on any
-    supported model, patched or not (patched for the call, unpatched after). Every other call passes
-    through untouched. Undo with ``disable()``. Idempotent."""
+    """Opt in, process-wide, to two things; every other call passes through untouched:
+
+    - ``model.generate(cache_implementation="paged")`` uses hf_paged on any supported model, patched
+      or not (patched for the call, unpatched after);
+    - ``pipeline("text-generation", model=patched_model)(list_of_prompts)`` runs the list through the
+      continuous-batching engine (single prompts and beam search keep the stock path).
+    Undo with ``disable()``. Idempotent."""
+    from transformers import TextGenerationPipeline
     from transformers.generation.utils import GenerationMixin
+
+    from hf_paged.integrations.pipeline import stock_pipeline_call
 
     if not hasattr(GenerationMixin.generate, "__hf_paged_original__"):
         GenerationMixin.generate = _global_generate(GenerationMixin.generate)
+    if not hasattr(TextGenerationPipeline.__call__, "__hf_paged_original__"):
+        TextGenerationPipeline.__call__ = stock_pipeline_call(TextGenerationPipeline.__call__)
 
 
 def disable() -> None:
-    """Undo ``enable()``: ``GenerationMixin.generate`` is the original function again."""
+    """Undo ``enable()``: ``GenerationMixin.generate`` and ``TextGenerationPipeline.__call__`` are the
+    original functions again."""
+    from transformers import TextGenerationPipeline
     from transformers.generation.utils import GenerationMixin
 
-    original = getattr(GenerationMixin.generate, "__hf_paged_original__", None)
-    if original is not None:
-        GenerationMixin.generate = original
+    for owner, name in ((GenerationMixin, "generate"), (TextGenerationPipeline, "__call__")):
+        original = getattr(getattr(owner, name), "__hf_paged_original__", None)
+        if original is not None:
+            setattr(owner, name, original)
 
 
 def is_enabled() -> bool:

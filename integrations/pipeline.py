@@ -48,43 +48,68 @@ class PagedTextGenerationPipeline(TextGenerationPipeline):
         return self.llm.stats() if self._llm is not None else {}
 
     def __call__(self, text_inputs, **kwargs):
-        items = _as_list(text_inputs)
-        if items is None or any(k in kwargs or k in kwargs.get("generate_kwargs", {}) for k in _STOCK_ONLY):
-            return super().__call__(text_inputs, **kwargs)
-        kwargs.pop("batch_size", None)
-        kwargs.pop("num_workers", None)
-        pre, fwd, post = self._sanitize_parameters(**kwargs)
-        pre = {**self._preprocess_params, **pre}
-        fwd = {**self._forward_params, **fwd}
-        post = {**self._postprocess_params, **post}
-        inputs = [self.preprocess(item, **pre) for item in items]
-        if any(x["input_ids"].shape[1] == 0 for x in inputs):
-            return super().__call__(text_inputs, **kwargs)      # empty prompts: generate starts from BOS
-        params = []
-        for x in inputs:
-            generate_kwargs = dict(fwd)
-            prefix_length = generate_kwargs.pop("prefix_length", 0)
-            generate_kwargs = self._prepare_generate_kwargs(generate_kwargs)
-            if prefix_length:
-                set_params = self._get_set_generation_params(generate_kwargs)
-                for length, new in (("max_length", "max_new_tokens"), ("min_length", "min_new_tokens")):
-                    if length in set_params and new not in set_params:
-                        generate_kwargs[length] = set_params[length] + prefix_length
-            base = generate_kwargs.pop("generation_config", None) or self.model.generation_config
-            _, settings = split_options(generate_kwargs)
-            params.append(SamplingParams.resolve(base, **settings))
-        engine = self.llm.engine
-        ids = [engine.add_request(x["input_ids"][0], index=i, params=p) for i, (x, p) in enumerate(zip(inputs, params))]
-        engine.run()
-        records = []
-        for rid, x in zip(ids, inputs):
-            out = engine.output(rid)
-            if out.error is not None:
-                raise ValueError(f"prompt {out.index}: {out.error}")
-            model_outputs = {"generated_sequence": out.sequences.unsqueeze(0), "input_ids": x["input_ids"],
-                             "prompt_text": x["prompt_text"]}
-            records.append(self.postprocess(model_outputs, **post))
-        return records
+        records = run_list_through_engine(self, self.llm, text_inputs, kwargs)
+        return records if records is not None else super().__call__(text_inputs, **kwargs)
+
+
+def run_list_through_engine(pipe: TextGenerationPipeline, llm: LLM, text_inputs, kwargs: dict):
+    """The records ``pipe(text_inputs, **kwargs)`` returns, computed by one engine run over the list;
+    None when the call is not a list the engine serves (the caller then takes the stock path)."""
+    items = _as_list(text_inputs)
+    if items is None or any(k in kwargs or k in kwargs.get("generate_kwargs", {}) for k in _STOCK_ONLY):
+        return None
+    kwargs = {k: v for k, v in kwargs.items() if k not in ("batch_size", "num_workers")}
+    pre, fwd, post = pipe._sanitize_parameters(**kwargs)
+    pre = {**pipe._preprocess_params, **pre}
+    fwd = {**pipe._forward_params, **fwd}
+    post = {**pipe._postprocess_params, **post}
+    inputs = [pipe.preprocess(item, **pre) for item in items]
+    if any(x["input_ids"].shape[1] == 0 for x in inputs):
+        return None                                          # empty prompts: generate starts from BOS
+    params = []
+    for x in inputs:
+        generate_kwargs = dict(fwd)
+        prefix_length = generate_kwargs.pop("prefix_length", 0)
+        generate_kwargs = pipe._prepare_generate_kwargs(generate_kwargs)
+        if prefix_length:
+            set_params = pipe._get_set_generation_params(generate_kwargs)
+            for length, new in (("max_length", "max_new_tokens"), ("min_length", "min_new_tokens")):
+                if length in set_params and new not in set_params:
+                    generate_kwargs[length] = set_params[length] + prefix_length
+        base = generate_kwargs.pop("generation_config", None) or pipe.model.generation_config
+        _, settings = split_options(generate_kwargs)
+        params.append(SamplingParams.resolve(base, **settings))
+    engine = llm.engine
+    ids = [engine.add_request(x["input_ids"][0], index=i, params=p) for i, (x, p) in enumerate(zip(inputs, params))]
+    engine.run()
+    records = []
+    for rid, x in zip(ids, inputs):
+        out = engine.output(rid)
+        if out.error is not None:
+            raise ValueError(f"prompt {out.index}: {out.error}")
+        model_outputs = {"generated_sequence": out.sequences.unsqueeze(0), "input_ids": x["input_ids"],
+                         "prompt_text": x["prompt_text"]}
+        records.append(pipe.postprocess(model_outputs, **post))
+    return records
+
+
+def stock_pipeline_call(original):
+    """For ``hf_paged.enable()``: ``TextGenerationPipeline.__call__`` that sends lists of prompts to the
+    engine when the pipeline's model is patched; every other call goes to ``original`` untouched.
+    The engine (and its prefix cache) lives on the pipeline object."""
+    from hf_paged.patching import is_patched
+
+    def __call__(self, text_inputs, *args, **kwargs):
+        if args or isinstance(self, PagedTextGenerationPipeline) or not is_patched(self.model):
+            return original(self, text_inputs, *args, **kwargs)
+        llm = self.__dict__.get("_hf_paged_llm")
+        if llm is None:
+            llm = self.__dict__["_hf_paged_llm"] = LLM(self.model, self.tokenizer)
+        records = run_list_through_engine(self, llm, text_inputs, kwargs)
+        return records if records is not None else original(self, text_inputs, **kwargs)
+
+    __call__.__hf_paged_original__ = original
+    return __call__
 
 
 def _as_list(text_inputs):

@@ -44,3 +44,27 @@ def test_pipeline_with_a_patched_model_and_sampling():
         assert len(out[0]) == 2
     finally:
         hf_paged.unpatch(model)
+
+
+def test_stock_pipeline_routes_lists_to_the_engine_under_the_global_opt_in():
+    from transformers import TextGenerationPipeline
+
+    model = make_model("llama", seed=16)
+    tok = word_tokenizer()
+    prompts = _prompts(17, (4, 11, 1, 7))
+    kw = dict(max_new_tokens=5, do_sample=False)
+    stock = pipeline("text-generation", model=model, tokenizer=tok)
+    expected = [stock(p, **kw) for p in prompts]
+    original = TextGenerationPipeline.__call__
+    hf_paged.patch(model)
+    try:
+        with hf_paged.enabled():
+            pipe = pipeline("text-generation", model=model, tokenizer=tok)
+            assert pipe(prompts, batch_size=2, **kw) == expected
+            assert pipe._hf_paged_llm.stats()["requests_finished"] == len(prompts)   # the engine ran them
+            assert pipe(prompts[1], **kw) == expected[1]                              # single prompt: stock
+        assert TextGenerationPipeline.__call__ is original
+        plain = pipeline("text-generation", model=model, tokenizer=tok)
+        assert plain(prompts, **kw) == expected and "_hf_paged_llm" not in plain.__dict__
+    finally:
+        hf_paged.unpatch(model)
