@@ -20,19 +20,16 @@ is more (each growth copies the pools once, like DynamicCache's concatenation).
 from __future__ import annotations
 
 import torch
-from transformers import Cache
-
-from hf_paged.integrations.families import adapter_for
 
 from .allocator import BlockAllocator, PoolExhaustedError
-from .backends import select_backend
 from .plan import StepPlan, build_plan
+from .pools import KVPools, kv_bytes_per_token
 
 PLAN_KWARG = "hf_paged_plan"
 _MIN_BLOCKS = 16
 
 
-class PagedCache(Cache):
+class PagedCache(KVPools):
     """Paged KV cache for llama, qwen2, qwen3, glm and glm4 models.
 
     Args:
@@ -50,7 +47,7 @@ class PagedCache(Cache):
                  max_memory_bytes: int | None = None, release_finished_rows: bool = True,
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None,
                  backend=None):
-        super().__init__(layers=[])
+        super().__init__(config, backend)
         if not isinstance(block_size, int) or not 1 <= block_size <= 1024:
             raise ValueError(f"block_size must be an int in 1..1024, got {block_size!r}")
         if num_blocks is not None and max_memory_bytes is not None:
@@ -59,8 +56,6 @@ class PagedCache(Cache):
             raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
         if max_memory_bytes is not None and max_memory_bytes <= 0:
             raise ValueError(f"max_memory_bytes must be positive, got {max_memory_bytes!r}")
-        self.config = config
-        self.geometry = adapter_for(config).geometry(config.get_text_config(decoder=True))
         self.block_size = block_size
         self.release_finished_rows = release_finished_rows
         self.eos_token_ids: frozenset[int] = frozenset()
@@ -68,21 +63,16 @@ class PagedCache(Cache):
         self._budget = max_memory_bytes
         self._dtype = dtype
         self._device = torch.device(device) if device is not None else None
-        self._backend = backend
         if max_memory_bytes is not None and dtype is not None:
             self._blocks_for_budget(dtype)          # fail early on a budget below one block
         self.allocator: BlockAllocator | None = None
-        self.key_pools: list[torch.Tensor] = []
-        self.value_pools: list[torch.Tensor] = []
         self._clear_rows()
 
     # ------------------------------------------------------------ geometry
     @property
     def bytes_per_token(self) -> int:
         """KV bytes one token takes over all layers (keys and values)."""
-        g = self.geometry
-        itemsize = torch.empty((), dtype=self._dtype or torch.float32).element_size()
-        return 2 * g.num_layers * g.num_kv_heads * g.head_dim * itemsize
+        return kv_bytes_per_token(self.config, self._dtype or torch.float32)
 
     def _blocks_for_budget(self, dtype: torch.dtype) -> int:
         self._dtype = dtype
@@ -121,12 +111,7 @@ class PagedCache(Cache):
         else:
             blocks = max(_MIN_BLOCKS, first_need)
         self.allocator = BlockAllocator(blocks, self.block_size)
-        if self._backend is None:
-            self._backend = select_backend(self._device)
-        g = self.geometry
-        shape = (g.num_kv_heads, blocks, self.block_size, g.head_dim)     # layout: see torch_attention
-        self.key_pools = [torch.zeros(shape, dtype=self._dtype, device=self._device) for _ in range(g.num_layers)]
-        self.value_pools = [torch.zeros(shape, dtype=self._dtype, device=self._device) for _ in range(g.num_layers)]
+        self.allocate_pools(blocks, self.block_size, self._dtype, self._device)
 
     @property
     def growable(self) -> bool:
@@ -140,11 +125,7 @@ class PagedCache(Cache):
             raise PoolExhaustedError(needed, alloc.num_free, alloc.num_blocks, self.block_size, hint)
         extra = max(needed - alloc.num_free, alloc.num_blocks // 2)
         alloc.grow(extra)
-        g = self.geometry
-        pad_shape = (g.num_kv_heads, extra, self.block_size, g.head_dim)
-        for pools in (self.key_pools, self.value_pools):
-            for i, pool in enumerate(pools):
-                pools[i] = torch.cat([pool, pool.new_zeros(pad_shape)], dim=1)
+        self.grow_pools(extra)
 
     # ------------------------------------------------------------ planning
     def plan_step(self, attention_mask: torch.Tensor | None, input_ids: torch.Tensor | None,
@@ -181,9 +162,7 @@ class PagedCache(Cache):
             else:   # a duplicate prompt row shares its leader's blocks; nothing of its own is written
                 alloc.fork(self._rows[leaders[row]], seq_id)
                 writes[row] = False
-        if copies:
-            pairs = torch.tensor(copies, dtype=torch.int64, device=self._device)
-            self._backend.copy_blocks(self.key_pools + self.value_pools, pairs)
+        self.copy_blocks(copies)
         self._columns += q_len
         self._written.append(new_real)
         # Finished rows (decode only) are left out of the forward: the hooks run it on the others.
@@ -194,7 +173,7 @@ class PagedCache(Cache):
         if self.active_rows is not None:
             new_real, writes = new_real[self.active_rows], writes[self.active_rows]
             kv_before = [kv_before[r] for r in rows]
-        plan = build_plan(tables, new_real, writes, kv_before, slots, self._device, self._backend)
+        plan = build_plan(tables, new_real, writes, kv_before, slots, self._device, self.backend)
         self._plan = plan
         return plan
 
@@ -246,24 +225,11 @@ class PagedCache(Cache):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         """Write this step's K/V ([B, Hkv, Q, D]) into the planned slots; return the layer's pools."""
-        plan = self._plan
-        if plan is None:
+        if self._plan is None:
             raise RuntimeError(
                 "PagedCache.update was called without a step plan: the model is not patched. Call "
                 "hf_paged.patch(model) (or use `with hf_paged.enabled():`) before generating with a PagedCache.")
-        k_pool, v_pool = self.key_pools[layer_idx], self.value_pools[layer_idx]
-        if key_states.dtype != k_pool.dtype or key_states.device != k_pool.device:
-            raise TypeError(
-                f"layer {layer_idx} produced {key_states.dtype} keys on {key_states.device} but the PagedCache "
-                f"pool is {k_pool.dtype} on {k_pool.device}; build the cache with the model's dtype/device "
-                "(PagedCache(config, dtype=..., device=...)) or leave them unset.")
-        batch, heads, q_len, dim = key_states.shape
-        # Inference only: the pools hold detached values, so no autograd graph grows across steps.
-        plan.backend.write_kv(k_pool, v_pool,
-                              key_states.detach().transpose(1, 2).reshape(batch * q_len, heads, dim),
-                              value_states.detach().transpose(1, 2).reshape(batch * q_len, heads, dim),
-                              plan.slot_mapping)
-        return k_pool, v_pool
+        return self.write(layer_idx, key_states, value_states, self._plan.slot_mapping)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self._columns
@@ -274,19 +240,9 @@ class PagedCache(Cache):
     def get_query_offset(self, layer_idx: int = 0) -> int:
         return self._columns
 
-    def get_max_length(self, layer_idx: int | None = None) -> int:
-        return -1
-
-    def __len__(self) -> int:
-        return self.geometry.num_layers
-
     @property
     def batch_size(self) -> int:
         return len(self._rows) or -1
-
-    @property
-    def is_compileable(self) -> bool:
-        return False
 
     @property
     def is_croppable(self) -> bool:
@@ -295,18 +251,6 @@ class PagedCache(Cache):
     @property
     def is_initialized(self) -> bool:
         return self.allocator is not None
-
-    @property
-    def is_sliding(self) -> list[bool]:
-        return [w > 0 for w in self.geometry.sliding_windows]
-
-    @property
-    def is_linear(self) -> list[bool]:
-        return [False] * self.geometry.num_layers
-
-    @property
-    def is_dummy(self) -> list[bool]:
-        return [False] * self.geometry.num_layers
 
     def activate_past_recording(self) -> None:
         """Every stored token is kept until crop/reset, so rollback needs nothing extra."""

@@ -6,7 +6,7 @@ import torch
 from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
 
 import hf_paged
-from conftest import PAD, make_batch, make_model, patched
+from tiny_models import PAD, make_batch, make_model, patched
 from hf_paged import torch_attention
 from hf_paged.integrations.families import UnsupportedModelError
 
@@ -180,7 +180,7 @@ def test_dtype_and_device_mixes_are_refused():
         with pytest.raises(TypeError, match="float32 keys.*pool is torch.float16"):
             model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2,
                            past_key_values=hf_paged.PagedCache(model.config, dtype=torch.float16))
-        with pytest.raises(TypeError, match="on cpu but the PagedCache pool is .* on meta"):
+        with pytest.raises(TypeError, match="on cpu but the KV pool is .* on meta"):
             model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2,
                            past_key_values=hf_paged.PagedCache(model.config, device="meta"))
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import hf_paged
-from conftest import EOS, VOCAB, make_model
+from tiny_models import EOS, VOCAB, make_model
 from hf_paged.engine import LLM, Engine, generate_many
 from hf_paged.engine.block_manager import BlockManager
 

@@ -5,7 +5,7 @@ import torch
 from transformers import pipeline
 
 import hf_paged
-from conftest import VOCAB, make_model
+from tiny_models import VOCAB, make_model
 from test_patching import word_tokenizer
 
 

@@ -8,7 +8,7 @@ from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaLis
 from transformers.generation.streamers import BaseStreamer
 
 import hf_paged
-from conftest import EOS, PAD, generate_both, make_batch, make_model, patched, sequences
+from tiny_models import EOS, PAD, generate_both, make_batch, make_model, patched, sequences
 
 LENGTHS = [7, 1, 12, 4]          # includes a 1-token prompt
 ATOL = 1e-5

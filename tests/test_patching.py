@@ -10,7 +10,7 @@ from transformers import DynamicCache, PreTrainedTokenizerFast, pipeline
 from transformers.generation.utils import GenerationMixin
 
 import hf_paged
-from conftest import BOS, EOS, PAD, VOCAB, make_batch, make_model, patched
+from tiny_models import BOS, EOS, PAD, VOCAB, make_batch, make_model, patched
 
 
 def word_tokenizer():

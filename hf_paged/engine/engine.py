@@ -27,6 +27,7 @@ from ..patching import use_paged_attention
 from .block_manager import BlockManager
 from .config import EngineConfig, kv_pool_blocks
 from .request import CompletionOutput, Request, RequestOutput, SamplingParams, Sequence, Status
+from ..pools import kv_bytes_per_token
 from .runner import EngineCache, ModelRunner
 from .sampler import sample
 from .scheduler import Scheduler
@@ -63,7 +64,7 @@ class Engine:
         self.max_model_len = config.max_model_len or getattr(text_config, "max_position_embeddings", None) or 2**31
         weight = model.get_input_embeddings().weight
         dtype, device = weight.dtype, weight.device
-        per_token = EngineCache.bytes_per_token(model.config, dtype)
+        per_token = kv_bytes_per_token(model.config, dtype)
         blocks = kv_pool_blocks(config, per_token, self.max_model_len, device, profile=self._profile)
         self.bytes_per_token = per_token
         self.cache = EngineCache(model.config, blocks, config.block_size, dtype, device)

@@ -12,48 +12,29 @@ import time
 
 import numpy as np
 import torch
-from transformers import Cache
 
 from hf_paged.cache import PLAN_KWARG
-from hf_paged.integrations.families import adapter_for
 from hf_paged.integrations.generate import cache_keyword
 
-from ..backends import select_backend
 from ..plan import PackedPlan, StepPlan
+from ..pools import KVPools
 
 
-class EngineCache(Cache):
+class EngineCache(KVPools):
     """The engine's KV pools (``[Hkv, num_blocks, block_size, D]`` per layer, keys and values).
 
     Not a PagedCache: the generate pre-hook leaves it alone; the runner sets the plan of each forward.
     """
 
     def __init__(self, config, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device):
-        super().__init__(layers=[])
-        self.geometry = g = adapter_for(config).geometry(config.get_text_config(decoder=True))
-        self.block_size, self.num_blocks, self.backend = block_size, num_blocks, select_backend(device)
-        shape = (g.num_kv_heads, num_blocks, block_size, g.head_dim)
-        self.key_pools = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(g.num_layers)]
-        self.value_pools = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(g.num_layers)]
+        super().__init__(config)
+        self.block_size, self.num_blocks = block_size, num_blocks
+        self.allocate_pools(num_blocks, block_size, dtype, device)
         self.plan: PackedPlan | None = None
-
-    @staticmethod
-    def bytes_per_token(config, dtype: torch.dtype) -> int:
-        g = adapter_for(config).geometry(config.get_text_config(decoder=True))
-        return 2 * g.num_layers * g.num_kv_heads * g.head_dim * torch.empty((), dtype=dtype).element_size()
-
-    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        if copies:
-            pairs = torch.tensor(copies, dtype=torch.int64, device=self.key_pools[0].device)
-            self.backend.copy_blocks(self.key_pools + self.value_pools, pairs)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """key/value_states [1, Hkv, N, D] -> written at ``plan.slot_mapping``; returns the layer's pools."""
-        k_pool, v_pool = self.key_pools[layer_idx], self.value_pools[layer_idx]
-        _, heads, total, dim = key_states.shape
-        self.backend.write_kv(k_pool, v_pool, key_states[0].transpose(0, 1).reshape(total, heads, dim),
-                              value_states[0].transpose(0, 1).reshape(total, heads, dim), self.plan.slot_mapping)
-        return k_pool, v_pool
+        return self.write(layer_idx, key_states, value_states, self.plan.slot_mapping)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0
@@ -64,26 +45,7 @@ class EngineCache(Cache):
     def get_query_offset(self, layer_idx: int = 0) -> int:
         return 0
 
-    def get_max_length(self, layer_idx: int | None = None) -> int:
-        return -1
-
-    def __len__(self) -> int:
-        return self.geometry.num_layers
-
-    is_compileable = False
     is_initialized = True
-
-    @property
-    def is_sliding(self) -> list[bool]:
-        return [w > 0 for w in self.geometry.sliding_windows]
-
-    @property
-    def is_linear(self) -> list[bool]:
-        return [False] * self.geometry.num_layers
-
-    @property
-    def is_dummy(self) -> list[bool]:
-        return [False] * self.geometry.num_layers
 
 
 def _tables(seqs, block_size: int, width_tokens: list[int]) -> np.ndarray:

@@ -1,0 +1,95 @@
+"""KV pools: what every paged cache (generate's PagedCache, the engine's EngineCache) shares.
+
+Per layer, ``key_pools[i]`` and ``value_pools[i]`` are ``[num_kv_heads, num_blocks, block_size,
+head_dim]`` (the layout ``torch_attention`` documents). This base holds the model's KV geometry, the
+pools, writes and copy-on-write copies through the backend, and the per-layer answers
+transformers asks of a cache (no sliding/linear/dummy layers it must special-case, not compileable).
+"""
+from __future__ import annotations
+
+import torch
+from transformers import Cache
+
+from hf_paged.integrations.families import adapter_for
+
+from .backends import select_backend
+
+
+def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
+    """KV bytes one token takes over all layers, keys and values, for ``config``'s model in ``dtype``."""
+    g = adapter_for(config).geometry(config.get_text_config(decoder=True))
+    return 2 * g.num_layers * g.num_kv_heads * g.head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+class KVPools(Cache):
+    """Pools and backend of a paged cache; subclasses decide which slots each forward uses."""
+
+    def __init__(self, config, backend=None):
+        super().__init__(layers=[])
+        self.config = config
+        self.geometry = adapter_for(config).geometry(config.get_text_config(decoder=True))
+        self.backend = backend
+        self.key_pools: list[torch.Tensor] = []
+        self.value_pools: list[torch.Tensor] = []
+
+    def allocate_pools(self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device) -> None:
+        g = self.geometry
+        shape = (g.num_kv_heads, num_blocks, block_size, g.head_dim)
+        self.key_pools = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(g.num_layers)]
+        self.value_pools = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(g.num_layers)]
+        if self.backend is None:
+            self.backend = select_backend(torch.device(device))
+
+    def grow_pools(self, extra_blocks: int) -> None:
+        """Append ``extra_blocks`` zeroed blocks to every pool (one copy of the pools)."""
+        for pools in (self.key_pools, self.value_pools):
+            for i, pool in enumerate(pools):
+                pad = pool.new_zeros((pool.shape[0], extra_blocks, *pool.shape[2:]))
+                pools[i] = torch.cat([pool, pad], dim=1)
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Apply copy-on-write pairs ``(src, dst)`` to every layer's keys and values, in one call."""
+        if copies:
+            pairs = torch.tensor(copies, dtype=torch.int64, device=self.key_pools[0].device)
+            self.backend.copy_blocks(self.key_pools + self.value_pools, pairs)
+
+    def write(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor,
+              slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write [B, Hkv, Q, D] keys/values at ``slot_mapping`` (int64 [B*Q], -1 = skip); return the pools.
+
+        Inference only: the pools hold detached values, so no autograd graph grows across steps."""
+        k_pool, v_pool = self.key_pools[layer_idx], self.value_pools[layer_idx]
+        if key_states.dtype != k_pool.dtype or key_states.device != k_pool.device:
+            raise TypeError(
+                f"layer {layer_idx} produced {key_states.dtype} keys on {key_states.device} but the KV pool "
+                f"is {k_pool.dtype} on {k_pool.device}; build the cache with the model's dtype/device "
+                "(PagedCache(config, dtype=..., device=...)) or leave them unset.")
+        batch, heads, q_len, dim = key_states.shape
+        self.backend.write_kv(k_pool, v_pool,
+                              key_states.detach().transpose(1, 2).reshape(batch * q_len, heads, dim),
+                              value_states.detach().transpose(1, 2).reshape(batch * q_len, heads, dim),
+                              slot_mapping)
+        return k_pool, v_pool
+
+    # ------------------------------------------------- per-layer answers for transformers
+    def __len__(self) -> int:
+        return self.geometry.num_layers
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return -1
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    @property
+    def is_sliding(self) -> list[bool]:
+        return [w > 0 for w in self.geometry.sliding_windows]
+
+    @property
+    def is_linear(self) -> list[bool]:
+        return [False] * self.geometry.num_layers
+
+    @property
+    def is_dummy(self) -> list[bool]:
+        return [False] * self.geometry.num_layers

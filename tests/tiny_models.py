@@ -1,0 +1,76 @@
+"""Tiny random models of the five supported families, and helpers to compare against transformers.
+
+(A module of its own, not conftest.py: tests/kernels has a conftest too, and ``from conftest import``
+would pick whichever is first on sys.path.)
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from transformers import (Glm4Config, Glm4ForCausalLM, GlmConfig, GlmForCausalLM, LlamaConfig, LlamaForCausalLM,
+                          Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+
+import hf_paged
+
+VOCAB = 256
+PAD, EOS, BOS = 0, 1, 2
+COMMON = dict(vocab_size=VOCAB, num_hidden_layers=2, intermediate_size=256, max_position_embeddings=512,
+              pad_token_id=PAD, eos_token_id=EOS, bos_token_id=BOS, tie_word_embeddings=False)
+
+# GQA everywhere; head_dim 64 for most and 32 for qwen2, so two head sizes are covered.
+FAMILIES = {
+    "llama": (LlamaConfig, LlamaForCausalLM, dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2)),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2)),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+                                                  head_dim=64)),
+    "glm": (GlmConfig, GlmForCausalLM, dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                                            head_dim=64)),
+    "glm4": (Glm4Config, Glm4ForCausalLM, dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=1,
+                                               head_dim=64)),
+}
+
+
+def make_model(family: str, seed: int = 0, dtype=torch.float32, **overrides):
+    config_cls, model_cls, shape = FAMILIES[family]
+    config = config_cls(**{**COMMON, **shape, **overrides})
+    torch.manual_seed(seed)
+    model = model_cls(config).to(dtype).eval()
+    model.generation_config.pad_token_id = PAD
+    model.generation_config.eos_token_id = EOS
+    return model
+
+
+def make_batch(lengths, seed: int = 0, width: int | None = None):
+    """Left-padded random prompts of the given lengths: (input_ids, attention_mask) [B, width]."""
+    gen = torch.Generator().manual_seed(seed)
+    width = width or max(lengths)
+    ids = torch.full((len(lengths), width), PAD, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, n in enumerate(lengths):
+        ids[row, width - n:] = torch.randint(3, VOCAB, (n,), generator=gen)
+        mask[row, width - n:] = 1
+    return ids, mask
+
+
+@contextlib.contextmanager
+def patched(model, **options):
+    hf_paged.patch(model, **options)
+    try:
+        yield model
+    finally:
+        hf_paged.unpatch(model)
+
+
+def generate_both(model, seed: int = 0, **kwargs):
+    """(reference, paged) generate outputs for the same arguments and RNG seed."""
+    torch.manual_seed(seed)
+    reference = model.generate(**kwargs)
+    with patched(model):
+        torch.manual_seed(seed)
+        paged = model.generate(cache_implementation="paged", **kwargs)
+    return reference, paged
+
+
+def sequences(out):
+    return out if isinstance(out, torch.Tensor) else out.sequences
