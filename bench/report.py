@@ -34,6 +34,8 @@ def summary_table(res: dict) -> list[str]:
     mem = res.get("memory", {}).get("workloads", {}).get("sharegpt", {}).get("results", {})
     tp = res.get("throughput", {}).get(model, {}).get("sharegpt", {}) if model else {}
     conc = res.get("concurrency", {})
+    if not (mem or tp or conc):
+        return []
     lines = [f"| approach | KV reserved peak (MiB) | KV in use peak (MiB) | real tokens (MiB) | utilisation "
              f"(real / in use) | requests held in {conc.get('_budget_bytes', 0) / 2**20:.0f} MiB | "
              f"tokens/s ({model}) | ratio to DynamicCache |", "|---|---|---|---|---|---|---|---|"]
@@ -139,7 +141,7 @@ def _save(fig, path: Path) -> str:
 
 
 def write(res: dict, out_dir: Path = RESULTS, json_name: str = "") -> Path:
-    pngs = plots(res, out_dir)
+    pngs = plots(res, out_dir) + replay_plot(res, out_dir)
     meta = res["meta"]
     lines = ["# hf_paged benchmark report", "",
              f"Run {meta['date']} · `{meta['command']}` · mode {meta['mode']} · results `{json_name}`", "",
@@ -147,13 +149,17 @@ def write(res: dict, out_dir: Path = RESULTS, json_name: str = "") -> Path:
              f"load average at start {meta['machine']['load_avg_start']}), {meta['machine']['platform']}. "
              "Versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()) + ".", "",
              "Runtimes (s): " + ", ".join(f"{k} {v:.0f}" for k, v in res.get("runtimes", {}).items()), "",
-             "## Summary (ShareGPT mix)", ""] + summary_table(res) + [
+             "## Summary (ShareGPT mix)", ""]
+    if summary_table(res):
+        lines += summary_table(res) + [
              "", "Utilisation = bytes of real tokens / bytes of blocks or columns in use, at the step where in-use "
              "KV peaks. Concurrency: computed from each allocation policy and the measured bytes per token (below). "
              "tokens/s: generated tokens (each request's exact output length) / wall time of the generate call.", ""]
+    lines += replay_summary(res) + targets_table(res)
     if res.get("skipped"):
         lines += ["Skipped: " + "; ".join(f"{k}: {v}" for k, v in res["skipped"].items()), ""]
-    lines += ["## 1. KV memory", ""] + memory_tables(res) + [""]
+    if res.get("memory"):
+        lines += ["## 1. KV memory", ""] + memory_tables(res) + [""]
     if "utilisation.png" in pngs:
         lines += ["![utilisation](utilisation.png)", ""]
     conc = res.get("concurrency")
@@ -169,7 +175,7 @@ def write(res: dict, out_dir: Path = RESULTS, json_name: str = "") -> Path:
                 blk = {-1: "max length per row", 0: "padded batch", 1: "–"}.get(v["block"], v["block"])
                 lines.append(f"| {LABEL.get(k, k)} | {blk} | {v['median']:.0f} | {v['min']} | {v['max']} |")
         lines += ["", "![concurrency](concurrency.png)", ""]
-    lines += ["## 3. CPU throughput", ""]
+    lines += ["## 3. CPU throughput", ""] if res.get("throughput") else []
     for model, wls in res.get("throughput", {}).items():
         for wname, r in wls.items():
             lines += [f"**{model} / {wname}** — {r.get('_note', '')}", "",
@@ -217,6 +223,7 @@ def write(res: dict, out_dir: Path = RESULTS, json_name: str = "") -> Path:
         lines += ["", f"Workloads: " + "; ".join(f"{k}: {e['workload']}" for k, e in beam.items()), ""]
         if "beam_memory.png" in pngs:
             lines += ["![beam memory](beam_memory.png)", ""]
+    lines += replay_section(res, pngs)
     path = out_dir / "report.md"
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -230,3 +237,193 @@ def main(argv=None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+# ---------------------------------------------------------------- full-length allocator replay
+def _rng(s: dict, fmt=lambda v: f"{v:.2f}") -> str:
+    return f"{fmt(s['median'])} ({fmt(s['min'])}–{fmt(s['max'])})"
+
+
+def _mibs(s: dict) -> str:
+    return _rng(s, lambda v: f"{v / 2**20:.1f}")
+
+
+def _pcts(s: dict) -> str:
+    return _rng(s, lambda v: f"{v:.1%}")
+
+
+def replay_summary(res: dict) -> list[str]:
+    """The "full-length ShareGPT, allocator replay" block of the summary."""
+    rp = res.get("replay")
+    if not rp:
+        return []
+    sg, conc, bm = rp["sharegpt"], rp["concurrency"], rp["beams"]
+    s = sg["summary"]
+    lines = ["### Full-length ShareGPT, allocator replay (no scaling; SmolLM2-135M shape, fp32)", "",
+             f"The real `PagedCache` driven on the meta device with the calls `generate` makes (see section 6). "
+             f"Batch of {sg['batch']} unscaled ShareGPT requests, {sg['seeds']} seeds: median (min–max).", "",
+             "| measure | value |", "|---|---|",
+             f"| hf_paged peak KV in use (MiB) | {_mibs(s['paged_peak_bytes'])} |",
+             f"| DynamicCache, same padded batch (MiB) | {_mibs(s['dynamic_bytes'])} |",
+             f"| StaticCache, max_cache_len = max prompt + max new (MiB) | {_mibs(s['static_bytes'])} |",
+             f"| generate_batch policy, page {sg['cb_page_size']}, all at full length (MiB) | {_mibs(s['gb_policy_bytes'])} |",
+             f"| hf_paged peak / DynamicCache | {_rng(s['paged_over_dynamic'], lambda v: f'{v:.3f}')} |",
+             f"| utilisation at the peak step (real / in use) | {_pcts(s['utilisation_at_peak'])} |",
+             f"| utilisation averaged over live steps | {_pcts(s['utilisation_mean'])} |",
+             f"| hf_paged growable pool's allocated size (no pool size given; grows by half) (MiB) | "
+             f"{_mibs(s['pool_allocated_bytes'])}, / DynamicCache {_rng(s['pool_over_dynamic'], lambda v: f'{v:.3f}')} |"]
+    budget = conc["_budget_bytes"] / 2**20
+    for k, label in (("dynamic", "DynamicCache padded batch"), ("static", "StaticCache (oracle max_cache_len)"),
+                     ("paged_full", f"hf_paged, full length reserved (block {conc['_block_size']})"),
+                     ("paged", "hf_paged padded generate, fixed pool (grows per token, releases at EOS)")):
+        lines.append(f"| requests held in {budget:.0f} MiB: {label} | {_rng(conc[k], lambda v: f'{v:.1f}')} |")
+    for key, e in bm.get("summary", {}).items():
+        lines.append(f"| {key}: hf_paged peak / DynamicCache (recorded beams; fully diverged bound) | "
+                     f"{_rng(e['paged_over_dynamic'], lambda v: f'{v:.2f}')}; "
+                     f"{_rng(e['diverged_over_dynamic'], lambda v: f'{v:.2f}')} |")
+    return lines + [""]
+
+
+def targets_table(res: dict) -> list[str]:
+    """Each issue-3 target, the measured value, met or missed."""
+    rows = []
+    rp = res.get("replay")
+    if rp:
+        sg, conc = rp["sharegpt"], rp["concurrency"]
+        ratio, util = sg["summary"]["paged_over_dynamic"], sg["summary"]["utilisation_at_peak"]
+        per = sg["per_seed"]
+        n_ratio = sum(x["paged_over_dynamic"] <= 0.2 for x in per)
+        n_util = sum(x["utilisation_at_peak"] >= 0.97 for x in per)
+        rows.append(("ShareGPT batch of 16: peak KV ≤ 1/5 of DynamicCache's (full lengths, replay)",
+                     f"{ratio['median']:.3f} median ({ratio['min']:.3f}–{ratio['max']:.3f}); "
+                     f"{n_ratio}/{len(per)} seeds ≤ 0.2", ratio["median"] <= 0.2, n_ratio == len(per)))
+        rows.append(("ShareGPT batch of 16: live utilisation ≥ 97% (at the peak step, block "
+                     f"{sg['block_size']})", f"{util['median']:.1%} median ({util['min']:.1%}–{util['max']:.1%}); "
+                     f"{n_util}/{len(per)} seeds ≥ 97%; averaged over steps "
+                     f"{sg['summary']['utilisation_mean']['median']:.1%}", util["median"] >= 0.97,
+                     n_util == len(per)))
+        d, pf, pg = conc["dynamic"]["median"], conc["paged_full"]["median"], conc["paged"]["median"]
+        per_draw = [a / b for a, b in zip(conc["paged"]["all"], conc["dynamic"]["all"])]
+        n_ok = sum(x >= 2.5 for x in per_draw)
+        rows.append((f"Concurrency at {conc['_budget_bytes'] / 2**20:.0f} MiB ≥ 2.5× padded DynamicCache",
+                     f"padded generate with a fixed pool: {pg:.1f} vs {d:.1f} = {pg / d:.2f}× (per order "
+                     f"{min(per_draw):.2f}–{max(per_draw):.2f}×, {n_ok}/{len(per_draw)} ≥ 2.5); full length reserved "
+                     f"per request at admission: {pf:.1f} = {pf / d:.2f}× (medians of {conc['_draws']} orders)",
+                     pg / d >= 2.5, n_ok == len(per_draw)))
+        b4 = rp["beams"].get("summary", {}).get("beam4")
+        if b4:
+            r, u = b4["paged_over_dynamic"], b4["diverged_over_dynamic"]
+            rows.append(("Beam-4 KV ≤ 50% of DynamicCache (prompt 200–600, 64–128 new)",
+                         f"recorded beams {r['median']:.2f} ({r['min']:.2f}–{r['max']:.2f}); fully diverged "
+                         f"bound {u['median']:.2f} ({u['min']:.2f}–{u['max']:.2f})", r["median"] <= 0.5, r["max"] <= 0.5))
+    elif res.get("beam", {}).get("beam4", {}).get("paged_saving") is not None:
+        sv = 1 - res["beam"]["beam4"]["paged_saving"]
+        rows.append(("Beam-4 KV ≤ 50% of DynamicCache (quick-bench lengths)", f"{sv:.2f}", sv <= 0.5, sv <= 0.5))
+    tp = res.get("throughput", {})
+    for model, wls in tp.items():
+        r = wls.get("sharegpt", {})
+        p, g = r.get("paged", {}), r.get("generate_batch", {})
+        q = p.get("ratio_to_dynamic")
+        if q:
+            rows.append((f"CPU tokens/s ≥ 1.0× padded DynamicCache ({model}, scaled lengths)",
+                         f"{q['median']:.2f} ({q['min']:.2f}–{q['max']:.2f})", q["median"] >= 1.0, q["min"] >= 1.0))
+        if p.get("tokens_per_s") and g.get("tokens_per_s"):
+            x = p["tokens_per_s"]["median"] / g["tokens_per_s"]["median"]
+            rows.append((f"CPU tokens/s ≥ 1.5× generate_batch, mixed outputs ({model})", f"{x:.2f} (medians)",
+                         x >= 1.5, x >= 1.5))
+    if not rows:
+        return []
+    lines = ["### Targets (issue 3)", "", "Median: the target on the median; every draw: on every seed / arrival "
+             "order / beam run.", "", "| target | measured | median | every draw |", "|---|---|---|---|"]
+    for name, value, med_ok, all_ok in rows:
+        lines.append(f"| {name} | {value} | {'met' if med_ok else '**missed**'} | {'met' if all_ok else '**missed**'} |")
+    return lines + [""]
+
+
+def replay_section(res: dict, pngs: list[str]) -> list[str]:
+    rp = res.get("replay")
+    if not rp:
+        return []
+    sg, conc, bm = rp["sharegpt"], rp["concurrency"], rp["beams"]
+    lines = ["## 6. Full-length allocator replay", "",
+             f"{rp['model_shape']}: {rp['bytes_per_token']} bytes/token, block {rp['block_size']}. The real "
+             "`hf_paged.PagedCache` (pools on the `meta` device: no memory, no attention) receives the calls "
+             "`generate` makes — `plan_step` with the left-padded 2D mask and the input ids of every forward, "
+             "`reorder_cache` with beam indices; a row's last token is EOS, fed once (its blocks are released), "
+             "then pad. `tests/test_bench_replay.py` checks the replay's `stats()` after every forward against a "
+             "real `generate` on a tiny model. DynamicCache = rows × (max prompt + max new − 1) columns (its size "
+             "after the last forward); StaticCache = rows × (max prompt + max new). "
+             f"Took {rp['seconds']:.1f} s.", "",
+             f"**ShareGPT, padded batch of {sg['batch']}, unscaled lengths**, seed s = the draw of "
+             f"`sharegpt_mix({sg['batch']}, 2048, seed=s)`:", "",
+             "| seed | max prompt | max output | DynamicCache (MiB) | hf_paged peak in use (MiB) | ratio | "
+             "real at peak (MiB) | utilisation at peak | over steps | growable pool (MiB) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for x in sg["per_seed"]:
+        lines.append(f"| {x['seed']} | {x['max_prompt']} | {x['max_output']} | {_mib(x['dynamic_bytes'])} | "
+                     f"{_mib(x['paged_peak_bytes'])} | {x['paged_over_dynamic']:.3f} | {_mib(x['real_at_peak_bytes'])} | "
+                     f"{x['utilisation_at_peak']:.1%} | {x['utilisation_mean']:.1%} | {_mib(x['pool_allocated_bytes'])} |")
+    sweep = rp.get("block_sweep", {})
+    if sweep:
+        lines += ["", "Block size (first seeds): median (min–max)", "",
+                  "| block | utilisation at peak | over steps | peak / DynamicCache |", "|---|---|---|---|"]
+        for bs, e in sweep.items():
+            lines.append(f"| {bs} | {_pcts(e['utilisation_at_peak'])} | {_pcts(e['utilisation_mean'])} | "
+                         f"{_rng(e['paged_over_dynamic'], lambda v: f'{v:.3f}')} |")
+    lines += ["", f"**Concurrency at {conc['_budget_bytes'] / 2**20:.0f} MiB** ({conc['_bytes_per_token']} bytes/token, "
+              f"{conc['_draws']} arrival orders of unscaled ShareGPT, the orders of section 2): the largest n such that "
+              "the first n requests, as one batch, never need more KV than the budget.", "",
+              "| approach / allocation policy | requests held: median (min–max) |", "|---|---|"]
+    labels = {"dynamic": "DynamicCache, padded batch: n × (max prompt + max output − 1)",
+              "static": "StaticCache, max_cache_len = max prompt + max output (oracle)",
+              "static_2048": "StaticCache sized for any ShareGPT request (2048 per row)",
+              "generate_batch": f"generate_batch policy: full length per request, page {conc['_cb_page_size']}",
+              "paged_full": f"hf_paged, full length reserved per request at admission (block {conc['_block_size']})",
+              "paged": "hf_paged padded generate with max_memory_bytes = budget (blocks grow per token, rows "
+                       "release at EOS); checked: n replays, n + 1 raises PoolExhaustedError"}
+    for k, label in labels.items():
+        if k in conc:
+            lines.append(f"| {label} | {_rng(conc[k], lambda v: f'{v:.1f}')} |")
+    if "runs" in bm:
+        lines += ["", f"**Beam search** — {bm['source']}. Fully diverged = beam i always continues beam i after the "
+                  "first step (no generated block shared: the upper bound).", "",
+                  "| beams | prompt | new | beam_idx | DynamicCache (MiB) | hf_paged peak (MiB) | ratio | "
+                  "diverged bound ratio | replay = real run's peak |", "|---|---|---|---|---|---|---|---|---|"]
+        for r in bm["runs"]:
+            m = {True: "yes", False: "**no**", None: "–"}[r["matches_real_run"]]
+            lines.append(f"| {r['num_beams']} | {r['prompt_len']} | {r['max_new_tokens']} | {r['source']} | "
+                         f"{_mib(r['dynamic_bytes'])} | {_mib(r['paged_peak_bytes'])} | {r['paged_over_dynamic']:.2f} | "
+                         f"{r['diverged_over_dynamic']:.2f} | {m} |")
+    elif "error" in bm:
+        lines += ["", f"Beam search: {bm['error']}"]
+    if "replay.png" in pngs:
+        lines += ["", "![full-length replay](replay.png)"]
+    return lines + [""]
+
+
+def replay_plot(res: dict, out_dir: Path) -> list[str]:
+    rp = res.get("replay")
+    if not rp:
+        return []
+    s, conc = rp["sharegpt"]["summary"], rp["concurrency"]
+    fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(12, 3.4))
+    items = [("Dynamic\nCache", s["dynamic_bytes"]), ("Static\nCache", s["static_bytes"]),
+             ("generate_batch\npolicy", s["gb_policy_bytes"]), ("hf_paged\npeak", s["paged_peak_bytes"]),
+             ("real tokens", s["real_at_peak_bytes"])]
+    a1.bar([k for k, _ in items], [v["median"] / 2**20 for _, v in items],
+           yerr=[[(v["median"] - v["min"]) / 2**20 for _, v in items], [(v["max"] - v["median"]) / 2**20 for _, v in items]])
+    a1.set_ylabel("KV MiB (median, min–max)"), a1.set_title(f"ShareGPT batch of {rp['sharegpt']['batch']}, full lengths",
+                                                            fontsize=9)
+    a1.tick_params(axis="x", labelsize=6)
+    keys = [k for k in ("static_2048", "dynamic", "static", "generate_batch", "paged_full", "paged") if k in conc]
+    a2.barh(keys, [conc[k]["median"] for k in keys],
+            xerr=[[conc[k]["median"] - conc[k]["min"] for k in keys], [conc[k]["max"] - conc[k]["median"] for k in keys]])
+    a2.set_xlabel(f"requests held in {conc['_budget_bytes'] / 2**20:.0f} MiB"), a2.tick_params(axis="y", labelsize=7)
+    runs = rp["beams"].get("runs", [])
+    if runs:
+        labels = [f"b{r['num_beams']} p{r['prompt_len']} n{r['max_new_tokens']}" for r in runs]
+        a3.barh(labels, [r["paged_over_dynamic"] for r in runs], label="recorded beams")
+        a3.scatter([r["diverged_over_dynamic"] for r in runs], labels, color="k", marker="|", s=80, label="diverged bound")
+        a3.axvline(0.5, color="r", lw=0.8), a3.set_xlabel("hf_paged / DynamicCache KV"), a3.legend(fontsize=6)
+        a3.tick_params(axis="y", labelsize=6)
+    return [_save(fig, out_dir / "replay.png")]

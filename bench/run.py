@@ -2,7 +2,8 @@
 
 Writes bench/results/<timestamp>.json and regenerates bench/results/report.md with its plots.
 Sections: memory (probed runs), concurrency at a fixed KV budget (computed), throughput
-(interleaved repeats), host overhead (pytest-benchmark), beam search. ``--only`` picks sections.
+(interleaved repeats), host overhead (pytest-benchmark), beam search, replay (the real allocator at full
+ShareGPT lengths, no model run; see bench/replay.py). ``--only`` picks sections.
 """
 from __future__ import annotations
 
@@ -23,22 +24,24 @@ if __package__ in (None, ""):  # `python bench/run.py`
 
 import torch  # noqa: E402
 
-from bench import beam, memory, models, report, throughput, vllm_peer  # noqa: E402
+from bench import beam, memory, models, replay, report, throughput, vllm_peer  # noqa: E402
 from bench import workloads as W  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
-SECTIONS = ("memory", "concurrency", "throughput", "host", "beam")
+SECTIONS = ("memory", "concurrency", "throughput", "host", "beam", "replay")
 PADDED = ["dynamic", "static", "paged"]
 
 # Sizes per mode. ShareGPT lengths are scaled so that prompt + output <= max_total.
 MODES = {
     "quick": dict(mem_n=12, mem_total=192, tp={"smollm2": (12, 192), "tiny": (24, 384)}, repeats=2,
                   uniform=(12, 48, 24, 0.5), prefix=(12, 96, (8, 24), 12), parallel=(4, 24, 12, 4),
-                  beam=dict(beams=[4, 8], n_prompts=2, prompt_len=32, output_len=12, repeats=2), draws=20),
+                  beam=dict(beams=[4, 8], n_prompts=2, prompt_len=32, output_len=12, repeats=2), draws=20,
+                  replay=dict(seeds=20, draws=20)),
     "full": dict(mem_n=64, mem_total=1024, tp={"smollm2": (32, 512), "tiny": (64, 1024)}, repeats=5,
                  uniform=(32, 256, 128, 0.5), prefix=(32, 512, (16, 64), 64), parallel=(8, 64, 64, 4),
-                 beam=dict(beams=[4, 8], n_prompts=4, prompt_len=128, output_len=64, repeats=3), draws=100),
+                 beam=dict(beams=[4, 8], n_prompts=4, prompt_len=128, output_len=64, repeats=3), draws=100,
+                 replay=dict(seeds=100, draws=100)),
 }
 
 
@@ -113,7 +116,7 @@ def main(argv=None) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
 
     loaded = {"tiny": models.tiny_llama()}
-    if not args.no_smollm2:
+    if not args.no_smollm2 and set(sections) - {"replay", "host"}:  # replay/host need no weights
         try:
             loaded["smollm2"] = models.smollm2()
         except (ModuleNotFoundError, FileNotFoundError) as exc:
@@ -186,6 +189,10 @@ def main(argv=None) -> Path:
     if "beam" in sections:
         res["beam"] = timed("beam", lambda: beam.measure(main_model, block_size=args.block_size, **cfg["beam"]))
         res["beam_model"] = main_name
+
+    if "replay" in sections:  # full-length ShareGPT through the real allocator, no model run (seconds)
+        res["replay"] = timed("replay", lambda: replay.measure(
+            budget_mib=args.budget_mib, block_size=args.block_size, cb_page_size=args.cb_page_size, **cfg["replay"]))
 
     res["runtimes"]["total"] = time.perf_counter() - start_all
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")

@@ -14,7 +14,7 @@ the pool stores only real tokens, so a row's stored index of a token equals its 
 
 Pool size: ``num_blocks`` or ``max_memory_bytes`` fixes it (exhaustion raises PoolExhaustedError and
 changes nothing); with neither, the pool grows on demand: it starts at what the first step needs
-plus one block per row, and each growth adds half the current size or what the step needs, whichever
+plus two blocks per row, and each growth adds half the current size or what the step needs, whichever
 is more (each growth copies the pools once, like DynamicCache's concatenation).
 """
 from __future__ import annotations
@@ -129,11 +129,15 @@ class PagedCache(KVPools):
 
     # ------------------------------------------------------------ planning
     def plan_step(self, attention_mask: torch.Tensor | None, input_ids: torch.Tensor | None,
-                  batch_size: int, q_len: int, dtype: torch.dtype, device: torch.device) -> StepPlan:
+                  batch_size: int, q_len: int, dtype: torch.dtype, device: torch.device,
+                  compact: bool = False) -> StepPlan:
         """Reserve slots for this forward's real tokens and build the plan every layer reads.
 
         attention_mask: the 2D padding mask [B, columns_before + Q] (or None: all real).
-        Nothing changes when this raises (pool exhausted, bad shapes).
+        compact: the caller runs the forward on ``self.active_rows`` only (finished rows left out);
+            the plan then covers those rows. Without it every row is planned (finished ones read nothing).
+        When this raises (pool exhausted, bad shapes) nothing changes, except that rows found
+        finished at this step have already released their blocks (they need none again).
         """
         new_real = self._new_real_columns(attention_mask, batch_size, q_len)
         real_tokens = int(new_real.sum())
@@ -166,7 +170,7 @@ class PagedCache(KVPools):
         self._columns += q_len
         self._written.append(new_real)
         # Finished rows (decode only) are left out of the forward: the hooks run it on the others.
-        active = [r for r, done in enumerate(self._finished) if not done] if q_len == 1 else []
+        active = [r for r, done in enumerate(self._finished) if not done] if q_len == 1 and compact else []
         self.active_rows = torch.tensor(active) if 0 < len(active) < batch_size else None
         rows = active if self.active_rows is not None else range(batch_size)
         tables = [alloc.tables[self._rows[r]] for r in rows]

@@ -59,9 +59,12 @@ def _plan_hook(decoder, args, kwargs):
             f"(attn_implementation={decoder.config._attn_implementation!r}). Generate through a patched "
             "model's generate, or wrap direct forwards in `with hf_paged.use_paged_attention(model):`.")
     weight = decoder.get_input_embeddings().weight
-    plan = cache.plan_step(kwargs.get("attention_mask"), input_ids, batch, q_len, weight.dtype, weight.device)
+    # Leaving finished rows out changes no token, but per-layer outputs would lose those rows.
+    compact = not args and not kwargs.get("output_hidden_states") and not kwargs.get("output_attentions")
+    plan = cache.plan_step(kwargs.get("attention_mask"), input_ids, batch, q_len, weight.dtype, weight.device,
+                           compact=compact)
     kwargs = {**kwargs, PLAN_KWARG: plan}
-    if cache.active_rows is not None and not args:
+    if cache.active_rows is not None:
         # Finished rows are not computed: the forward sees only the active rows; _expand_hook puts
         # the batch back together (zeros for finished rows) so generate sees the shapes it expects.
         rows = cache.active_rows.to(reference.device)
@@ -70,8 +73,6 @@ def _plan_hook(decoder, args, kwargs):
             if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == batch:
                 kwargs[name] = value.index_select(0, rows)
         kwargs[_FULL_BATCH_KWARG] = batch
-    elif cache.active_rows is not None:
-        raise RuntimeError("hf_paged: the decoder was called with positional arguments; pass them by name")
     return args, kwargs
 
 

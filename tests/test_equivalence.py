@@ -267,3 +267,16 @@ def test_fresh_seed_mixed_modes(family):
     ref, out = generate_both(model, seed=seed, input_ids=ids, attention_mask=mask, max_new_tokens=6,
                              num_beams=3, do_sample=rng.random() < 0.5)
     assert_same(ref, out)
+
+
+def test_hidden_states_keep_every_row_after_eos():
+    """Finished rows are left out of the forward only when no per-layer output was asked for."""
+    model = make_model("llama", seed=4)
+    ids, mask = make_batch([9, 3, 14, 6], seed=5)
+    probe = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False, eos_token_id=None)
+    eos = [probe[0, ids.shape[1] + 2].item()]
+    ref, out = generate_both(model, input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
+                             eos_token_id=eos, pad_token_id=PAD, return_dict_in_generate=True,
+                             output_hidden_states=True)
+    assert_same(ref, out)
+    assert [h[-1].shape for h in out.hidden_states] == [h[-1].shape for h in ref.hidden_states]
