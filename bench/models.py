@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from hf_paged.pools import kv_bytes_per_token  # noqa: F401  (bench modules import it from here)
+
 
 def tiny_llama(seed: int = 0, dtype: torch.dtype = torch.float32):
     """4 layers, hidden 256, 4 query / 2 KV heads of 64 (vLLM's CPU attention needs head_dim 64), vocab 4096."""
@@ -31,12 +33,6 @@ def load(name: str, dtype: torch.dtype = torch.float32):
         return smollm2(dtype=dtype)
     raise ValueError(f"unknown model {name!r}; expected 'tiny' or 'smollm2'")
 
-
-def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
-    """2 (K and V) * layers * kv_heads * head_dim * element size."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    return 2 * config.num_hidden_layers * kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
 
 
 def describe(model) -> dict:

@@ -174,7 +174,7 @@ def main(argv=None) -> Path:
                 wl = W.sharegpt_mix(n, total, model.config.vocab_size, seed=1)
                 warm = W.sharegpt_mix(4, 64, model.config.vocab_size, seed=2)
                 vdir = _vllm_dir(name, model) if not vllm_reason else None
-                r = throughput.measure(model, wl, warm, PADDED + ["generate_batch"], cfg["repeats"], args.block_size,
+                r = throughput.measure(model, wl, warm, PADDED + ["generate_batch", "engine"], cfg["repeats"], args.block_size,
                                        args.cb_page_size, vllm_model_dir=vdir, desc=f"tokens/s {name}")
                 if vllm_reason:
                     r["vllm"] = {"skipped": vllm_reason}

@@ -21,6 +21,8 @@ def _summary(values: list[float]) -> dict:
 def _run(model, wl: Workload, approach: str, block_size: int, cb_page_size: int) -> engines.RunResult:
     if approach == "generate_batch":
         return engines.run_generate_batch(model, wl, page_size=cb_page_size)
+    if approach == "engine":
+        return engines.run_engine(model, wl, block_size=block_size)
     return engines.run_generate(model, wl, approach, block_size=block_size, probe=False)
 
 

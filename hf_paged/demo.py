@@ -45,11 +45,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    return 2 * config.num_hidden_layers * kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
-
 
 def dynamic_cache_bytes(cache) -> int:
     """Sum of the nbytes of every key/value tensor a transformers cache holds."""
@@ -135,7 +130,7 @@ def main(argv=None) -> None:
     prompt_lens = inputs["attention_mask"].sum(1).tolist()
     eos = model.generation_config.eos_token_id
     eos = eos[0] if isinstance(eos, list) else eos
-    bpt = kv_bytes_per_token(model.config, dtype)
+    bpt = hf_paged.pools.kv_bytes_per_token(model.config, dtype)
 
     # Warm-up (first-call costs: kernels, allocator) so tokens/s compare like with like.
     _generate(model, inputs, DynamicCache(config=model.config), 2)
