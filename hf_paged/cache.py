@@ -117,12 +117,12 @@ class PagedCache(KVPools):
     def growable(self) -> bool:
         return self._fixed_blocks is None and self._budget is None
 
-    def _make_room(self, needed: int, hint: str) -> None:
+    def _make_room(self, needed: int) -> None:
         alloc = self.allocator
         if needed <= alloc.num_free:
             return
         if not self.growable:
-            raise PoolExhaustedError(needed, alloc.num_free, alloc.num_blocks, self.block_size, hint)
+            raise PoolExhaustedError(needed, alloc.num_free, alloc.num_blocks, self.block_size)
         extra = max(needed - alloc.num_free, alloc.num_blocks // 2)
         alloc.grow(extra)
         self.grow_pools(extra)
@@ -220,7 +220,7 @@ class PagedCache(KVPools):
                 -(-longest // self.block_size), alloc.num_free, alloc.num_blocks, self.block_size,
                 f"One sequence of {longest} tokens alone needs more than the whole pool. Raise "
                 "num_blocks / max_memory_bytes, or leave both unset so the pool grows on demand.")
-        self._make_room(needed, "")
+        self._make_room(needed)
         if first_step:
             self._rows = [self._new_seq_id() for _ in counts]
             self._finished = [False] * len(counts)
