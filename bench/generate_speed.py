@@ -1,6 +1,6 @@
 """CPU tokens/s of hf_paged against padded DynamicCache: one left-padded batch of mixed-length prompts.
 
-    python -m bench.generate_speed [--model smollm2|tiny] [--batch 16] [--new 48] [--repeats 5] [--threads N]
+    python -m bench generate-speed [--model smollm2|tiny] [--batch 16] [--new 48] [--repeats 5] [--threads N]
 
 Prompt lengths are ShareGPT prompt lengths (capped at --max-prompt), prompt tokens random ids; every
 row generates exactly --new tokens (min_new_tokens = max_new_tokens) so both sides do the same work; tokens/s counts useful tokens.
@@ -53,8 +53,8 @@ class ForceEOSAt:
         return torch.where(due.unsqueeze(1), forced, scores)
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None, prog: str = "python -m bench generate-speed") -> None:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2", choices=["smollm2", "tiny"])
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--new", type=int, default=48)
@@ -103,4 +103,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(prog="python -m bench.generate_speed")

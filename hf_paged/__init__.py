@@ -4,28 +4,28 @@
     hf_paged.patch(model)
     model.generate(**inputs, cache_implementation="paged")
 
-Importing this package changes nothing in transformers.
+Importing this package changes nothing in transformers. This module is the public face: it
+re-exports the core (``blocks`` → ``plan`` → ``cache`` → ``backends`` → ``attention_interface`` →
+``engine``) and the transformers integrations (``hf_paged.integrations``) built on it.
 """
-from .allocator import BlockAllocator, PoolExhaustedError
-from .attention import ATTENTION_NAME
+from .attention_interface import ATTENTION_NAME, use_paged_attention
+from .blocks import PoolExhaustedError
 from .cache import PagedCache
 from .engine import LLM, Engine, EngineConfig, RequestOutput, generate_many
-from .patching import (disable, enable, enabled, is_enabled, is_patched, last_stats, patch, unpatch,
-                       use_paged_attention)
-
+from .integrations.patching import disable, enable, enabled, is_enabled, is_patched, last_stats, patch, unpatch
 
 
 def pipeline(task: str = "text-generation", model=None, **kwargs):
     """``transformers.pipeline`` whose lists of prompts run through the continuous-batching engine
     (see ``hf_paged.integrations.pipeline``; imported on first use)."""
-    from hf_paged.integrations.pipeline import pipeline as paged_pipeline
+    from .integrations.pipeline import pipeline as paged_pipeline
 
     return paged_pipeline(task, model, **kwargs)
 
 
 __all__ = [
-    "ATTENTION_NAME", "BlockAllocator", "Engine", "EngineConfig", "LLM", "PagedCache", "PoolExhaustedError",
-    "RequestOutput", "disable", "enable", "enabled", "generate_many", "is_enabled", "is_patched", "last_stats",
-    "patch", "pipeline", "unpatch", "use_paged_attention",
+    "ATTENTION_NAME", "Engine", "EngineConfig", "LLM", "PagedCache", "PoolExhaustedError", "RequestOutput",
+    "disable", "enable", "enabled", "generate_many", "is_enabled", "is_patched", "last_stats", "patch", "pipeline",
+    "unpatch", "use_paged_attention",
 ]
 __version__ = "0.1.0"

@@ -9,7 +9,9 @@ places (keyword, passed config, ``model.generation_config``), builds a PagedCach
 from __future__ import annotations
 
 import contextlib
-import inspect
+
+from hf_paged.attention_interface import cache_keyword
+from hf_paged.cache import PagedCache
 
 PAGED = "paged"
 
@@ -23,11 +25,6 @@ def _setting(name, kwargs, generation_config, model):
         if value is not None:
             return value
     return None
-
-
-def cache_keyword(model) -> str:
-    """The keyword this transformers release uses for the cache (``cache`` since 5.2x, else past_key_values)."""
-    return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
 
 
 def wants_paged(kwargs: dict, generation_config, model) -> bool:
@@ -49,8 +46,6 @@ def paged_generate(model, generate, args: tuple, kwargs: dict, cache_options: di
     on_cache: called with the cache once generate returns (to record its stats).
     scope: context manager factory wrapped around the paged call (switches the attention implementation).
     """
-    from hf_paged.cache import PagedCache
-
     generation_config = kwargs.get("generation_config", args[1] if len(args) > 1 else None)
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     asked = wants_paged(kwargs, generation_config, model)
@@ -69,7 +64,7 @@ def paged_generate(model, generate, args: tuple, kwargs: dict, cache_options: di
     eos_ids = frozenset([] if eos is None else [eos] if isinstance(eos, int) else list(eos))
     num_beams = _setting("num_beams", kwargs, generation_config, model) or 1
     # Beam search may keep a beam whose last token is EOS among the running ones: keep its blocks.
-    cache.eos_token_ids = eos_ids if num_beams == 1 else frozenset()
+    cache.begin_generate(eos_ids if num_beams == 1 else frozenset())
     try:
         with scope():
             return generate(*args, **kwargs)

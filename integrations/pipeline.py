@@ -21,8 +21,9 @@ from __future__ import annotations
 from transformers import TextGenerationPipeline
 from transformers.utils.chat_template_utils import Chat, is_valid_message
 
-from hf_paged.engine import LLM, SamplingParams
+from hf_paged.engine import LLM
 from hf_paged.engine.llm import split_options
+from hf_paged.engine.settings import resolve_generation
 
 _STOCK_ONLY = ("num_beams", "return_dict_in_generate", "output_scores", "output_logits", "output_attentions",
                "output_hidden_states", "assistant_model", "streamer", "stopping_criteria", "logits_processor",
@@ -68,36 +69,50 @@ def run_list_through_engine(pipe: TextGenerationPipeline, llm: LLM, text_inputs,
         return None                                          # empty prompts: generate starts from BOS
     params = []
     for x in inputs:
-        generate_kwargs = dict(fwd)
-        prefix_length = generate_kwargs.pop("prefix_length", 0)
-        generate_kwargs = pipe._prepare_generate_kwargs(generate_kwargs)
-        if prefix_length:
-            set_params = pipe._get_set_generation_params(generate_kwargs)
-            for length, new in (("max_length", "max_new_tokens"), ("min_length", "min_new_tokens")):
-                if length in set_params and new not in set_params:
-                    generate_kwargs[length] = set_params[length] + prefix_length
-        base = generate_kwargs.pop("generation_config", None) or pipe.model.generation_config
+        generate_kwargs = _pipeline_generate_kwargs(pipe, dict(fwd))
         _, settings = split_options(generate_kwargs)
-        params.append(SamplingParams.resolve(base, **settings))
+        params.append(resolve_generation(pipe.model.generation_config, **settings))   # as generate resolves them
     engine = llm.engine
-    ids = [engine.add_request(x["input_ids"][0], index=i, params=p) for i, (x, p) in enumerate(zip(inputs, params))]
+    ids = [engine.add_request(x["input_ids"][0], prompt_index=i, params=p) for i, (x, p) in enumerate(zip(inputs, params))]
     engine.run()
     records = []
     for rid, x in zip(ids, inputs):
         out = engine.output(rid)
         if out.error is not None:
-            raise ValueError(f"prompt {out.index}: {out.error}")
+            raise ValueError(f"prompt {out.prompt_index}: {out.error}")
         model_outputs = {"generated_sequence": out.sequences.unsqueeze(0), "input_ids": x["input_ids"],
                          "prompt_text": x["prompt_text"]}
         records.append(pipe.postprocess(model_outputs, **post))
     return records
 
 
-def stock_pipeline_call(original):
+def _pipeline_generate_kwargs(pipe: TextGenerationPipeline, generate_kwargs: dict) -> dict:
+    """The keyword arguments ``pipe._forward`` would give ``model.generate`` (both ends of the range)."""
+    prefix_length = generate_kwargs.pop("prefix_length", 0)
+    if hasattr(pipe, "_prepare_generate_kwargs"):           # transformers >= 5.2x
+        generate_kwargs = pipe._prepare_generate_kwargs(generate_kwargs)
+        if prefix_length:
+            set_params = pipe._get_set_generation_params(generate_kwargs)
+            for length, new in (("max_length", "max_new_tokens"), ("min_length", "min_new_tokens")):
+                if length in set_params and new not in set_params:
+                    generate_kwargs[length] = set_params[length] + prefix_length
+        return generate_kwargs
+    config = generate_kwargs.get("generation_config")       # transformers 5.17: TextGenerationPipeline._forward
+    if prefix_length > 0:
+        if "max_new_tokens" not in generate_kwargs and (config is None or config.max_new_tokens is None):
+            generate_kwargs["max_length"] = (generate_kwargs.get("max_length") or pipe.generation_config.max_length
+                                             ) + prefix_length
+        if ("min_new_tokens" not in generate_kwargs and (config is None or config.min_new_tokens is None)
+                and "min_length" in generate_kwargs):
+            generate_kwargs["min_length"] += prefix_length
+    generate_kwargs.setdefault("generation_config", pipe.generation_config)
+    return generate_kwargs
+
+
+def stock_pipeline_call(original, is_patched):
     """For ``hf_paged.enable()``: ``TextGenerationPipeline.__call__`` that sends lists of prompts to the
-    engine when the pipeline's model is patched; every other call goes to ``original`` untouched.
-    The engine (and its prefix cache) lives on the pipeline object."""
-    from hf_paged.patching import is_patched
+    engine when the pipeline's model is patched (``is_patched(model)``); every other call goes to
+    ``original`` untouched. The engine (and its prefix cache) lives on the pipeline object."""
 
     def __call__(self, text_inputs, *args, **kwargs):
         if args or isinstance(self, PagedTextGenerationPipeline) or not is_patched(self.model):
@@ -126,10 +141,17 @@ def _as_list(text_inputs):
 def pipeline(task: str = "text-generation", model=None, *, engine_options: dict | None = None, **kwargs):
     """``transformers.pipeline(task, model, ...)`` whose lists of prompts run through the engine.
 
-    Only ``"text-generation"``. ``engine_options``: EngineConfig knobs (block_size, max_num_seqs, ...)."""
+    Only ``"text-generation"``. Engine knobs (EngineConfig fields: block_size, max_num_seqs, ...) may be
+    passed as keywords or in ``engine_options``; every other keyword goes to ``transformers.pipeline``."""
     from transformers import pipeline as hf_pipeline
 
     if task != "text-generation":
         raise ValueError(f"hf_paged.pipeline supports task='text-generation', got {task!r}")
+    knobs, kwargs = split_options(kwargs)
+    options = dict(engine_options or {})
+    both = sorted(set(knobs) & set(options))
+    if both:
+        raise ValueError(f"engine option(s) {both} given both as keywords and in engine_options; pass each once")
+    options.update(knobs)
     return hf_pipeline(task, model=model, pipeline_class=PagedTextGenerationPipeline,
-                       engine_options=engine_options, **kwargs)
+                       engine_options=options, **kwargs)

@@ -1,12 +1,7 @@
-"""Shared fixtures; the model and batch helpers live in tiny_models.py."""
-import sys
-from pathlib import Path
-
+"""Shared fixtures; the model and batch helpers live in tiny_models.py (on pytest's pythonpath)."""
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from tiny_models import FAMILIES  # noqa: E402
+from tiny_models import FAMILIES
 
 
 @pytest.fixture(params=sorted(FAMILIES))

@@ -74,3 +74,17 @@ def generate_both(model, seed: int = 0, **kwargs):
 
 def sequences(out):
     return out if isinstance(out, torch.Tensor) else out.sequences
+
+
+def word_tokenizer():
+    """An offline word-level tokenizer over the tiny models' vocabulary: token i is the word 'w<i>'."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(3, VOCAB)}
+    vocab.update({"<pad>": PAD, "</s>": EOS, "<s>": BOS})
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="</s>", bos_token="<s>")
+    tok.padding_side = "left"
+    return tok

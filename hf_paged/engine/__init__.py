@@ -1,9 +1,9 @@
-"""Continuous batching over the paged KV pool: request → scheduler/block manager → runner → sampler.
+"""Continuous batching over the paged KV pool: request → scheduler → runner → sampler.
 
-Module map: ``request`` (settings, requests, sequences, outputs) · ``block_manager`` (blocks, prefix
-cache, copy-on-write; pure Python) · ``scheduler`` (token budget, admission, preemption) · ``runner``
-(packed forward, EngineCache) · ``sampler`` · ``config`` (vLLM-named knobs, pool sizing) · ``engine``
-(one step) · ``llm`` (lists of prompts, streams).
+Module map: ``request`` (settings, requests, sequences, outputs) · ``scheduler`` (token budget,
+admission, preemption, over ``hf_paged.blocks``: pool, tables, prefix cache) · ``runner`` (packed
+forward, EngineCache) · ``sampler`` · ``config`` (vLLM-named knobs, pool sizing) · ``stats``
+(counters and the read-only snapshot) · ``engine`` (one step) · ``llm`` (lists of prompts, streams).
 """
 from .config import EngineConfig
 from .engine import Engine, RequestTooLongError, TokenEvent

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..blocks import blocks_for_budget
+
 log = logging.getLogger("hf_paged.engine")
 _CPU_DEFAULT_CAP = 512 * 2**20
 
@@ -59,26 +61,24 @@ def _available_cpu_bytes() -> int:
 def kv_pool_blocks(config: EngineConfig, bytes_per_token: int, max_model_len: int, device: torch.device,
                    profile=None) -> int:
     """Number of KV blocks for the pool. ``profile()`` runs the largest forward (GPU sizing only)."""
-    per_block = bytes_per_token * config.block_size
     if config.num_blocks is not None:
         blocks, how = config.num_blocks, "num_blocks"
-    elif device.type == "cuda" and config.kv_cache_memory_bytes is None:
-        budget = _gpu_kv_budget(config, device, profile)
-        blocks, how = budget // per_block, f"gpu_memory_utilization={config.gpu_memory_utilization}"
     else:
-        if config.kv_cache_memory_bytes is not None:
+        if device.type == "cuda" and config.kv_cache_memory_bytes is None:
+            budget = _gpu_kv_budget(config, device, profile)
+            how, knob = f"gpu_memory_utilization={config.gpu_memory_utilization}", "gpu_memory_utilization budget"
+        elif config.kv_cache_memory_bytes is not None:
             budget, how = config.kv_cache_memory_bytes, "kv_cache_memory_bytes"
+            knob = how
         else:
             need = config.max_num_seqs * (max_model_len + config.block_size) * bytes_per_token
             budget = min(_CPU_DEFAULT_CAP, _available_cpu_bytes() // 10, need)
             how = "CPU default: min(512 MiB, 10% of available memory, max_num_seqs full-length sequences)"
-        blocks = budget // per_block
-    if blocks < 1:
-        raise ValueError(f"the KV budget ({how}) holds no block: one block of {config.block_size} tokens takes "
-                         f"{per_block} bytes. Raise kv_cache_memory_bytes / gpu_memory_utilization or set num_blocks.")
+            knob = "kv_cache_memory_bytes (CPU default)"
+        blocks = blocks_for_budget(budget, bytes_per_token, config.block_size, knob)
     log.info("KV pool: %d blocks x %d tokens x %d B/token = %.1f MiB (%s)", blocks, config.block_size,
-             bytes_per_token, blocks * per_block / 2**20, how)
-    return int(blocks)
+             bytes_per_token, blocks * bytes_per_token * config.block_size / 2**20, how)
+    return blocks
 
 
 def _gpu_kv_budget(config: EngineConfig, device: torch.device, profile) -> int:

@@ -13,6 +13,7 @@ back at once), fork the extra sequences of ``num_return_sequences`` requests.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import time
@@ -20,17 +21,17 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from hf_paged.integrations.families import adapter_for
-
-from ..attention import ATTENTION_NAME
-from ..patching import use_paged_attention
-from .block_manager import BlockManager
+from ..attention_interface import ATTENTION_NAME, use_paged_attention
+from ..blocks import BlockPool, PrefixCache
+from ..cache import kv_bytes_per_token
+from ..families import adapter_for
 from .config import EngineConfig, kv_pool_blocks
 from .request import CompletionOutput, Request, RequestOutput, SamplingParams, Sequence, Status
-from ..pools import kv_bytes_per_token
 from .runner import EngineCache, ModelRunner
 from .sampler import sample
 from .scheduler import Scheduler
+from .settings import resolve_generation
+from .stats import EngineCounters, EngineStats
 
 log = logging.getLogger("hf_paged.engine")
 
@@ -68,41 +69,44 @@ class Engine:
         blocks = kv_pool_blocks(config, per_token, self.max_model_len, device, profile=self._profile)
         self.bytes_per_token = per_token
         self.cache = EngineCache(model.config, blocks, config.block_size, dtype, device)
-        self.block_manager = BlockManager(blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.pool = BlockPool(blocks, config.block_size)
+        self.prefix_cache = PrefixCache(self.pool) if config.enable_prefix_caching else None
+        self.counters = EngineCounters()
+        self.scheduler = Scheduler(self.pool, self.prefix_cache, config.max_num_seqs, config.max_num_batched_tokens,
+                                   self.counters)
         self.runner = ModelRunner(model, self.cache)
         self.requests: dict[int, Request] = {}
         self._ids = itertools.count()
         self._seq_ids = itertools.count()
-        self.totals = dict(steps=0, forward_s=0.0, host_s=0.0, prompt_tokens=0, computed_tokens=0,
-                           generated_tokens=0, prepare_s=0.0, finished=0, failed=0, cancelled=0)
 
     # ------------------------------------------------------------ requests
-    def add_request(self, prompt, index: int | None = None, on_token=None, params: SamplingParams | None = None,
+    def add_request(self, prompt, prompt_index: int | None = None, on_token=None, params: SamplingParams | None = None,
                     **settings) -> int:
         """Queue one prompt (token ids, or text with a tokenizer); returns its request id.
+        ``prompt_index``: its position in the caller's list (``RequestOutput.prompt_index``; default the id).
 
         settings: generate's names (max_new_tokens, min_new_tokens, do_sample, temperature, top_k, top_p,
-        eos_token_id, stop_strings, num_return_sequences) plus ``seed`` and ``ignore_eos``; unset ones come
-        from ``model.generation_config``. ``on_token(TokenEvent)`` is called for each new token.
-        Raises ValueError for an empty prompt or an unknown setting. A prompt that can never fit is not
-        raised: its output carries the error and the other requests run.
+        eos_token_id, stop_strings, num_return_sequences) plus ``seed`` and ``ignore_eos``; unset ones are
+        resolved as ``model.generate`` resolves them (``settings.resolve_generation``: the model's
+        generation config, then transformers' defaults). ``on_token(TokenEvent)`` is called for each new token.
+        Raises ValueError for an empty prompt or an unknown setting. A prompt that can never fit (or that
+        an explicit ``max_length`` leaves no room after) is not raised: its output carries the error
+        (``output.error``, ``finish_reason == "error"``) and the other requests run.
         """
         ids = self._token_ids(prompt)
         if params is None:
-            params = SamplingParams.resolve(self.model.generation_config, **settings)
+            params = resolve_generation(self.model.generation_config, **settings)
         if params.stop_strings and self.tokenizer is None:
             raise ValueError(f"stop_strings={list(params.stop_strings)} need a tokenizer: Engine(model, tokenizer=...)")
         request_id = next(self._ids)
-        request = Request(request_id, request_id if index is None else index, ids, params, on_token)
-        if request.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {request.max_new_tokens} (request {request.index})")
+        request = Request(request_id, request_id if prompt_index is None else prompt_index, ids, params, on_token,
+                          max_position_embeddings=getattr(self.model.config, "max_position_embeddings", None))
         self.requests[request_id] = request
         error = self._never_fits(request)
         if error:
             request.output.error = error
-            self.totals["failed"] += 1
-            log.warning("request %d fails alone: %s", request.index, error)
+            self.counters.failed += 1
+            log.warning("request %d fails alone: %s", request.prompt_index, error)
             return request_id
         self._spawn(request, 0, list(ids))
         return request_id
@@ -122,20 +126,25 @@ class Engine:
         return ids
 
     def _never_fits(self, request: Request) -> str | None:
+        if request.max_new_tokens < 1:       # generate raises "Input length of input_ids is ..." for these
+            limit = len(request.prompt) + request.max_new_tokens
+            return (f"input length of {len(request.prompt)} tokens is >= max_length={limit} (prompt + new tokens, "
+                    "as model.generate counts it, which raises for this prompt): set max_new_tokens, or a larger "
+                    "max_length.")
         total = len(request.prompt) + request.max_new_tokens
         if total > self.max_model_len:
             return (f"prompt of {len(request.prompt)} tokens + max_new_tokens={request.max_new_tokens} = {total} "
                     f"tokens exceeds the model's context of {self.max_model_len} (max_model_len). Shorten the "
                     "prompt or lower max_new_tokens.")
         blocks = -(-total // self.config.block_size)
-        if blocks > self.block_manager.num_blocks:
+        if blocks > self.pool.num_blocks:
             return (f"prompt + max_new_tokens = {total} tokens need {blocks} blocks but the whole KV pool holds "
-                    f"{self.block_manager.num_blocks}. Raise kv_cache_memory_bytes / num_blocks / "
+                    f"{self.pool.num_blocks}. Raise kv_cache_memory_bytes / num_blocks / "
                     "gpu_memory_utilization, or lower max_new_tokens.")
         return None
 
     def _spawn(self, request: Request, index: int, token_ids: list[int]) -> Sequence:
-        seq = Sequence(next(self._seq_ids), request, index, token_ids, self.totals["steps"])
+        seq = Sequence(next(self._seq_ids), request, index, token_ids)
         request.sequences.append(seq)
         self.scheduler.add(seq)
         return seq
@@ -152,11 +161,11 @@ class Engine:
             elif seq.status is Status.WAITING:
                 seq.status, seq.finish_reason = Status.FINISHED, "cancelled"
         while len(request.sequences) < request.params.num_return_sequences:
-            seq = Sequence(next(self._seq_ids), request, len(request.sequences), list(request.prompt), 0)
+            seq = Sequence(next(self._seq_ids), request, len(request.sequences), list(request.prompt))
             seq.status, seq.finish_reason = Status.FINISHED, "cancelled"
             request.sequences.append(seq)
         self.scheduler.drop_finished()
-        self.totals["cancelled"] += 1
+        self.counters.cancelled += 1
         self._record_finished(request)
 
     @property
@@ -168,30 +177,41 @@ class Engine:
 
     # ------------------------------------------------------------ one step
     def step(self) -> list[TokenEvent]:
-        """Schedule, run one packed forward, sample; returns this step's new tokens."""
+        """Schedule, run one packed forward, sample; returns this step's new tokens. Inside ``session()``
+        the attention implementation is already switched; a bare call switches it for this step."""
         if self.model.config._attn_implementation != ATTENTION_NAME:
             with use_paged_attention(self.model):
                 return self._step()
         return self._step()
 
+    @contextlib.contextmanager
+    def session(self):
+        """Switch the model to paged attention once for many steps, and count their wall time."""
+        start = time.perf_counter()
+        try:
+            with use_paged_attention(self.model):
+                yield self
+        finally:
+            self.counters.wall_s += time.perf_counter() - start
+
     def _step(self) -> list[TokenEvent]:
         start = time.perf_counter()
-        plan = self.scheduler.schedule()
-        if not plan.batch:
+        scheduled = self.scheduler.schedule()
+        if not scheduled.batch:
             if self.has_work:
-                raise RuntimeError(f"the scheduler could not place any waiting request: {self.block_manager.num_free} "
-                                   f"free blocks of {self.block_manager.num_blocks}, max_num_seqs="
+                raise RuntimeError(f"the scheduler could not place any waiting request: {self.pool.num_free} "
+                                   f"free blocks of {self.pool.num_blocks}, max_num_seqs="
                                    f"{self.config.max_num_seqs}. Raise num_blocks / kv_cache_memory_bytes.")
             return []
-        self.cache.copy_blocks(plan.copies)
+        self.cache.copy_blocks(scheduled.copies)
         forward_start = time.perf_counter()
-        logits, samplers = self.runner.execute(plan.batch)
+        logits, samplers, prepare_s = self.runner.execute(scheduled.batch)
         forward_end = time.perf_counter()
-        bm = self.block_manager
-        for seq, n in plan.batch:
+        for seq, n in scheduled.batch:
             seq.num_computed += n
             seq.high_water = max(seq.high_water, seq.num_computed)
-            bm.commit(seq.block_table, seq.token_ids, seq.num_computed, seq.block_hashes)
+            if self.prefix_cache is not None:
+                self.prefix_cache.commit(seq.block_table, seq.token_ids, seq.block_hashes)
         rows = list(range(len(samplers)))
         for row, seq in enumerate(list(samplers)):     # extra sequences of num_return_sequences
             request = seq.request
@@ -204,20 +224,18 @@ class Engine:
         tokens = sample(logits[rows] if len(rows) != logits.shape[0] else logits, samplers)
         events = [self._append(seq, token) for seq, token in zip(samplers, tokens)]
         self.scheduler.drop_finished()
-        t = self.totals
-        t["steps"] += 1
-        t["computed_tokens"] += plan.num_tokens
-        prepare = self.runner.prepare_s - t["prepare_s"]
-        t["prepare_s"] = self.runner.prepare_s
-        t["forward_s"] += forward_end - forward_start - prepare
-        t["host_s"] += (forward_start - start) + prepare + (time.perf_counter() - forward_end)
+        c = self.counters
+        c.steps += 1
+        c.computed_tokens += scheduled.num_tokens
+        c.forward_s += forward_end - forward_start - prepare_s
+        c.host_s += (forward_start - start) + prepare_s + (time.perf_counter() - forward_end)
         return events
 
     def _fork(self, parent: Sequence, index: int) -> Sequence:
         request = parent.request
-        child = Sequence(next(self._seq_ids), request, index, list(parent.token_ids), parent.arrival)
+        child = Sequence(next(self._seq_ids), request, index, list(parent.token_ids))
         child.num_computed = child.high_water = parent.num_computed
-        self.block_manager.fork(parent.seq_id, child.seq_id, child.block_table)
+        child.block_table = parent.block_table.fork(self.pool)
         child.block_hashes = list(parent.block_hashes)
         child.status = Status.RUNNING
         request.sequences.append(child)
@@ -227,7 +245,7 @@ class Engine:
     def _append(self, seq: Sequence, token: int) -> TokenEvent:
         request, params = seq.request, seq.request.params
         seq.token_ids.append(token)
-        self.totals["generated_tokens"] += 1
+        self.counters.generated_tokens += 1
         reason = None
         if token in params.eos_token_ids:
             reason = "stop"
@@ -252,52 +270,52 @@ class Engine:
 
     def _record_finished(self, request: Request) -> None:
         out = request.output
-        out.outputs = []
+        out.completions = []
         for seq in sorted(request.sequences, key=lambda s: s.index):
             text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True) if self.tokenizer else None
-            out.outputs.append(CompletionOutput(seq.index, seq.output_ids, text, seq.finish_reason))
-        self.totals["finished"] += 1
+            out.completions.append(CompletionOutput(seq.index, seq.output_ids, text, seq.finish_reason))
+        self.counters.finished += 1
 
     # ------------------------------------------------------------ whole runs
     def run(self, progress=None) -> None:
         """Step until no request is left. ``progress``: a tqdm-like bar advanced per finished request."""
-        before = self.totals["finished"]
-        start = time.perf_counter()
-        with use_paged_attention(self.model):
+        before = self.counters.finished
+        with self.session():
             while self.has_work:
                 self.step()
                 if progress is not None:
-                    done = self.totals["finished"]
-                    progress.update(done - before)
-                    before = done
-        self.totals["wall_s"] = self.totals.get("wall_s", 0.0) + time.perf_counter() - start
+                    progress.update(self.counters.finished - before)
+                    before = self.counters.finished
         self.log_stats()
 
     def log_stats(self) -> None:
         """Log ``stats()`` on one line (logger ``hf_paged.engine``, level INFO)."""
         log.info("hf_paged engine: %s", ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
-                                                 for k, v in self.stats().items()))
+                                                 for k, v in self.stats().as_dict().items()))
 
-    def stats(self) -> dict:
-        """Engine-wide counters (see README): requests, blocks, KV utilisation, prefix hits, preemptions, speed."""
-        bm, sched, t = self.block_manager, self.scheduler, self.totals
-        c = sched.counters
-        wall = t.get("wall_s", 0.0)
-        waiting = sum(1 for s in sched.waiting if s.status is Status.WAITING)
-        return dict(
+    def stats(self) -> EngineStats:
+        """A read-only snapshot (see README): requests, blocks, KV utilisation, prefix hits, preemptions, speed."""
+        pool, sched, c = self.pool, self.scheduler, self.counters
+        return EngineStats(
             requests_running=len({s.request.request_id for s in sched.running}),
-            requests_waiting=waiting, requests_finished=t["finished"], requests_failed=t["failed"],
-            requests_cancelled=t["cancelled"], blocks_total=bm.num_blocks, blocks_used=bm.num_used,
-            blocks_free=bm.num_free, blocks_cached=bm.num_cached_free + sum(
-                1 for b in range(bm.num_blocks) if bm.refcounts[b] and bm.block_hash[b] is not None),
-            kv_utilization=bm.num_used / bm.num_blocks, block_size=bm.block_size,
+            requests_waiting=sum(1 for s in sched.waiting if s.status is Status.WAITING),
+            requests_finished=c.finished, requests_failed=c.failed, requests_cancelled=c.cancelled,
+            blocks_total=pool.num_blocks, blocks_used=pool.num_used, blocks_free=pool.num_free,
+            blocks_cached=self.prefix_cache.num_hashed if self.prefix_cache is not None else 0,
+            kv_utilization=pool.num_used / pool.num_blocks, block_size=pool.block_size,
             prefix_query_tokens=c.prefix_query_tokens, prefix_hit_tokens=c.prefix_hit_tokens,
             prefix_hit_rate=c.prefix_hit_tokens / c.prefix_query_tokens if c.prefix_query_tokens else 0.0,
-            prefix_evictions=bm.evictions, preemptions=c.preemptions, recomputed_tokens=c.recomputed_tokens,
-            steps=t["steps"], computed_tokens=t["computed_tokens"], generated_tokens=t["generated_tokens"],
-            forward_s=t["forward_s"], host_s=t["host_s"], wall_s=wall,
-            tokens_per_s=t["generated_tokens"] / wall if wall else 0.0,
+            prefix_evictions=pool.evictions, preemptions=c.preemptions, recomputed_tokens=c.recomputed_tokens,
+            steps=c.steps, computed_tokens=c.computed_tokens, generated_tokens=c.generated_tokens,
+            forward_s=c.forward_s, host_s=c.host_s, wall_s=c.wall_s,
+            tokens_per_s=c.generated_tokens / c.wall_s if c.wall_s else 0.0,
         )
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the block bookkeeping is inconsistent (leaks, refcounts, stale hashes)."""
+        self.pool.check_invariants(s.block_table.blocks for s in self.scheduler.running)
+        if self.prefix_cache is not None:
+            self.prefix_cache.check_invariants()
 
     def _profile(self) -> None:
         """The largest forward (``max_num_batched_tokens`` tokens) without KV, for GPU memory sizing."""

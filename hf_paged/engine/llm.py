@@ -5,16 +5,17 @@
     outs = llm.generate(prompts, max_new_tokens=64, do_sample=False)     # RequestOutput per prompt, input order
     outs[0].sequences            # LongTensor [n, prompt + new], what generate returns for that prompt
     outs[0].outputs[0].text      # with a tokenizer
+    outs[0].error                # a request that failed alone: its message (finish_reason "error")
     for event in llm.stream(prompts, max_new_tokens=64): ...             # TokenEvent as tokens come
 """
 from __future__ import annotations
 
-import time
 from dataclasses import fields
 
 from .config import EngineConfig
 from .engine import Engine, TokenEvent
-from .request import RequestOutput, SamplingParams
+from .request import RequestOutput
+from .settings import resolve_generation
 
 _KNOBS = frozenset(f.name for f in fields(EngineConfig))
 TQDM_MIN_REQUESTS = 32
@@ -35,15 +36,16 @@ class LLM:
     def stream(self, prompts, settings=None, *, on_token=None, use_tqdm: bool | None = None, **common):
         """Queue every prompt, then yield a TokenEvent per new token until all are done.
 
-        settings: one dict per prompt (merged over ``common``), or None. Failed requests yield nothing
-        (see ``results``). The request ids are in ``self.last_ids``, in input order. ``use_tqdm``: a progress
-        bar (default: for lists of ``TQDM_MIN_REQUESTS`` or more, when tqdm is installed).
+        settings: one dict per prompt (merged over ``common``), or None. A request that fails alone yields
+        nothing; its RequestOutput has ``error`` set and ``finish_reason == "error"``. The request ids are
+        in ``self.last_ids``, in input order. ``use_tqdm``: a progress bar (default: for lists of
+        ``TQDM_MIN_REQUESTS`` or more, when tqdm is installed).
         """
         engine = self.engine
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         if settings is not None and len(settings) != len(prompts):
             raise ValueError(f"settings has {len(settings)} entries for {len(prompts)} prompts")
-        shared = None if settings is not None else SamplingParams.resolve(engine.model.generation_config, **common)
+        shared = None if settings is not None else resolve_generation(engine.model.generation_config, **common)
         if shared is not None and shared.do_sample and "seed" not in common:
             shared = None          # each request draws its own seed
         ids = []
@@ -51,37 +53,40 @@ class LLM:
             for i, prompt in enumerate(prompts):
                 own = {**common, **(settings[i] if settings is not None else {})}
                 if shared is not None:
-                    ids.append(engine.add_request(prompt, index=i, on_token=on_token, params=shared))
+                    ids.append(engine.add_request(prompt, prompt_index=i, on_token=on_token, params=shared))
                 else:
-                    ids.append(engine.add_request(prompt, index=i, on_token=on_token, **own))
+                    ids.append(engine.add_request(prompt, prompt_index=i, on_token=on_token, **own))
         except Exception:
             for rid in ids:
                 engine.cancel(rid)
             raise
         self.last_ids = ids
         show = len(prompts) >= TQDM_MIN_REQUESTS if use_tqdm is None else use_tqdm
-        with _progress(len(prompts) if show else 0) as bar:
-            finished = engine.totals["finished"]
+        with _progress(len(prompts) if show else 0) as bar, engine.session():
+            finished = engine.counters.finished
             while engine.has_work:
                 yield from engine.step()
                 if bar is not None:
-                    bar.update(engine.totals["finished"] - finished)
-                    finished = engine.totals["finished"]
+                    bar.update(engine.counters.finished - finished)
+                    finished = engine.counters.finished
 
     def generate(self, prompts, settings=None, *, on_token=None, use_tqdm: bool | None = None,
                  **common) -> list[RequestOutput]:
-        """Run every prompt to the end; one RequestOutput per prompt, in input order. Logs the stats."""
-        start = time.perf_counter()
+        """Run every prompt to the end; one RequestOutput per prompt, in input order. Logs the stats.
+
+        A request that fails alone (e.g. prompt + max new tokens over the model's context or the pool)
+        does not raise: its output has ``error`` (the message) and ``finish_reason == "error"``, no
+        outputs, and ``outputs[0]`` / ``sequences`` raise RuntimeError with that message."""
         for _ in self.stream(prompts, settings, on_token=on_token, use_tqdm=use_tqdm, **common):
             pass
-        self.engine.totals["wall_s"] = self.engine.totals.get("wall_s", 0.0) + time.perf_counter() - start
         self.engine.log_stats()
         return [self.engine.output(rid) for rid in self.last_ids]
 
     def cancel(self, request_id: int) -> None:
         self.engine.cancel(request_id)
 
-    def stats(self) -> dict:
+    def stats(self):
+        """``Engine.stats()``: a read-only EngineStats snapshot."""
         return self.engine.stats()
 
 

@@ -7,28 +7,24 @@ gives the same tokens whatever else runs beside it, and after preemption.
 """
 from __future__ import annotations
 
-import copy
 import enum
 from dataclasses import dataclass, field
 
 import torch
 
-# Settings generate knows that the engine does not implement (non-default values are refused).
-_UNSUPPORTED = dict(num_beams=1, num_beam_groups=1, repetition_penalty=1.0, no_repeat_ngram_size=0,
-                    penalty_alpha=None, typical_p=1.0, min_p=None, epsilon_cutoff=0.0, eta_cutoff=0.0,
-                    bad_words_ids=None, force_words_ids=None, suppress_tokens=None, begin_suppress_tokens=None,
-                    forced_bos_token_id=None, forced_eos_token_id=None, sequence_bias=None, guidance_scale=None,
-                    prompt_lookup_num_tokens=None, encoder_repetition_penalty=1.0)
-_ENGINE_ONLY = ("seed", "ignore_eos")
+from ..blocks import BlockTable
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Resolved settings of one request (generate's meaning; unset values come from the model's
-    generation config, as in ``model.generate``). ``seed``: sequence i samples with seed + i."""
+    """Resolved settings of one request, in generate's meaning: built by
+    ``settings.resolve_generation`` (unset values come from the model's generation config, then from
+    transformers' defaults, as in ``model.generate``). ``seed``: sequence i samples with seed + i.
+    ``default_max_length``: max_length is transformers' default (generate then makes ``max_length`` new
+    tokens whatever the prompt length, capped by the model's ``max_position_embeddings``)."""
     max_new_tokens: int | None
     max_length: int | None
-    min_new_tokens: int
+    min_new_tokens: int | None
     min_length: int
     do_sample: bool
     temperature: float
@@ -39,48 +35,26 @@ class SamplingParams:
     stop_strings: tuple
     num_return_sequences: int
     seed: int | None
+    default_max_length: bool = False
 
-    @classmethod
-    def resolve(cls, generation_config, **kwargs) -> "SamplingParams":
-        """Merge ``kwargs`` into a copy of ``generation_config``; unknown names raise ValueError."""
-        engine_only = {k: kwargs.pop(k) for k in _ENGINE_ONLY if k in kwargs}
-        config = copy.deepcopy(generation_config)
-        unknown = config.update(**kwargs)
-        if unknown:
-            raise ValueError(f"unknown generation argument(s) {sorted(unknown)}: the engine accepts "
-                             "GenerationConfig fields (max_new_tokens, do_sample, temperature, top_k, top_p, "
-                             "stop_strings, num_return_sequences, ...) plus seed and ignore_eos")
-        for name, default in _UNSUPPORTED.items():
-            value = getattr(config, name, default)
-            if value is not None and value != default:
-                raise ValueError(f"{name}={value!r} is not supported by the hf_paged engine (supported: greedy "
-                                 "and sampling with temperature/top_k/top_p); use model.generate for it")
-        eos = None if engine_only.get("ignore_eos") else config.eos_token_id
-        eos_ids = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
-        stops = config.stop_strings
-        stops = () if not stops else (stops,) if isinstance(stops, str) else tuple(stops)
-        n = config.num_return_sequences or 1
-        if not isinstance(n, int) or n < 1:
-            raise ValueError(f"num_return_sequences must be a positive int, got {n!r}")
-        seed = engine_only.get("seed")
-        if config.do_sample and seed is None:
-            seed = int(torch.randint(0, 2**62, ()).item())      # from the global RNG: manual_seed reproduces it
-        return cls(max_new_tokens=config.max_new_tokens, max_length=config.max_length,
-                   min_new_tokens=config.min_new_tokens or 0, min_length=config.min_length or 0,
-                   do_sample=bool(config.do_sample), temperature=float(config.temperature or 1.0),
-                   top_k=config.top_k, top_p=float(config.top_p if config.top_p is not None else 1.0),
-                   eos_token_ids=eos_ids, pad_token_id=config.pad_token_id, stop_strings=stops,
-                   num_return_sequences=n, seed=seed)
-
-    def new_tokens_for(self, prompt_len: int) -> tuple[int, int]:
-        """(max, min) new tokens for a prompt of ``prompt_len`` tokens, as generate computes them."""
-        most = self.max_new_tokens if self.max_new_tokens is not None else (self.max_length or 20) - prompt_len
-        least = max(self.min_new_tokens, self.min_length - prompt_len if self.min_length else 0)
-        return max(0, most), least
-
-    @property
-    def greedy(self) -> bool:
-        return not self.do_sample
+    def new_tokens_for(self, prompt_len: int, max_position_embeddings: int | None = None) -> tuple[int, int]:
+        """(max, min) new tokens for a prompt of ``prompt_len`` tokens, as generate's
+        ``_prepare_generated_length`` computes them. max < 1 when an explicit ``max_length`` leaves no
+        room (generate raises for it; the engine fails that request alone)."""
+        if self.max_new_tokens is not None:
+            most = self.max_new_tokens
+        elif self.default_max_length:          # "by default let's always generate 20 new tokens"
+            total = (self.max_length if self.max_length is not None else 20) + prompt_len
+            if max_position_embeddings is not None:
+                total = min(total, max_position_embeddings)
+            most = total - prompt_len
+        else:
+            most = (self.max_length if self.max_length is not None else 20) - prompt_len
+        if self.min_new_tokens is not None:    # min_new_tokens takes precedence over min_length
+            least = self.min_new_tokens
+        else:
+            least = max(0, (self.min_length or 0) - prompt_len)
+        return most, least
 
 
 class Status(enum.Enum):
@@ -98,41 +72,75 @@ class CompletionOutput:
     finish_reason: str | None = None     # "stop" (EOS), "stop_string", "length", "cancelled", "error"
 
 
+class FailedOutputs(list):
+    """``RequestOutput.outputs`` of a failed request: empty (iterating it yields nothing, ``len`` is 0), but
+    indexing it raises a RuntimeError that carries the failure instead of a bare IndexError."""
+
+    def __init__(self, index: int, error: str):
+        super().__init__()
+        self.message = f"request {index} failed: {error}"
+
+    def __getitem__(self, item):
+        raise RuntimeError(f"{self.message} (it has no outputs; see RequestOutput.error)")
+
+
 @dataclass
 class RequestOutput:
     """What one request produced, in input order. ``sequences``: LongTensor [n, prompt + longest output]
     (prompt then new tokens, right-padded with ``pad_token_id``), the shape ``model.generate`` returns
-    for one prompt with ``num_return_sequences=n``. ``error`` is set (and outputs empty) when the
-    request could not run."""
-    index: int
+    for one prompt with ``num_return_sequences=n``. A request that could not run has ``error`` set
+    (the message) and ``finish_reason == "error"``; its ``outputs`` is empty and ``outputs[0]`` /
+    ``sequences`` raise RuntimeError with that message. ``prompt_index``: the prompt's position in the
+    input list (``index`` names a sequence within a request: CompletionOutput, TokenEvent)."""
+    prompt_index: int
     prompt_token_ids: list[int]
-    outputs: list[CompletionOutput] = field(default_factory=list)
+    completions: list[CompletionOutput] = field(default_factory=list)
     error: str | None = None
     num_cached_tokens: int = 0
     pad_token_id: int = 0
 
     @property
+    def outputs(self) -> list[CompletionOutput]:
+        """One CompletionOutput per returned sequence (set when the request finishes)."""
+        if self.error is not None:
+            return FailedOutputs(self.prompt_index, self.error)
+        return self.completions
+
+    @outputs.setter
+    def outputs(self, value: list[CompletionOutput]) -> None:
+        self.completions = value
+
+    @property
     def finished(self) -> bool:
-        return self.error is not None or (bool(self.outputs) and all(o.finish_reason for o in self.outputs))
+        return self.error is not None or (bool(self.completions) and all(o.finish_reason for o in self.completions))
+
+    @property
+    def finish_reason(self) -> str | None:
+        """"error" when the request failed; else the first sequence's reason ("stop", "stop_string",
+        "length", "cancelled"; each sequence's own is in ``outputs[i].finish_reason``); None while running."""
+        if self.error is not None:
+            return "error"
+        return self.completions[0].finish_reason if self.finished else None
 
     @property
     def sequences(self) -> torch.Tensor:
         if self.error is not None:
-            raise RuntimeError(f"request {self.index} failed: {self.error}")
-        width = max(len(o.token_ids) for o in self.outputs)
+            raise RuntimeError(f"request {self.prompt_index} failed: {self.error}")
+        width = max(len(o.token_ids) for o in self.completions)
         rows = [self.prompt_token_ids + o.token_ids + [self.pad_token_id] * (width - len(o.token_ids))
-                for o in self.outputs]
+                for o in self.completions]
         return torch.tensor(rows, dtype=torch.long)
 
 
 class Request:
     """One prompt: its settings, its sequences and its output record."""
 
-    def __init__(self, request_id: int, index: int, prompt: list[int], params: SamplingParams, on_token=None):
-        self.request_id, self.index, self.prompt, self.params = request_id, index, prompt, params
-        self.max_new_tokens, self.min_new_tokens = params.new_tokens_for(len(prompt))
+    def __init__(self, request_id: int, prompt_index: int, prompt: list[int], params: SamplingParams, on_token=None,
+                 max_position_embeddings: int | None = None):
+        self.request_id, self.prompt_index, self.prompt, self.params = request_id, prompt_index, prompt, params
+        self.max_new_tokens, self.min_new_tokens = params.new_tokens_for(len(prompt), max_position_embeddings)
         self.on_token = on_token
-        self.output = RequestOutput(index, list(prompt), pad_token_id=params.pad_token_id or 0)
+        self.output = RequestOutput(prompt_index, list(prompt), pad_token_id=params.pad_token_id or 0)
         self.sequences: list[Sequence] = []
         self.forked = False
 
@@ -149,19 +157,18 @@ class Sequence:
     its full computed blocks."""
 
     __slots__ = ("seq_id", "request", "index", "token_ids", "num_computed", "block_table", "block_hashes",
-                 "status", "generator", "high_water", "finish_reason", "arrival")
+                 "status", "generator", "high_water", "finish_reason")
 
-    def __init__(self, seq_id: int, request: Request, index: int, token_ids: list[int], arrival: int):
+    def __init__(self, seq_id: int, request: Request, index: int, token_ids: list[int]):
         self.seq_id, self.request, self.index, self.token_ids = seq_id, request, index, token_ids
         self.num_computed = 0
-        self.block_table: list[int] = []
+        self.block_table = BlockTable()
         self.block_hashes: list[int] = []
         self.status = Status.WAITING
         seed = request.params.seed
         self.generator = None if seed is None else torch.Generator().manual_seed(seed + index)
         self.high_water = 0                  # most tokens ever computed (recomputation after preemption)
         self.finish_reason: str | None = None
-        self.arrival = arrival
 
     @property
     def num_tokens(self) -> int:

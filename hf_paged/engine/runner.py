@@ -3,21 +3,19 @@
 All scheduled tokens of all sequences go in as one row, ``input_ids [1, N]`` with each token's own
 ``position_ids [1, N]``, so the linear layers never see padding. ``EngineCache`` holds the pools and
 writes the new K/V of [1, Hkv, N, D] through the plan's packed ``slot_mapping [N]``; the attention
-function reads the ``PackedPlan`` passed in the forward's kwargs (``PLAN_KWARG``). Only the rows that
+function reads the prepared ``PackedPlan`` passed in the forward's kwargs (``STEP_KWARG``). Only the rows that
 sample (a sequence's last scheduled token when it reaches the end of its tokens) reach the LM head.
 """
 from __future__ import annotations
 
 import time
 
-import numpy as np
 import torch
 
-from hf_paged.cache import PLAN_KWARG
-from hf_paged.integrations.generate import cache_keyword
-
-from ..plan import PackedPlan, StepPlan
-from ..pools import KVPools
+from ..attention_interface import STEP_KWARG, cache_keyword
+from ..backends import PreparedStep, prepare_step
+from ..cache import KVPools
+from ..plan import packed_plan
 
 
 class EngineCache(KVPools):
@@ -28,13 +26,13 @@ class EngineCache(KVPools):
 
     def __init__(self, config, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device):
         super().__init__(config)
-        self.block_size, self.num_blocks = block_size, num_blocks
+        self.block_size = block_size
         self.allocate_pools(num_blocks, block_size, dtype, device)
-        self.plan: PackedPlan | None = None
+        self.step: PreparedStep | None = None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """key/value_states [1, Hkv, N, D] -> written at ``plan.slot_mapping``; returns the layer's pools."""
-        return self.write(layer_idx, key_states, value_states, self.plan.slot_mapping)
+        """key/value_states [1, Hkv, N, D] -> written at the plan's slots; returns the layer's pools."""
+        return self.write(layer_idx, key_states, value_states, self.step.plan.slot_mapping)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0
@@ -48,16 +46,6 @@ class EngineCache(KVPools):
     is_initialized = True
 
 
-def _tables(seqs, block_size: int, width_tokens: list[int]) -> np.ndarray:
-    """int32 [B, W]: the blocks holding each sequence's first ``width_tokens[b]`` tokens (0-padded)."""
-    width = max(1, max(-(-t // block_size) for t in width_tokens))
-    tables = np.zeros((len(seqs), width), dtype=np.int32)
-    for row, (seq, total) in enumerate(zip(seqs, width_tokens)):
-        used = -(-total // block_size)
-        tables[row, :used] = seq.block_table[:used]
-    return tables
-
-
 class ModelRunner:
     """Builds the packed inputs and plan for a scheduled batch and runs the model once."""
 
@@ -65,72 +53,42 @@ class ModelRunner:
         self.model, self.cache = model, cache
         self.device = cache.key_pools[0].device
         self.cache_kw = cache_keyword(model)
-        self.prepare_s = 0.0
 
     def prepare(self, batch: list[tuple[object, int]]):
         """batch: (sequence, number of its tokens to compute), decode entries (1 token) first.
 
-        Returns (input_ids [1, N], position_ids [1, N], plan, sample_index [S]: packed index of each
-        sampling sequence's last token, sampling sequences).
+        Returns (input_ids [1, N], position_ids [1, N], prepared step, sample_index [S]: packed index of
+        each sampling sequence's last token, sampling sequences).
         """
-        bs = self.cache.block_size
-        ids, positions, slots, sample_at, samplers = [], [], [], [], []
-        decode, extend = [], []
+        ids, positions, sample_at, samplers = [], [], [], []
         for seq, n in batch:
             c = seq.num_computed
-            table = seq.block_table
-            for p in range(c, c + n):
-                slots.append(table[p // bs] * bs + p % bs)
             ids.extend(seq.token_ids[c:c + n])
             positions.extend(range(c, c + n))
             if c + n == seq.num_tokens:
                 sample_at.append(len(ids) - 1)
                 samplers.append(seq)
-            (decode if n == 1 else extend).append((seq, n))
-        if decode and extend and batch[len(decode) - 1][1] != 1:
-            raise ValueError("decode entries must come first in the batch")
+        plan = packed_plan([(seq.block_table, seq.num_computed, n) for seq, n in batch], self.cache.block_size,
+                           self.device)
         dev = self.device
 
-        def t(x, dtype):
-            return torch.as_tensor(x, dtype=dtype).to(dev, non_blocking=True)
+        def t(x):
+            return torch.as_tensor(x, dtype=torch.long).to(dev, non_blocking=True)
 
-        decode_plan = extend_plan = None
-        if decode:
-            seqs = [s for s, _ in decode]
-            ctx = [s.num_computed + 1 for s in seqs]
-            lens = t(ctx, torch.int32)
-            decode_plan = StepPlan(slot_mapping=None, block_tables=t(_tables(seqs, bs, ctx), torch.int32),
-                                   context_lens=lens, query_pos=(lens - 1).view(-1, 1), decode_lens=lens,
-                                   max_context=max(ctx), backend=self.cache.backend)
-        if extend:
-            seqs = [s for s, _ in extend]
-            q_len = max(n for _, n in extend)
-            ctx = [s.num_computed + n for s, n in extend]
-            query_pos = np.full((len(extend), q_len), -1, dtype=np.int32)
-            index = []
-            for row, (s, n) in enumerate(extend):
-                query_pos[row, :n] = np.arange(s.num_computed, s.num_computed + n)
-                index.extend(range(row * q_len, row * q_len + n))
-            extend_plan = StepPlan(slot_mapping=None, block_tables=t(_tables(seqs, bs, ctx), torch.int32),
-                                   context_lens=t(ctx, torch.int32), query_pos=t(query_pos, torch.int32),
-                                   decode_lens=None, max_context=max(ctx), backend=self.cache.backend,
-                                   packed_index=t(index, torch.int64))
-        plan = PackedPlan(slot_mapping=t(slots, torch.int64), decode=decode_plan, extend=extend_plan,
-                          num_decode=len(decode), backend=self.cache.backend)
-        return t(ids, torch.long).view(1, -1), t(positions, torch.long).view(1, -1), plan, \
-            t(sample_at, torch.long), samplers
+        return t(ids).view(1, -1), t(positions).view(1, -1), prepare_step(self.cache.backend, plan), t(sample_at), \
+            samplers
 
     @torch.inference_mode()
-    def execute(self, batch: list[tuple[object, int]]) -> tuple[torch.Tensor, list]:
-        """Run one packed forward. Returns (float32 logits [S, V] of the sampling sequences, those sequences).
-        ``prepare_s`` accumulates the host time spent building inputs and plans."""
+    def execute(self, batch: list[tuple[object, int]]) -> tuple[torch.Tensor, list, float]:
+        """Run one packed forward. Returns (float32 logits [S, V] of the sampling sequences, those
+        sequences, seconds spent building the inputs and the plan)."""
         start = time.perf_counter()
-        input_ids, position_ids, plan, sample_at, samplers = self.prepare(batch)
-        self.prepare_s += time.perf_counter() - start
-        self.cache.plan = plan
+        input_ids, position_ids, step, sample_at, samplers = self.prepare(batch)
+        prepare_s = time.perf_counter() - start
+        self.cache.step = step
         try:
             out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=True,
-                             logits_to_keep=sample_at, **{self.cache_kw: self.cache, PLAN_KWARG: plan})
+                             logits_to_keep=sample_at, **{self.cache_kw: self.cache, STEP_KWARG: step})
         finally:
-            self.cache.plan = None
-        return out.logits[0].float(), samplers
+            self.cache.step = None
+        return out.logits[0].float(), samplers, prepare_s

@@ -11,15 +11,20 @@ import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 
-def _warpers(params) -> list:
-    warpers = []
+def warpers(params) -> list:
+    """generate's sampling warpers for resolved settings, in generate's order (transformers' own classes,
+    so they also refuse the values generate refuses)."""
+    chain = []
     if params.temperature != 1.0:
-        warpers.append(TemperatureLogitsWarper(params.temperature))
+        chain.append(TemperatureLogitsWarper(params.temperature))
     if params.top_k is not None and params.top_k != 0:
-        warpers.append(TopKLogitsWarper(top_k=params.top_k, min_tokens_to_keep=1))
+        chain.append(TopKLogitsWarper(top_k=params.top_k, min_tokens_to_keep=1))
     if params.top_p < 1.0:
-        warpers.append(TopPLogitsWarper(top_p=params.top_p, min_tokens_to_keep=1))
-    return warpers
+        chain.append(TopPLogitsWarper(top_p=params.top_p, min_tokens_to_keep=1))
+    return chain
+
+
+_warpers = warpers
 
 
 def sample(logits: torch.Tensor, seqs: list) -> list[int]:
@@ -39,7 +44,7 @@ def sample(logits: torch.Tensor, seqs: list) -> list[int]:
         if not params.do_sample:
             tokens[row] = int(scores.argmax(-1))
             continue
-        for warper in _warpers(params):
+        for warper in warpers(params):
             scores = warper(None, scores)
         probs = torch.softmax(scores, dim=-1).cpu()      # the sequence's generator lives on the CPU
         tokens[row] = int(torch.multinomial(probs, num_samples=1, generator=seq.generator))

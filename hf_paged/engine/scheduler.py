@@ -13,8 +13,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from .block_manager import BlockManager
+from ..blocks import BlockPool, BlockTable, PrefixCache
 from .request import Sequence, Status
+from .stats import EngineCounters
 
 
 @dataclass
@@ -25,21 +26,14 @@ class SchedulerOutput:
     num_tokens: int = 0
 
 
-@dataclass
-class SchedulerCounters:
-    preemptions: int = 0
-    recomputed_tokens: int = 0
-    prefix_query_tokens: int = 0
-    prefix_hit_tokens: int = 0
-
-
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
-        self.bm = block_manager
+    def __init__(self, pool: BlockPool, prefix_cache: PrefixCache | None, max_num_seqs: int,
+                 max_num_batched_tokens: int, counters: EngineCounters):
+        self.pool, self.prefix_cache = pool, prefix_cache
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.counters = SchedulerCounters()
+        self.counters = counters        # the engine's; the scheduler adds preemptions and prefix hits
 
     @property
     def has_work(self) -> bool:
@@ -49,7 +43,7 @@ class Scheduler:
         self.waiting.append(seq)
 
     def schedule(self) -> SchedulerOutput:
-        out, bm = SchedulerOutput(), self.bm
+        out, pool = SchedulerOutput(), self.pool
         budget = self.max_num_batched_tokens
         decode, extend = [], []
         running, preempted = self.running, False
@@ -57,7 +51,7 @@ class Scheduler:
         while i < len(running) and budget > 0:
             seq = running[i]
             n = min(seq.num_tokens - seq.num_computed, budget)
-            while bm.blocks_needed(seq.block_table, seq.num_computed, seq.num_computed + n) > bm.num_free:
+            while seq.block_table.blocks_needed(pool, n) > pool.num_free:
                 victim = running.pop()
                 self.preempt(victim)
                 preempted = True
@@ -65,7 +59,7 @@ class Scheduler:
                     break
             if seq.status is not Status.RUNNING:
                 break
-            self._take(seq, n, out, decode, extend)
+            self._schedule(seq, n, out, decode, extend)
             budget -= n
             i += 1
         while self.waiting and budget > 0 and not preempted and len(running) < self.max_num_seqs:
@@ -77,13 +71,14 @@ class Scheduler:
             fan_out = request.params.num_return_sequences if not request.forked else 1
             if running and len(running) + fan_out > self.max_num_seqs:
                 break
-            hits, hashes = bm.match_prefix(seq.token_ids, seq.num_tokens - 1)
-            computed = len(hits) * bm.block_size
+            hits, hashes = self._match(seq)
+            computed = len(hits) * pool.block_size
             n = min(seq.num_tokens - computed, budget)
-            if bm.blocks_needed([], computed, computed + n, hits) > bm.num_free:
+            revived = self.prefix_cache.blocks_to_revive(hits) if hits else 0
+            if revived + BlockTable(list(hits), computed).blocks_needed(pool, n) > pool.num_free:
                 break
             self.waiting.popleft()
-            bm.add_hits(seq.seq_id, seq.block_table, hits)
+            seq.block_table = self.prefix_cache.table_from_hits(hits) if hits else BlockTable()
             seq.block_hashes, seq.num_computed = hashes, computed
             self.counters.prefix_query_tokens += seq.num_tokens
             self.counters.prefix_hit_tokens += computed
@@ -91,28 +86,38 @@ class Scheduler:
                 request.output.num_cached_tokens = max(request.output.num_cached_tokens, computed)
             seq.status = Status.RUNNING
             running.append(seq)
-            self._take(seq, n, out, decode, extend)
+            self._schedule(seq, n, out, decode, extend)
             budget -= n
         out.batch = decode + extend
         return out
 
-    def _take(self, seq: Sequence, n: int, out: SchedulerOutput, decode: list, extend: list) -> None:
+    def _match(self, seq: Sequence) -> tuple[list[int], list[int]]:
+        """Cached blocks for ``seq``'s first tokens; its last token is always computed (it samples)."""
+        if self.prefix_cache is None:
+            return [], []
+        return self.prefix_cache.match(seq.token_ids, seq.num_tokens - 1)
+
+    def _schedule(self, seq: Sequence, n: int, out: SchedulerOutput, decode: list, extend: list) -> None:
         c = seq.num_computed
-        self.bm.allocate(seq.seq_id, seq.block_table, c, c + n, out.copies)
+        seq.block_table.append(self.pool, n, out.copies)
         self.counters.recomputed_tokens += max(0, min(c + n, seq.high_water) - c)
         (decode if n == 1 else extend).append((seq, n))
         out.num_tokens += n
 
+    def release(self, seq: Sequence) -> None:
+        """``seq``'s blocks go back to the pool (hashed full blocks stay kept for prefix hits)."""
+        seq.block_table.release(self.pool)
+
     def preempt(self, seq: Sequence) -> None:
         """Free ``seq``'s blocks; it waits at the front of the queue and is recomputed from its tokens."""
-        self.bm.release(seq.seq_id)
+        self.release(seq)
         seq.block_hashes, seq.num_computed, seq.status = [], 0, Status.WAITING
         self.waiting.appendleft(seq)
         self.counters.preemptions += 1
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """``seq`` is done: its blocks go back now (it leaves ``running`` at ``drop_finished``)."""
-        self.bm.release(seq.seq_id)
+        self.release(seq)
         seq.status, seq.finish_reason = Status.FINISHED, reason
 
     def drop_finished(self) -> None:

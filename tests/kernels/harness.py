@@ -19,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from hf_paged import kernel_registry as reg
-from hf_paged.cuda_backend import KernelBackend
+from hf_paged.backends import kernel_registry as reg
+from hf_paged.backends.cuda_backend import KernelBackend
 
 HERE = Path(__file__).resolve().parent
 SHIM_DIR = HERE / "shim"

@@ -1,6 +1,6 @@
 """NVRTC compile gate with no GPU: NVRTC from pip wheels, loaded through ctypes.
 
-Every kernel of hf_paged.kernel_registry is compiled to cubin for sm_80 and sm_90 by each NVRTC
+Every kernel of hf_paged.backends.kernel_registry is compiled to cubin for sm_80 and sm_90 by each NVRTC
 (oldest supported 12.x, newest 12.x, 13.x), the cubin's entry symbols are compared with the registry,
 and registers / shared memory / spills are read from ptxas's verbose log.
 
@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hf_paged import kernel_registry as reg
+from hf_paged.backends import kernel_registry as reg
 
 ARCHS = ("sm_80", "sm_90")
 # name: (pip requirements, nvrtc library, builtins library to preload, include dir), relative to the target

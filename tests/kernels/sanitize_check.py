@@ -18,7 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import harness  # noqa: E402
-from hf_paged import torch_attention as ta  # noqa: E402
+from hf_paged.backends import torch_backend as ta  # noqa: E402
 
 
 def main(sanitize: str) -> None:

@@ -1,4 +1,4 @@
-"""The attention kernels, run on the CPU by the shim, against hf_paged.torch_attention.
+"""The attention kernels, run on the CPU by the shim, against hf_paged.backends.torch_backend.
 
 A covering design rather than the full product: every (head dim, block size) pair appears, each with
 a different dtype / GQA ratio, each under the warp-ahead schedule and one other; every case batches
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import harness
-from hf_paged import kernel_registry as reg
-from hf_paged import torch_attention as ta
+from hf_paged.backends import kernel_registry as reg
+from hf_paged.backends import torch_backend as ta
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 TOL = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float32: 2e-5}

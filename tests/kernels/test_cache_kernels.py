@@ -1,11 +1,11 @@
-"""write_kv and copy_blocks kernels (run by the CPU shim) against hf_paged.torch_attention."""
+"""write_kv and copy_blocks kernels (run by the CPU shim) against hf_paged.backends.torch_backend."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 import harness
-from hf_paged import torch_attention as ta
+from hf_paged.backends import torch_backend as ta
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])

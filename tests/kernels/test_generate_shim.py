@@ -8,8 +8,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import harness
 import hf_paged
-from hf_paged.integrations.generate import cache_keyword
-from hf_paged.patching import patch, unpatch
+from hf_paged.attention_interface import cache_keyword
+from hf_paged.integrations.patching import patch, unpatch
 
 PAD, EOS = 0, 1
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import harness
-from hf_paged import kernel_registry as reg
-from hf_paged.cuda_backend import CupyLauncher, KernelBackend
+from hf_paged.backends import kernel_registry as reg
+from hf_paged.backends.cuda_backend import CupyLauncher, KernelBackend
 
 
 def test_shim_libraries_export_exactly_the_registry(shim_libraries):
@@ -33,7 +33,7 @@ def test_smem_mirror_matches_kernel_layout(shim_libraries):
 
 
 def test_import_does_not_import_cupy():
-    code = "import sys, hf_paged, hf_paged.cuda_backend, hf_paged.backends; print('cupy' in sys.modules)"
+    code = "import sys, hf_paged, hf_paged.backends.cuda_backend, hf_paged.backends; print('cupy' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=True).stdout.strip() == "False"
 

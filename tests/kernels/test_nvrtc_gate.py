@@ -12,7 +12,7 @@ import os
 import pytest
 
 import nvrtc_gate
-from hf_paged import kernel_registry as reg
+from hf_paged.backends import kernel_registry as reg
 
 
 @pytest.fixture(scope="module")

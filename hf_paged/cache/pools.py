@@ -1,7 +1,7 @@
 """KV pools: what every paged cache (generate's PagedCache, the engine's EngineCache) shares.
 
 Per layer, ``key_pools[i]`` and ``value_pools[i]`` are ``[num_kv_heads, num_blocks, block_size,
-head_dim]`` (the layout ``torch_attention`` documents). This base holds the model's KV geometry, the
+head_dim]`` (the layout ``backends.torch_backend`` documents). This base holds the model's KV geometry, the
 pools, writes and copy-on-write copies through the backend, and the per-layer answers
 transformers asks of a cache (no sliding/linear/dummy layers it must special-case, not compileable).
 """
@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 from transformers import Cache
 
-from hf_paged.integrations.families import adapter_for
+from ..families import adapter_for
 
-from .backends import select_backend
+from ..backends import select_backend
 
 
 def kv_bytes_per_token(config, dtype: torch.dtype) -> int:

@@ -1,6 +1,6 @@
-"""CUDA backend: the four functions of ``torch_attention`` as launches of the kernels in ``cuda/``.
+"""CUDA backend: the four functions of ``torch_backend`` as launches of the kernels in ``hf_paged/cuda``.
 
-Same signatures, pool layout and semantics as :mod:`hf_paged.torch_attention`. The host side (shape
+Same signatures, pool layout and semantics as :mod:`hf_paged.backends.torch_backend`. The host side (shape
 checks, argument packing, split-K planning) lives in :class:`KernelBackend`, which launches through a
 *launcher*: :class:`CupyLauncher` on a GPU, or the CPU shim in ``tests/kernels`` (same kernels, same
 arguments). cupy is imported on the first launch, never at ``import hf_paged``.
@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from . import kernel_registry as reg
+from .step import PreparedStep
 
 INSTALL_HINT = "pip install hf-paged[cuda]   (cupy-cuda13x and the CUDA headers, nvidia-cuda-runtime)"
 _DEFAULT_SMEM_LIMIT = 48 * 1024
@@ -86,10 +87,16 @@ class KernelBackend:
                              args, 0)
 
     # -- attention ----------------------------------------------------------------------------
+    def prepare(self, plan) -> PreparedStep:
+        """Bind one forward's plan (its tables are already int32 on the device); the split-K partition
+        and the partial-result scratch are computed by the first layer and kept in the step's workspace."""
+        return PreparedStep(self, plan)
+
     def decode_attention(self, query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                          block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                         sliding_window: int = 0, max_context: int | None = None) -> torch.Tensor:
-        """query [B, Hq, D] -> out [B, Hq, D]; see torch_attention.decode_attention."""
+                         sliding_window: int = 0, max_context: int | None = None,
+                         workspace: dict | None = None) -> torch.Tensor:
+        """query [B, Hq, D] -> out [B, Hq, D]; see torch_backend.decode_attention."""
         batch, num_q_heads, head_dim = query.shape
         num_kv_heads, _, block_size, _ = k_pool.shape
         _check_pools(k_pool, v_pool)
@@ -102,14 +109,21 @@ class KernelBackend:
         tables = block_tables.to(torch.int32).contiguous()
         lens = context_lens.to(torch.int32).contiguous()
         span = min(length, sliding_window) if sliding_window > 0 else length
-        partition = self._partition(query.device, batch * num_kv_heads, span,
-                                    reg.tile_tokens(head_dim, k_pool.element_size()))
-        splits = -(-span // partition)
+        key = ("decode_split", batch, num_q_heads, head_dim, span, k_pool.element_size())
+        planned = workspace.get(key) if workspace is not None else None
+        if planned is None:
+            partition = self._partition(query.device, batch * num_kv_heads, span,
+                                        reg.tile_tokens(head_dim, k_pool.element_size()))
+            splits = -(-span // partition)
+            part_out = part_lse = None
+            if splits > 1:     # scratch shared by every layer of the step (layers run one after another)
+                part_out = torch.empty(batch, num_q_heads, splits, head_dim, dtype=torch.float32, device=query.device)
+                part_lse = torch.empty(batch, num_q_heads, splits, dtype=torch.float32, device=query.device)
+            planned = (partition, splits, part_out, part_lse)
+            if workspace is not None:
+                workspace[key] = planned
+        partition, splits, part_out, part_lse = planned
         out = torch.empty_like(query)
-        part_out = part_lse = None
-        if splits > 1:
-            part_out = torch.empty(batch, num_q_heads, splits, head_dim, dtype=torch.float32, device=query.device)
-            part_lse = torch.empty(batch, num_q_heads, splits, dtype=torch.float32, device=query.device)
         args = (_ptr(out), _ptr(part_out), _ptr(part_lse), _ptr(query), _ptr(k_pool), _ptr(v_pool),
                 _ptr(tables), _ptr(lens), np.int64(k_pool.stride(0)), np.int32(block_size.bit_length() - 1),
                 np.int32(tables.shape[1]),
@@ -127,7 +141,7 @@ class KernelBackend:
     def extend_attention(self, query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                          block_tables: torch.Tensor, context_lens: torch.Tensor, query_pos: torch.Tensor,
                          scale: float, sliding_window: int = 0, max_context: int | None = None) -> torch.Tensor:
-        """query [B, Hq, Q, D], query_pos int32 [B, Q] (-1 = pad) -> out [B, Hq, Q, D]."""
+        """query [B, Hq, Q, D], query_pos int32 [B, Q] (-1 = pad) -> out [B, Hq, Q, D]; see torch_backend."""
         batch, num_q_heads, q_len, head_dim = query.shape
         num_kv_heads, _, block_size, _ = k_pool.shape
         _check_pools(k_pool, v_pool)

@@ -7,7 +7,6 @@ import torch
 import hf_paged
 from tiny_models import EOS, VOCAB, make_model
 from hf_paged.engine import LLM, Engine, generate_many
-from hf_paged.engine.block_manager import BlockManager
 
 
 def reference(model, prompt, seed=None, **settings):
@@ -41,9 +40,8 @@ def mixed_requests(model, count: int, seed: int):
 
 
 def check_pool(engine: Engine) -> None:
-    bm = engine.block_manager
-    bm.check_invariants()
-    assert bm.num_used == 0, f"{bm.num_used} blocks still held after every request ended"
+    engine.check_invariants()
+    assert engine.pool.num_used == 0, f"{engine.pool.num_used} blocks still held after every request ended"
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "glm", "glm4"])
@@ -63,7 +61,7 @@ def test_engine_matches_generate_per_request_with_preemption(family):
         if settings.get("num_return_sequences", 1) > 1 and settings.get("top_k") != 1:
             continue                              # checked for reproducibility below
         expected = reference(model, prompt, seed=seed, **settings)
-        assert out.index == i and out.sequences.tolist() == expected.tolist(), f"request {i}: {settings}"
+        assert out.prompt_index == i and out.sequences.tolist() == expected.tolist(), f"request {i}: {settings}"
         early += out.outputs[0].finish_reason == "stop"
     assert early >= 5
 
@@ -110,41 +108,6 @@ def test_prefix_cache_second_call_computes_only_new_tokens():
     check_pool(llm.engine)
 
 
-def test_lru_eviction_only_when_the_pool_needs_the_block():
-    bm = BlockManager(num_blocks=4, block_size=2)
-    table: list[int] = []
-    bm.allocate(1, table, 0, 4, [])
-    bm.commit(table, [5, 6, 7, 8], 4, [])
-    first, second = table
-    bm.release(1)
-    assert bm.num_free == 4 and bm.num_cached_free == 2
-    assert bm.match_prefix([5, 6, 7, 8, 9], 5)[0] == [first, second]
-    assert bm.match_prefix([5, 6, 7, 9], 4)[0] == [first]          # chained: the second block differs
-    bm.allocate(2, [], 0, 4, [])                                    # the two uncached blocks go first
-    assert bm.evictions == 0 and bm.match_prefix([5, 6, 7, 8], 4)[0] == [first, second]
-    bm.allocate(3, [], 0, 2, [])                                    # then the LRU cached one: a prefix's tail
-    assert bm.evictions == 1 and bm.match_prefix([5, 6, 7, 8], 4)[0] == [first]
-    bm.check_invariants()
-
-
-def test_fork_and_copy_on_write_keep_invariants():
-    bm = BlockManager(num_blocks=6, block_size=4)
-    parent: list[int] = []
-    bm.allocate(1, parent, 0, 6, [])
-    child: list[int] = []
-    bm.fork(1, 2, child)
-    assert child == parent and bm.refcounts[parent[1]] == 2
-    assert bm.blocks_needed(child, 6, 7) == 1
-    copies: list[tuple[int, int]] = []
-    bm.allocate(2, child, 6, 7, copies)
-    assert copies == [(parent[1], child[1])] and child[0] == parent[0]
-    bm.check_invariants()
-    bm.release(1)
-    bm.release(2)
-    bm.check_invariants()
-    assert bm.num_used == 0
-
-
 def test_bad_input_fails_clearly_and_alone():
     model = make_model("qwen3", seed=7)
     llm = LLM(model, block_size=4, num_blocks=8)
@@ -178,10 +141,10 @@ def test_cancel_mid_way_frees_blocks_and_the_rest_complete():
     for event in llm.stream(prompts, max_new_tokens=10, do_sample=False):
         seen.append(event)
         if event.request_id == llm.last_ids[1] and len([e for e in seen if e.request_id == event.request_id]) == 3:
-            held = llm.engine.block_manager.num_used
+            held = llm.engine.pool.num_used
             llm.cancel(event.request_id)
-            assert llm.engine.block_manager.num_used < held
-            llm.engine.block_manager.check_invariants()
+            assert llm.engine.pool.num_used < held
+            llm.engine.check_invariants()
     outs = [llm.engine.output(r) for r in llm.last_ids]
     assert outs[1].outputs[0].finish_reason == "cancelled" and len(outs[1].outputs[0].token_ids) == 3
     for i in (0, 2):
@@ -191,7 +154,7 @@ def test_cancel_mid_way_frees_blocks_and_the_rest_complete():
 
 
 def test_stream_callbacks_and_text_prompts():
-    from test_patching import word_tokenizer
+    from tiny_models import word_tokenizer
     model = make_model("llama", seed=9)
     tok = word_tokenizer()
     texts = ["w5 w9 w33", "w100", "w7 w8 w9 w10 w11"]
@@ -207,7 +170,7 @@ def test_stream_callbacks_and_text_prompts():
 
 
 def test_stop_strings_never_matching_and_matching():
-    from test_patching import word_tokenizer
+    from tiny_models import word_tokenizer
     model = make_model("qwen2", seed=10)
     tok = word_tokenizer()
     free = generate_many(model, ["w5 w6"], tok, max_new_tokens=8, do_sample=False)[0]

@@ -1,18 +1,19 @@
-"""Host-side cost of paging, without a model: ``pytest bench/test_host_overhead.py`` (pytest-benchmark).
+"""Host-side cost of paging, without a model (pytest-benchmark): part of the suite, where each
+benchmark runs once as a test (pytest-benchmark's default), and timed by ``python -m bench quick``
+(section "host"), which runs this file with ``--benchmark-json``.
 
-Not part of the test suite (``testpaths = ["tests"]``). Each benchmark does one step for a batch of
-B sequences; ``extra_info["us_per_seq"]`` is the mean time divided by B (µs per sequence per step).
-Operations: allocate (new sequence + 256-token prompt), append (one decode token each), fork (one
-child per sequence, as beam search does), free, and per-step planning (``build_plan``, decode).
+Each benchmark does one step for a batch of B sequences; ``extra_info["us_per_seq"]`` is the mean
+time divided by B (µs per sequence per step). Operations: allocate (new table + 256-token prompt),
+append (one decode token each), fork (one child per sequence, as beam search does), release, and
+per-step planning (``padded_plan``, decode).
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
-from hf_paged.allocator import BlockAllocator
-from hf_paged.backends import select_backend
-from hf_paged.plan import build_plan
+from hf_paged.blocks import BlockPool, BlockTable
+from hf_paged.plan import padded_plan
 
 BATCHES = [1, 16, 256]
 BLOCK = 16
@@ -20,30 +21,29 @@ PROMPT = 256
 CONTEXT = 512  # tokens per sequence before the benchmarked decode step
 
 
-def _allocator(batch: int, tokens: int) -> BlockAllocator:
-    alloc = BlockAllocator(num_blocks=2 * batch * (tokens // BLOCK + 2), block_size=BLOCK)
-    copies = []
-    for seq in range(batch):
-        alloc.add_sequence(seq)
-        alloc.append(seq, tokens, copies)
-    return alloc
+def _filled(batch: int, tokens: int) -> tuple[BlockPool, list[BlockTable]]:
+    pool = BlockPool(num_blocks=2 * batch * (tokens // BLOCK + 2), block_size=BLOCK)
+    tables = [BlockTable() for _ in range(batch)]
+    for table in tables:
+        table.append(pool, tokens, [])
+    return pool, tables
 
 
 def _record(benchmark, batch: int) -> None:
     benchmark.extra_info["batch"] = batch
-    benchmark.extra_info["us_per_seq"] = benchmark.stats.stats.mean * 1e6 / batch
+    if benchmark.stats is not None:      # None under --benchmark-disable
+        benchmark.extra_info["us_per_seq"] = benchmark.stats.stats.mean * 1e6 / batch
 
 
 @pytest.mark.parametrize("batch", BATCHES)
 def test_allocate(benchmark, batch):
     def setup():
-        return (BlockAllocator(num_blocks=batch * (PROMPT // BLOCK + 1), block_size=BLOCK),), {}
+        return (BlockPool(num_blocks=batch * (PROMPT // BLOCK + 1), block_size=BLOCK),), {}
 
-    def allocate(alloc):
+    def allocate(pool):
         copies = []
-        for seq in range(batch):
-            alloc.add_sequence(seq)
-            alloc.append(seq, PROMPT, copies)
+        for _ in range(batch):
+            BlockTable().append(pool, PROMPT, copies)
 
     benchmark.pedantic(allocate, setup=setup, rounds=50 if batch < 256 else 10)
     _record(benchmark, batch)
@@ -51,12 +51,12 @@ def test_allocate(benchmark, batch):
 
 @pytest.mark.parametrize("batch", BATCHES)
 def test_append_decode_step(benchmark, batch):
-    alloc = _allocator(batch, CONTEXT)
+    pool, tables = _filled(batch, CONTEXT)
     copies: list = []
 
     def step():
-        for seq in range(batch):
-            alloc.append(seq, 1, copies)
+        for table in tables:
+            table.append(pool, 1, copies)
 
     benchmark.pedantic(step, rounds=200, iterations=1)  # crosses a block boundary every 16 rounds, as decode does
     _record(benchmark, batch)
@@ -65,43 +65,41 @@ def test_append_decode_step(benchmark, batch):
 @pytest.mark.parametrize("batch", BATCHES)
 def test_fork(benchmark, batch):
     def setup():
-        return (_allocator(batch, CONTEXT),), {}
+        return _filled(batch, CONTEXT), {}
 
-    def fork(alloc):
-        for seq in range(batch):
-            alloc.fork(seq, batch + seq)
+    def fork(pool, tables):
+        for table in tables:
+            table.fork(pool)
 
     benchmark.pedantic(fork, setup=setup, rounds=30 if batch < 256 else 10)
     _record(benchmark, batch)
 
 
 @pytest.mark.parametrize("batch", BATCHES)
-def test_free(benchmark, batch):
+def test_release(benchmark, batch):
     def setup():
-        return (_allocator(batch, CONTEXT),), {}
+        return _filled(batch, CONTEXT), {}
 
-    def free(alloc):
-        for seq in range(batch):
-            alloc.free(seq)
+    def release(pool, tables):
+        for table in tables:
+            table.release(pool)
 
-    benchmark.pedantic(free, setup=setup, rounds=30 if batch < 256 else 10)
+    benchmark.pedantic(release, setup=setup, rounds=30 if batch < 256 else 10)
     _record(benchmark, batch)
 
 
 @pytest.mark.parametrize("batch", BATCHES)
 def test_plan_decode_step(benchmark, batch):
-    """The per-step planning a decode forward does: allocator appends + ``build_plan`` tensors."""
-    alloc = _allocator(batch, CONTEXT)
-    backend = select_backend(torch.device("cpu"))
+    """The per-step planning a decode forward does: table appends + ``padded_plan`` tensors."""
+    pool, tables = _filled(batch, CONTEXT)
     queries = torch.ones(batch, 1, dtype=torch.bool)
 
     def step():
         copies, slots, before = [], [], []
-        for seq in range(batch):
-            before.append(alloc.tables[seq].num_tokens)
-            slots.extend(alloc.append(seq, 1, copies))
-        tables = [alloc.tables[s] for s in range(batch)]
-        return build_plan(tables, queries, queries, before, slots, torch.device("cpu"), backend)
+        for table in tables:
+            before.append(table.num_tokens)
+            slots.extend(table.append(pool, 1, copies))
+        return padded_plan(tables, queries, queries, before, slots, BLOCK, torch.device("cpu"))
 
     benchmark.pedantic(step, rounds=100, iterations=1)
     _record(benchmark, batch)
@@ -110,7 +108,7 @@ def test_plan_decode_step(benchmark, batch):
 @pytest.mark.parametrize("batch", BATCHES)
 def test_cache_plan_step(benchmark, batch):
     """``PagedCache.plan_step`` for one decode forward: what the decoder pre-hook runs once per step
-    (mask slice to the host, EOS check, appends, ``build_plan``). A 1-layer geometry keeps tensors small."""
+    (mask slice to the host, EOS check, appends, ``padded_plan``, backend prepare). A 1-layer geometry keeps tensors small."""
     from transformers import LlamaConfig
 
     from hf_paged.cache import PagedCache

@@ -6,7 +6,7 @@ from transformers import pipeline
 
 import hf_paged
 from tiny_models import VOCAB, make_model
-from test_patching import word_tokenizer
+from tiny_models import word_tokenizer
 
 
 def _prompts(seed: int, lengths):

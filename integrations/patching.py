@@ -12,15 +12,16 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from dataclasses import dataclass, field
 
 import torch
 
-from hf_paged.integrations.families import adapter_for
-from hf_paged.integrations.generate import paged_generate, wants_paged
+from hf_paged.attention_interface import ATTENTION_NAME, STEP_KWARG, register, use_paged_attention
+from hf_paged.cache import PagedCache
+from hf_paged.families import adapter_for
 
-from . import attention
-from .cache import PLAN_KWARG, PagedCache
+from .generate import paged_generate, wants_paged
 
 STATE_ATTR = "_hf_paged"
 
@@ -33,6 +34,7 @@ class PatchState:
     cache_options: dict
     default_cache_implementation: object   # model.generation_config's value before patch(default=True)
     last_stats: dict = field(default_factory=dict)
+    temporary_owner: int | None = None      # thread of enable()'s per-call patch, None for patch()
 
 
 _MISSING = object()
@@ -53,7 +55,7 @@ def _plan_hook(decoder, args, kwargs):
     if reference is None:
         raise ValueError("hf_paged needs input_ids or inputs_embeds to plan a step")
     batch, q_len = reference.shape[:2]
-    if decoder.config._attn_implementation != attention.ATTENTION_NAME:
+    if decoder.config._attn_implementation != ATTENTION_NAME:
         raise RuntimeError(
             "a PagedCache was passed to a forward that does not use hf_paged attention "
             f"(attn_implementation={decoder.config._attn_implementation!r}). Generate through a patched "
@@ -61,9 +63,9 @@ def _plan_hook(decoder, args, kwargs):
     weight = decoder.get_input_embeddings().weight
     # Leaving finished rows out changes no token, but per-layer outputs would lose those rows.
     compact = not args and not kwargs.get("output_hidden_states") and not kwargs.get("output_attentions")
-    plan = cache.plan_step(kwargs.get("attention_mask"), input_ids, batch, q_len, weight.dtype, weight.device,
+    step = cache.plan_step(kwargs.get("attention_mask"), input_ids, batch, q_len, weight.dtype, weight.device,
                            compact=compact)
-    kwargs = {**kwargs, PLAN_KWARG: plan}
+    kwargs = {**kwargs, STEP_KWARG: step}
     if cache.active_rows is not None:
         # Finished rows are not computed: the forward sees only the active rows; _expand_hook puts
         # the batch back together (zeros for finished rows) so generate sees the shapes it expects.
@@ -82,10 +84,14 @@ _FULL_BATCH_KWARG = "hf_paged_full_batch"
 
 def _expand_hook(decoder, args, kwargs, output):
     """Forward hook on the decoder: after a forward on the active rows only, scatter the hidden states
-    back into the full batch (finished rows get zeros)."""
-    batch = kwargs.get(_FULL_BATCH_KWARG)
+    back into the full batch (finished rows get zeros). The cache forgets the step's plan, so that a
+    forward that skipped the pre-hook can never write through a stale one."""
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    if batch is None or not isinstance(cache, PagedCache):
+    if not isinstance(cache, PagedCache):
+        return None
+    cache.end_step()
+    batch = kwargs.get(_FULL_BATCH_KWARG)
+    if batch is None:
         return None
     hidden = output.last_hidden_state
     full = hidden.new_zeros((batch, *hidden.shape[1:]))
@@ -94,42 +100,34 @@ def _expand_hook(decoder, args, kwargs, output):
     return output
 
 
-@contextlib.contextmanager
-def use_paged_attention(model):
-    """Switch ``model`` to the hf_paged attention for the block (for direct forwards with a PagedCache)."""
-    attention.register()
-    previous = model.config._attn_implementation
-    if previous != attention.ATTENTION_NAME:
-        model.set_attn_implementation(attention.ATTENTION_NAME)
-    try:
-        yield model
-    finally:
-        if previous != attention.ATTENTION_NAME:
-            model.set_attn_implementation(previous)
-
-
 def patch(model, *, default: bool = False, block_size: int = 16, num_blocks: int | None = None,
-          max_memory_bytes: int | None = None):
+          max_memory_bytes: int | None = None, release_finished_rows: bool = True):
     """Make ``model`` generate through a PagedCache when asked for ``cache_implementation="paged"``.
 
     default: also make "paged" the model's default (``model.generation_config``), so plain
         ``model.generate(...)`` and pipelines page without being asked; unpatch restores the old value.
-    block_size, num_blocks, max_memory_bytes: size the caches that generate builds (see PagedCache).
+    block_size, num_blocks, max_memory_bytes, release_finished_rows: options of the caches that
+        generate builds (see PagedCache).
+    Patching a patched model applies the new options (the state to restore on unpatch is kept).
     Returns the model. Raises UnsupportedModelError for model types other than llama, qwen2, qwen3,
     glm, glm4. The hook needs the decoder's ``get_input_embeddings`` (all supported families have it).
     """
-    if getattr(model, STATE_ATTR, None) is not None:
-        return model
+    options = dict(block_size=block_size, num_blocks=num_blocks, max_memory_bytes=max_memory_bytes,
+                   release_finished_rows=release_finished_rows)
     adapter_for(model.config)
-    PagedCache(model.config, block_size=block_size, num_blocks=num_blocks,
-               max_memory_bytes=max_memory_bytes, dtype=model.dtype)       # validates the options now
-    attention.register()
+    PagedCache(model.config, dtype=model.dtype, **options)       # validates the options now
+    state = getattr(model, STATE_ATTR, None)
+    if state is not None:
+        state.cache_options = options
+        model.generation_config.cache_implementation = "paged" if default else state.default_cache_implementation
+        return model
+    register()
     decoder = model.get_decoder()
     state = PatchState(
         instance_generate=model.__dict__.get("generate", _MISSING),
         hooks=(decoder.register_forward_pre_hook(_plan_hook, with_kwargs=True),
                decoder.register_forward_hook(_expand_hook, with_kwargs=True)),
-        cache_options=dict(block_size=block_size, num_blocks=num_blocks, max_memory_bytes=max_memory_bytes),
+        cache_options=options,
         default_cache_implementation=model.generation_config.cache_implementation,
     )
     setattr(model, STATE_ATTR, state)
@@ -139,6 +137,9 @@ def patch(model, *, default: bool = False, block_size: int = 16, num_blocks: int
 
     @functools.wraps(original)
     def generate(*args, **kwargs):
+        if state.temporary_owner not in (None, threading.get_ident()):
+            raise RuntimeError(_CONCURRENT_OPT_IN)
+
         def record(cache):
             state.last_stats = cache.stats()
         return paged_generate(model, original, args, kwargs, state.cache_options, record,
@@ -177,17 +178,35 @@ def last_stats(model) -> dict:
 
 
 # ---------------------------------------------------------------- global opt-in
+_CONCURRENT_OPT_IN = (
+    "two threads called generate(cache_implementation='paged') on the same model under hf_paged.enable(), "
+    "which patches the model for one call at a time. Call hf_paged.patch(model) once before starting the "
+    "threads (a patched model serves concurrent calls).")
+
+
 def _global_generate(original):
+    lock = threading.Lock()     # makes "is it patched? patch it" one step across threads
+
     @functools.wraps(original)
     def generate(self, *args, **kwargs):
         generation_config = kwargs.get("generation_config", args[1] if len(args) > 1 else None)
-        if is_patched(self) or not wants_paged(kwargs, generation_config, self):
+        if not wants_paged(kwargs, generation_config, self):
             return original(self, *args, **kwargs)
-        patch(self)
+        with lock:
+            state = getattr(self, STATE_ATTR, None)
+            if state is not None and state.temporary_owner not in (None, threading.get_ident()):
+                raise RuntimeError(_CONCURRENT_OPT_IN)
+            temporary = state is None
+            if temporary:
+                patch(self)
+                getattr(self, STATE_ATTR).temporary_owner = threading.get_ident()
+        if not temporary:       # patched: its own generate wrapper already chose the path
+            return original(self, *args, **kwargs)
         try:
             return self.generate(*args, **kwargs)
         finally:
-            unpatch(self)
+            with lock:
+                unpatch(self)
     generate.__hf_paged_original__ = original
     return generate
 
@@ -203,12 +222,12 @@ def enable() -> None:
     from transformers import TextGenerationPipeline
     from transformers.generation.utils import GenerationMixin
 
-    from hf_paged.integrations.pipeline import stock_pipeline_call
+    from .pipeline import stock_pipeline_call
 
     if not hasattr(GenerationMixin.generate, "__hf_paged_original__"):
         GenerationMixin.generate = _global_generate(GenerationMixin.generate)
     if not hasattr(TextGenerationPipeline.__call__, "__hf_paged_original__"):
-        TextGenerationPipeline.__call__ = stock_pipeline_call(TextGenerationPipeline.__call__)
+        TextGenerationPipeline.__call__ = stock_pipeline_call(TextGenerationPipeline.__call__, is_patched)
 
 
 def disable() -> None:

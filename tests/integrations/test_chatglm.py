@@ -25,7 +25,7 @@ from hf_paged.integrations.chatglm import (
     load_chatglm,
 )
 
-FIXTURE = Path(__file__).parent / "fixtures" / "chatglm3-tiny"
+FIXTURE = Path(__file__).parent.parent / "fixtures" / "chatglm3-tiny"
 NEW_TOKENS = 24
 
 

@@ -6,9 +6,10 @@ import torch
 from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
 
 import hf_paged
+import hf_paged.blocks
 from tiny_models import PAD, make_batch, make_model, patched
-from hf_paged import torch_attention
-from hf_paged.integrations.families import UnsupportedModelError
+from hf_paged.backends import torch_backend as torch_attention
+from hf_paged.families import UnsupportedModelError
 
 LENGTHS = [7, 1, 12, 4]
 
@@ -31,7 +32,7 @@ def test_pads_are_never_stored():
     assert stats["blocks_used"] == sum(-(-(n + new - 1) // 4) for n in LENGTHS)
     assert stats["kv_bytes_used"] == stats["tokens_stored"] * stats["bytes_per_token"]
     assert stats["kv_bytes_reserved"] == stats["blocks_used"] * 4 * stats["bytes_per_token"]
-    cache.allocator.check_invariants()
+    cache.check_invariants()
 
 
 def test_beam_search_peak_kv_at_most_half_of_dynamic_cache():
@@ -46,8 +47,10 @@ def test_beam_search_peak_kv_at_most_half_of_dynamic_cache():
     assert torch.equal(reference.sequences, paged.sequences)
     dynamic = dynamic_kv_bytes(reference.past_key_values)
     peak = cache.stats()["peak_kv_bytes_reserved"]
-    print(f"beam-4 peak KV: paged {peak} B, DynamicCache {dynamic} B ({peak / dynamic:.1%})")
+    allocated = cache.stats()["kv_bytes_allocated"]
+    print(f"beam-4 peak KV: paged {peak} B (allocated {allocated} B), DynamicCache {dynamic} B ({peak / dynamic:.1%})")
     assert peak <= 0.5 * dynamic
+    assert allocated <= dynamic
 
 
 def test_num_return_sequences_stores_prompt_once():
@@ -60,7 +63,7 @@ def test_num_return_sequences_stores_prompt_once():
     # only the prefill ran: each prompt's blocks are held once, shared by its 4 rows
     assert cache.stats()["blocks_used"] == -(-40 // 16) + -(-21 // 16)
     assert cache.stats()["tokens_stored"] == 40 + 21
-    assert max(cache.allocator.refcounts) == 4
+    assert max(cache.pool.refcounts) == 4
 
 
 class RecordBlocks(StoppingCriteria):
@@ -89,7 +92,7 @@ def test_finished_rows_release_blocks():
     assert torch.equal(reference, paged)
     drops = [b for a, b in zip(recorder.used, recorder.used[1:]) if b < a]
     assert drops, f"blocks in use never fell as rows finished: {recorder.used}"
-    cache.allocator.check_invariants()
+    cache.check_invariants()
     with patched(model):
         keep_all = hf_paged.PagedCache(model.config, block_size=2, release_finished_rows=False)
         kept = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False,
@@ -107,9 +110,9 @@ def test_pool_exhaustion_is_clear_and_leaves_no_leak():
         with pytest.raises(hf_paged.PoolExhaustedError, match=r"needs \d+ more blocks.*free.*num_blocks"):
             model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=30, do_sample=False,
                            eos_token_id=None, past_key_values=cache)
-        cache.allocator.check_invariants()
-        held = sum(len(t.blocks) for t in cache.allocator.tables.values())
-        assert cache.allocator.num_used <= held
+        cache.check_invariants()
+        held = sum(len(t.blocks) for t in cache.rows.tables)
+        assert cache.pool.num_used <= held
         cache.reset()
         assert cache.stats()["blocks_used"] == 0
         ids, mask = make_batch([6, 2, 9], seed=13)
@@ -130,7 +133,7 @@ def test_budget_too_small_for_one_sequence():
         cache = hf_paged.PagedCache(model.config, block_size=4, max_memory_bytes=3 * per_block)
         with pytest.raises(hf_paged.PoolExhaustedError, match="One sequence of 40 tokens"):
             model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, past_key_values=cache)
-        cache.allocator.check_invariants()
+        cache.check_invariants()
         assert cache.stats()["blocks_used"] == 0
 
 
@@ -223,3 +226,88 @@ def test_negative_control_wrong_backend_fails_the_comparison():
     assert torch.equal(right.sequences, reference.sequences)
     assert (wrong.logits[0] - reference.logits[0]).abs().max() > 1e-3
     assert not torch.equal(wrong.sequences, reference.sequences)
+
+
+# ---------------------------------------------------------------- issue 10: continuation after finished rows
+def _eos_for_rows_0_and_2(model, ids, mask):
+    """EOS ids that make rows 0 and 2 stop early (their 3rd and 5th greedy tokens)."""
+    probe = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False, eos_token_id=None)
+    new = probe[:, ids.shape[1]:]
+    eos = sorted({new[0, 2].item(), new[2, 4].item()})
+    assert not any(t in eos for t in new[1].tolist() + new[3].tolist()), "pick another seed: rows 1/3 would stop"
+    return eos
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "glm"])
+def test_continuation_after_finished_rows_equals_dynamic_cache(family):
+    model = make_model(family, seed=21)
+    ids, mask = make_batch([9, 5, 12, 7], seed=22)
+    eos = _eos_for_rows_0_and_2(model, ids, mask)
+    kw = dict(max_new_tokens=12, do_sample=False, eos_token_id=eos, pad_token_id=PAD, return_dict_in_generate=True)
+    turn2 = torch.randint(3, 200, (4, 3), generator=torch.Generator().manual_seed(23))
+    first_ref = model.generate(input_ids=ids, attention_mask=mask, **kw)
+    assert (first_ref.sequences[[0, 2], -1] == PAD).all() and (first_ref.sequences[[1, 3], -1] != PAD).all()
+    second_ref = model.generate(input_ids=torch.cat([first_ref.sequences, turn2], 1),
+                                past_key_values=first_ref.past_key_values, **kw)
+    with patched(model):
+        first = model.generate(input_ids=ids, attention_mask=mask, cache_implementation="paged", **kw)
+        assert torch.equal(first.sequences, first_ref.sequences)
+        cache = first.past_key_values
+        assert isinstance(cache, hf_paged.PagedCache) and any(cache.rows.finished)
+        second = model.generate(input_ids=torch.cat([first.sequences, turn2], 1), past_key_values=cache, **kw)
+        cache.check_invariants()
+    assert torch.equal(second.sequences, second_ref.sequences)
+
+
+def test_continuation_that_cannot_be_served_names_the_row():
+    model = make_model("llama", seed=21)
+    ids, mask = make_batch([9, 5, 12, 7], seed=22)
+    eos = _eos_for_rows_0_and_2(model, ids, mask)
+    kw = dict(max_new_tokens=12, do_sample=False, eos_token_id=eos, pad_token_id=PAD, return_dict_in_generate=True)
+    turn2 = torch.randint(3, 200, (4, 3), generator=torch.Generator().manual_seed(23))
+    with patched(model):
+        # The mask marks the columns a finished row never computed as real: refused, naming row 0.
+        first = model.generate(input_ids=ids, attention_mask=mask, cache_implementation="paged", **kw)
+        full = torch.cat([first.sequences, turn2], 1)
+        ones = torch.cat([mask, torch.ones(4, full.shape[1] - mask.shape[1], dtype=mask.dtype)], 1)
+        with pytest.raises(ValueError, match=r"row 0 ended with EOS.*release_finished_rows=False"):
+            model.generate(input_ids=full, attention_mask=ones, past_key_values=first.past_key_values, **kw)
+        # The same continuation from a cache that kept finished rows equals DynamicCache's.
+        keep = model.generate(input_ids=ids, attention_mask=mask, **kw,
+                              past_key_values=hf_paged.PagedCache(model.config, release_finished_rows=False))
+        got = model.generate(input_ids=full, attention_mask=ones, past_key_values=keep.past_key_values, **kw)
+        # Blocks reclaimed by the pool before the continuation: refused, naming the row.
+        first = model.generate(input_ids=ids, attention_mask=mask, cache_implementation="paged", **kw)
+        cache = first.past_key_values
+        hog = hf_paged.blocks.BlockTable()
+        hog.append(cache.pool, cache.pool.num_free * cache.block_size, [])
+        with pytest.raises(ValueError, match=r"row 0 ended with EOS.*reused by other rows"):
+            model.generate(input_ids=full, past_key_values=cache, **kw)
+    ref_first = model.generate(input_ids=ids, attention_mask=mask, **kw)
+    ref = model.generate(input_ids=full, attention_mask=ones, past_key_values=ref_first.past_key_values, **kw)
+    assert torch.equal(got.sequences, ref.sequences)
+
+
+# ---------------------------------------------------------------- issue 10: growable pool under beam search
+@pytest.mark.parametrize("beams", [4, 8])
+def test_growable_pool_allocates_less_than_dynamic_cache_under_beam_search(beams):
+    model = make_model("llama", seed=24)
+    ids, mask = make_batch([32, 32], seed=25)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=12, min_new_tokens=12, num_beams=beams,
+              do_sample=False, return_dict_in_generate=True)
+    reference = model.generate(**kw)
+    with patched(model):
+        cache = hf_paged.PagedCache(model.config)
+        paged = model.generate(past_key_values=cache, **kw)
+    assert torch.equal(reference.sequences, paged.sequences)
+    dynamic = dynamic_kv_bytes(reference.past_key_values)
+    allocated = cache.stats()["kv_bytes_allocated"]
+    print(f"beam-{beams}: paged allocated {allocated} B, DynamicCache {dynamic} B ({allocated / dynamic:.1%})")
+    assert allocated < dynamic        # 149% before the pool was sized from what is stored (issue 10)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
+def test_cuda_device_without_a_gpu_fails_at_construction():
+    model = make_model("llama")
+    with pytest.raises(ValueError, match=r"device='cuda'.*no CUDA device.*device='cpu'"):
+        hf_paged.PagedCache(model.config, device="cuda")

@@ -6,24 +6,11 @@ import sys
 
 import pytest
 import torch
-from transformers import DynamicCache, PreTrainedTokenizerFast, pipeline
+from transformers import DynamicCache, pipeline
 from transformers.generation.utils import GenerationMixin
 
 import hf_paged
-from tiny_models import BOS, EOS, PAD, VOCAB, make_batch, make_model, patched
-
-
-def word_tokenizer():
-    """An offline word-level tokenizer over the tiny models' vocabulary: token i is the word 'w<i>'."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    vocab = {f"w{i}": i for i in range(3, VOCAB)}
-    vocab.update({"<pad>": PAD, "</s>": EOS, "<s>": BOS})
-    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="</s>", bos_token="<s>")
-    tok.padding_side = "left"
-    return tok
+from tiny_models import VOCAB, make_batch, make_model, patched, word_tokenizer
 
 
 def test_import_changes_nothing_in_transformers():
@@ -33,7 +20,7 @@ def test_import_changes_nothing_in_transformers():
         "from transformers.masking_utils import AttentionMaskInterface\n"
         "from transformers.generation.utils import GenerationMixin\n"
         "before = (set(AttentionInterface._global_mapping), set(AttentionMaskInterface._global_mapping), GenerationMixin.generate)\n"
-        "import hf_paged, hf_paged.integrations.generate, hf_paged.integrations.families\n"
+        "import hf_paged, hf_paged.integrations.generate, hf_paged.families\n"
         "after = (set(AttentionInterface._global_mapping), set(AttentionMaskInterface._global_mapping), GenerationMixin.generate)\n"
         "assert before == after, 'import hf_paged changed transformers'\n"
         "import sys; assert 'cupy' not in sys.modules\n"
@@ -122,3 +109,100 @@ def test_pipeline_batched_prompts(family):
         keyword = pipeline("text-generation", model=model, tokenizer=tok)(prompts, cache_implementation="paged", **kw)
     assert paged == reference
     assert keyword == reference
+
+
+def test_patching_again_applies_the_new_options():
+    model = make_model("llama", seed=3)
+    ids, mask = make_batch([5, 3], seed=4)
+    default = model.generation_config.cache_implementation
+    hf_paged.patch(model, block_size=4)
+    try:
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, cache_implementation="paged")
+        assert hf_paged.last_stats(model)["block_size"] == 4
+        hf_paged.patch(model, block_size=8, default=True)
+        assert model.generation_config.cache_implementation == "paged"
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3)
+        assert hf_paged.last_stats(model)["block_size"] == 8
+        with pytest.raises(ValueError, match="block_size must be an int"):
+            hf_paged.patch(model, block_size=0)
+        hf_paged.patch(model, block_size=8)           # default=False: back to the model's own default
+        assert model.generation_config.cache_implementation == default
+    finally:
+        hf_paged.unpatch(model)
+    assert model.generation_config.cache_implementation == default
+
+
+def test_paged_pipeline_takes_engine_knobs_as_keywords():
+    model = make_model("llama", seed=3)
+    tok = word_tokenizer()
+    pipe = hf_paged.pipeline("text-generation", model=model, tokenizer=tok, max_num_seqs=3, block_size=8)
+    assert pipe.llm.engine.config.max_num_seqs == 3 and pipe.llm.engine.config.block_size == 8
+    with pytest.raises(ValueError, match=r"\['max_num_seqs'\] given both"):
+        hf_paged.pipeline("text-generation", model=model, tokenizer=tok, max_num_seqs=3,
+                          engine_options={"max_num_seqs": 4})
+
+
+class _Gate:
+    """A stopping criterion that, at its first call, signals ``entered`` and waits for ``release``."""
+
+    def __init__(self):
+        import threading
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def __call__(self, input_ids, scores, **kwargs):
+        if not self.entered.is_set():
+            self.entered.set()
+            assert self.release.wait(60), "the other thread never released the gate"
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+
+def _in_thread(fn):
+    import threading
+    box = {}
+
+    def run():
+        try:
+            box["value"] = fn()
+        except BaseException as exc:       # noqa: BLE001  (handed to the test)
+            box["error"] = exc
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, box
+
+
+def test_concurrent_global_opt_in_calls_are_refused_clearly():
+    from transformers import StoppingCriteriaList
+    model = make_model("qwen2", seed=5)
+    ids, mask = make_batch([6, 4], seed=6)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    reference = model.generate(**kw)
+    gate = _Gate()
+    with hf_paged.enabled():
+        thread, box = _in_thread(lambda: model.generate(cache_implementation="paged",
+                                                        stopping_criteria=StoppingCriteriaList([gate]), **kw))
+        assert gate.entered.wait(60)
+        with pytest.raises(RuntimeError, match=r"two threads.*hf_paged.patch\(model\) once"):
+            model.generate(cache_implementation="paged", **kw)
+        gate.release.set()
+        thread.join(60)
+    assert "error" not in box, box.get("error")
+    assert torch.equal(box["value"], reference) and not hf_paged.is_patched(model)
+
+
+def test_a_patched_model_serves_concurrent_paged_calls():
+    from transformers import StoppingCriteriaList
+    model = make_model("glm", seed=7)
+    ids, mask = make_batch([7, 2, 5], seed=8)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+    reference = model.generate(**kw)
+    gate = _Gate()
+    with patched(model):
+        thread, box = _in_thread(lambda: model.generate(cache_implementation="paged",
+                                                        stopping_criteria=StoppingCriteriaList([gate]), **kw))
+        assert gate.entered.wait(60)
+        other = model.generate(cache_implementation="paged", **kw)    # runs while the first is mid-generate
+        gate.release.set()
+        thread.join(60)
+        assert model.config._attn_implementation != hf_paged.ATTENTION_NAME
+    assert "error" not in box, box.get("error")
+    assert torch.equal(box["value"], reference) and torch.equal(other, reference)

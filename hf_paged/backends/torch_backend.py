@@ -14,9 +14,9 @@ the slots named by its block table, in order: stored index ``j`` lives in block
 ``block_tables[b, j // block_size]`` at offset ``j % block_size``. Only real tokens are stored, so
 the stored index of a token equals its position id.
 
-Step metadata (built once per forward by ``plan.StepPlan``, read by every layer)
---------------------------------------------------------------------------------
-    slot_mapping  : int64 [B, Q]          slot of each new token, -1 where nothing is written
+Step metadata (built once per forward by ``hf_paged.plan``, read by every layer)
+------------------------------------------------------------------------------
+    slot_mapping  : int64 [B*Q]           slot of each new token (row-major), -1 where nothing is written
     block_tables  : int32 [B, max_blocks] physical block ids; entries past a row's blocks are 0
     context_lens  : int32 [B]             stored tokens of each row after this step's write
     query_pos     : int32 [B, Q]          stored index of each query token, -1 for pad queries
@@ -78,11 +78,14 @@ def visible_keys(query_pos: torch.Tensor, length: int, sliding_window: int) -> t
 
 def decode_attention(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                      block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                     sliding_window: int = 0, max_context: int | None = None) -> torch.Tensor:
-    """One new token per row. query: [B, Hq, D] -> out [B, Hq, D].
+                     sliding_window: int = 0, max_context: int | None = None, workspace: dict | None = None
+                     ) -> torch.Tensor:
+    """One new token per row. query: [B, Hq, D]; block_tables int32 [B, W]; context_lens int32 [B]
+    -> out [B, Hq, D].
 
     Each row's query sits at stored index ``context_lens[b] - 1``; rows with ``context_lens == 0``
     give zeros. ``max_context`` (= context_lens.max()) may be passed to avoid a device sync.
+    ``workspace``: the step's per-forward scratch (unused here).
     """
     batch, num_q_heads, head_dim = query.shape
     num_kv_heads = k_pool.shape[0]
@@ -95,18 +98,31 @@ def decode_attention(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Te
     # GQA: the query heads of one KV head are a group; [Hkv, B, group, D] meets [Hkv, B, L, D].
     q = query.view(batch, num_kv_heads, group, head_dim).transpose(0, 1)
     scores = torch.matmul(q, keys.transpose(-1, -2)).float()                # [Hkv, B, group, L]
-    lens = context_lens.long().view(batch, 1)
-    key_index = torch.arange(length, device=query.device)
-    hidden = key_index >= lens                                              # [B, L]
-    if sliding_window > 0:
-        hidden |= key_index <= lens - 1 - sliding_window
-    # A row with no keys keeps key 0 visible (no NaN); its output is zeroed below.
-    hidden[:, 0] &= lens[:, 0] > 0
-    bias = torch.zeros(hidden.shape, dtype=scores.dtype, device=scores.device).masked_fill_(hidden, float("-inf"))
+    bias, live = _decode_bias(context_lens, length, sliding_window, workspace)
     probs = torch.softmax(scores.mul_(scale).add_(bias.view(1, batch, 1, length)), dim=-1).to(values.dtype)
     out = torch.matmul(probs, values)                                       # [Hkv, B, group, D]
     out = out.transpose(0, 1).reshape(batch, num_q_heads, head_dim)
-    return out * (lens > 0).to(out.dtype).view(batch, 1, 1)
+    return out * live.to(out.dtype).view(batch, 1, 1)
+
+
+def _decode_bias(context_lens: torch.Tensor, length: int, sliding_window: int, workspace: dict | None):
+    """(float32 [B, L] additive mask, bool [B, 1] rows with keys) for decode; the same for every
+    layer of a forward with this window, so it is kept in the step's workspace."""
+    key = ("decode_bias", length, sliding_window)
+    if workspace is not None and key in workspace:
+        return workspace[key]
+    lens = context_lens.long().view(-1, 1)
+    key_index = torch.arange(length, device=context_lens.device)
+    hidden = key_index >= lens                                              # [B, L]
+    if sliding_window > 0:
+        hidden |= key_index <= lens - 1 - sliding_window
+    # A row with no keys keeps key 0 visible (no NaN); its output is zeroed by the caller.
+    hidden[:, 0] &= lens[:, 0] > 0
+    bias = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device).masked_fill_(hidden, float("-inf"))
+    result = (bias, lens > 0)
+    if workspace is not None:
+        workspace[key] = result
+    return result
 
 
 def extend_attention(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,

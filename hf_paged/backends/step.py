@@ -1,0 +1,65 @@
+"""One forward's plan bound to an attention backend: what every layer's attention call runs.
+
+A backend is any object with ``write_kv``, ``copy_blocks``, ``decode_attention`` and
+``extend_attention`` (see ``torch_backend`` for the signatures and the pool layout). Once per forward
+the cache calls ``prepare_step(backend, plan)``; each layer then calls ``step.attend(...)``.
+Layer-independent work is done once per forward: a backend's attention functions receive the
+step's ``workspace`` dict and keep there what every layer would otherwise redo (split-K partitions,
+scratch buffers); the plan's tables are int32 and on the device already.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..plan import PackedPlan, StepPlan
+
+
+class PreparedStep:
+    def __init__(self, backend, plan: StepPlan | PackedPlan):
+        self.backend, self.plan = backend, plan
+        self.workspace: dict = {}
+
+    def attend(self, query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, scale: float,
+               window: int) -> torch.Tensor:
+        """query [B, Hq, Q, D] (packed: [1, Hq, N, D]) -> out [B, Q, Hq, D]. Pad queries give zeros."""
+        plan = self.plan
+        if isinstance(plan, PackedPlan):
+            return self._packed(query, k_pool, v_pool, scale, window)
+        if plan.is_decode:
+            return self._decode(plan, query[:, :, 0], k_pool, v_pool, scale, window).unsqueeze(1)
+        return self._extend(plan, query, k_pool, v_pool, scale, window).transpose(1, 2)
+
+    def _decode(self, plan: StepPlan, query, k_pool, v_pool, scale, window):
+        return self.backend.decode_attention(query, k_pool, v_pool, plan.block_tables, plan.decode_lens, scale,
+                                             window, plan.max_context, workspace=self.workspace)
+
+    def _extend(self, plan: StepPlan, query, k_pool, v_pool, scale, window):
+        return self.backend.extend_attention(query, k_pool, v_pool, plan.block_tables, plan.context_lens,
+                                             plan.query_pos, scale, window, plan.max_context)
+
+    def _packed(self, query, k_pool, v_pool, scale, window):
+        """Decode tokens go to decode attention as they are; the others are scattered into the extend
+        plan's padded [B_e, Hq, Q_e, D] (zeros elsewhere, query_pos -1), attended, and gathered back."""
+        plan = self.plan
+        _, num_heads, _, head_dim = query.shape
+        packed = query[0].transpose(0, 1)                                       # [N, Hq, D]
+        nd = plan.num_decode
+        parts = []
+        if plan.decode is not None:
+            parts.append(self._decode(plan.decode, packed[:nd].contiguous(), k_pool, v_pool, scale, window))
+        if plan.extend is not None:
+            e = plan.extend
+            rows, q_len = e.query_pos.shape
+            padded = packed.new_zeros(rows * q_len, num_heads, head_dim)
+            padded.index_copy_(0, e.packed_index, packed[nd:])
+            out = self._extend(e, padded.view(rows, q_len, num_heads, head_dim).transpose(1, 2), k_pool, v_pool,
+                               scale, window)
+            parts.append(out.transpose(1, 2).reshape(rows * q_len, num_heads, head_dim).index_select(0, e.packed_index))
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return out.unsqueeze(0)
+
+
+def prepare_step(backend, plan: StepPlan | PackedPlan) -> PreparedStep:
+    """``backend.prepare(plan)`` where the backend has one, else a plain PreparedStep."""
+    prepare = getattr(backend, "prepare", None)
+    return prepare(plan) if prepare is not None else PreparedStep(backend, plan)

@@ -1,0 +1,89 @@
+"""Generation settings resolved as ``model.generate`` resolves them — one function for every route.
+
+``resolve_generation(model.generation_config, **kwargs)`` runs the steps of transformers'
+``GenerationMixin._prepare_generation_config`` (identical in 5.17 and 5.24): start from the passed
+``generation_config`` (or a blank ``GenerationConfig``), fill what is unset from the model's generation
+config, then from transformers' global defaults (``top_k=50``, ``max_length=20``, ``temperature=1.0``,
+...), then apply the keyword arguments through ``GenerationConfig.update`` (which validates them).
+It records, as ``generate`` does before merging, whether ``max_length`` is transformers' default:
+then ``generate`` makes 20 *new* tokens whatever the prompt length (capped by the model's
+``max_position_embeddings``); an explicit ``max_length`` counts the prompt (see
+``SamplingParams.new_tokens_for``). The engine, the pipeline route and the server all call this.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+from transformers import GenerationConfig
+
+from .request import SamplingParams
+from .sampler import warpers
+
+# Settings generate knows that the engine does not implement (non-default values are refused).
+UNSUPPORTED = dict(num_beams=1, num_beam_groups=1, repetition_penalty=1.0, no_repeat_ngram_size=0,
+                   penalty_alpha=None, typical_p=1.0, min_p=None, top_h=None, epsilon_cutoff=0.0, eta_cutoff=0.0,
+                   bad_words_ids=None, force_words_ids=None, suppress_tokens=None, begin_suppress_tokens=None,
+                   forced_bos_token_id=None, forced_eos_token_id=None, sequence_bias=None, guidance_scale=None,
+                   prompt_lookup_num_tokens=None, encoder_repetition_penalty=1.0,
+                   exponential_decay_length_penalty=None, watermarking_config=None)
+ENGINE_ONLY = ("seed", "ignore_eos")
+
+
+def merged_generation_config(model_generation_config, generation_config=None, **kwargs):
+    """(GenerationConfig as generate uses it, unused kwargs, whether max_length is transformers' default).
+
+    The steps of ``GenerationMixin._prepare_generation_config`` plus generate's ``has_default_max_length``."""
+    model_config = model_generation_config if model_generation_config is not None else GenerationConfig()
+    default_max_length = (kwargs.get("max_length") is None
+                          and (generation_config is None or generation_config.max_length is None)
+                          and model_config.max_length is None)
+    config = copy.deepcopy(generation_config) if generation_config is not None else GenerationConfig()
+    config.update(**model_config.to_dict(), defaults_only=True, allow_custom_entries=True)
+    config.update(**model_config._get_default_generation_params(), defaults_only=True)
+    unused = config.update(**kwargs)
+    return config, unused, default_max_length
+
+
+def resolve_generation(model_generation_config, **kwargs) -> SamplingParams:
+    """The settings of one request, as ``model.generate(**kwargs)`` would resolve them on this model.
+
+    kwargs: GenerationConfig fields (and ``generation_config=``, as generate takes it) plus the engine's
+    ``seed`` and ``ignore_eos``. Unknown names and settings the engine does not implement raise
+    ValueError; so do values transformers refuses (e.g. ``temperature=0`` with sampling)."""
+    engine_only = {k: kwargs.pop(k) for k in ENGINE_ONLY if k in kwargs}
+    passed = kwargs.pop("generation_config", None)
+    config, unknown, default_max_length = merged_generation_config(model_generation_config, passed, **kwargs)
+    if unknown:
+        raise ValueError(f"unknown generation argument(s) {sorted(unknown)}: the engine accepts "
+                         "GenerationConfig fields (max_new_tokens, do_sample, temperature, top_k, top_p, "
+                         "stop_strings, num_return_sequences, ...) plus seed and ignore_eos")
+    for name, default in UNSUPPORTED.items():
+        value = getattr(config, name, default)
+        if value is not None and value != default:
+            raise ValueError(f"{name}={value!r} is not supported by the hf_paged engine (supported: greedy "
+                             "and sampling with temperature/top_k/top_p); use model.generate for it")
+    if config.max_new_tokens is not None and config.max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {config.max_new_tokens}")
+    eos = None if engine_only.get("ignore_eos") else config.eos_token_id
+    eos_ids = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
+    stops = config.stop_strings
+    stops = () if not stops else (stops,) if isinstance(stops, str) else tuple(stops)
+    n = config.num_return_sequences
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"num_return_sequences must be a positive int, got {n!r}")
+    seed = engine_only.get("seed")
+    if config.do_sample and seed is None:
+        seed = int(torch.randint(0, 2**62, ()).item())      # from the global RNG: manual_seed reproduces it
+    params = SamplingParams(
+        max_new_tokens=config.max_new_tokens, max_length=config.max_length,
+        min_new_tokens=config.min_new_tokens, min_length=config.min_length or 0,
+        do_sample=bool(config.do_sample), temperature=float(config.temperature), top_k=config.top_k,
+        top_p=float(config.top_p), eos_token_ids=eos_ids, pad_token_id=config.pad_token_id, stop_strings=stops,
+        num_return_sequences=n, seed=seed, default_max_length=default_max_length)
+    if params.do_sample:
+        warpers(params)            # transformers' own warpers refuse bad temperature / top_k / top_p now
+    return params
+
+
+__all__ = ["merged_generation_config", "resolve_generation"]
