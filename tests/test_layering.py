@@ -9,7 +9,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # folder -> package name, as setup.py installs them
 LAYOUT = {"hf_paged": ROOT / "hf_paged", "hf_paged.integrations": ROOT / "integrations"}
 # The application layer on top of both: the public face and the demo (which loads SmolLM2).
-APPS = {"hf_paged", "hf_paged.demo"}
+APPS = {"hf_paged", "hf_paged.demo", "hf_paged.cli", "hf_paged.__main__"}
 
 
 def _modules() -> dict[str, Path]:

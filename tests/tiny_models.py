@@ -1,6 +1,6 @@
 """Tiny random models of the five supported families, and helpers to compare against transformers.
 
-(A module of its own, not conftest.py: tests/kernels has a conftest too, and ``from conftest import``
+(A module of its own, not conftest.py: tests/backends has a conftest too, and ``from conftest import``
 would pick whichever is first on sys.path.)
 """
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Same signatures, pool layout and semantics as :mod:`hf_paged.backends.torch_backend`. The host side (shape
 checks, argument packing, split-K planning) lives in :class:`KernelBackend`, which launches through a
-*launcher*: :class:`CupyLauncher` on a GPU, or the CPU shim in ``tests/kernels`` (same kernels, same
+*launcher*: :class:`CupyLauncher` on a GPU, or the CPU shim in ``tests/backends`` (same kernels, same
 arguments). cupy is imported on the first launch, never at ``import hf_paged``.
 """
 from __future__ import annotations

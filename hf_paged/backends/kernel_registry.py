@@ -2,7 +2,7 @@
 
 Every ``extern "C"`` entry point in ``cuda/*.cu`` is listed here (the NVRTC compile gate checks that
 the compiled ``.entry`` symbols equal :func:`all_kernels`). Both launch paths, CuPy on a GPU and the
-CPU shim in ``tests/kernels``, take names, build options and shared-memory sizes from this module.
+CPU shim in ``tests/backends``, take names, build options and shared-memory sizes from this module.
 """
 from __future__ import annotations
 

@@ -136,6 +136,10 @@ class Engine:
             return (f"prompt of {len(request.prompt)} tokens + max_new_tokens={request.max_new_tokens} = {total} "
                     f"tokens exceeds the model's context of {self.max_model_len} (max_model_len). Shorten the "
                     "prompt or lower max_new_tokens.")
+        n = request.params.num_return_sequences
+        if n > self.config.max_num_seqs:
+            return (f"num_return_sequences={n} sequences must run together but max_num_seqs="
+                    f"{self.config.max_num_seqs}. Raise max_num_seqs or lower num_return_sequences.")
         blocks = -(-total // self.config.block_size)
         if blocks > self.pool.num_blocks:
             return (f"prompt + max_new_tokens = {total} tokens need {blocks} blocks but the whole KV pool holds "
@@ -222,7 +226,8 @@ class Engine:
                     samplers.append(child)
                     rows.append(row)
         tokens = sample(logits[rows] if len(rows) != logits.shape[0] else logits, samplers)
-        events = [self._append(seq, token) for seq, token in zip(samplers, tokens)]
+        # An on_token callback may cancel a request mid-loop: its sequences get no further token.
+        events = [self._append(seq, token) for seq, token in zip(samplers, tokens) if seq.status is Status.RUNNING]
         self.scheduler.drop_finished()
         c = self.counters
         c.steps += 1
@@ -269,6 +274,10 @@ class Engine:
         return any(s in text for s in stops)
 
     def _record_finished(self, request: Request) -> None:
+        """Write the request's output record, once."""
+        if request.recorded:
+            return
+        request.recorded = True
         out = request.output
         out.completions = []
         for seq in sorted(request.sequences, key=lambda s: s.index):
@@ -298,7 +307,7 @@ class Engine:
         pool, sched, c = self.pool, self.scheduler, self.counters
         return EngineStats(
             requests_running=len({s.request.request_id for s in sched.running}),
-            requests_waiting=sum(1 for s in sched.waiting if s.status is Status.WAITING),
+            requests_waiting=len({s.request.request_id for s in sched.waiting if s.status is Status.WAITING}),
             requests_finished=c.finished, requests_failed=c.failed, requests_cancelled=c.cancelled,
             blocks_total=pool.num_blocks, blocks_used=pool.num_used, blocks_free=pool.num_free,
             blocks_cached=self.prefix_cache.num_hashed if self.prefix_cache is not None else 0,

@@ -143,6 +143,7 @@ class Request:
         self.output = RequestOutput(prompt_index, list(prompt), pad_token_id=params.pad_token_id or 0)
         self.sequences: list[Sequence] = []
         self.forked = False
+        self.recorded = False       # the output record is written once (finish or cancel)
 
     @property
     def finished(self) -> bool:

@@ -35,17 +35,21 @@ def test_pads_are_never_stored():
     cache.check_invariants()
 
 
-def test_beam_search_peak_kv_at_most_half_of_dynamic_cache():
-    model = make_model("qwen2")
-    ids, mask = make_batch([200, 230], seed=2)
-    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=32, min_new_tokens=32, num_beams=4,
-              do_sample=False, return_dict_in_generate=True)
+def beam_search_both(model, lengths, seed, beams, new_tokens):
+    """(DynamicCache bytes, the PagedCache) of the same beam search, whose tokens must be equal."""
+    ids, mask = make_batch(lengths, seed=seed)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+              num_beams=beams, do_sample=False, return_dict_in_generate=True)
     reference = model.generate(**kw)
     with patched(model):
         cache = hf_paged.PagedCache(model.config)
         paged = model.generate(past_key_values=cache, **kw)
     assert torch.equal(reference.sequences, paged.sequences)
-    dynamic = dynamic_kv_bytes(reference.past_key_values)
+    return dynamic_kv_bytes(reference.past_key_values), cache
+
+
+def test_beam_search_peak_kv_at_most_half_of_dynamic_cache():
+    dynamic, cache = beam_search_both(make_model("qwen2"), [200, 230], seed=2, beams=4, new_tokens=32)
     peak = cache.stats()["peak_kv_bytes_reserved"]
     allocated = cache.stats()["kv_bytes_allocated"]
     print(f"beam-4 peak KV: paged {peak} B (allocated {allocated} B), DynamicCache {dynamic} B ({peak / dynamic:.1%})")
@@ -291,16 +295,7 @@ def test_continuation_that_cannot_be_served_names_the_row():
 # ---------------------------------------------------------------- issue 10: growable pool under beam search
 @pytest.mark.parametrize("beams", [4, 8])
 def test_growable_pool_allocates_less_than_dynamic_cache_under_beam_search(beams):
-    model = make_model("llama", seed=24)
-    ids, mask = make_batch([32, 32], seed=25)
-    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=12, min_new_tokens=12, num_beams=beams,
-              do_sample=False, return_dict_in_generate=True)
-    reference = model.generate(**kw)
-    with patched(model):
-        cache = hf_paged.PagedCache(model.config)
-        paged = model.generate(past_key_values=cache, **kw)
-    assert torch.equal(reference.sequences, paged.sequences)
-    dynamic = dynamic_kv_bytes(reference.past_key_values)
+    dynamic, cache = beam_search_both(make_model("llama", seed=24), [32, 32], seed=25, beams=beams, new_tokens=12)
     allocated = cache.stats()["kv_bytes_allocated"]
     print(f"beam-{beams}: paged allocated {allocated} B, DynamicCache {dynamic} B ({allocated / dynamic:.1%})")
     assert allocated < dynamic        # 149% before the pool was sized from what is stored (issue 10)

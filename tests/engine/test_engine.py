@@ -197,3 +197,42 @@ def test_generate_path_unchanged_by_the_engine():
     finally:
         hf_paged.unpatch(model)
     assert out.tolist() == reference(model, [5, 6, 7], max_new_tokens=4, do_sample=False).tolist()
+
+
+def test_cancel_from_a_token_callback_stops_the_request_at_once():
+    """A request cancelled by its own on_token callback mid-step gets no further token, keeps its
+    'cancelled' reason, and is counted once; the other request is unaffected."""
+    model = make_model("qwen2", seed=1)
+    llm = LLM(model, block_size=4, num_blocks=32)
+    engine = llm.engine
+    seen = []
+
+    def on_token(event):
+        seen.append(event)
+        if len(seen) == 1:
+            engine.cancel(event.request_id)
+
+    rid = engine.add_request([5, 6, 7, 8, 9], max_new_tokens=6, do_sample=True, top_k=1, seed=0,
+                             num_return_sequences=3, on_token=on_token)
+    other = engine.add_request([9, 9, 9], max_new_tokens=2, do_sample=False)
+    with engine.session():
+        while engine.has_work:
+            engine.step()
+    out = engine.output(rid)
+    assert len(seen) == 1, f"tokens delivered after the cancel: {seen}"
+    assert [o.finish_reason for o in out.outputs] == ["cancelled"] * 3
+    assert out.outputs[0].token_ids == [seen[0].token] and [o.token_ids for o in out.outputs[1:]] == [[], []]
+    assert engine.output(other).outputs[0].finish_reason == "length"
+    stats = engine.stats()
+    assert stats["requests_finished"] == 2 and stats["requests_cancelled"] == 1
+    check_pool(engine)
+
+
+def test_more_return_sequences_than_max_num_seqs_fails_alone():
+    model = make_model("llama", seed=2)
+    llm = LLM(model, block_size=4, num_blocks=32, max_num_seqs=2)
+    outs = llm.generate([[5, 6, 7], [8, 9]], [dict(num_return_sequences=3, do_sample=True, seed=1),
+                                             dict(do_sample=False)], max_new_tokens=4)
+    assert outs[0].error is not None and "num_return_sequences=3" in outs[0].error and "max_num_seqs=2" in outs[0].error
+    assert outs[1].error is None and outs[1].sequences.tolist() == \
+        reference(model, [8, 9], max_new_tokens=4, do_sample=False).tolist()

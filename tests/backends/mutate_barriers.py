@@ -1,6 +1,6 @@
 """Mutation check: delete each __syncthreads of the decode path in turn; the kernel tests must fail.
 
-    python tests/kernels/mutate_barriers.py [pytest -k expression, default "decode and not nvrtc"]
+    python tests/backends/mutate_barriers.py [pytest -k expression, default "decode and not nvrtc"]
 
 For each deletion, builds the shim from a mutated copy of cuda/ (HF_PAGED_SHIM_SOURCES) and runs the
 decode tests, printing which failed. Exits non-zero if some deletion leaves every test passing.

@@ -4,7 +4,7 @@ Every kernel of hf_paged.backends.kernel_registry is compiled to cubin for sm_80
 (oldest supported 12.x, newest 12.x, 13.x), the cubin's entry symbols are compared with the registry,
 and registers / shared memory / spills are read from ptxas's verbose log.
 
-    python tests/kernels/nvrtc_gate.py        # prints the table, writes nvrtc_report.json in the cache
+    python tests/backends/nvrtc_gate.py        # prints the table, writes nvrtc_report.json in the cache
 
 The wheels are installed on first use with ``pip install --no-deps --target`` into
 $HF_PAGED_NVRTC_CACHE (default ~/.cache/hf_paged/nvrtc).

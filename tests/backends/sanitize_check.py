@@ -1,7 +1,7 @@
 """Small-shape kernel runs for a sanitizer build of the shim (run by test_sanitizers.py):
 
     ASAN_OPTIONS=detect_leaks=0 LD_PRELOAD="$(g++ -print-file-name=libasan.so) $(g++ -print-file-name=libstdc++.so)" \\
-        python tests/kernels/sanitize_check.py address,undefined
+        python tests/backends/sanitize_check.py address,undefined
 
 Builds head dim 64 with -fsanitize=..., runs every kernel under the warp-ahead
 schedule against the PyTorch reference; any sanitizer report aborts the process (non-zero exit).

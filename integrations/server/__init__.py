@@ -1,0 +1,27 @@
+"""``hf-paged serve``: an OpenAI-compatible HTTP server on the continuous-batching engine.
+
+    from hf_paged.integrations.server import create_app
+    app = create_app(model, tokenizer, served_model_name="m", api_key=None, max_num_seqs=32)
+    # uvicorn.run(app, host="127.0.0.1", port=8000)
+
+Modules: ``detokenize`` (incremental text that never emits a broken character; no web imports),
+``worker`` (the background engine thread; no web imports), ``protocol`` (the request schemas),
+``metrics`` (Prometheus, one registry per app), ``app`` (the FastAPI app), ``loading`` (checkpoints),
+``main`` (``serve``: load, build, run uvicorn). FastAPI, uvicorn and prometheus_client (the ``serve``
+extra) are imported only by the modules that need them, and only when this package is asked for.
+"""
+from __future__ import annotations
+
+__all__ = ["create_app", "serve"]
+
+
+def __getattr__(name):
+    if name == "create_app":
+        from .app import create_app
+
+        return create_app
+    if name == "serve":
+        from .main import serve
+
+        return serve
+    raise AttributeError(name)

@@ -1,0 +1,86 @@
+"""Incremental detokenization for streaming: emit text only when it is final.
+
+Byte-level BPE tokenizers split one multi-byte character (an emoji, most CJK) over several tokens;
+decoding a prefix of them gives U+FFFD. As vLLM and TGI do, the text of the tokens since
+``prefix_offset`` is decoded and compared with the text of the tokens before ``read_offset``; the
+difference is emitted only when it grows and does not end in U+FFFD, so a client never sees a broken
+character and the concatenation of the deltas is the whole text (checked again at the end:
+``finish()`` emits whatever the full decode adds).
+
+``TextStream`` adds OpenAI's stop sequences: the text is cut before the first stop string, and while
+the sequence runs the last ``len(longest stop) - 1`` characters are held back, since they may begin one.
+"""
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger("hf_paged.server")
+REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Feed token ids one by one; ``add`` returns the new *final* text (possibly "")."""
+
+    def __init__(self, tokenizer, skip_special_tokens: bool = True):
+        self.tokenizer, self.skip = tokenizer, skip_special_tokens
+        self.ids: list[int] = []
+        self.prefix_offset = self.read_offset = 0
+        self.text = ""
+
+    def _decode(self, ids) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip) if ids else ""
+
+    def add(self, token: int) -> str:
+        self.ids.append(int(token))
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        new = self._decode(self.ids[self.prefix_offset:])
+        if len(new) > len(prefix) and not new.endswith(REPLACEMENT) and new.startswith(prefix):
+            delta = new[len(prefix):]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            self.text += delta
+            return delta
+        return ""
+
+    def finish(self) -> str:
+        """The rest of the text (what the full decode has beyond what was emitted)."""
+        full = self._decode(self.ids)
+        if full.startswith(self.text):
+            delta = full[len(self.text):]
+            self.text = full
+            return delta
+        log.warning("incremental decode diverged from the full decode; streamed text kept")  # pragma: no cover
+        return ""                                                                             # pragma: no cover
+
+
+class TextStream:
+    """One sequence's streamed text with stop sequences cut off (OpenAI's ``stop``)."""
+
+    def __init__(self, tokenizer, stop: tuple[str, ...] = (), skip_special_tokens: bool = True):
+        self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens)
+        self.stop = tuple(s for s in stop if s)
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.text = ""          # decoded so far (final characters)
+        self.sent = 0           # characters of self.text already emitted
+        self.stopped = False    # a stop string was found: the text ends before it
+
+    def _cut(self) -> None:
+        if self.stop and not self.stopped:
+            hits = [i for i in (self.text.find(s) for s in self.stop) if i >= 0]
+            if hits:
+                self.text, self.stopped = self.text[:min(hits)], True
+
+    def add(self, token: int) -> str:
+        if self.stopped:
+            return ""
+        self.text += self.detok.add(token)
+        self._cut()
+        end = len(self.text) if self.stopped else max(self.sent, len(self.text) - self.hold)
+        delta, self.sent = self.text[self.sent:end], end
+        return delta
+
+    def finish(self) -> str:
+        if not self.stopped:
+            self.text += self.detok.finish()
+            self._cut()
+        delta, self.sent = self.text[self.sent:], len(self.text)
+        return delta

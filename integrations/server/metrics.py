@@ -1,0 +1,96 @@
+"""Prometheus metrics under vLLM's names, in a registry of the app's own (no module-global state).
+
+Gauges: ``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``
+(and its older name ``vllm:gpu_cache_usage_perc``), ``hf_paged:kv_blocks_used`` / ``_total``.
+Counters: ``vllm:prompt_tokens_total``, ``vllm:generation_tokens_total``, ``vllm:num_preemptions_total``,
+``vllm:prefix_cache_queries_total`` / ``vllm:prefix_cache_hits_total`` (tokens, as vLLM counts them),
+``vllm:request_success_total{finished_reason}``. Histograms: ``vllm:time_to_first_token_seconds``,
+``vllm:inter_token_latency_seconds`` and ``vllm:time_per_output_token_seconds`` (both per-token gaps),
+``vllm:e2e_request_latency_seconds``. Every series carries ``model_name``.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the app)
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+               480.0, 960.0, 1920.0, 7680.0)
+REASONS = {"stop": "stop", "stop_string": "stop", "length": "length", "cancelled": "abort"}
+
+
+class Metrics:
+    def __init__(self, model_name: str):
+        self.registry = registry = CollectorRegistry(auto_describe=True)
+        label = dict(labelnames=["model_name"], registry=registry)
+
+        def gauge(name, doc):
+            return Gauge(name, doc, **label).labels(model_name)
+
+        def counter(name, doc):
+            return Counter(name, doc, **label).labels(model_name)
+
+        def histogram(name, doc, buckets):
+            return Histogram(name, doc, buckets=buckets, **label).labels(model_name)
+
+        self.running = gauge("vllm:num_requests_running", "Requests running on the engine.")
+        self.waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage: fraction of blocks in use (0-1).")
+        self.gpu_usage = gauge("vllm:gpu_cache_usage_perc", "KV-cache usage (vLLM's older name; 0-1).")
+        self.blocks_used = gauge("hf_paged:kv_blocks_used", "KV blocks in use.")
+        self.blocks_total = gauge("hf_paged:kv_blocks_total", "KV blocks in the pool.")
+        self.prefix_hit_rate = gauge("hf_paged:prefix_cache_hit_rate", "Prefix-cache hit tokens / queried tokens.")
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prefill tokens of admitted requests.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens.")
+        self.preemptions = counter("vllm:num_preemptions", "Preemptions (sequences evicted and recomputed).")
+        self.prefix_queries = counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self._success = Counter("vllm:request_success", "Finished requests by reason.",
+                                labelnames=["model_name", "finished_reason"], registry=registry)
+        self.model_name = model_name
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
+        self.itl = histogram("vllm:inter_token_latency_seconds", "Time between two tokens of a sequence.",
+                             ITL_BUCKETS)
+        self.tpot = histogram("vllm:time_per_output_token_seconds", "Time per output token (per-token gaps).",
+                              ITL_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Request latency, arrival to last token.",
+                             E2E_BUCKETS)
+
+    # called from the engine thread (prometheus_client is thread-safe)
+    def tokens(self, handle, events, now: float) -> None:
+        self.generation_tokens.inc(len(events))
+        if handle.first_token is None:
+            handle.first_token = now
+            self.ttft.observe(now - handle.arrival)
+        for event in events:
+            last = handle.last_token.get(event.index)
+            if last is not None:
+                self.itl.observe(now - last)
+                self.tpot.observe(now - last)
+            handle.last_token[event.index] = now
+
+    def finished(self, handle, output, now: float) -> None:
+        self.e2e.observe(now - handle.arrival)
+        reason = output.finish_reason if output is not None else "abort"
+        self._success.labels(self.model_name, REASONS.get(reason, reason or "abort")).inc()
+
+    def engine_stats(self, stats, seen: dict) -> None:
+        self.running.set(stats.requests_running)
+        self.waiting.set(stats.requests_waiting)
+        self.kv_usage.set(stats.kv_utilization)
+        self.gpu_usage.set(stats.kv_utilization)
+        self.blocks_used.set(stats.blocks_used)
+        self.blocks_total.set(stats.blocks_total)
+        self.prefix_hit_rate.set(stats.prefix_hit_rate)
+        for name, metric in (("preemptions", self.preemptions), ("prefix_query_tokens", self.prefix_queries),
+                             ("prefix_hit_tokens", self.prefix_hits)):
+            value = stats[name]
+            if value > seen[name]:
+                metric.inc(value - seen[name])
+            seen[name] = value
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,227 @@
+"""The background engine thread: the only thread that touches the Engine.
+
+Requests join and leave between steps through a thread-safe command queue; each step's tokens go back
+to the asyncio side with ``loop.call_soon_threadsafe`` (one call per request per step). The waiting
+queue is bounded: ``submit`` raises :class:`QueueFull` when ``max_queue`` requests already wait
+(submitted but not yet admitted, plus the engine's own waiting queue). ``shutdown`` stops accepting,
+lets in-flight requests finish within a timeout, cancels the rest and joins the thread.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from hf_paged.engine import Engine
+
+log = logging.getLogger("hf_paged.server")
+
+
+class QueueFull(RuntimeError):
+    """The waiting queue is full (answer 503 with Retry-After)."""
+
+
+class ShuttingDown(RuntimeError):
+    """The server is stopping and accepts no new requests."""
+
+
+@dataclass
+class Handle:
+    """One request as the server sees it. ``deliver(item)`` runs in the engine thread and must hand
+    ``item`` to the asyncio side: a list of TokenEvents, or ``("done", RequestOutput)`` /
+    ``("error", message)`` as the last item."""
+    prompt_ids: list[int]
+    params: object                       # SamplingParams
+    deliver: object                      # callable(item)
+    arrival: float = field(default_factory=time.perf_counter)
+    key: int | None = None
+    request_id: int | None = None
+    first_token: float | None = None
+    last_token: dict = field(default_factory=dict)     # sequence index -> time of its last token
+    cancelled: bool = False
+    done: bool = False                   # set by the engine thread when the last item went out
+
+
+class EngineWorker:
+    def __init__(self, engine: Engine, max_queue: int = 256, metrics=None):
+        if max_queue < 1:
+            raise ValueError(f"max_queue must be >= 1, got {max_queue}")
+        self.engine, self.max_queue, self.metrics = engine, max_queue, metrics
+        self._commands: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self._pending = 0                 # submitted, not yet handed to the engine
+        self._engine_waiting = 0          # the engine's waiting requests, as of the last look
+        self._active: dict[int, Handle] = {}      # engine request id -> handle (engine thread only)
+        self._keys = itertools.count()
+        self._accepting = True
+        self._stop = threading.Event()    # leave the loop once nothing is active
+        self._abort = threading.Event()   # cancel everything still active, then leave
+        self._thread: threading.Thread | None = None
+        self._stats = engine.stats()
+        self._seen = {"preemptions": 0, "prefix_query_tokens": 0, "prefix_hit_tokens": 0}
+        self.error: BaseException | None = None
+
+    # ------------------------------------------------------------ any thread
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="hf_paged-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def stats(self):
+        """The engine's EngineStats as of the last step or command (read in the engine thread)."""
+        return self._stats
+
+    def submit(self, handle: Handle) -> Handle:
+        with self._lock:
+            if not self._accepting or not self.alive:
+                raise ShuttingDown("the server is shutting down")
+            if self._pending + self._engine_waiting >= self.max_queue:
+                raise QueueFull(f"the waiting queue is full ({self.max_queue} requests); retry later")
+            self._pending += 1
+            handle.key = next(self._keys)
+        self._commands.put(("add", handle))
+        return handle
+
+    def cancel(self, handle: Handle) -> None:
+        """Cancel a request (e.g. its client disconnected); its blocks go back. Idempotent."""
+        if not handle.cancelled and not handle.done:
+            handle.cancelled = True
+            self._commands.put(("cancel", handle))
+
+    def shutdown(self, timeout: float = 30.0) -> bool:
+        """Stop accepting, let in-flight requests finish for ``timeout`` s, cancel the rest, join.
+        Returns True when the thread is gone."""
+        with self._lock:
+            self._accepting = False
+        self._stop.set()
+        self._commands.put(("wake", None))
+        if self._thread is None:
+            return True
+        self._thread.join(max(0.0, timeout))
+        if self._thread.is_alive():
+            log.warning("shutdown: cancelling the requests still running after %.1f s", timeout)
+            self._abort.set()
+            self._commands.put(("wake", None))
+            self._thread.join(30.0)
+        return not self._thread.is_alive()
+
+    # ------------------------------------------------------------ engine thread
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            with engine.session():
+                while True:
+                    self._drain(block=not engine.has_work and not self._stop.is_set())
+                    if self._abort.is_set():
+                        for handle in list(self._active.values()):
+                            self._cancel(handle)
+                        self._refresh()
+                        break
+                    if engine.has_work:
+                        events = engine.step()
+                        self._dispatch(events)
+                        self._refresh()
+                    elif self._stop.is_set() and not self._active and self._commands.empty():
+                        break
+        except BaseException as exc:       # pragma: no cover - a bug or an OOM: fail every request
+            self.error = exc
+            log.exception("the engine thread failed")
+            with self._lock:
+                self._accepting = False
+            for handle in list(self._active.values()):
+                handle.deliver(("error", "the engine failed; see the server log"))
+            self._active.clear()
+            while not self._commands.empty():
+                kind, handle = self._commands.get_nowait()
+                if kind == "add":
+                    handle.deliver(("error", "the engine failed; see the server log"))
+
+    def _drain(self, block: bool) -> None:
+        try:
+            item = self._commands.get(timeout=0.05) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        changed = False
+        while True:
+            kind, handle = item
+            if kind == "add":
+                self._add(handle)
+                changed = True
+            elif kind == "cancel":
+                self._cancel(handle)
+                changed = True
+            try:
+                item = self._commands.get_nowait()
+            except queue.Empty:
+                break
+        if changed:
+            self._refresh()
+
+    def _add(self, handle: Handle) -> None:
+        with self._lock:
+            self._pending -= 1
+        if handle.cancelled:
+            handle.done = True
+            handle.deliver(("done", None))
+            return
+        try:
+            rid = self.engine.add_request(handle.prompt_ids, params=handle.params)
+        except ValueError as exc:
+            handle.done = True
+            handle.deliver(("error", str(exc)))
+            return
+        output = self.engine.output(rid)
+        if output.error is not None:               # can never fit: fails alone
+            self.engine.requests.pop(rid, None)
+            handle.done = True
+            handle.deliver(("error", output.error))
+            return
+        handle.request_id = rid
+        self._active[rid] = handle
+        if self.metrics is not None:
+            self.metrics.prompt_tokens.inc(len(handle.prompt_ids))
+
+    def _cancel(self, handle: Handle) -> None:
+        rid = handle.request_id
+        if rid is None or rid not in self._active:
+            return                                  # not added yet (the add sees .cancelled) or done
+        self.engine.cancel(rid)
+        self._finish(handle)
+
+    def _finish(self, handle: Handle) -> None:
+        rid = handle.request_id
+        self._active.pop(rid, None)
+        output = self.engine.requests.pop(rid).output   # the server forgets finished requests
+        if self.metrics is not None:
+            self.metrics.finished(handle, output, time.perf_counter())
+        handle.done = True
+        handle.deliver(("done", output))
+
+    def _dispatch(self, events) -> None:
+        now = time.perf_counter()
+        by_request: dict[int, list] = {}
+        for event in events:
+            by_request.setdefault(event.request_id, []).append(event)
+        for rid, evs in by_request.items():
+            handle = self._active.get(rid)
+            if handle is None:
+                continue
+            if self.metrics is not None:
+                self.metrics.tokens(handle, evs, now)
+            handle.deliver(evs)
+            if self.engine.requests[rid].finished:
+                self._finish(handle)
+
+    def _refresh(self) -> None:
+        stats = self.engine.stats()
+        with self._lock:
+            self._engine_waiting = stats.requests_waiting
+        self._stats = stats
+        if self.metrics is not None:
+            self.metrics.engine_stats(stats, self._seen)

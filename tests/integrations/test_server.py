@@ -1,0 +1,362 @@
+"""``hf-paged serve``: the OpenAI-compatible server, driven by the official ``openai`` client on 127.0.0.1.
+
+Most tests share one in-process server (tiny random llama + word tokenizer, uvicorn in a thread); the
+last one starts the real ``python -m hf_paged serve smollm2`` and stops it with SIGTERM.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("prometheus_client")
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+httpx = pytest.importorskip("httpx")
+
+import hf_paged  # noqa: E402
+from hf_paged.integrations.server import create_app  # noqa: E402
+from hf_paged.integrations.server.detokenize import TextStream  # noqa: E402
+from tiny_models import make_model, word_tokenizer  # noqa: E402
+
+HOST = "127.0.0.1"
+MODEL = "tiny"
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}w9{% endif %}"
+KNOBS = dict(num_blocks=32, max_num_seqs=6, max_num_batched_tokens=64, block_size=16)
+
+
+def tokenizer():
+    tok = word_tokenizer()
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+@contextlib.contextmanager
+def running(app):
+    """uvicorn on a free 127.0.0.1 port in a thread; on exit the server and the engine thread are gone."""
+    sock = socket.socket()
+    sock.bind((HOST, 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=10))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not server.started:
+        assert thread.is_alive() and time.time() < deadline, "the server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://{HOST}:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+        assert not thread.is_alive(), "uvicorn did not stop"
+        assert not app.state.worker.alive, "the engine thread was left behind"
+
+
+@pytest.fixture(scope="module")
+def server():
+    app = create_app(make_model("llama"), tokenizer(), served_model_name=MODEL, **KNOBS)
+    with running(app) as url:
+        yield url, app
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def wait_idle(app, timeout=20.0):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        stats = app.state.worker.stats()
+        if stats.requests_running == 0 and stats.requests_waiting == 0 and stats.blocks_used == 0:
+            return stats
+        time.sleep(0.05)
+    raise AssertionError(f"engine not idle: {app.state.worker.stats()}")
+
+
+PROMPTS = [" ".join(f"w{3 + (7 * i + 5 * k) % 250}" for k in range(2 + i % 5)) for i in range(12)]
+MAX_TOKENS = [6 + (5 * i) % 23 for i in range(12)]
+
+
+def test_models_and_health(server, client):
+    url, _ = server
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert httpx.get(url + "/health").status_code == 200
+
+
+def test_concurrent_greedy_equals_sequential_and_offline(server, client):
+    def one(i):
+        r = client.completions.create(model=MODEL, prompt=PROMPTS[i], max_tokens=MAX_TOKENS[i], temperature=0)
+        return r.choices[0].text, r.choices[0].finish_reason, r.usage.completion_tokens, r.usage.prompt_tokens
+
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:
+        concurrent_out = list(pool.map(one, range(len(PROMPTS))))
+    sequential = [one(i) for i in range(len(PROMPTS))]
+    assert concurrent_out == sequential
+    llm = hf_paged.LLM(make_model("llama"), tokenizer(), **KNOBS)    # same seed: same weights, own model
+    offline = llm.generate(PROMPTS, [dict(max_new_tokens=m, do_sample=False) for m in MAX_TOKENS])
+    tok = tokenizer()
+    for (text, reason, n_out, n_in), out, prompt in zip(sequential, offline, PROMPTS):
+        assert text == out.outputs[0].text
+        assert n_out == len(out.outputs[0].token_ids)
+        assert n_in == len(tok(prompt)["input_ids"])
+        assert reason == {"stop": "stop", "length": "length"}[out.outputs[0].finish_reason]
+    wait_idle(server[1])
+
+
+def test_stream_equals_whole_and_usage(client):
+    for prompt, m in zip(PROMPTS[:4], MAX_TOKENS[:4]):
+        whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=m, temperature=0)
+        chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=m, temperature=0,
+                                                stream=True, stream_options={"include_usage": True}))
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        assert text == whole.choices[0].text
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+        assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+        assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_n_and_stop(client):
+    with pytest.raises(openai.BadRequestError, match="num_return_sequences"):      # as generate refuses it
+        client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0, n=2)
+    n = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=6, temperature=1.0, n=3, seed=1)
+    assert [c.index for c in n.choices] == [0, 1, 2] and n.usage.completion_tokens >= 3
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0)
+    words = r.choices[0].text.split()
+    stop = words[3]
+    cut = r.choices[0].text[:r.choices[0].text.index(stop)]
+    s = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0, stop=[stop])
+    assert s.choices[0].text == cut and s.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0, stop=stop, stream=True))
+    assert streamed == cut
+    a = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=10, temperature=0.8, top_p=0.9,
+                                  seed=7, extra_body={"top_k": 20})
+    b = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=10, temperature=0.8, top_p=0.9,
+                                  seed=7, extra_body={"top_k": 20})
+    assert a.choices[0].text == b.choices[0].text          # seeded sampling reproduces
+
+
+def test_chat(client):
+    messages = [{"role": "system", "content": "w10 w11"}, {"role": "user", "content": "w12 w13 w14"}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=9, temperature=0)
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.usage.prompt_tokens == 6          # "w10 w11 w12 w13 w14 w9" through the template
+    streamed = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=9, temperature=0,
+                                              stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    assert text == whole.choices[0].message.content
+    llm = hf_paged.LLM(make_model("llama"), tokenizer(), **KNOBS)
+    out = llm.generate(["w10 w11 w12 w13 w14 w9"], max_new_tokens=9, do_sample=False)
+    assert whole.choices[0].message.content == out[0].outputs[0].text
+
+
+def test_byte_level_stream_never_breaks_a_character():
+    """A byte-level tokenizer (one token per byte): every multi-byte character is split across tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend)
+    text = "héllo 😀 wörld, 中文 ok 🍕!"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert len(ids) == len(text.encode())
+    assert "\ufffd" in tok.decode(ids[:8])                 # the emoji's bytes really are split
+    stream = TextStream(tok)
+    deltas = [stream.add(t) for t in ids] + [stream.finish()]
+    assert "".join(deltas) == text
+    assert not any("\ufffd" in d for d in deltas)
+    stopped = TextStream(tok, stop=("😀",))
+    assert "".join([stopped.add(t) for t in ids] + [stopped.finish()]) == "héllo " and stopped.stopped
+
+
+def test_byte_level_server_stream_equals_whole():
+    """Random bytes from the tiny model through a byte-level tokenizer: the streamed text equals the whole
+    text even where the bytes do not form valid UTF-8."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend)
+    app = create_app(make_model("llama", seed=3), tok, served_model_name=MODEL, **KNOBS)
+    with running(app) as url:
+        c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        for prompt in ("é😀 ab", "中文 🍕", "xyz"):
+            whole = c.completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=0)
+            streamed = "".join(ch.choices[0].text for ch in c.completions.create(
+                model=MODEL, prompt=prompt, max_tokens=40, temperature=0, stream=True))
+            assert streamed == whole.choices[0].text
+
+
+def test_disconnect_cancels_and_frees_blocks(server, monkeypatch):
+    url, app = server
+    engine = app.state.engine
+    step = engine.step
+    monkeypatch.setattr(engine, "step", lambda: (time.sleep(0.02), step())[1])       # slow enough to leave
+    before = app.state.worker.stats().requests_cancelled
+    body = {"model": MODEL, "prompt": "w3 w4 w5", "max_tokens": 300, "temperature": 0, "ignore_eos": True}
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=30) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(4)]
+        assert any(line.startswith("data: {") for line in got)
+    deadline = time.time() + 20
+    while app.state.worker.stats().requests_cancelled < before + 1:
+        assert time.time() < deadline, "the streamed request was not cancelled"
+        time.sleep(0.05)
+    with pytest.raises(httpx.ReadTimeout):                  # a non-streamed request whose client gives up
+        httpx.post(url + "/v1/completions", json=body, timeout=1.0)
+    deadline = time.time() + 20
+    while app.state.worker.stats().requests_cancelled < before + 2:
+        assert time.time() < deadline, "the non-streamed request was not cancelled"
+        time.sleep(0.05)
+    stats = wait_idle(app)
+    assert stats.blocks_used == 0
+    app.state.engine.check_invariants()
+
+
+def test_queue_full_answers_503(server, monkeypatch):
+    url, app = server
+    engine, worker = app.state.engine, app.state.worker
+    gate = threading.Event()
+    step = engine.step
+    monkeypatch.setattr(engine, "step", lambda: (gate.wait(30), step())[1])
+    monkeypatch.setattr(worker, "max_queue", 1)
+    body = {"model": MODEL, "prompt": "w3 w4", "max_tokens": 4, "temperature": 0}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        first = pool.submit(httpx.post, url + "/v1/completions", json=body, timeout=30)
+        deadline = time.time() + 10
+        while worker.stats().requests_waiting + worker.stats().requests_running < 1:
+            assert time.time() < deadline
+            time.sleep(0.02)
+        r = httpx.post(url + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert r.json()["error"]["code"] == "queue_full"
+        gate.set()
+        assert first.result().status_code == 200
+    wait_idle(app)
+
+
+def test_bad_requests_answer_400(server, client):
+    url, _ = server
+    r = httpx.post(url + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    cases = [dict(extra_body={"bogus": 1}), dict(max_tokens=10**6), dict(temperature=5.0), dict(logprobs=2),
+             dict(top_p=0.0), dict(n=0), dict(frequency_penalty=0.5)]
+    for case in cases:
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model=MODEL, prompt="w3 w4", **{"max_tokens": 4, **case})
+        assert err.value.body["message"] and "Traceback" not in err.value.body["message"], case
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w3"}], logprobs=True)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="other", prompt="w3", max_tokens=2)
+    r = httpx.post(url + "/v1/completions", content=b"x" * (5 * 2**20))
+    assert r.status_code == 413
+    assert httpx.get(url + "/nope").json()["error"]["code"] == 404
+
+
+def test_metrics(server, client):
+    url, _ = server
+    client.completions.create(model=MODEL, prompt="w3 w4 w5", max_tokens=5, temperature=0)
+    text = httpx.get(url + "/metrics").text
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:gpu_cache_usage_perc", "vllm:num_preemptions_total", "vllm:prefix_cache_queries_total",
+                 "vllm:prefix_cache_hits_total", "vllm:time_to_first_token_seconds_bucket",
+                 "vllm:time_per_output_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
+                 "vllm:e2e_request_latency_seconds_count", "vllm:request_success_total"):
+        assert name in text, name
+    values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line and not line.startswith("#")}
+    assert values["vllm:prompt_tokens_total"] >= 3 and values["vllm:generation_tokens_total"] >= 5
+
+
+def test_api_key():
+    app = create_app(make_model("llama"), tokenizer(), served_model_name=MODEL, api_key="s3cret", **KNOBS)
+    with running(app) as url:
+        assert httpx.get(url + "/health").status_code == 200
+        r = httpx.get(url + "/v1/models")
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(url + "/metrics").status_code == 401
+        assert httpx.get(url + "/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
+        good = openai.OpenAI(base_url=url + "/v1", api_key="s3cret", max_retries=0)
+        assert good.models.list().data[0].id == MODEL
+        assert good.completions.create(model=MODEL, prompt="w3", max_tokens=2).choices[0].text
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_real_server_chat_and_sigterm(tmp_path):
+    """``python -m hf_paged serve smollm2``: a chat completion through the real chat template, then SIGTERM
+    while a request streams: the process stops accepting, cancels it within --shutdown-timeout, exits 0."""
+    pytest.importorskip("gguf")
+    from hf_paged.integrations.smollm2 import gguf_path
+
+    try:
+        gguf_path()
+    except (ModuleNotFoundError, FileNotFoundError) as exc:
+        pytest.skip(str(exc))
+    port = _free_port()
+    log = open(tmp_path / "server.log", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "hf_paged", "serve", "smollm2", "--port", str(port),
+                             "--shutdown-timeout", "3", "--kv-cache-memory-bytes", "64M", "--log-level", "warning"],
+                            stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://{HOST}:{port}"
+    try:
+        deadline = time.time() + 240                       # first use converts the GGUF (~30-60 s)
+        while True:
+            assert proc.poll() is None, open(tmp_path / "server.log").read()
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            assert time.time() < deadline, "server did not come up"
+            time.sleep(0.5)
+        c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
+        messages = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
+        whole = c.chat.completions.create(model="smollm2", messages=messages, max_tokens=12, temperature=0)
+        assert "Paris" in whole.choices[0].message.content
+        streamed = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
+            model="smollm2", messages=messages, max_tokens=12, temperature=0, stream=True) if ch.choices)
+        assert streamed == whole.choices[0].message.content
+        body = {"model": "smollm2", "prompt": "Once upon a time", "max_tokens": 2000, "stream": True,
+                "ignore_eos": True, "temperature": 0}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            next(lines)
+            start = time.time()
+            proc.send_signal(signal.SIGTERM)
+            rest = list(lines)                             # ends when the server cancels it
+        assert proc.wait(timeout=30) == 0
+        assert time.time() - start < 3 + 15
+        assert rest[-1] == "data: [DONE]" or rest == [] or rest[-1] == ""
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
