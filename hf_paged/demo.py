@@ -4,21 +4,29 @@ Generates greedily with transformers' default DynamicCache (left-padded batch) a
 ``hf_paged.PagedCache`` on the patched model, checks that the texts are identical, and prints the KV
 memory each path held and its generated tokens/s.
 
+Where a row's tokens differ it prints the first differing token and whether the default path's
+logits were nearly tied there (top-2 gap below NEAR_TIE), as rounding can flip such an argmax without
+anything being wrong, in half precision above all; it exits with status 1 when a difference is not
+explained so (a divergence at a clear argmax, or logits apart by more than LOGIT_TOL before it).
+
 KV accounting (bytes per token = 2 · layers · kv_heads · head_dim · dtype size):
 - DynamicCache: the nbytes of its key/value tensors at the end of generate. It only grows, so that
   is also its peak; it includes pad columns (left padding, and rows that finished early).
 - PagedCache: ``cache.stats()`` sampled after every decoding step (blocks in use, real tokens
-  stored) and the nbytes of its pool tensors (reserved; the pool doubles on demand).
+  stored) and the nbytes of its pool tensors (allocated; the pool grows by half on demand).
 - "real tokens": prompt and generated tokens (EOS included) that a sequence still needs, no pads.
 """
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 import warnings
 from pathlib import Path
 
 import torch
+
+from hf_paged.cache import kv_bytes_per_token
 
 DEFAULT_PROMPTS = [
     "What is the capital of France?",
@@ -39,11 +47,72 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompts", type=Path, help="text file, one prompt per line (default: 8 built-in prompts)")
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     p.add_argument("--quiet", action="store_true", help="print the summary only, not the texts")
     return p.parse_args(argv)
 
+
+# Rounding tolerances of the paged path against the default one, in units of eps(dtype) * max|logit| of
+# the default path's logits at that step (eps: 2**-23 fp32, 2**-10 fp16, 2**-7 bf16). The paths round
+# differently (another attention summation order), and an argmax can flip only where the top-2 gap is
+# smaller than the change of that margin. Measured on SmolLM2 (tests/integrations/test_half_precision.py): max
+# |logit diff| 8.0 (fp16) and 9.8 (bf16) eps*max|logit|, top-2 margin change <= 3.1; fp32 as in
+# tests/integrations/test_smollm2.py (~1e-4 on logits up to 40).
+LOGIT_TOL = {torch.float32: 128.0, torch.float16: 16.0, torch.bfloat16: 16.0}
+NEAR_TIE = {torch.float32: 256.0, torch.float16: 6.0, torch.bfloat16: 6.0}
+
+
+def explain_differences(ref, out, prompt_width: int, eos_id: int, dtype: torch.dtype) -> tuple[list[str], bool]:
+    """Why rows of two greedy runs differ: lines to print, and whether every difference is explained.
+
+    ``ref`` (default path) and ``out`` (paged): generate outputs with ``sequences`` and ``logits``
+    (tuples over steps of [B, vocab]). Per row, up to its first differing token (and its EOS): every
+    logit must be within LOGIT_TOL of the reference's, and that first differing token must be at a
+    near-tie, a step where the reference's top-2 logit gap is below NEAR_TIE.
+    """
+    eps = torch.finfo(dtype).eps
+    name = str(dtype).removeprefix("torch.")
+    ref_new, out_new = ref.sequences[:, prompt_width:], out.sequences[:, prompt_width:]
+    lines, explained = [], True
+    for row in range(ref_new.shape[0]):
+        worst = worst_tol = 0.0          # largest |logit diff| so far, and its tolerance at that step
+        for step in range(ref_new.shape[1]):
+            want = int(ref_new[row, step])
+            got = int(out_new[row, step]) if step < out_new.shape[1] else None
+            if step >= min(len(ref.logits), len(out.logits)):
+                if got != want:
+                    lines.append(f"row {row} differs from generated token {step} on: the paged run has no "
+                                 f"logits there (it stopped after {len(out.logits)} steps)")
+                    explained = False
+                break
+            a, b = ref.logits[step][row].float(), out.logits[step][row].float()
+            unit = eps * float(a.abs().max())
+            diff = float((a - b).abs().max())
+            if diff > LOGIT_TOL[dtype] * unit:
+                lines.append(f"row {row}: logits at generated token {step} differ by up to {diff:.3g}, beyond "
+                             f"the tolerance {LOGIT_TOL[dtype] * unit:.3g} ({LOGIT_TOL[dtype]:g} eps x max|logit| "
+                             f"{a.abs().max():.1f}, {name}), tokens {'equal' if got == want else 'differ'}")
+                explained = False
+                break
+            if diff > worst:
+                worst, worst_tol = diff, LOGIT_TOL[dtype] * unit
+            if got != want:
+                top2 = a.topk(2).values
+                gap, tie = float(top2[0] - top2[1]), NEAR_TIE[dtype] * unit
+                if gap < tie:
+                    lines.append(f"row {row} differs from generated token {step} on: a near-tie (top-2 gap "
+                                 f"{gap:.3g} < {tie:.3g} in {name}); earlier tokens equal, logits within "
+                                 f"{worst:.3g} (tolerance {worst_tol:.3g})")
+                else:
+                    lines.append(f"row {row} differs from generated token {step} on: NOT a near-tie (top-2 gap "
+                                 f"{gap:.3g} >= {tie:.3g} in {name}; token {got} vs {want}); earlier logits within "
+                                 f"{worst:.3g}")
+                    explained = False
+                break
+            if want == eos_id:
+                break
+    return lines, explained
 
 
 def dynamic_cache_bytes(cache) -> int:
@@ -75,14 +144,16 @@ class _StatsProbe:
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
-def _generate(model, inputs, cache, max_new_tokens, stopping=None):
+def _generate(model, inputs, cache, max_new_tokens, stopping=None, logits=False):
+    """(sequences, or with ``logits`` generate's output with ``.sequences`` and ``.logits``; seconds)."""
     from transformers import StoppingCriteriaList  # noqa: PLC0415
     start = time.perf_counter()
+    extra = dict(return_dict_in_generate=True, output_logits=True) if logits else {}
     # transformers 5.24 renamed generate's past_key_values to cache; the old name works through 5.x.
     with torch.inference_mode(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated", category=FutureWarning)
         out = model.generate(**inputs, past_key_values=cache, max_new_tokens=max_new_tokens, do_sample=False,
-                             stopping_criteria=StoppingCriteriaList(stopping or []))
+                             stopping_criteria=StoppingCriteriaList(stopping or []), **extra)
     return out, time.perf_counter() - start
 
 
@@ -107,7 +178,8 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:8.2f} MiB"
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
+    """Run the demo; returns the exit status (1: a difference that a near-tie does not explain)."""
     args = parse_args(argv)
     import hf_paged  # noqa: PLC0415
     from transformers import DynamicCache  # noqa: PLC0415
@@ -130,13 +202,14 @@ def main(argv=None) -> None:
     prompt_lens = inputs["attention_mask"].sum(1).tolist()
     eos = model.generation_config.eos_token_id
     eos = eos[0] if isinstance(eos, list) else eos
-    bpt = hf_paged.pools.kv_bytes_per_token(model.config, dtype)
+    bpt = kv_bytes_per_token(model.config, dtype)
 
     # Warm-up (first-call costs: kernels, allocator) so tokens/s compare like with like.
     _generate(model, inputs, DynamicCache(config=model.config), 2)
 
     dyn_cache = DynamicCache(config=model.config)
-    ref, dyn_s = _generate(model, inputs, dyn_cache, args.max_new_tokens)
+    ref_out, dyn_s = _generate(model, inputs, dyn_cache, args.max_new_tokens, logits=True)
+    ref = ref_out.sequences
     gen = generated_lengths(ref, width, eos)
     dyn_reserved = dynamic_cache_bytes(dyn_cache)
     dyn_real = (sum(prompt_lens) + sum(gen)) * bpt
@@ -146,7 +219,8 @@ def main(argv=None) -> None:
         _generate(model, inputs, hf_paged.PagedCache(model.config, block_size=args.block_size), 2)
         cache = hf_paged.PagedCache(model.config, block_size=args.block_size)
         probe = _StatsProbe(cache)
-        out, paged_s = _generate(model, inputs, cache, args.max_new_tokens, [probe])
+        paged_out, paged_s = _generate(model, inputs, cache, args.max_new_tokens, [probe], logits=True)
+        out = paged_out.sequences
     finally:
         hf_paged.unpatch(model)
     # stats(): kv_bytes_reserved = blocks in use, kv_bytes_used = real tokens stored (shared blocks once);
@@ -167,6 +241,14 @@ def main(argv=None) -> None:
             print(f"  PagedCache  : {'(same)' if a == b else repr(b.strip())}")
     print(f"\nAll {len(prompts)} outputs identical: {'YES' if identical else 'NO'}"
           + ("" if identical else f" ({sum(a != b for a, b in zip(texts_ref, texts_paged))} texts differ)"))
+    why, explained = explain_differences(ref_out, paged_out, width, eos, dtype)
+    for line in why:
+        print(f"  {line}")
+    if not identical or why:
+        print(f"  {'Explained' if explained else 'NOT explained'}: near-tie = top-2 gap of DynamicCache's logits "
+              f"below {NEAR_TIE[dtype]:g} eps x max|logit| at that step, logit tolerance {LOGIT_TOL[dtype]:g} eps "
+              f"x max|logit| (eps of {args.dtype}: {torch.finfo(dtype).eps:.3g}); rounding differs between the "
+              f"paths, so a near-tied argmax may flip" + ("." if explained else "; a difference elsewhere is a bug."))
 
     tokens = sum(gen)
     print(f"\nKV cache, {bpt} bytes/token; batch {len(prompts)}, padded width {width}, "
@@ -183,7 +265,8 @@ def main(argv=None) -> None:
           f"DynamicCache holds pad columns and finished rows until generate returns.")
     print(f"Peak KV in use: PagedCache {paged_in_use / dyn_reserved:.0%} of DynamicCache's; "
           f"speed {dyn_s / paged_s:.2f}x DynamicCache's tokens/s (best of 2 alternating runs each).")
+    return 0 if explained else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

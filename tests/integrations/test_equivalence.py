@@ -224,7 +224,7 @@ def test_generation_config_routes(family):
         assert torch.equal(out, reference)
 
 
-# Half precision (fp16, bf16) on every family and on SmolLM2: tests/test_half_precision.py.
+# Half precision (fp16, bf16) on every family and on SmolLM2: tests/integrations/test_half_precision.py.
 
 
 def test_qwen2_sliding_window():
@@ -282,4 +282,4 @@ def test_hidden_states_keep_every_row_after_eos():
             assert a.shape == b.shape
             keep = mask.bool() if step == 0 else rows[step][:, None].expand(a.shape[:2])
             torch.testing.assert_close(b[keep], a[keep], atol=ATOL, rtol=0,
-                                       msg=lambda m: f"hidden states, step {step}, layer {layer}: {m}")
+                                       msg=f"hidden states differ at step {step}, layer {layer}")
