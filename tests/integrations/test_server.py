@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import json
-import os
 import signal
 import socket
 import subprocess
