@@ -40,7 +40,8 @@ def measure(model, beams: list[int], n_prompts: int, prompt_len: int, output_len
                 entry[approach] = probed.memory | {
                     "ms_per_step": {"median": statistics.median(times), "min": min(times), "max": max(times)},
                     "steps": probed.steps}
-            if "dynamic" in entry and "paged" in entry and "in_use_peak" in entry.get("paged", {}):
-                entry["paged_saving"] = 1 - entry["paged"]["in_use_peak"] / entry["dynamic"]["in_use_peak"]
+            if "dynamic" in entry and "paged" in entry and "reserved_peak" in entry.get("paged", {}):
+                # allocated KV tensors on both sides (the pool's size, not only its blocks in use)
+                entry["paged_saving"] = 1 - entry["paged"]["reserved_peak"] / entry["dynamic"]["reserved_peak"]
             out[f"beam{num_beams}"] = entry
     return out

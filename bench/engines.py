@@ -129,7 +129,7 @@ def run_generate(model, wl: Workload, approach: str, block_size: int = 16, probe
 
     def measure(input_ids):
         if approach == "paged":
-            s = cache.stats()  # its "reserved" = blocks in use; its pool may be larger (it doubles)
+            s = cache.stats()  # "in_use" = blocks in use; "reserved" = the pool's tensors (it grows by half)
             pool = sum(t.nbytes for t in cache.key_pools + cache.value_pools)
             return {"reserved": pool, "in_use": s["kv_bytes_reserved"], "real": s["kv_bytes_used"]}
         size = tensor_cache_bytes(cache)

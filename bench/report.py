@@ -132,8 +132,8 @@ def plots(res: dict, out_dir: Path) -> list[str]:
         keys = list(beam)
         for i, a in enumerate(("dynamic", "paged")):
             ax.bar([j + i * 0.4 for j in range(len(keys))],
-                   [beam[k].get(a, {}).get("in_use_peak", 0) / 2**20 for k in keys], 0.4, label=LABEL[a])
-        ax.set_xticks([j + 0.2 for j in range(len(keys))], keys), ax.set_ylabel("KV in use, peak (MiB)"), ax.legend()
+                   [beam[k].get(a, {}).get("reserved_peak", 0) / 2**20 for k in keys], 0.4, label=LABEL[a])
+        ax.set_xticks([j + 0.2 for j in range(len(keys))], keys), ax.set_ylabel("KV allocated, peak (MiB)"), ax.legend()
         made.append(_save(fig, out_dir / "beam_memory.png"))
     return made
 
@@ -216,7 +216,7 @@ def write(res: dict, out_dir: Path = RESULTS, json_name: str = "") -> Path:
     beam = res.get("beam", {})
     if beam:
         lines += ["## 5. Beam search", "", f"Model: {res.get('beam_model')}.", "",
-                  "| beams | approach | KV in use peak (MiB) | reserved peak (MiB) | ms per step (median, min–max) |",
+                  "| beams | approach | KV in use peak (MiB) | allocated peak (MiB) | ms per step (median, min–max) |",
                   "|---|---|---|---|---|"]
         for k, e in beam.items():
             for a in ("dynamic", "paged"):
@@ -228,7 +228,7 @@ def write(res: dict, out_dir: Path = RESULTS, json_name: str = "") -> Path:
                     lines.append(f"| {k} | {LABEL[a]} | {_mib(m['in_use_peak'])} | {_mib(m['reserved_peak'])} | "
                                  f"{s['median']:.1f} ({s['min']:.1f}–{s['max']:.1f}) |")
             if "paged_saving" in e:
-                lines.append(f"| {k} | saving | {e['paged_saving']:.0%} of DynamicCache's KV | | |")
+                lines.append(f"| {k} | saving | {e['paged_saving']:.0%} of DynamicCache's allocated KV | | |")
         lines += ["", "Workloads: " + "; ".join(f"{k}: {e['workload']}" for k, e in beam.items()), ""]
         if "beam_memory.png" in pngs:
             lines += ["![beam memory](beam_memory.png)", ""]
@@ -277,7 +277,7 @@ def replay_summary(res: dict) -> list[str]:
                      ("paged", "hf_paged padded generate, fixed pool (grows per token, releases at EOS)")):
         lines.append(f"| requests held in {budget:.0f} MiB: {label} | {_rng(conc[k], lambda v: f'{v:.1f}')} |")
     for key, e in bm.get("summary", {}).items():
-        lines.append(f"| {key}: hf_paged peak / DynamicCache (recorded beams; fully diverged bound) | "
+        lines.append(f"| {key}: hf_paged allocated / DynamicCache (recorded beams; fully diverged bound) | "
                      f"{_rng(e['paged_over_dynamic'], lambda v: f'{v:.2f}')}; "
                      f"{_rng(e['diverged_over_dynamic'], lambda v: f'{v:.2f}')} |")
     return lines + [""]
@@ -312,12 +312,12 @@ def targets_table(res: dict) -> list[str]:
         b4 = rp["beams"].get("summary", {}).get("beam4")
         if b4:
             r, u = b4["paged_over_dynamic"], b4["diverged_over_dynamic"]
-            rows.append(("Beam-4 KV ≤ 50% of DynamicCache (prompt 200–600, 64–128 new)",
+            rows.append(("Beam-4 allocated KV ≤ 50% of DynamicCache (prompt 200–600, 64–128 new)",
                          f"recorded beams {r['median']:.2f} ({r['min']:.2f}–{r['max']:.2f}); fully diverged "
                          f"bound {u['median']:.2f} ({u['min']:.2f}–{u['max']:.2f})", r["median"] <= 0.5, r["max"] <= 0.5))
     elif res.get("beam", {}).get("beam4", {}).get("paged_saving") is not None:
         sv = 1 - res["beam"]["beam4"]["paged_saving"]
-        rows.append(("Beam-4 KV ≤ 50% of DynamicCache (quick-bench lengths)", f"{sv:.2f}", sv <= 0.5, sv <= 0.5))
+        rows.append(("Beam-4 allocated KV ≤ 50% of DynamicCache (quick-bench lengths)", f"{sv:.2f}", sv <= 0.5, sv <= 0.5))
     tp = res.get("throughput", {})
     for model, wls in tp.items():
         r = wls.get("sharegpt", {})
@@ -392,12 +392,14 @@ def replay_section(res: dict, pngs: list[str]) -> list[str]:
     if "runs" in bm:
         lines += ["", f"**Beam search** — {bm['source']}. Fully diverged = beam i always continues beam i after the "
                   "first step (no generated block shared: the upper bound).", "",
-                  "| beams | prompt | new | beam_idx | DynamicCache (MiB) | hf_paged peak (MiB) | ratio | "
-                  "diverged bound ratio | replay = real run's peak |", "|---|---|---|---|---|---|---|---|---|"]
+                  "| beams | prompt | new | beam_idx | DynamicCache (MiB) | hf_paged peak in use (MiB) | "
+                  "hf_paged allocated (MiB) | allocated / DynamicCache | diverged bound ratio | replay = real run's peak |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for r in bm["runs"]:
             m = {True: "yes", False: "**no**", None: "–"}[r["matches_real_run"]]
             lines.append(f"| {r['num_beams']} | {r['prompt_len']} | {r['max_new_tokens']} | {r['source']} | "
-                         f"{_mib(r['dynamic_bytes'])} | {_mib(r['paged_peak_bytes'])} | {r['paged_over_dynamic']:.2f} | "
+                         f"{_mib(r['dynamic_bytes'])} | {_mib(r['paged_peak_bytes'])} | "
+                         f"{_mib(r.get('paged_allocated_bytes', 0))} | {r['paged_over_dynamic']:.2f} | "
                          f"{r['diverged_over_dynamic']:.2f} | {m} |")
     elif "error" in bm:
         lines += ["", f"Beam search: {bm['error']}"]
