@@ -170,17 +170,6 @@ def test_tiny_greedy_half_precision(family, dtype):
     check(compare(ref, out, ids.shape[1], dtype, TINY_TOL, TINY_NEAR_TIE, EOS), f"{family} {dtype}")
 
 
-@pytest.fixture(scope="module")
-def smollm2():
-    from hf_paged.integrations import smollm2 as module
-
-    try:
-        module.gguf_path()
-    except (ModuleNotFoundError, FileNotFoundError) as exc:
-        pytest.fail(f"{exc}\nThis test needs the real weights: {module.INSTALL_COMMAND}", pytrace=False)
-    return module
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 def test_smollm2_greedy_half_precision(smollm2, dtype):
