@@ -128,7 +128,8 @@ class PagedCache(KVPools):
         attention_mask: the 2D padding mask [B, columns_before + Q] (or None: all real).
         compact: the caller runs the forward on ``self.active_rows`` only (finished rows left out);
             the plan then covers those rows. Without it every row is planned (finished ones read nothing).
-        When this raises (pool exhausted, bad shapes, a continuation that cannot be served) nothing changes.
+        When this raises (pool exhausted, bad shapes, a continuation that cannot be served) nothing changes,
+        except that finished rows a new call has already taken back stay live (a retry finds them so).
         """
         new_real = self._new_real_columns(attention_mask, batch_size, q_len)
         counts = new_real.sum(1).tolist()
