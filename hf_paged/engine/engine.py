@@ -179,6 +179,14 @@ class Engine:
     def output(self, request_id: int) -> RequestOutput:
         return self.requests[request_id].output
 
+    def forget(self, request_id: int) -> RequestOutput:
+        """Drop a finished (or failed, or cancelled) request from the engine's records; returns its
+        output. A long-running server calls this so that the records do not grow without bound."""
+        request = self.requests[request_id]
+        if not request.finished:
+            raise ValueError(f"request {request_id} is still running: cancel it first")
+        return self.requests.pop(request_id).output
+
     # ------------------------------------------------------------ one step
     def step(self) -> list[TokenEvent]:
         """Schedule, run one packed forward, sample; returns this step's new tokens. Inside ``session()``

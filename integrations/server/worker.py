@@ -178,7 +178,7 @@ class EngineWorker:
             return
         output = self.engine.output(rid)
         if output.error is not None:               # can never fit: fails alone
-            self.engine.requests.pop(rid, None)
+            self.engine.forget(rid)
             handle.done = True
             handle.deliver(("error", output.error))
             return
@@ -197,7 +197,7 @@ class EngineWorker:
     def _finish(self, handle: Handle) -> None:
         rid = handle.request_id
         self._active.pop(rid, None)
-        output = self.engine.requests.pop(rid).output   # the server forgets finished requests
+        output = self.engine.forget(rid)                # the server keeps no finished request
         if self.metrics is not None:
             self.metrics.finished(handle, output, time.perf_counter())
         handle.done = True
@@ -215,7 +215,7 @@ class EngineWorker:
             if self.metrics is not None:
                 self.metrics.tokens(handle, evs, now)
             handle.deliver(evs)
-            if self.engine.requests[rid].finished:
+            if self.engine.output(rid).finished:
                 self._finish(handle)
 
     def _refresh(self) -> None:

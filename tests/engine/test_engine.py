@@ -236,3 +236,16 @@ def test_more_return_sequences_than_max_num_seqs_fails_alone():
     assert outs[0].error is not None and "num_return_sequences=3" in outs[0].error and "max_num_seqs=2" in outs[0].error
     assert outs[1].error is None and outs[1].sequences.tolist() == \
         reference(model, [8, 9], max_new_tokens=4, do_sample=False).tolist()
+
+
+def test_forget_drops_only_finished_requests():
+    model = make_model("llama", seed=4)
+    engine = LLM(model, block_size=4, num_blocks=32).engine
+    rid = engine.add_request([5, 6, 7], max_new_tokens=3, do_sample=False)
+    with pytest.raises(ValueError, match="still running"):
+        engine.forget(rid)
+    with engine.session():
+        while engine.has_work:
+            engine.step()
+    out = engine.forget(rid)
+    assert out.outputs[0].finish_reason == "length" and rid not in engine.requests
