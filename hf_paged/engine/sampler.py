@@ -24,9 +24,6 @@ def warpers(params) -> list:
     return chain
 
 
-_warpers = warpers
-
-
 def sample(logits: torch.Tensor, seqs: list) -> list[int]:
     """logits: float32 [S, V], one row per sequence in ``seqs``. Returns the next token of each."""
     if not seqs:

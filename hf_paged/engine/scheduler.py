@@ -75,7 +75,8 @@ class Scheduler:
             computed = len(hits) * pool.block_size
             n = min(seq.num_tokens - computed, budget)
             revived = self.prefix_cache.blocks_to_revive(hits) if hits else 0
-            if revived + BlockTable(list(hits), computed).blocks_needed(pool, n) > pool.num_free:
+            # hits are whole blocks, so the n new tokens start a fresh block
+            if revived + -(-n // pool.block_size) > pool.num_free:
                 break
             self.waiting.popleft()
             seq.block_table = self.prefix_cache.table_from_hits(hits) if hits else BlockTable()
