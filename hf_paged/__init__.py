@@ -11,6 +11,7 @@ re-exports the core (``blocks`` → ``plan`` → ``cache`` → ``backends`` → 
 from .attention_interface import ATTENTION_NAME, use_paged_attention
 from .blocks import PoolExhaustedError
 from .cache import PagedCache
+from .families import model_geometry
 from .engine import LLM, Engine, EngineConfig, RequestOutput, generate_many
 from .integrations.patching import disable, enable, enabled, is_enabled, is_patched, last_stats, patch, unpatch
 
@@ -25,7 +26,8 @@ def pipeline(task: str = "text-generation", model=None, **kwargs):
 
 __all__ = [
     "ATTENTION_NAME", "Engine", "EngineConfig", "LLM", "PagedCache", "PoolExhaustedError", "RequestOutput",
-    "disable", "enable", "enabled", "generate_many", "is_enabled", "is_patched", "last_stats", "patch", "pipeline",
+    "disable", "enable", "enabled", "generate_many", "is_enabled", "is_patched", "last_stats", "model_geometry", "patch",
+    "pipeline",
     "unpatch", "use_paged_attention",
 ]
 __version__ = "0.1.0"

@@ -6,7 +6,9 @@ lives in the config, and which layers use a sliding window.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+import torch
 
 
 @dataclass(frozen=True)
@@ -16,6 +18,12 @@ class KVGeometry:
     num_kv_heads: int
     head_dim: int
     sliding_windows: tuple[int, ...]
+    # Where each layer's attention runs (accelerate's device_map may spread layers); None = one device.
+    layer_devices: tuple[torch.device, ...] | None = None
+
+    def bytes_per_token(self, dtype: torch.dtype) -> int:
+        """KV bytes one token takes over all layers, keys and values, in ``dtype``."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.empty((), dtype=dtype).element_size()
 
 
 @dataclass(frozen=True)
@@ -66,3 +74,63 @@ def adapter_for(config) -> FamilyAdapter:
             "(ChatGLM2/3 checkpoints: load them with hf_paged.integrations.chatglm.load_chatglm first.)"
         )
     return ADAPTERS[model_type]
+
+
+def config_geometry(config) -> KVGeometry:
+    """The KV geometry ``config`` describes (the whole model, every KV head)."""
+    return adapter_for(config).geometry(config.get_text_config(decoder=True))
+
+
+def model_geometry(model) -> KVGeometry:
+    """The KV geometry of ``model`` as this process holds it.
+
+    Under transformers' tensor parallelism (``from_pretrained(..., tp_plan="auto")``) each rank's
+    ``k_proj`` holds ``num_kv_heads / tp_size`` heads, and its KV pools must hold only those; the local
+    count is read from the sharded module, not the config. Layers spread over devices by a
+    ``device_map`` give each layer's device (its accelerate hook's execution device where its weights are
+    offloaded).
+    """
+    geometry = config_geometry(model.config)
+    attention = attention_modules(model, geometry.num_layers)
+    tp_size = getattr(model, "tp_size", None) or getattr(model, "_tp_size", None) or 1
+    if tp_size > 1 and geometry.num_kv_heads % tp_size:
+        raise UnsupportedModelError(
+            f"tensor parallelism over {tp_size} ranks needs num_key_value_heads ({geometry.num_kv_heads}) to be a "
+            f"multiple of {tp_size} (transformers' tp_plan shards whole KV heads; it cannot run this model either). "
+            f"Use a tp_size that divides {geometry.num_kv_heads}.")
+    local = {_local_kv_heads(module, geometry.head_dim) for module in attention}
+    if len(local) != 1:
+        raise UnsupportedModelError(f"layers hold different numbers of KV heads {sorted(local)}; hf_paged needs one")
+    devices = tuple(_execution_device(module, i) for i, module in enumerate(attention))
+    return replace(geometry, num_kv_heads=local.pop(),
+                   layer_devices=devices if len(set(devices)) > 1 else None)
+
+
+def attention_modules(model, num_layers: int) -> list:
+    """The model's attention modules in layer order (every supported family names them ``self_attn``
+    with a ``layer_idx`` and a ``k_proj``)."""
+    found = {m.layer_idx: m for m in model.modules() if hasattr(m, "k_proj") and hasattr(m, "layer_idx")}
+    if sorted(found) != list(range(num_layers)):
+        raise UnsupportedModelError(f"found attention modules for layers {sorted(found)} but the config has "
+                                    f"{num_layers} layers; hf_paged cannot tell where each layer's KV lives")
+    return [found[i] for i in range(num_layers)]
+
+
+def _local_kv_heads(attention, head_dim: int) -> int:
+    weight = attention.k_proj.weight
+    if hasattr(weight, "to_local"):         # a DTensor shard of transformers' tensor parallelism
+        weight = weight.to_local()
+    return weight.shape[0] // head_dim
+
+
+def _execution_device(attention, layer: int) -> torch.device:
+    device = attention.k_proj.weight.device
+    if device.type != "meta":
+        return device
+    hook = getattr(attention, "_hf_hook", None) or getattr(attention.k_proj, "_hf_hook", None)
+    device = getattr(hook, "execution_device", None)
+    if device is None:
+        raise UnsupportedModelError(
+            f"layer {layer}'s weights are on the meta device and no accelerate hook says where it runs; load the "
+            "model with a device_map (accelerate) or materialise its weights before using hf_paged")
+    return torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)

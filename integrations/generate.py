@@ -12,6 +12,7 @@ import contextlib
 
 from hf_paged.attention_interface import cache_keyword
 from hf_paged.cache import PagedCache
+from hf_paged.families import config_geometry, model_geometry
 
 PAGED = "paged"
 
@@ -58,8 +59,12 @@ def paged_generate(model, generate, args: tuple, kwargs: dict, cache_options: di
         options = dict(cache_options)
         options.setdefault("dtype", model.dtype)
         options.setdefault("device", model.device)
-        cache = PagedCache(model.config, **options)
+        cache = PagedCache(model.config, geometry=model_geometry(model), **options)
         kwargs[cache_keyword(model)] = cache
+    elif cache.pool is None and cache.geometry == config_geometry(model.config):
+        # Built from this model's config and not used yet: take the heads this process holds (a
+        # tensor-parallel rank holds a share of them) and where each layer runs.
+        cache.geometry = model_geometry(model)
     eos = _setting("eos_token_id", kwargs, generation_config, model)
     eos_ids = frozenset([] if eos is None else [eos] if isinstance(eos, int) else list(eos))
     num_beams = _setting("num_beams", kwargs, generation_config, model) or 1

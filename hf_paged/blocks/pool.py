@@ -129,6 +129,11 @@ class BlockPool:
         self.peak_used = self.num_used
 
     # ---------------------------------------------------------------- checks
+    def state(self) -> tuple:
+        """Everything that decides future allocations: refcounts, the free queue in order, kept blocks.
+        Equal states make equal choices (tensor-parallel ranks compare theirs; see hf_paged.parallel)."""
+        return tuple(self.refcounts), tuple(self._free), tuple(sorted(self._kept))
+
     def check_invariants(self, tables: Iterable[list[int]]) -> None:
         """Raise AssertionError unless ``tables`` (every block list holding blocks) match the refcounts."""
         counts = [0] * self.num_blocks

@@ -24,7 +24,8 @@ import torch
 from ..backends import PreparedStep, prepare_step
 from ..blocks import BlockPool, PoolExhaustedError, blocks_for_budget
 from ..plan import padded_plan
-from .pools import KVPools, kv_bytes_per_token
+from ..families import KVGeometry
+from .pools import KVPools
 from .rows import RowBook
 
 
@@ -41,13 +42,16 @@ class PagedCache(KVPools):
             pool reclaim its blocks when it needs them; a continuation of this cache takes them back.
         dtype, device: pool dtype/device; by default those of the model on the first forward.
         backend: attention backend object (see ``hf_paged.backends``); by default chosen by device.
+        geometry: the KV heads/layers this process holds (``hf_paged.model_geometry(model)``); by default the
+            config's. Needed for a tensor-parallel model, whose ranks hold a share of the KV heads; the
+            patched generate passes it.
     """
 
     def __init__(self, config, *, block_size: int = 16, num_blocks: int | None = None,
                  max_memory_bytes: int | None = None, release_finished_rows: bool = True,
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None,
-                 backend=None):
-        super().__init__(config, backend)
+                 backend=None, geometry: KVGeometry | None = None):
+        super().__init__(config, backend, geometry)
         if not isinstance(block_size, int) or not 1 <= block_size <= 1024:
             raise ValueError(f"block_size must be an int in 1..1024, got {block_size!r}")
         if num_blocks is not None and max_memory_bytes is not None:
@@ -79,7 +83,7 @@ class PagedCache(KVPools):
     @property
     def bytes_per_token(self) -> int:
         """KV bytes one token takes over all layers (keys and values)."""
-        return kv_bytes_per_token(self.config, self._dtype or torch.float32)
+        return self.geometry.bytes_per_token(self._dtype or torch.float32)
 
     def _blocks_for_budget(self) -> int:
         return blocks_for_budget(self._budget, self.bytes_per_token, self.block_size, "max_memory_bytes")

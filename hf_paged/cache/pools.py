@@ -10,24 +10,24 @@ from __future__ import annotations
 import torch
 from transformers import Cache
 
-from ..families import adapter_for
-
 from ..backends import select_backend
+from ..families import KVGeometry, config_geometry
 
 
 def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
     """KV bytes one token takes over all layers, keys and values, for ``config``'s model in ``dtype``."""
-    g = adapter_for(config).geometry(config.get_text_config(decoder=True))
-    return 2 * g.num_layers * g.num_kv_heads * g.head_dim * torch.empty((), dtype=dtype).element_size()
+    return config_geometry(config).bytes_per_token(dtype)
 
 
 class KVPools(Cache):
     """Pools and backend of a paged cache; subclasses decide which slots each forward uses."""
 
-    def __init__(self, config, backend=None):
+    def __init__(self, config, backend=None, geometry: KVGeometry | None = None):
         super().__init__(layers=[])
         self.config = config
-        self.geometry = adapter_for(config).geometry(config.get_text_config(decoder=True))
+        # The config's geometry, unless the model holds less per process (tensor parallelism: see
+        # families.model_geometry, which the patched generate and the engine pass).
+        self.geometry = geometry or config_geometry(config)
         self.backend = backend
         self.key_pools: list[torch.Tensor] = []
         self.value_pools: list[torch.Tensor] = []
@@ -64,6 +64,12 @@ class KVPools(Cache):
                 f"layer {layer_idx} produced {key_states.dtype} keys on {key_states.device} but the KV pool "
                 f"is {k_pool.dtype} on {k_pool.device}; build the cache with the model's dtype/device "
                 "(PagedCache(config, dtype=..., device=...)) or leave them unset.")
+        if key_states.shape[1] != k_pool.shape[0]:
+            raise ValueError(
+                f"layer {layer_idx} produced {key_states.shape[1]} KV heads but the KV pool holds {k_pool.shape[0]}: "
+                "the model is sharded (tensor parallelism) or is not the model the cache was built for. Build the "
+                "cache with the model's own geometry: PagedCache(model.config, geometry=hf_paged.model_geometry(model))"
+                " (the patched generate and the engine do this).")
         batch, heads, q_len, dim = key_states.shape
         self.backend.write_kv(k_pool, v_pool,
                               key_states.detach().transpose(1, 2).reshape(batch * q_len, heads, dim),

@@ -23,8 +23,8 @@ import torch
 
 from ..attention_interface import ATTENTION_NAME, use_paged_attention
 from ..blocks import BlockPool, PrefixCache
-from ..cache import kv_bytes_per_token
-from ..families import adapter_for
+from ..families import model_geometry
+from ..parallel import replicas_of
 from .config import EngineConfig, kv_pool_blocks
 from .request import CompletionOutput, Request, RequestOutput, SamplingParams, Sequence, Status
 from .runner import EngineCache, ModelRunner
@@ -59,16 +59,19 @@ class Engine:
                              f"{', '.join(f.name for f in fields(EngineConfig))}")
         self.config = config = EngineConfig(**knobs)
         config.validate()
-        adapter_for(model.config)
+        geometry = model_geometry(model)      # raises for an unsupported family
         self.model, self.tokenizer = model, tokenizer
         text_config = model.config.get_text_config(decoder=True)
         self.max_model_len = config.max_model_len or getattr(text_config, "max_position_embeddings", None) or 2**31
         weight = model.get_input_embeddings().weight
         dtype, device = weight.dtype, weight.device
-        per_token = kv_bytes_per_token(model.config, dtype)
-        blocks = kv_pool_blocks(config, per_token, self.max_model_len, device, profile=self._profile)
+        # Ranks of a tensor-parallel model must hold identical pools and schedules (see hf_paged.parallel).
+        self.replicas = replicas_of(model)
+        per_token = geometry.bytes_per_token(dtype)
+        blocks = self.replicas.smallest(
+            kv_pool_blocks(config, per_token, self.max_model_len, device, profile=self._profile))
         self.bytes_per_token = per_token
-        self.cache = EngineCache(model.config, blocks, config.block_size, dtype, device)
+        self.cache = EngineCache(model.config, blocks, config.block_size, dtype, device, geometry)
         self.pool = BlockPool(blocks, config.block_size)
         self.prefix_cache = PrefixCache(self.pool) if config.enable_prefix_caching else None
         self.counters = EngineCounters()
@@ -234,6 +237,7 @@ class Engine:
                     samplers.append(child)
                     rows.append(row)
         tokens = sample(logits[rows] if len(rows) != logits.shape[0] else logits, samplers)
+        tokens = self.replicas.share_tokens(tokens)       # tensor-parallel ranks: the first rank's draw
         # An on_token callback may cancel a request mid-loop: its sequences get no further token.
         events = [self._append(seq, token) for seq, token in zip(samplers, tokens) if seq.status is Status.RUNNING]
         self.scheduler.drop_finished()
@@ -333,6 +337,12 @@ class Engine:
         self.pool.check_invariants(s.block_table.blocks for s in self.scheduler.running)
         if self.prefix_cache is not None:
             self.prefix_cache.check_invariants()
+
+    def allocator_state(self) -> tuple:
+        """The block pool's state and each running sequence's block table (hashable; equal on every
+        tensor-parallel rank after every step — the distributed tests compare them)."""
+        tables = tuple((s.seq_id, tuple(s.block_table.blocks)) for s in self.scheduler.running)
+        return self.pool.state(), tables
 
     def _profile(self) -> None:
         """The largest forward (``max_num_batched_tokens`` tokens) without KV, for GPU memory sizing."""

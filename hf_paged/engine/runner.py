@@ -24,8 +24,9 @@ class EngineCache(KVPools):
     Not a PagedCache: the generate pre-hook leaves it alone; the runner sets the plan of each forward.
     """
 
-    def __init__(self, config, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device):
-        super().__init__(config)
+    def __init__(self, config, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
+                 geometry=None):
+        super().__init__(config, geometry=geometry)
         self.block_size = block_size
         self.allocate_pools(num_blocks, block_size, dtype, device)
         self.step: PreparedStep | None = None
