@@ -1,0 +1,128 @@
+"""Batch inference on Ray Data: one engine per actor, one actor per GPU or per CPU bundle.
+
+    import ray
+    from hf_paged.integrations import ray_data
+
+    ray.init()                                                   # or ray.init(address="auto") on a cluster
+    ds = ray.data.read_json("prompts.jsonl")                      # rows with a "prompt" column
+    out = ray_data.generate(ds, "/models/SmolLM2-135M", concurrency=2, num_cpus=1, max_new_tokens=64)
+    out.write_json("outputs/")                                    # or out.take_all()
+
+Each actor loads the model once (``from_pretrained(path)`` or a loader you give), keeps one
+``hf_paged.LLM`` (continuous batching, prefix cache) for its life, and runs each batch of prompts
+through it. Output rows are the input rows plus ``generated_text`` (with a tokenizer),
+``generated_token_ids``, ``finish_reason``, ``error`` (a request that fails alone: its message, else
+None) and ``actor`` (host:pid, for per-actor accounting: ``actor_summary``). Ray's own fault tolerance
+applies: an actor that dies is restarted and its batch retried; rows are neither lost nor duplicated. ``generate`` keeps the input order (``preserve_order``).
+Nothing here imports ray until ``generate`` is called; the actor class needs only torch.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from collections import Counter
+
+from hf_paged.engine import LLM
+from hf_paged.engine.llm import split_options
+
+
+class PagedGenerator:
+    """The actor class for ``ds.map_batches`` (``generate`` wires it; usable on its own too).
+
+    model: a path or hub id for ``AutoModelForCausalLM.from_pretrained``, or a zero-argument callable
+        returning ``(model, tokenizer)`` (it must be importable where the actors run).
+    tokenizer: a path/id for ``AutoTokenizer`` (default: the model's path when it has one); a callable's
+        own tokenizer wins. Without a tokenizer, prompts must be token ids.
+    threads: torch threads of this actor (default: the CPUs Ray gave it, else torch's default).
+    device: where the model runs (default: "cuda" when this actor sees a GPU, else "cpu").
+    options: EngineConfig knobs (max_num_seqs, kv_cache_memory_bytes, ...) and generation settings
+        (max_new_tokens, do_sample, seed, ...), as ``hf_paged.generate_many`` takes them.
+    """
+
+    def __init__(self, model, *, tokenizer=None, prompt_column: str = "prompt", threads: int | None = None,
+                 device: str | None = None, dtype="auto", **options):
+        import torch
+
+        if threads:
+            torch.set_num_threads(threads)
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if callable(model):
+            model, tokenizer = model()
+        else:
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+
+            path, model = model, AutoModelForCausalLM.from_pretrained(model, dtype=dtype)
+            if tokenizer is None or isinstance(tokenizer, str):
+                tokenizer = AutoTokenizer.from_pretrained(tokenizer or path)
+        knobs, self.settings = split_options(options)
+        self.llm = LLM(model.to(device).eval(), tokenizer, **knobs)
+        self.prompt_column = prompt_column
+        self.actor = f"{socket.gethostname()}:{os.getpid()}"
+
+    def __call__(self, batch: dict) -> dict:
+        import numpy as np
+
+        if self.prompt_column not in batch:
+            raise KeyError(f"batch has no {self.prompt_column!r} column (columns: {sorted(batch)}); pass "
+                           "prompt_column=... to name the one holding the prompts")
+        prompts = [p if isinstance(p, str) else [int(t) for t in p] for p in batch[self.prompt_column]]
+        outputs = self.llm.generate(prompts, use_tqdm=False, **self.settings)
+        for request_id in self.llm.last_ids:       # an actor lives for many batches: keep nothing
+            self.llm.engine.forget(request_id)
+        n = max((len(o.outputs) for o in outputs if o.error is None), default=1)
+
+        def per_request(value):
+            return value if n > 1 else (value[0] if value else None)
+
+        columns = {
+            "generated_token_ids": [per_request([c.token_ids for c in o.outputs]) for o in outputs],
+            "finish_reason": [per_request([c.finish_reason for c in o.outputs]) or "error" for o in outputs],
+            "error": [o.error for o in outputs],
+            "actor": [self.actor] * len(outputs),
+        }
+        if self.llm.engine.tokenizer is not None:
+            columns["generated_text"] = [per_request([c.text for c in o.outputs]) for o in outputs]
+        out = dict(batch)
+        for name, values in columns.items():
+            column = np.empty(len(values), dtype=object)
+            column[:] = values
+            out[name] = column
+        return out
+
+
+def generate(ds, model, *, concurrency: int = 1, batch_size: int = 32, num_cpus: float | None = 1,
+             num_gpus: float = 0, max_restarts: int | None = None, max_task_retries: int | None = None,
+             preserve_order: bool = True,
+             actor_class: type = PagedGenerator, **options):
+    """``ds.map_batches`` with ``concurrency`` PagedGenerator actors; returns the (lazy) output Dataset.
+
+    One actor per GPU (``num_gpus=1``) or per CPU bundle (``num_cpus=k``, the actor's torch threads);
+    ``options`` go to PagedGenerator (tokenizer, prompt_column, device, dtype, engine knobs, generation
+    settings). An actor that dies is restarted and its batch retried, by Ray's own mechanisms: Ray Data's
+    defaults (no limit on either) unless ``max_restarts`` / ``max_task_retries`` bound them (a batch that
+    kills its actor every time would otherwise be retried forever). ``preserve_order``: output rows in
+    input order.
+    """
+    if concurrency < 1 or batch_size < 1:
+        raise ValueError(f"concurrency and batch_size must be >= 1, got {concurrency} and {batch_size}")
+    if num_cpus and "threads" not in options:
+        options["threads"] = max(1, int(num_cpus))
+    retries = {k: v for k, v in (("max_restarts", max_restarts), ("max_task_retries", max_task_retries))
+               if v is not None}
+    out = ds.map_batches(actor_class, fn_constructor_args=(model,), fn_constructor_kwargs=options,
+                         batch_size=batch_size, concurrency=concurrency, num_cpus=num_cpus, num_gpus=num_gpus,
+                         batch_format="numpy", **retries)
+    out.context.execution_options.preserve_order = preserve_order
+    return out
+
+
+def actor_summary(rows) -> dict[str, dict]:
+    """Per actor: requests served and tokens generated, from output rows (``out.take_all()``)."""
+    requests, tokens = Counter(), Counter()
+    for row in rows:
+        requests[row["actor"]] += 1
+        ids = row["generated_token_ids"]
+        if ids is not None and len(ids):
+            nested = hasattr(ids[0], "__len__")          # num_return_sequences > 1: one list per sequence
+            tokens[row["actor"]] += sum(len(x) for x in ids) if nested else len(ids)
+    return {actor: {"requests": requests[actor], "generated_tokens": tokens[actor]} for actor in sorted(requests)}
