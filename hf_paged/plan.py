@@ -9,7 +9,7 @@ Pool layout read through a plan: see ``hf_paged.backends.torch_backend``. A quer
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 import torch
@@ -59,6 +59,20 @@ class PackedPlan:
     decode: StepPlan | None
     extend: StepPlan | None
     num_decode: int
+
+
+def plan_on(plan: StepPlan | PackedPlan | None, device: torch.device):
+    """The same plan with its tensors on ``device`` (for layers a device_map puts elsewhere)."""
+    if plan is None:
+        return None
+    moved = {}
+    for f in fields(plan):
+        value = getattr(plan, f.name)
+        if isinstance(value, torch.Tensor):
+            moved[f.name] = value.to(device, non_blocking=True)
+        elif isinstance(value, StepPlan):
+            moved[f.name] = plan_on(value, device)
+    return replace(plan, **moved)
 
 
 def _block_tables(tables: list[BlockTable], tokens: list[int], block_size: int) -> np.ndarray:

@@ -11,17 +11,35 @@ from __future__ import annotations
 
 import torch
 
-from ..plan import PackedPlan, StepPlan
+from ..plan import PackedPlan, StepPlan, plan_on
 
 
 class PreparedStep:
     def __init__(self, backend, plan: StepPlan | PackedPlan):
         self.backend, self.plan = backend, plan
+        self.device = plan.slot_mapping.device if plan.slot_mapping is not None else plan.block_tables.device
         self.workspace: dict = {}
+        self.peers: dict = {}        # device -> backend, for layers a device_map puts on other devices
+
+    def on(self, device: torch.device) -> PreparedStep:
+        """This step for layers on another device (a device_map): the plan copied there and bound to that
+        device's backend, once per forward and device."""
+        if device == self.device:
+            return self
+        key = ("device", device)
+        if key not in self.workspace:
+            if device not in self.peers:
+                raise RuntimeError(f"a layer ran on {device} but the KV pools know only "
+                                   f"{[self.device, *self.peers]}; build the cache for this model "
+                                   "(the patched generate and the engine read each layer's device)")
+            self.workspace[key] = prepare_step(self.peers[device], plan_on(self.plan, device))
+        return self.workspace[key]
 
     def attend(self, query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, scale: float,
                window: int) -> torch.Tensor:
         """query [B, Hq, Q, D] (packed: [1, Hq, N, D]) -> out [B, Q, Hq, D]. Pad queries give zeros."""
+        if query.device != self.device:
+            return self.on(query.device).attend(query, k_pool, v_pool, scale, window)
         plan = self.plan
         if isinstance(plan, PackedPlan):
             return self._packed(query, k_pool, v_pool, scale, window)
@@ -59,7 +77,10 @@ class PreparedStep:
         return out.unsqueeze(0)
 
 
-def prepare_step(backend, plan: StepPlan | PackedPlan) -> PreparedStep:
-    """``backend.prepare(plan)`` where the backend has one, else a plain PreparedStep."""
+def prepare_step(backend, plan: StepPlan | PackedPlan, peers: dict | None = None) -> PreparedStep:
+    """``backend.prepare(plan)`` where the backend has one, else a plain PreparedStep. ``peers``: the
+    backends of other devices holding layers' pools (device -> backend)."""
     prepare = getattr(backend, "prepare", None)
-    return prepare(plan) if prepare is not None else PreparedStep(backend, plan)
+    step = prepare(plan) if prepare is not None else PreparedStep(backend, plan)
+    step.peers = peers or {}
+    return step

@@ -182,7 +182,7 @@ class PagedCache(KVPools):
         plan = padded_plan(tables, new_real, writes, kv_before, slots, self.block_size, self._device)
         for row in finishing:      # their EOS is written by this forward; the blocks stay kept until needed
             rows.finish(row, rows.columns)
-        self._step = prepare_step(self.backend, plan)
+        self._step = prepare_step(self.backend, plan, self.peer_backends)
         return self._step
 
     def end_step(self) -> None:

@@ -31,14 +31,19 @@ class KVPools(Cache):
         self.backend = backend
         self.key_pools: list[torch.Tensor] = []
         self.value_pools: list[torch.Tensor] = []
+        self.peer_backends: dict = {}     # device -> backend of layers on other devices than ``device``
 
     def allocate_pools(self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Pools on ``device``, or on each layer's own device where the geometry names one (device_map)."""
         g = self.geometry
+        device = torch.device(device)
+        devices = g.layer_devices or (device,) * g.num_layers
         shape = (g.num_kv_heads, num_blocks, block_size, g.head_dim)
-        self.key_pools = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(g.num_layers)]
-        self.value_pools = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(g.num_layers)]
+        self.key_pools = [torch.zeros(shape, dtype=dtype, device=d) for d in devices]
+        self.value_pools = [torch.zeros(shape, dtype=dtype, device=d) for d in devices]
         if self.backend is None:
-            self.backend = select_backend(torch.device(device))
+            self.backend = select_backend(device)
+        self.peer_backends = {d: select_backend(d) for d in set(devices) - {device}}
 
     def grow_pools(self, extra_blocks: int) -> None:
         """Append ``extra_blocks`` zeroed blocks to every pool (one copy of the pools)."""
@@ -49,9 +54,14 @@ class KVPools(Cache):
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Apply copy-on-write pairs ``(src, dst)`` to every layer's keys and values, in one call."""
-        if copies:
-            pairs = torch.tensor(copies, dtype=torch.int64, device=self.key_pools[0].device)
-            self.backend.copy_blocks(self.key_pools + self.value_pools, pairs)
+        if not copies:
+            return
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for pool in self.key_pools + self.value_pools:
+            by_device.setdefault(pool.device, []).append(pool)
+        for device, pools in by_device.items():
+            pairs = torch.tensor(copies, dtype=torch.int64, device=device)
+            self.peer_backends.get(device, self.backend).copy_blocks(pools, pairs)
 
     def write(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor,
               slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,6 +80,8 @@ class KVPools(Cache):
                 "the model is sharded (tensor parallelism) or is not the model the cache was built for. Build the "
                 "cache with the model's own geometry: PagedCache(model.config, geometry=hf_paged.model_geometry(model))"
                 " (the patched generate and the engine do this).")
+        if slot_mapping.device != k_pool.device:         # a layer a device_map put on another device
+            slot_mapping = slot_mapping.to(k_pool.device, non_blocking=True)
         batch, heads, q_len, dim = key_states.shape
         self.backend.write_kv(k_pool, v_pool,
                               key_states.detach().transpose(1, 2).reshape(batch * q_len, heads, dim),

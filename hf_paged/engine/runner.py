@@ -76,8 +76,8 @@ class ModelRunner:
         def t(x):
             return torch.as_tensor(x, dtype=torch.long).to(dev, non_blocking=True)
 
-        return t(ids).view(1, -1), t(positions).view(1, -1), prepare_step(self.cache.backend, plan), t(sample_at), \
-            samplers
+        step = prepare_step(self.cache.backend, plan, self.cache.peer_backends)
+        return t(ids).view(1, -1), t(positions).view(1, -1), step, t(sample_at), samplers
 
     @torch.inference_mode()
     def execute(self, batch: list[tuple[object, int]]) -> tuple[torch.Tensor, list, float]:

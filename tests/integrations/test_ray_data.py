@@ -7,13 +7,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import ray
 import torch
 
 import hf_paged
 from hf_paged.integrations import ray_data
 from tiny_models import make_model, word_tokenizer
 
-ray = pytest.importorskip("ray", reason="the test extra installs ray[data]")   # noqa: the extra has it
 TESTS = Path(__file__).resolve().parents[1]
 
 
