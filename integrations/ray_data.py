@@ -35,12 +35,14 @@ class PagedGenerator:
         own tokenizer wins. Without a tokenizer, prompts must be token ids.
     threads: torch threads of this actor (default: the CPUs Ray gave it, else torch's default).
     device: where the model runs (default: "cuda" when this actor sees a GPU, else "cpu").
+    row_settings: names of columns holding per-row generation settings (e.g. ``("max_new_tokens",)``);
+        a row's values override ``options`` for that row.
     options: EngineConfig knobs (max_num_seqs, kv_cache_memory_bytes, ...) and generation settings
         (max_new_tokens, do_sample, seed, ...), as ``hf_paged.generate_many`` takes them.
     """
 
     def __init__(self, model, *, tokenizer=None, prompt_column: str = "prompt", threads: int | None = None,
-                 device: str | None = None, dtype="auto", **options):
+                 device: str | None = None, dtype="auto", row_settings: tuple[str, ...] = (), **options):
         import torch
 
         if threads:
@@ -55,28 +57,36 @@ class PagedGenerator:
             if tokenizer is None or isinstance(tokenizer, str):
                 tokenizer = AutoTokenizer.from_pretrained(tokenizer or path)
         knobs, self.settings = split_options(options)
-        self.llm = LLM(model.to(device).eval(), tokenizer, **knobs)
-        self.prompt_column = prompt_column
+        if getattr(model, "hf_device_map", None) is None:      # a dispatched model stays where it is
+            model = model.to(device)
+        self.llm = LLM(model.eval(), tokenizer, **knobs)
+        self.prompt_column, self.row_settings = prompt_column, tuple(row_settings)
+        # Several sequences per prompt: list-valued output columns (the same type in every batch).
+        self.nested = "num_return_sequences" in self.row_settings or 1 < int(
+            self.settings.get("num_return_sequences") or model.generation_config.num_return_sequences or 1)
         self.actor = f"{socket.gethostname()}:{os.getpid()}"
 
     def __call__(self, batch: dict) -> dict:
         import numpy as np
 
-        if self.prompt_column not in batch:
-            raise KeyError(f"batch has no {self.prompt_column!r} column (columns: {sorted(batch)}); pass "
-                           "prompt_column=... to name the one holding the prompts")
+        for column in (self.prompt_column, *self.row_settings):
+            if column not in batch:
+                raise KeyError(f"batch has no {column!r} column (columns: {sorted(batch)}); name the prompts' "
+                               "column with prompt_column=..., per-row settings with row_settings=(...)")
         prompts = [p if isinstance(p, str) else [int(t) for t in p] for p in batch[self.prompt_column]]
-        outputs = self.llm.generate(prompts, use_tqdm=False, **self.settings)
+        per_row = [{name: batch[name][i].item() if hasattr(batch[name][i], "item") else batch[name][i]
+                    for name in self.row_settings} for i in range(len(prompts))] if self.row_settings else None
+        outputs = self.llm.generate(prompts, per_row, use_tqdm=False, **self.settings)
         for request_id in self.llm.last_ids:       # an actor lives for many batches: keep nothing
             self.llm.engine.forget(request_id)
-        n = max((len(o.outputs) for o in outputs if o.error is None), default=1)
 
         def per_request(value):
-            return value if n > 1 else (value[0] if value else None)
+            return value if self.nested else (value[0] if value else None)
 
         columns = {
             "generated_token_ids": [per_request([c.token_ids for c in o.outputs]) for o in outputs],
-            "finish_reason": [per_request([c.finish_reason for c in o.outputs]) or "error" for o in outputs],
+            "finish_reason": [per_request([c.finish_reason for c in o.outputs] if o.error is None else ["error"])
+                              for o in outputs],
             "error": [o.error for o in outputs],
             "actor": [self.actor] * len(outputs),
         }

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+from collections import Counter
 import logging
 import time
 from dataclasses import dataclass, fields
@@ -68,8 +69,11 @@ class Engine:
         # Ranks of a tensor-parallel model must hold identical pools and schedules (see hf_paged.parallel).
         self.replicas = replicas_of(model)
         per_token = geometry.bytes_per_token(dtype)
-        blocks = self.replicas.smallest(
-            kv_pool_blocks(config, per_token, self.max_model_len, device, profile=self._profile))
+        # Each device holding layers (a device_map) must fit its layers' share of every block.
+        layers_on = Counter(geometry.layer_devices or (device,) * geometry.num_layers)
+        blocks = self.replicas.smallest(min(
+            kv_pool_blocks(config, per_token * layers // geometry.num_layers, self.max_model_len, on,
+                           profile=self._profile) for on, layers in layers_on.items()))
         self.bytes_per_token = per_token
         self.cache = EngineCache(model.config, blocks, config.block_size, dtype, device, geometry)
         self.pool = BlockPool(blocks, config.block_size)
