@@ -1,0 +1,50 @@
+"""The OpenAI-compatible server (``hf-paged serve``) as a Ray Serve deployment: replicas on a cluster.
+
+    from ray import serve
+    from hf_paged.integrations import ray_serve
+
+    serve.run(ray_serve.application("/models/SmolLM2-135M", num_replicas=2, num_cpus=1, max_num_seqs=32))
+    # POST http://<head>:8000/v1/completions, /v1/chat/completions; GET /v1/models, /metrics
+
+Each replica loads the model once (``integrations.server.loading.load_model``: checkpoint directories,
+ChatGLM, ``"smollm2"``) and serves the same FastAPI app as ``hf-paged serve`` — its own engine, queue
+and metrics; Ray Serve routes requests between replicas and restarts a replica that dies. The app's
+lifespan starts and stops the replica's engine thread. Nothing imports ray until ``application`` runs.
+"""
+from __future__ import annotations
+
+
+def application(model: str, *, num_replicas: int = 1, num_cpus: float = 1, num_gpus: float = 0,
+                 threads: int | None = None, dtype: str = "auto", max_ongoing_requests: int = 256,
+                 **server_options):
+    """A bound Ray Serve application (pass it to ``serve.run``).
+
+    model: what ``hf-paged serve`` takes (a checkpoint directory or ``"smollm2"``); it must be reachable at
+    the same path on every node. num_cpus / num_gpus: per replica (``threads``: its torch threads, default
+    ``num_cpus``). server_options: ``create_app``'s (served_model_name, api_key, max_queue, ...) and
+    EngineConfig knobs.
+    """
+    from ray import serve
+
+    if num_replicas < 1:
+        raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
+
+    @serve.deployment(name="hf_paged", num_replicas=num_replicas, max_ongoing_requests=max_ongoing_requests,
+                      ray_actor_options={"num_cpus": num_cpus, "num_gpus": num_gpus})
+    @serve.ingress()
+    class PagedServer:
+        def __init__(self):
+            import torch
+
+            from .server.app import create_app
+            from .server.loading import load_model
+
+            torch.set_num_threads(threads or max(1, int(num_cpus)))
+            loaded, tokenizer = load_model(model, dtype=dtype)
+            options = {"served_model_name": model, **server_options}
+            self.paged_app = create_app(loaded, tokenizer, **options)
+
+        def __serve_build_asgi_app__(self):
+            return self.paged_app
+
+    return PagedServer.bind()
