@@ -101,5 +101,6 @@ def test_missing_prompt_column_is_named(model_dir):
 
 
 def test_importing_the_integration_imports_no_ray():
-    code = "import sys, hf_paged, hf_paged.integrations.ray_data; assert 'ray' not in sys.modules, 'ray imported'"
+    code = ("import sys, hf_paged, hf_paged.integrations.ray_data, hf_paged.integrations.ray_serve; "
+            "assert 'ray' not in sys.modules, 'ray imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
