@@ -92,7 +92,7 @@ def model_geometry(model) -> KVGeometry:
     """
     geometry = config_geometry(model.config)
     attention = attention_modules(model, geometry.num_layers)
-    tp_size = getattr(model, "tp_size", None) or getattr(model, "_tp_size", None) or 1
+    tp_size = tensor_parallel_size(model)
     if tp_size > 1 and geometry.num_kv_heads % tp_size:
         raise UnsupportedModelError(
             f"tensor parallelism over {tp_size} ranks needs num_key_value_heads ({geometry.num_kv_heads}) to be a "
@@ -104,6 +104,11 @@ def model_geometry(model) -> KVGeometry:
     devices = tuple(_execution_device(module, i) for i, module in enumerate(attention))
     return replace(geometry, num_kv_heads=local.pop(),
                    layer_devices=devices if len(set(devices)) > 1 else None)
+
+
+def tensor_parallel_size(model) -> int:
+    """The number of ranks ``model`` is sharded over by transformers' ``tp_plan`` (1 when it is not)."""
+    return getattr(model, "tp_size", None) or getattr(model, "_tp_size", None) or 1
 
 
 def attention_modules(model, num_layers: int) -> list:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from .families import tensor_parallel_size
+
 
 class Replicas:
     """The tensor-parallel group of a model (size 1 when there is none)."""
@@ -61,7 +63,7 @@ class Replicas:
 
 def replicas_of(model) -> Replicas:
     """The tensor-parallel group ``model`` was loaded with (``from_pretrained(..., tp_plan=...)``), if any."""
-    tp_size = getattr(model, "tp_size", None) or getattr(model, "_tp_size", None) or 1
+    tp_size = tensor_parallel_size(model)
     if tp_size <= 1:
         return Replicas()
     mesh = getattr(model, "_device_mesh", None)

@@ -245,7 +245,8 @@ class PagedCache(KVPools):
             raise RuntimeError(
                 "PagedCache.update was called without a step plan: the model is not patched. Call "
                 "hf_paged.patch(model) (or use `with hf_paged.enabled():`) before generating with a PagedCache.")
-        return self.write(layer_idx, key_states, value_states, self._step.plan.slot_mapping)
+        slots = self._step.on(self.key_pools[layer_idx].device).plan.slot_mapping   # the plan where this layer's pool is
+        return self.write(layer_idx, key_states, value_states, slots)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.rows.columns if self.rows is not None else 0

@@ -65,7 +65,8 @@ class KVPools(Cache):
 
     def write(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor,
               slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write [B, Hkv, Q, D] keys/values at ``slot_mapping`` (int64 [B*Q], -1 = skip); return the pools.
+        """Write [B, Hkv, Q, D] keys/values at ``slot_mapping`` (int64 [B*Q] on the layer's device, -1 = skip);
+        return the pools.
 
         Inference only: the pools hold detached values, so no autograd graph grows across steps."""
         k_pool, v_pool = self.key_pools[layer_idx], self.value_pools[layer_idx]
@@ -80,8 +81,6 @@ class KVPools(Cache):
                 "the model is sharded (tensor parallelism) or is not the model the cache was built for. Build the "
                 "cache with the model's own geometry: PagedCache(model.config, geometry=hf_paged.model_geometry(model))"
                 " (the patched generate and the engine do this).")
-        if slot_mapping.device != k_pool.device:         # a layer a device_map put on another device
-            slot_mapping = slot_mapping.to(k_pool.device, non_blocking=True)
         batch, heads, q_len, dim = key_states.shape
         self.backend.write_kv(k_pool, v_pool,
                               key_states.detach().transpose(1, 2).reshape(batch * q_len, heads, dim),

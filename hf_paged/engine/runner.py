@@ -33,7 +33,8 @@ class EngineCache(KVPools):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """key/value_states [1, Hkv, N, D] -> written at the plan's slots; returns the layer's pools."""
-        return self.write(layer_idx, key_states, value_states, self.step.plan.slot_mapping)
+        slots = self.step.on(self.key_pools[layer_idx].device).plan.slot_mapping   # the plan where this layer's pool is
+        return self.write(layer_idx, key_states, value_states, slots)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0
