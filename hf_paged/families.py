@@ -21,9 +21,14 @@ class KVGeometry:
     # Where each layer's attention runs (accelerate's device_map may spread layers); None = one device.
     layer_devices: tuple[torch.device, ...] | None = None
 
-    def bytes_per_token(self, dtype: torch.dtype) -> int:
-        """KV bytes one token takes over all layers, keys and values, in ``dtype``."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.empty((), dtype=dtype).element_size()
+    def bytes_per_token(self, dtype: torch.dtype, kv_format=None) -> int:
+        """KV bytes one token takes over all layers, keys and values, in ``dtype`` or, when given, in the
+        quantised ``kv_format`` (an ``hf_paged.kv_formats.KVFormat``; scales included)."""
+        if kv_format is not None:
+            per_head = kv_format.bytes_per_head_token(self.head_dim)
+        else:
+            per_head = self.head_dim * torch.empty((), dtype=dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * per_head
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,9 @@ for one KV head streams contiguous tiles.) Slot ``s`` is token ``s % block_size`
 ``s // block_size``; ``pool.view(Hkv, -1, D)[:, s]`` is its ``[Hkv, D]`` row. A sequence's tokens are
 the slots named by its block table, in order: stored index ``j`` lives in block
 ``block_tables[b, j // block_size]`` at offset ``j % block_size``. Only real tokens are stored, so
-the stored index of a token equals its position id.
+the stored index of a token equals its position id. Quantised pools (``kv_cache_dtype``) are
+``hf_paged.kv_formats.QuantizedPool`` objects with the same block geometry; every function here hands them
+to ``quantized_torch``.
 
 Step metadata (built once per forward by ``hf_paged.plan``, read by every layer)
 ------------------------------------------------------------------------------
@@ -28,6 +30,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..kv_formats import QuantizedPool
+from . import quantized_torch
+
 
 def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
@@ -35,6 +40,8 @@ def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, key: torch.Tensor, valu
 
     key, value: [N, Hkv, D] (any strides); slot_mapping: int64 [N], -1 = skip.
     """
+    if isinstance(k_pool, QuantizedPool):
+        return quantized_torch.write_kv(k_pool, v_pool, key, value, slot_mapping)
     num_kv_heads, _, _, head_dim = k_pool.shape
     keep = slot_mapping >= 0
     if not bool(keep.all()):
@@ -87,6 +94,9 @@ def decode_attention(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Te
     give zeros. ``max_context`` (= context_lens.max()) may be passed to avoid a device sync.
     ``workspace``: the step's per-forward scratch (unused here).
     """
+    if isinstance(k_pool, QuantizedPool):
+        return quantized_torch.decode_attention(query, k_pool, v_pool, block_tables, context_lens, scale,
+                                                sliding_window, max_context)
     batch, num_q_heads, head_dim = query.shape
     num_kv_heads = k_pool.shape[0]
     group = num_q_heads // num_kv_heads
@@ -133,6 +143,9 @@ def extend_attention(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Te
     query: [B, Hq, Q, D]; query_pos: int32 [B, Q] (-1 = pad) -> out [B, Hq, Q, D].
     The new tokens must already be written (``write_kv``); they attend to each other causally.
     """
+    if isinstance(k_pool, QuantizedPool):
+        return quantized_torch.extend_attention(query, k_pool, v_pool, block_tables, context_lens, query_pos, scale,
+                                                sliding_window, max_context)
     batch, num_q_heads, q_len, head_dim = query.shape
     num_kv_heads = k_pool.shape[0]
     length = int(context_lens.max()) if max_context is None else max_context

@@ -25,6 +25,7 @@ from ..backends import PreparedStep, prepare_step
 from ..blocks import BlockPool, PoolExhaustedError, blocks_for_budget
 from ..plan import padded_plan
 from ..families import KVGeometry
+from ..kv_formats import kv_format
 from .pools import KVPools
 from .rows import RowBook
 
@@ -45,13 +46,18 @@ class PagedCache(KVPools):
         geometry: the KV heads/layers this process holds (``hf_paged.model_geometry(model)``); by default the
             config's. Needed for a tensor-parallel model, whose ranks hold a share of the KV heads; the
             patched generate passes it.
+        kv_cache_dtype: how blocks store K/V: "auto" (the model's dtype), "fp8" (= "fp8_e4m3"), "fp8_e5m2",
+            "int8" or "int4" (``hf_paged.kv_formats``); quantised blocks carry their scales and are
+            dequantised inside attention. Outputs then differ from the default path within the format's
+            quality bounds (README, "Quantised KV").
     """
 
     def __init__(self, config, *, block_size: int = 16, num_blocks: int | None = None,
                  max_memory_bytes: int | None = None, release_finished_rows: bool = True,
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None,
-                 backend=None, geometry: KVGeometry | None = None):
-        super().__init__(config, backend, geometry)
+                 backend=None, geometry: KVGeometry | None = None, kv_cache_dtype: str = "auto"):
+        super().__init__(config, backend, geometry, kv_format(kv_cache_dtype))
+        self.kv_cache_dtype = "auto" if self.kv_format is None else self.kv_format.name
         if not isinstance(block_size, int) or not 1 <= block_size <= 1024:
             raise ValueError(f"block_size must be an int in 1..1024, got {block_size!r}")
         if num_blocks is not None and max_memory_bytes is not None:
@@ -82,8 +88,8 @@ class PagedCache(KVPools):
     # ------------------------------------------------------------ geometry and pool
     @property
     def bytes_per_token(self) -> int:
-        """KV bytes one token takes over all layers (keys and values)."""
-        return self.geometry.bytes_per_token(self._dtype or torch.float32)
+        """KV bytes one token takes over all layers (keys and values, scales included)."""
+        return self.geometry.bytes_per_token(self._dtype or torch.float32, self.kv_format)
 
     def _blocks_for_budget(self) -> int:
         return blocks_for_budget(self._budget, self.bytes_per_token, self.block_size, "max_memory_bytes")

@@ -1,7 +1,9 @@
 """KV pools: what every paged cache (generate's PagedCache, the engine's EngineCache) shares.
 
 Per layer, ``key_pools[i]`` and ``value_pools[i]`` are ``[num_kv_heads, num_blocks, block_size,
-head_dim]`` (the layout ``backends.torch_backend`` documents). This base holds the model's KV geometry, the
+head_dim]`` tensors in the model's dtype (the layout ``backends.torch_backend`` documents), or, with a
+quantised ``kv_format``, ``kv_formats.QuantizedPool`` objects (codes and scales in the same block
+geometry). This base holds the model's KV geometry, the
 pools, writes and copy-on-write copies through the backend, and the per-layer answers
 transformers asks of a cache (no sliding/linear/dummy layers it must special-case, not compileable).
 """
@@ -12,25 +14,30 @@ from transformers import Cache
 
 from ..backends import select_backend
 from ..families import KVGeometry, config_geometry
+from ..kv_formats import KVFormat, QuantizedPool, kv_format
 
 
-def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
-    """KV bytes one token takes over all layers, keys and values, for ``config``'s model in ``dtype``."""
-    return config_geometry(config).bytes_per_token(dtype)
+def kv_bytes_per_token(config, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+    """KV bytes one token takes over all layers, keys and values (scales included), for ``config``'s
+    model in ``dtype`` stored as ``kv_cache_dtype``."""
+    return config_geometry(config).bytes_per_token(dtype, kv_format(kv_cache_dtype))
 
 
 class KVPools(Cache):
     """Pools and backend of a paged cache; subclasses decide which slots each forward uses."""
 
-    def __init__(self, config, backend=None, geometry: KVGeometry | None = None):
+    def __init__(self, config, backend=None, geometry: KVGeometry | None = None, kv_format: KVFormat | None = None):
         super().__init__(layers=[])
         self.config = config
         # The config's geometry, unless the model holds less per process (tensor parallelism: see
         # families.model_geometry, which the patched generate and the engine pass).
         self.geometry = geometry or config_geometry(config)
+        self.kv_format = kv_format          # None: the model's dtype
+        if kv_format is not None:
+            kv_format.check_head_dim(self.geometry.head_dim)
         self.backend = backend
-        self.key_pools: list[torch.Tensor] = []
-        self.value_pools: list[torch.Tensor] = []
+        self.key_pools: list[torch.Tensor | QuantizedPool] = []
+        self.value_pools: list[torch.Tensor | QuantizedPool] = []
         self.peer_backends: dict = {}     # device -> backend of layers on other devices than ``device``
 
     def allocate_pools(self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device) -> None:
@@ -39,25 +46,49 @@ class KVPools(Cache):
         device = torch.device(device)
         devices = g.layer_devices or (device,) * g.num_layers
         shape = (g.num_kv_heads, num_blocks, block_size, g.head_dim)
-        self.key_pools = [torch.zeros(shape, dtype=dtype, device=d) for d in devices]
-        self.value_pools = [torch.zeros(shape, dtype=dtype, device=d) for d in devices]
+        if self.kv_format is None:
+            def new_pool(d):
+                return torch.zeros(shape, dtype=dtype, device=d)
+        else:
+            def new_pool(d):
+                return QuantizedPool.zeros(self.kv_format, *shape, device=d)
+        self.key_pools = [new_pool(d) for d in devices]
+        self.value_pools = [new_pool(d) for d in devices]
         if self.backend is None:
             self.backend = select_backend(device)
         self.peer_backends = {d: select_backend(d) for d in set(devices) - {device}}
 
     def grow_pools(self, extra_blocks: int) -> None:
         """Append ``extra_blocks`` zeroed blocks to every pool (one copy of the pools)."""
+        def grown(tensor: torch.Tensor, fill: float) -> torch.Tensor:
+            pad = tensor.new_full((tensor.shape[0], extra_blocks, *tensor.shape[2:]), fill)
+            return torch.cat([tensor, pad], dim=1)
+
         for pools in (self.key_pools, self.value_pools):
             for i, pool in enumerate(pools):
-                pad = pool.new_zeros((pool.shape[0], extra_blocks, *pool.shape[2:]))
-                pools[i] = torch.cat([pool, pad], dim=1)
+                if isinstance(pool, QuantizedPool):
+                    pools[i] = pool.with_tensors(grown(pool.data, 0), grown(pool.scales, 1))
+                else:
+                    pools[i] = grown(pool, 0)
+
+    def pool_tensors(self) -> list[torch.Tensor]:
+        """Every tensor indexed by block (dimension 1): each layer's keys and values, codes and scales."""
+        out = []
+        for pool in self.key_pools + self.value_pools:
+            out.extend(pool.tensors if isinstance(pool, QuantizedPool) else (pool,))
+        return out
+
+    @property
+    def pool_bytes(self) -> int:
+        """Bytes the pools take (scales included)."""
+        return sum(t.nbytes for t in self.pool_tensors())
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Apply copy-on-write pairs ``(src, dst)`` to every layer's keys and values, in one call."""
         if not copies:
             return
         by_device: dict[torch.device, list[torch.Tensor]] = {}
-        for pool in self.key_pools + self.value_pools:
+        for pool in self.pool_tensors():
             by_device.setdefault(pool.device, []).append(pool)
         for device, pools in by_device.items():
             pairs = torch.tensor(copies, dtype=torch.int64, device=device)
@@ -70,10 +101,11 @@ class KVPools(Cache):
 
         Inference only: the pools hold detached values, so no autograd graph grows across steps."""
         k_pool, v_pool = self.key_pools[layer_idx], self.value_pools[layer_idx]
-        if key_states.dtype != k_pool.dtype or key_states.device != k_pool.device:
+        quantised = isinstance(k_pool, QuantizedPool)
+        if key_states.device != k_pool.device or (not quantised and key_states.dtype != k_pool.dtype):
             raise TypeError(
                 f"layer {layer_idx} produced {key_states.dtype} keys on {key_states.device} but the KV pool "
-                f"is {k_pool.dtype} on {k_pool.device}; build the cache with the model's dtype/device "
+                f"is {self.kv_format.name if quantised else k_pool.dtype} on {k_pool.device}; build the cache with the model's dtype/device "
                 "(PagedCache(config, dtype=..., device=...)) or leave them unset.")
         if key_states.shape[1] != k_pool.shape[0]:
             raise ValueError(

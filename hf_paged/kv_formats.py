@@ -1,0 +1,161 @@
+"""Quantised KV storage: the formats, the pool container and the PyTorch (reference) codec.
+
+``kv_cache_dtype`` (vLLM's knob and values) chooses how a paged pool stores keys and values:
+
+    "auto"      the model's dtype (no quantisation)
+    "fp8"       = "fp8_e4m3": float8 e4m3fn codes, one bf16 scale per (token, head)
+    "fp8_e5m2"  float8 e5m2 codes, one bf16 scale per (token, head)
+    "int8"      symmetric int8 codes, one bf16 scale per (token, head)
+    "int4"      asymmetric 4-bit codes, a bf16 scale and minimum per group of 16 along head_dim
+
+Scales are computed on write from the values written (no calibration). Why these granularities:
+``docs/kv-quantisation.md`` has the measurements on the real SmolLM2 that chose them.
+
+Layout of one quantised pool (per layer, keys and values alike; same block geometry as an unquantised pool)
+----------------------------------------------------------------------------------------------------------
+    data   : uint8 [Hkv, num_blocks, BS, D * bits / 8]     codes, contiguous
+             fp8: the float8 bit pattern; int8: two's complement; int4: element 2i in the low nibble of byte
+             i, element 2i + 1 in its high nibble, unsigned 0..15
+    scales : bfloat16 [Hkv, num_blocks, BS, S]               contiguous
+             8-bit formats: S = 1, the scale; int4: S = 2 * D / 16, the D/16 group scales then the D/16 minima
+A stored element dequantises as ``code * scale`` (8-bit) or ``code * scale + minimum`` (int4), in fp32.
+Both tensors are indexed by block on dimension 1, so a block's scales move with it (copy-on-write copies,
+pool growth, prefix-cache reuse). Quantisation uses the *stored* (bf16-rounded) scale, so that codes and
+scale agree exactly; an all-zero row gets scale 1.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    """One way of storing K/V. ``bits`` per element; ``group`` elements per scale along head_dim
+    (0 = the whole head); ``code_max`` the largest code magnitude used."""
+    name: str
+    bits: int
+    group: int
+    asymmetric: bool
+    code_max: float
+    float_codes: torch.dtype | None      # float8 dtype of fp8 codes; None for integer codes
+
+    @property
+    def quantised(self) -> bool:
+        return self.bits < 16
+
+    def code_bytes(self, head_dim: int) -> int:
+        return head_dim * self.bits // 8
+
+    def num_scales(self, head_dim: int) -> int:
+        """bf16 values stored per (token, head): scales, then minima for asymmetric formats."""
+        groups = head_dim // self.group if self.group else 1
+        return groups * (2 if self.asymmetric else 1)
+
+    def bytes_per_head_token(self, head_dim: int) -> int:
+        """Bytes one token of one KV head takes (keys or values), scales included."""
+        return self.code_bytes(head_dim) + 2 * self.num_scales(head_dim)
+
+    def check_head_dim(self, head_dim: int) -> None:
+        if self.group and head_dim % self.group:
+            raise ValueError(f"kv_cache_dtype={self.name!r} quantises groups of {self.group} along head_dim, "
+                             f"but this model's head_dim is {head_dim}; use an 8-bit format or 'auto'")
+
+
+FORMATS = {
+    "fp8_e4m3": KVFormat("fp8_e4m3", 8, 0, False, 448.0, torch.float8_e4m3fn),
+    "fp8_e5m2": KVFormat("fp8_e5m2", 8, 0, False, 57344.0, torch.float8_e5m2),
+    "int8": KVFormat("int8", 8, 0, False, 127.0, None),
+    "int4": KVFormat("int4", 4, 16, True, 15.0, None),
+}
+ALIASES = {"fp8": "fp8_e4m3"}
+KV_CACHE_DTYPES = ("auto", "fp8", *FORMATS)
+
+
+def kv_format(kv_cache_dtype: str | None) -> KVFormat | None:
+    """The format named by ``kv_cache_dtype`` (vLLM's values plus "int8" and "int4"); None for "auto"."""
+    if kv_cache_dtype is None or kv_cache_dtype == "auto":
+        return None
+    name = ALIASES.get(kv_cache_dtype, kv_cache_dtype) if isinstance(kv_cache_dtype, str) else None
+    if name not in FORMATS:
+        raise ValueError(f"unknown kv_cache_dtype {kv_cache_dtype!r}; known: {', '.join(KV_CACHE_DTYPES)}")
+    return FORMATS[name]
+
+
+@dataclass(frozen=True)
+class QuantizedPool:
+    """A layer's quantised keys (or values): ``data`` and ``scales`` as laid out above."""
+    data: torch.Tensor
+    scales: torch.Tensor
+    fmt: KVFormat
+    head_dim: int
+
+    @classmethod
+    def zeros(cls, fmt: KVFormat, num_kv_heads: int, num_blocks: int, block_size: int, head_dim: int,
+              device: torch.device) -> QuantizedPool:
+        fmt.check_head_dim(head_dim)
+        data = torch.zeros((num_kv_heads, num_blocks, block_size, fmt.code_bytes(head_dim)), dtype=torch.uint8,
+                           device=device)
+        scales = torch.ones((num_kv_heads, num_blocks, block_size, fmt.num_scales(head_dim)), dtype=torch.bfloat16,
+                            device=device)
+        return cls(data, scales, fmt, head_dim)
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """The logical [Hkv, num_blocks, BS, D] shape, as an unquantised pool's."""
+        heads, blocks, block_size, _ = self.data.shape
+        return heads, blocks, block_size, self.head_dim
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.data, self.scales
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes + self.scales.nbytes
+
+    def with_tensors(self, data: torch.Tensor, scales: torch.Tensor) -> QuantizedPool:
+        return QuantizedPool(data, scales, self.fmt, self.head_dim)
+
+
+def quantize(fmt: KVFormat, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] (any float dtype) -> (uint8 codes [..., D*bits/8], bf16 scales [..., S])."""
+    x = x.float()
+    if fmt.asymmetric:
+        groups = x.unflatten(-1, (-1, fmt.group))                            # [..., G, group]
+        low, high = groups.amin(-1), groups.amax(-1)
+        scale = ((high - low) / fmt.code_max).to(torch.bfloat16)
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        low = low.to(torch.bfloat16)
+        codes = ((groups - low.float().unsqueeze(-1)) / scale.float().unsqueeze(-1)).round_().clamp_(0, fmt.code_max)
+        codes = codes.to(torch.uint8).flatten(-2)
+        packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+        return packed, torch.cat([scale, low], dim=-1)
+    scale = (x.abs().amax(-1, keepdim=True) / fmt.code_max).to(torch.bfloat16)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    scaled = (x / scale.float()).clamp_(-fmt.code_max, fmt.code_max)
+    if fmt.float_codes is not None:
+        codes = scaled.to(fmt.float_codes).view(torch.uint8)
+    else:
+        codes = scaled.round_().to(torch.int8).view(torch.uint8)
+    return codes, scale
+
+
+def dequantize(fmt: KVFormat, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The inverse of ``quantize``: codes [..., D*bits/8], scales [..., S] -> [..., D] in ``dtype``."""
+    if fmt.asymmetric:
+        values = torch.stack([codes & 15, codes >> 4], dim=-1).flatten(-2).float()        # [..., D]
+        groups = scales.shape[-1] // 2
+        scale, low = scales[..., :groups].float(), scales[..., groups:].float()
+        values = values.unflatten(-1, (groups, -1)) * scale.unsqueeze(-1) + low.unsqueeze(-1)
+        return values.flatten(-2).to(dtype)
+    if fmt.float_codes is not None:
+        values = codes.view(fmt.float_codes).float()
+    else:
+        values = codes.view(torch.int8).float()
+    return (values * scales.float()).to(dtype)
