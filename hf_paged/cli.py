@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .kv_formats import KV_CACHE_DTYPES
+
 
 def _bytes(text: str) -> int:
     units = {"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
@@ -48,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-model-len", type=_positive(int), default=None)
     s.add_argument("--block-size", type=_positive(int), default=16)
     s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    s.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="KV block storage: auto (the model's dtype) or a quantised format (fp8 = fp8_e4m3)")
     s.add_argument("--kv-cache-memory-bytes", type=_bytes, default=None, help="KV pool size, e.g. 256M, 2G")
     s.add_argument("--max-queue", type=_positive(int), default=256,
                    help="waiting requests before answering 503 with Retry-After (default 256)")
@@ -76,7 +80,8 @@ def main(argv=None) -> int:
     knobs = dict(gpu_memory_utilization=args.gpu_memory_utilization,
                  max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                  max_model_len=args.max_model_len, block_size=args.block_size,
-                 enable_prefix_caching=args.enable_prefix_caching, kv_cache_memory_bytes=args.kv_cache_memory_bytes)
+                 enable_prefix_caching=args.enable_prefix_caching, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+                 kv_cache_dtype=args.kv_cache_dtype)
     return serve(args.model, host=args.host, port=args.port, api_key=args.api_key,
                  served_model_name=args.served_model_name, dtype=args.dtype, max_queue=args.max_queue,
                  shutdown_timeout=args.shutdown_timeout, max_body_bytes=args.max_body_bytes,

@@ -101,19 +101,19 @@ def _expand_hook(decoder, args, kwargs, output):
 
 
 def patch(model, *, default: bool = False, block_size: int = 16, num_blocks: int | None = None,
-          max_memory_bytes: int | None = None, release_finished_rows: bool = True):
+          max_memory_bytes: int | None = None, release_finished_rows: bool = True, kv_cache_dtype: str = "auto"):
     """Make ``model`` generate through a PagedCache when asked for ``cache_implementation="paged"``.
 
     default: also make "paged" the model's default (``model.generation_config``), so plain
         ``model.generate(...)`` and pipelines page without being asked; unpatch restores the old value.
-    block_size, num_blocks, max_memory_bytes, release_finished_rows: options of the caches that
-        generate builds (see PagedCache).
+    block_size, num_blocks, max_memory_bytes, release_finished_rows, kv_cache_dtype: options of the caches
+        that generate builds (see PagedCache; kv_cache_dtype "fp8", "int8", "int4", ... quantises the blocks).
     Patching a patched model applies the new options (the state to restore on unpatch is kept).
     Returns the model. Raises UnsupportedModelError for model types other than llama, qwen2, qwen3,
     glm, glm4. The hook needs the decoder's ``get_input_embeddings`` (all supported families have it).
     """
     options = dict(block_size=block_size, num_blocks=num_blocks, max_memory_bytes=max_memory_bytes,
-                   release_finished_rows=release_finished_rows)
+                   release_finished_rows=release_finished_rows, kv_cache_dtype=kv_cache_dtype)
     adapter_for(model.config)
     PagedCache(model.config, dtype=model.dtype, **options)       # validates the options now
     state = getattr(model, STATE_ATTR, None)

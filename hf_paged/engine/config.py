@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..blocks import blocks_for_budget
+from ..kv_formats import kv_format
 
 log = logging.getLogger("hf_paged.engine")
 _CPU_DEFAULT_CAP = 512 * 2**20
@@ -24,7 +25,10 @@ _CPU_DEFAULT_CAP = 512 * 2**20
 class EngineConfig:
     """block_size: tokens per KV block. max_num_seqs: sequences running at once. max_num_batched_tokens:
     tokens per forward (decode tokens + prefill chunks). max_model_len: longest prompt + output (default
-    the model's ``max_position_embeddings``). enable_prefix_caching: reuse full blocks across requests."""
+    the model's ``max_position_embeddings``). enable_prefix_caching: reuse full blocks across requests.
+    kv_cache_dtype: how blocks store K/V ("auto" = the model's dtype; "fp8", "fp8_e4m3", "fp8_e5m2", "int8",
+    "int4" quantise them, see hf_paged.kv_formats): a quantised pool holds ~2x (8-bit) or ~2.7x (int4) the
+    tokens in the same memory."""
     block_size: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
@@ -33,8 +37,10 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None
     num_blocks: int | None = None
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"
 
     def validate(self) -> None:
+        kv_format(self.kv_cache_dtype)          # raises with the known values
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

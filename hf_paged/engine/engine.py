@@ -25,6 +25,7 @@ import torch
 from ..attention_interface import ATTENTION_NAME, use_paged_attention
 from ..blocks import BlockPool, PrefixCache
 from ..families import model_geometry
+from ..kv_formats import kv_format
 from ..parallel import replicas_of
 from .config import EngineConfig, kv_pool_blocks
 from .request import CompletionOutput, Request, RequestOutput, SamplingParams, Sequence, Status
@@ -68,14 +69,15 @@ class Engine:
         dtype, device = weight.dtype, weight.device
         # Ranks of a tensor-parallel model must hold identical pools and schedules (see hf_paged.parallel).
         self.replicas = replicas_of(model)
-        per_token = geometry.bytes_per_token(dtype)
+        fmt = kv_format(config.kv_cache_dtype)
+        per_token = geometry.bytes_per_token(dtype, fmt)
         # Each device holding layers (a device_map) must fit its layers' share of every block.
         layers_on = Counter(geometry.layer_devices or (device,) * geometry.num_layers)
         blocks = self.replicas.smallest(min(
             kv_pool_blocks(config, per_token * layers // geometry.num_layers, self.max_model_len, on,
                            profile=self._profile) for on, layers in layers_on.items()))
         self.bytes_per_token = per_token
-        self.cache = EngineCache(model.config, blocks, config.block_size, dtype, device, geometry)
+        self.cache = EngineCache(model.config, blocks, config.block_size, dtype, device, geometry, fmt)
         self.pool = BlockPool(blocks, config.block_size)
         self.prefix_cache = PrefixCache(self.pool) if config.enable_prefix_caching else None
         self.counters = EngineCounters()
@@ -328,6 +330,7 @@ class Engine:
             blocks_total=pool.num_blocks, blocks_used=pool.num_used, blocks_free=pool.num_free,
             blocks_cached=self.prefix_cache.num_hashed if self.prefix_cache is not None else 0,
             kv_utilization=pool.num_used / pool.num_blocks, block_size=pool.block_size,
+            bytes_per_token=self.bytes_per_token,
             prefix_query_tokens=c.prefix_query_tokens, prefix_hit_tokens=c.prefix_hit_tokens,
             prefix_hit_rate=c.prefix_hit_tokens / c.prefix_query_tokens if c.prefix_query_tokens else 0.0,
             prefix_evictions=pool.evictions, preemptions=c.preemptions, recomputed_tokens=c.recomputed_tokens,

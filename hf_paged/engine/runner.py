@@ -25,8 +25,8 @@ class EngineCache(KVPools):
     """
 
     def __init__(self, config, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
-                 geometry=None):
-        super().__init__(config, geometry=geometry)
+                 geometry=None, kv_format=None):
+        super().__init__(config, geometry=geometry, kv_format=kv_format)
         self.block_size = block_size
         self.allocate_pools(num_blocks, block_size, dtype, device)
         self.step: PreparedStep | None = None

@@ -36,6 +36,7 @@ class EngineStats:
     blocks_cached: int            # blocks holding a prefix-cache hash, in use or kept free
     kv_utilization: float         # blocks_used / blocks_total
     block_size: int
+    bytes_per_token: int          # KV bytes per stored token over all layers, keys and values, scales included
     prefix_query_tokens: int
     prefix_hit_tokens: int
     prefix_hit_rate: float
