@@ -4,6 +4,9 @@ Same signatures, pool layout and semantics as :mod:`hf_paged.backends.torch_back
 checks, argument packing, split-K planning) lives in :class:`KernelBackend`, which launches through a
 *launcher*: :class:`CupyLauncher` on a GPU, or the CPU shim in ``tests/backends`` (same kernels, same
 arguments). cupy is imported on the first launch, never at ``import hf_paged``.
+
+Pools are model-dtype tensors or :class:`~hf_paged.kv_formats.QuantizedPool` (codes + bf16 scales): then
+write_kv quantises from the keys' dtype, and the attention kernels dequantise into the query's dtype.
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..kv_formats import QuantizedPool
 from . import kernel_registry as reg
 from .step import PreparedStep
 
@@ -32,6 +36,35 @@ def _check_pools(k_pool: torch.Tensor, v_pool: torch.Tensor) -> None:
         raise ValueError("pools must be contiguous [Hkv, num_blocks, block_size, D] tensors")
 
 
+def _check_quantized_pools(k_pool: QuantizedPool, v_pool) -> str:
+    """Both pools quantised alike, laid out as kv_formats.py says; returns the format's kernel tag."""
+    if not isinstance(v_pool, QuantizedPool) or v_pool.fmt != k_pool.fmt or v_pool.shape != k_pool.shape:
+        raise ValueError(f"k_pool ({k_pool.fmt.name} {k_pool.shape}) and v_pool "
+                         f"({getattr(getattr(v_pool, 'fmt', None), 'name', type(v_pool).__name__)} "
+                         f"{tuple(v_pool.shape)}) differ: both must be QuantizedPools of one format and shape")
+    tag = reg.kv_format_tag(k_pool.fmt)
+    heads, blocks, block_size, head_dim = k_pool.shape
+    k_pool.fmt.check_head_dim(head_dim)
+    want = {"data": ((heads, blocks, block_size, k_pool.fmt.code_bytes(head_dim)), torch.uint8),
+            "scales": ((heads, blocks, block_size, k_pool.fmt.num_scales(head_dim)), torch.bfloat16)}
+    for pool in (k_pool, v_pool):
+        for name, (shape, dtype) in want.items():
+            t = getattr(pool, name)
+            if tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous():
+                raise ValueError(f"QuantizedPool.{name} must be a contiguous {dtype} tensor {list(shape)} "
+                                 f"(hf_paged/kv_formats.py), got {t.dtype} {list(t.shape)}"
+                                 f"{'' if t.is_contiguous() else ' (not contiguous)'}")
+        if pool.data.data_ptr() % 16:      # the attention kernels read codes in 16-byte words
+            raise ValueError("QuantizedPool.data storage must be 16-byte aligned")
+    return tag
+
+
+def _copy_word(tile_bytes: int, pools: list[torch.Tensor]) -> int:
+    """Bytes per word copy_blocks moves: the largest of 16, 4, 1 dividing a (head, block) tile and
+    every pool's address (16 for model-dtype pools and, at block sizes 8/16/32, for codes and scales)."""
+    return next(w for w in (16, 4, 1) if tile_bytes % w == 0 and all(p.data_ptr() % w == 0 for p in pools))
+
+
 class KernelBackend:
     """write_kv / copy_blocks / decode_attention / extend_attention over a kernel launcher.
 
@@ -46,12 +79,15 @@ class KernelBackend:
         self.partition_size = partition_size
 
     # -- cache writes -------------------------------------------------------------------------
-    def write_kv(self, k_pool: torch.Tensor, v_pool: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
+    def write_kv(self, k_pool: torch.Tensor | QuantizedPool, v_pool: torch.Tensor | QuantizedPool,
+                 key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """key, value: [N, Hkv, D] (any strides); slot_mapping: int64 [N], -1 = skip."""
         slots = slot_mapping.reshape(-1).to(torch.int64).contiguous()
         n = slots.numel()
         if n == 0:
+            return
+        if isinstance(k_pool, QuantizedPool):
+            self._write_quantized(k_pool, v_pool, key, value, slots)
             return
         _check_pools(k_pool, v_pool)
         tag = reg.dtype_tag(k_pool.dtype)
@@ -64,27 +100,53 @@ class KernelBackend:
                 np.int64(value.stride(0)), np.int64(value.stride(1)))
         self.launcher.launch(reg.write_kv_kernel(tag), k_pool.device, (n, 1, 1), (reg.THREADS, 1, 1), args, 0)
 
+    def _write_quantized(self, k_pool: QuantizedPool, v_pool: QuantizedPool, key: torch.Tensor,
+                         value: torch.Tensor, slots: torch.Tensor) -> None:
+        """Quantise on write, from the keys' own dtype (the scales see the values the model made)."""
+        fmt_tag = _check_quantized_pools(k_pool, v_pool)
+        num_kv_heads, num_blocks, block_size, head_dim = k_pool.shape
+        if key.shape[1:] != (num_kv_heads, head_dim) or value.shape != key.shape:
+            raise ValueError(f"write_kv: key {tuple(key.shape)} and value {tuple(value.shape)} must be "
+                             f"[N, {num_kv_heads}, {head_dim}] for these pools")
+        tag = reg.dtype_tag(key.dtype)
+        value = value.to(key.dtype)
+        key, value = (x if x.stride(-1) == 1 else x.contiguous() for x in (key, value))
+        args = (_ptr(k_pool.data), _ptr(k_pool.scales), _ptr(v_pool.data), _ptr(v_pool.scales), _ptr(key),
+                _ptr(value), _ptr(slots), np.int64(num_blocks * block_size), np.int32(num_kv_heads),
+                np.int32(head_dim), np.int64(key.stride(0)), np.int64(key.stride(1)),
+                np.int64(value.stride(0)), np.int64(value.stride(1)))
+        self.launcher.launch(reg.write_kv_kernel(tag, fmt_tag), k_pool.device, (slots.numel(), 1, 1),
+                             (reg.THREADS, 1, 1), args, 0)
+
     def copy_blocks(self, pools: list[torch.Tensor], pairs: torch.Tensor) -> None:
         """Block ``dst`` = block ``src`` (every head) for each (src, dst) row of int64 ``pairs`` [P, 2], in
-        every pool, in one launch. Destinations must be distinct and not sources (copy-on-write targets)."""
+        every pool tensor (indexed by block on dimension 1: model-dtype pools, quantised codes and scales),
+        one launch per (shape, dtype size) of the pools given. Destinations must be distinct and not
+        sources (copy-on-write targets)."""
         if pairs.numel() == 0 or not pools:
             return
         device = pools[0].device
-        shape, itemsize = pools[0].shape, pools[0].element_size()
+        groups: dict[tuple, list[torch.Tensor]] = {}
         for pool in pools:
-            if pool.shape != shape or pool.element_size() != itemsize or not pool.is_contiguous():
-                raise ValueError("copy_blocks: every pool must be contiguous with the same shape and dtype size")
-            if pool.data_ptr() % 16:
-                raise ValueError("copy_blocks: pool storage must be 16-byte aligned")
-        tile_bytes = shape[2] * shape[3] * itemsize                      # one (head, block) tile
-        if tile_bytes % 16:
-            raise ValueError(f"copy_blocks: a block of {tile_bytes} bytes per head is not a multiple of 16")
-        table = torch.tensor([p.data_ptr() for p in pools], dtype=torch.int64).to(device, non_blocking=True)
+            if pool.dim() < 3 or not pool.is_contiguous():
+                raise ValueError(f"copy_blocks: pools must be contiguous [Hkv, num_blocks, ...] tensors, got "
+                                 f"{list(pool.shape)}{'' if pool.is_contiguous() else ' (not contiguous)'}")
+            if pool.device != device:
+                raise ValueError(f"copy_blocks: pools on {device} and {pool.device}; call once per device")
+            groups.setdefault((tuple(pool.shape), pool.element_size()), []).append(pool)
         pairs = pairs.to(device=device, dtype=torch.int64).contiguous()
-        args = (_ptr(table), _ptr(pairs), np.int32(shape[0]), np.int64(shape[1] * tile_bytes // 16),
-                np.int64(tile_bytes // 16))
-        self.launcher.launch(reg.COPY_BLOCKS, device, (pairs.shape[0], len(pools), 1), (reg.THREADS, 1, 1),
-                             args, 0)
+        for (shape, itemsize), group in groups.items():
+            self._copy_group(group, shape, itemsize, pairs)
+
+    def _copy_group(self, pools: list[torch.Tensor], shape: tuple, itemsize: int, pairs: torch.Tensor) -> None:
+        """One launch for pools of one shape and dtype size."""
+        tile_bytes = int(np.prod(shape[2:])) * itemsize                 # one (head, block) tile
+        word = _copy_word(tile_bytes, pools)
+        table = torch.tensor([p.data_ptr() for p in pools], dtype=torch.int64).to(pairs.device, non_blocking=True)
+        args = (_ptr(table), _ptr(pairs), np.int32(shape[0]), np.int64(shape[1] * tile_bytes // word),
+                np.int64(tile_bytes // word))
+        self.launcher.launch(reg.COPY_BLOCKS_BY_WORD[word], pairs.device, (pairs.shape[0], len(pools), 1),
+                             (reg.THREADS, 1, 1), args, 0)
 
     # -- attention ----------------------------------------------------------------------------
     def prepare(self, plan) -> PreparedStep:
@@ -92,28 +154,44 @@ class KernelBackend:
         and the partial-result scratch are computed by the first layer and kept in the step's workspace."""
         return PreparedStep(self, plan)
 
-    def decode_attention(self, query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                         block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                         sliding_window: int = 0, max_context: int | None = None,
-                         workspace: dict | None = None) -> torch.Tensor:
+    def _attention_pools(self, query: torch.Tensor, k_pool, v_pool) -> tuple:
+        """(query in the kernels' dtype, dtype tag, format tag ("" unquantised), pool arguments) after
+        the checks. Model-dtype pools: the query is cast to the pools' dtype; quantised pools are
+        dequantised into the query's dtype. Pool arguments: the pointers, then elements (model dtype)
+        or tokens (quantised) per KV head."""
+        num_q_heads, head_dim = query.shape[1], query.shape[-1]
+        num_kv_heads, num_blocks, block_size, _ = k_pool.shape
+        if isinstance(k_pool, QuantizedPool):
+            fmt_tag = _check_quantized_pools(k_pool, v_pool)
+            tag = reg.check_attention_shape(query.dtype, head_dim, block_size, num_q_heads, num_kv_heads,
+                                            k_pool.fmt)
+            args = (_ptr(k_pool.data), _ptr(k_pool.scales), _ptr(v_pool.data), _ptr(v_pool.scales),
+                    np.int64(num_blocks * block_size))
+            return query.contiguous(), tag, fmt_tag, args
+        _check_pools(k_pool, v_pool)
+        tag = reg.check_attention_shape(k_pool.dtype, head_dim, block_size, num_q_heads, num_kv_heads)
+        return query.to(k_pool.dtype).contiguous(), tag, "", (_ptr(k_pool), _ptr(v_pool), np.int64(k_pool.stride(0)))
+
+    def decode_attention(self, query: torch.Tensor, k_pool: torch.Tensor | QuantizedPool,
+                         v_pool: torch.Tensor | QuantizedPool, block_tables: torch.Tensor,
+                         context_lens: torch.Tensor, scale: float, sliding_window: int = 0,
+                         max_context: int | None = None, workspace: dict | None = None) -> torch.Tensor:
         """query [B, Hq, D] -> out [B, Hq, D]; see torch_backend.decode_attention."""
         batch, num_q_heads, head_dim = query.shape
         num_kv_heads, _, block_size, _ = k_pool.shape
-        _check_pools(k_pool, v_pool)
-        tag = reg.check_attention_shape(k_pool.dtype, head_dim, block_size, num_q_heads, num_kv_heads)
+        query, tag, fmt_tag, pool_args = self._attention_pools(query, k_pool, v_pool)
         group = num_q_heads // num_kv_heads
         length = int(context_lens.max()) if max_context is None else int(max_context)
         if batch == 0 or length == 0:
             return torch.zeros_like(query)
-        query = query.to(k_pool.dtype).contiguous()
+        elem = query.element_size()
         tables = block_tables.to(torch.int32).contiguous()
         lens = context_lens.to(torch.int32).contiguous()
         span = min(length, sliding_window) if sliding_window > 0 else length
-        key = ("decode_split", batch, num_q_heads, head_dim, span, k_pool.element_size())
+        key = ("decode_split", batch, num_q_heads, head_dim, span, elem)
         planned = workspace.get(key) if workspace is not None else None
         if planned is None:
-            partition = self._partition(query.device, batch * num_kv_heads, span,
-                                        reg.tile_tokens(head_dim, k_pool.element_size()))
+            partition = self._partition(query.device, batch * num_kv_heads, span, reg.tile_tokens(head_dim, elem))
             splits = -(-span // partition)
             part_out = part_lse = None
             if splits > 1:     # scratch shared by every layer of the step (layers run one after another)
@@ -124,44 +202,45 @@ class KernelBackend:
                 workspace[key] = planned
         partition, splits, part_out, part_lse = planned
         out = torch.empty_like(query)
-        args = (_ptr(out), _ptr(part_out), _ptr(part_lse), _ptr(query), _ptr(k_pool), _ptr(v_pool),
-                _ptr(tables), _ptr(lens), np.int64(k_pool.stride(0)), np.int32(block_size.bit_length() - 1),
+        *pools, head_stride = pool_args
+        args = (_ptr(out), _ptr(part_out), _ptr(part_lse), _ptr(query), *pools,
+                _ptr(tables), _ptr(lens), head_stride, np.int32(block_size.bit_length() - 1),
                 np.int32(tables.shape[1]),
                 np.int32(num_kv_heads), np.int32(group), np.int32(sliding_window), np.int32(partition),
                 np.float32(scale * np.log2(np.e)))
-        smem = reg.attention_smem_bytes(head_dim, k_pool.element_size(), group)
-        self.launcher.launch(reg.decode_kernel(tag, head_dim), query.device,
+        smem = reg.attention_smem_bytes(head_dim, elem, group)
+        self.launcher.launch(reg.decode_kernel(tag, head_dim, fmt_tag), query.device,
                              (num_kv_heads, batch, splits), (reg.THREADS, 1, 1), args, smem)
         if splits > 1:
             args = (_ptr(out), _ptr(part_out), _ptr(part_lse), np.int32(splits), np.int32(head_dim))
-            self.launcher.launch(reg.reduce_kernel(tag, head_dim), query.device,
+            self.launcher.launch(reg.reduce_kernel(tag, head_dim, fmt_tag), query.device,
                                  (num_q_heads, batch, 1), (reg.THREADS, 1, 1), args, 0)
         return out
 
-    def extend_attention(self, query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                         block_tables: torch.Tensor, context_lens: torch.Tensor, query_pos: torch.Tensor,
-                         scale: float, sliding_window: int = 0, max_context: int | None = None) -> torch.Tensor:
+    def extend_attention(self, query: torch.Tensor, k_pool: torch.Tensor | QuantizedPool,
+                         v_pool: torch.Tensor | QuantizedPool, block_tables: torch.Tensor,
+                         context_lens: torch.Tensor, query_pos: torch.Tensor, scale: float,
+                         sliding_window: int = 0, max_context: int | None = None) -> torch.Tensor:
         """query [B, Hq, Q, D], query_pos int32 [B, Q] (-1 = pad) -> out [B, Hq, Q, D]; see torch_backend."""
         batch, num_q_heads, q_len, head_dim = query.shape
         num_kv_heads, _, block_size, _ = k_pool.shape
-        _check_pools(k_pool, v_pool)
-        tag = reg.check_attention_shape(k_pool.dtype, head_dim, block_size, num_q_heads, num_kv_heads)
+        query, tag, fmt_tag, pool_args = self._attention_pools(query, k_pool, v_pool)
         group = num_q_heads // num_kv_heads
         length = int(context_lens.max()) if max_context is None else int(max_context)
         if batch == 0 or q_len == 0 or length == 0:
             return torch.zeros_like(query)
-        query = query.to(k_pool.dtype).contiguous()
         out = torch.empty_like(query)
         tables = block_tables.to(torch.int32).contiguous()
         lens = context_lens.to(torch.int32).contiguous()
         pos = query_pos.to(torch.int32).contiguous()
         q_per_cta = min(q_len, max(1, reg.MAX_ROWS // group))
-        args = (_ptr(out), _ptr(query), _ptr(k_pool), _ptr(v_pool), _ptr(tables), _ptr(lens), _ptr(pos),
-                np.int64(k_pool.stride(0)), np.int32(block_size.bit_length() - 1), np.int32(tables.shape[1]),
+        *pools, head_stride = pool_args
+        args = (_ptr(out), _ptr(query), *pools, _ptr(tables), _ptr(lens), _ptr(pos),
+                head_stride, np.int32(block_size.bit_length() - 1), np.int32(tables.shape[1]),
                 np.int32(num_kv_heads), np.int32(group), np.int32(q_len),
                 np.int32(q_per_cta), np.int32(sliding_window), np.float32(scale * np.log2(np.e)))
-        smem = reg.attention_smem_bytes(head_dim, k_pool.element_size(), group * q_per_cta)
-        self.launcher.launch(reg.extend_kernel(tag, head_dim), query.device,
+        smem = reg.attention_smem_bytes(head_dim, query.element_size(), group * q_per_cta)
+        self.launcher.launch(reg.extend_kernel(tag, head_dim, fmt_tag), query.device,
                              (num_kv_heads, batch, -(-q_len // q_per_cta)), (reg.THREADS, 1, 1), args, smem)
         return out
 

@@ -12,6 +12,8 @@ from importlib import resources
 
 import torch
 
+from ..kv_formats import FORMATS, KVFormat
+
 HEAD_DIMS = (64, 80, 96, 128, 256)
 BLOCK_SIZES = (8, 16, 32)   # a runtime power of two in the kernels; these are the tested ones
 DTYPE_TAGS = {torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32"}
@@ -20,45 +22,68 @@ MAX_ROWS = 32             # query rows (heads x tokens) per extend CTA
 THREADS = 128             # threads per block of every kernel (hfp::kThreads)
 ATTENTION_SOURCE = "attention.cu"
 CACHE_SOURCE = "cache_ops.cu"
+# Quantised KV formats (hf_paged/kv_formats.py name -> kernel-name tag). Their kernels read codes and
+# scales and dequantise into the query's dtype; the write kernels quantise from the key's dtype.
+KV_FORMAT_TAGS = {"fp8_e4m3": "fp8e4m3", "fp8_e5m2": "fp8e5m2", "int8": "int8", "int4": "int4"}
+# -DHFP_ONLY_KV_FORMAT value of each attention module ("" = the model dtype); mirror of cuda/kv_quant.cuh.
+KV_FORMAT_IDS = {"": 1, "fp8e4m3": 2, "fp8e5m2": 3, "int8": 4, "int4": 5}
 
 
 @dataclass(frozen=True)
 class KernelSpec:
     """One entry point. ``module`` names the compiled unit it lives in: attention kernels are built
-    per head dim with all dtypes (block size is a runtime argument); cache kernels all together."""
+    per (head dim, KV format) with all dtypes (block size is a runtime argument), so a model compiles
+    only the kernels of its head dim and format; cache kernels all together."""
 
     name: str
     source: str
     head_dim: int = 0       # 0: any
+    kv_format: str = ""     # KV_FORMAT_TAGS value of quantised pools; "" = the model dtype
 
     @property
-    def module(self) -> tuple[str, int]:
-        return (self.source, self.head_dim)
+    def module(self) -> tuple[str, int, str]:
+        return (self.source, self.head_dim, self.kv_format)
 
     @property
     def defines(self) -> tuple[str, ...]:
         """Preprocessor options selecting this kernel's module (see the end of attention.cu)."""
-        return (f"-DHFP_ONLY_HEAD_DIM={self.head_dim}",) if self.source == ATTENTION_SOURCE else ()
+        if self.source != ATTENTION_SOURCE:
+            return ()
+        return (f"-DHFP_ONLY_HEAD_DIM={self.head_dim}", f"-DHFP_ONLY_KV_FORMAT={KV_FORMAT_IDS[self.kv_format]}")
 
 
-def decode_kernel(tag: str, head_dim: int) -> KernelSpec:
-    return KernelSpec(f"hfp_decode_{tag}_d{head_dim}", ATTENTION_SOURCE, head_dim)
+def _prefix(kind: str, kv_format: str) -> str:
+    return f"hfp_{kind}_{kv_format}_" if kv_format else f"hfp_{kind}_"
 
 
-def extend_kernel(tag: str, head_dim: int) -> KernelSpec:
-    return KernelSpec(f"hfp_extend_{tag}_d{head_dim}", ATTENTION_SOURCE, head_dim)
+def decode_kernel(tag: str, head_dim: int, kv_format: str = "") -> KernelSpec:
+    return KernelSpec(f"{_prefix('decode', kv_format)}{tag}_d{head_dim}", ATTENTION_SOURCE, head_dim, kv_format)
 
 
-def reduce_kernel(tag: str, head_dim: int) -> KernelSpec:
+def extend_kernel(tag: str, head_dim: int, kv_format: str = "") -> KernelSpec:
+    return KernelSpec(f"{_prefix('extend', kv_format)}{tag}_d{head_dim}", ATTENTION_SOURCE, head_dim, kv_format)
+
+
+def reduce_kernel(tag: str, head_dim: int, kv_format: str = "") -> KernelSpec:
     """The split-K merge; compiled into every attention module, so it is looked up in the caller's."""
-    return KernelSpec(f"hfp_decode_reduce_{tag}", ATTENTION_SOURCE, head_dim)
+    return KernelSpec(f"hfp_decode_reduce_{tag}", ATTENTION_SOURCE, head_dim, kv_format)
 
 
-def write_kv_kernel(tag: str) -> KernelSpec:
-    return KernelSpec(f"hfp_write_kv_{tag}", CACHE_SOURCE)
+def write_kv_kernel(tag: str, kv_format: str = "") -> KernelSpec:
+    """Writes keys/values of dtype ``tag``: into a model-dtype pool of that dtype, or quantised."""
+    return KernelSpec(f"{_prefix('write_kv', kv_format)}{tag}", CACHE_SOURCE)
 
 
 COPY_BLOCKS = KernelSpec("hfp_copy_blocks", CACHE_SOURCE)
+# copy_blocks in 4- and 1-byte words, for tiles (or pool addresses) that are not multiples of 16 bytes
+COPY_BLOCKS_BY_WORD = {16: COPY_BLOCKS, 4: KernelSpec("hfp_copy_blocks_w4", CACHE_SOURCE),
+                       1: KernelSpec("hfp_copy_blocks_w1", CACHE_SOURCE)}
+
+
+def kv_format_head_dims(kv_format: str) -> tuple[int, ...]:
+    """The head dims with kernels for a format tag (int4 needs whole groups of 16)."""
+    fmt = FORMATS[_FORMAT_NAMES[kv_format]]
+    return tuple(d for d in HEAD_DIMS if not fmt.group or d % fmt.group == 0)
 
 
 def all_kernels() -> list[KernelSpec]:
@@ -67,7 +92,39 @@ def all_kernels() -> list[KernelSpec]:
     specs = [KernelSpec(f"hfp_decode_reduce_{t}", ATTENTION_SOURCE) for t in tags]
     for d in HEAD_DIMS:
         specs += [decode_kernel(t, d) for t in tags] + [extend_kernel(t, d) for t in tags]
-    return specs + [write_kv_kernel(t) for t in tags] + [COPY_BLOCKS]
+    for f in KV_FORMAT_TAGS.values():
+        for d in kv_format_head_dims(f):
+            specs += [decode_kernel(t, d, f) for t in tags] + [extend_kernel(t, d, f) for t in tags]
+    specs += [write_kv_kernel(t) for t in tags]
+    specs += [write_kv_kernel(t, f) for f in KV_FORMAT_TAGS.values() for t in tags]
+    return specs + list(COPY_BLOCKS_BY_WORD.values())
+
+
+def attention_modules() -> list[tuple[str, int, str]]:
+    """Every compiled attention unit (source, head dim, format tag), model dtype first."""
+    return sorted({s.module for s in all_kernels() if s.source == ATTENTION_SOURCE and s.head_dim},
+                  key=lambda m: (m[2] != "", m[2], m[1]))
+
+
+def module_kernel_names(module: tuple[str, int, str]) -> set[str]:
+    """The entry points one compiled module holds: its kernels, and in an attention module the reduce
+    kernels too."""
+    names = {spec.name for spec in all_kernels() if spec.module == module}
+    if module[0] == ATTENTION_SOURCE:
+        names |= {reduce_kernel(t, module[1], module[2]).name for t in DTYPE_TAGS.values()}
+    return names
+
+
+_FORMAT_NAMES = {tag: name for name, tag in KV_FORMAT_TAGS.items()}
+
+
+def kv_format_tag(fmt: KVFormat) -> str:
+    """The kernel-name tag of a quantised format (refusing formats without kernels)."""
+    try:
+        return KV_FORMAT_TAGS[fmt.name]
+    except KeyError:
+        raise ValueError(f"hf_paged CUDA kernels: kv_cache_dtype {fmt.name!r} has no kernels; supported: "
+                         f"{', '.join(KV_FORMAT_TAGS)}. Set HF_PAGED_FORCE_TORCH=1 to use the PyTorch path.") from None
 
 
 def dtype_tag(dtype: torch.dtype) -> str:
@@ -79,9 +136,13 @@ def dtype_tag(dtype: torch.dtype) -> str:
 
 
 def check_attention_shape(dtype: torch.dtype, head_dim: int, block_size: int, num_q_heads: int,
-                          num_kv_heads: int) -> str:
-    """Validate a pool/query shape against the table; returns the dtype tag."""
+                          num_kv_heads: int, kv_format: KVFormat | None = None) -> str:
+    """Validate a pool/query shape against the table; returns the dtype tag. ``dtype``: the pools'
+    dtype, or with quantised pools (``kv_format``) the query's, which the kernels dequantise into."""
     tag = dtype_tag(dtype)
+    if kv_format is not None:
+        kv_format.check_head_dim(head_dim)
+        kv_format_tag(kv_format)
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"hf_paged CUDA kernels: head_dim {head_dim} is not supported; supported: "
                          f"{HEAD_DIMS}. Set HF_PAGED_FORCE_TORCH=1 to use the PyTorch path.")
