@@ -46,17 +46,38 @@ def cache_dir() -> Path:
     return Path(root)
 
 
-def module_units(head_dims=reg.HEAD_DIMS) -> list[tuple[str, int]]:
-    """(source, head dim) of each library: attention per head dim, cache ops once."""
-    return [(reg.ATTENTION_SOURCE, d) for d in head_dims] + [(reg.CACHE_SOURCE, 0)]
+def module_units(head_dims=reg.HEAD_DIMS) -> list[tuple[str, int, str]]:
+    """Registry modules (source, head dim, format tag) of each library built by default: model-dtype
+    attention per head dim, cache ops once. Quantised attention modules: quantised_units."""
+    return [(reg.ATTENTION_SOURCE, d, "") for d in head_dims] + [(reg.CACHE_SOURCE, 0, "")]
+
+
+def quantised_units(head_dims=reg.HEAD_DIMS, formats=tuple(reg.KV_FORMAT_TAGS.values())) -> list[tuple[str, int, str]]:
+    """Attention modules of quantised formats (each format's kernels for one head dim)."""
+    return [(reg.ATTENTION_SOURCE, d, f) for f in formats for d in reg.kv_format_head_dims(f) if d in head_dims]
+
+
+class ShimLibraries(dict):
+    """{module: library path}. A module not built yet is built on first lookup with the same options,
+    so tests pay only for the modules they launch (the quantised ones are many)."""
+
+    def __init__(self, paths: dict, options: dict):
+        super().__init__(paths)
+        self.options = options
+
+    def __missing__(self, unit):
+        self.update(build(units=[unit], **self.options))
+        return self[unit]
 
 
 def build(sanitize: str | None = None, sources_dir: Path | None = None, jobs: int = 2,
-          head_dims=reg.HEAD_DIMS) -> dict:
-    """Compile the units (cached by a hash of the sources, shim and flags); {(source, dim): path}.
-    sanitize: g++ -fsanitize= value (load the runtime with LD_PRELOAD; see test_sanitizers.py)."""
+          head_dims=reg.HEAD_DIMS, units=None) -> ShimLibraries:
+    """Compile the modules (cached by a hash of the sources, shim and flags); {module: path}, a module
+    being the registry's (source, head dim, format tag). units: the modules (default: module_units of
+    head_dims). sanitize: g++ -fsanitize= value (load the runtime with LD_PRELOAD; see test_sanitizers.py)."""
     sanitize = sanitize if sanitize is not None else os.environ.get(SANITIZE_ENV, "")
     sources_dir = Path(sources_dir or os.environ.get(SOURCES_ENV) or CUDA_DIR)
+    options = {"sanitize": sanitize, "sources_dir": sources_dir, "jobs": jobs}
     flags = list(FLAGS) + ([f"-fsanitize={sanitize}", "-g", "-fno-omit-frame-pointer"] if sanitize else [])
     text = b"".join(p.read_bytes() for p in sorted(sources_dir.glob("*.cu*")) + sorted(SHIM_DIR.glob("*.h")))
     digest = hashlib.sha256(text + " ".join(flags).encode()).hexdigest()[:16]
@@ -64,12 +85,12 @@ def build(sanitize: str | None = None, sources_dir: Path | None = None, jobs: in
     out_dir.mkdir(parents=True, exist_ok=True)
 
     def one(unit):
-        source, dim = unit
-        lib = out_dir / f"{Path(source).stem}_{dim}.so"
+        source, dim, fmt = unit
+        lib = out_dir / f"{Path(source).stem}_{dim}_{fmt or 'model'}.so"
         if not lib.exists():
             tmp = lib.with_suffix(f".{os.getpid()}.tmp")
             cmd = ["g++", *flags, "-include", str(SHIM_DIR / "shim.h"), f"-I{SHIM_DIR}", f"-I{sources_dir}",
-                   f"-DHFP_ONLY_HEAD_DIM={dim}", str(sources_dir / source), "-o", str(tmp)]
+                   *reg.KernelSpec("", source, dim, fmt).defines, str(sources_dir / source), "-o", str(tmp)]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode:
                 raise RuntimeError(f"shim build failed: {' '.join(cmd)}\n{proc.stderr[-4000:]}")
@@ -77,14 +98,15 @@ def build(sanitize: str | None = None, sources_dir: Path | None = None, jobs: in
         return unit, lib
 
     with ThreadPoolExecutor(jobs) as pool:
-        return dict(pool.map(one, module_units(head_dims)))
+        return ShimLibraries(dict(pool.map(one, module_units(head_dims) if units is None else units)), options)
 
 
 class ShimLauncher:
     """Launcher for KernelBackend that runs kernels in the CPU shim (arguments: numpy scalars)."""
 
     def __init__(self, libraries: dict, schedule: str = "in_order", seed: int = 0, sms: int = 4):
-        self.libs = {unit: ctypes.CDLL(str(path)) for unit, path in libraries.items()}
+        self.paths = libraries          # a ShimLibraries builds missing modules on first use
+        self.libs: dict = {}
         self.schedule = schedule
         self.seed = seed
         self.sms = sms
@@ -94,6 +116,8 @@ class ShimLauncher:
         return self.sms
 
     def library(self, spec: reg.KernelSpec):
+        if spec.module not in self.libs:
+            self.libs[spec.module] = ctypes.CDLL(str(self.paths[spec.module]))
         return self.libs[spec.module]
 
     def launch(self, spec, device, grid, block, args, shared_mem: int) -> None:

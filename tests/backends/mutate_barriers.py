@@ -1,6 +1,6 @@
 """Mutation check: delete each __syncthreads of the decode path in turn; the kernel tests must fail.
 
-    python tests/backends/mutate_barriers.py [pytest -k expression, default "decode and not nvrtc"]
+    python tests/backends/mutate_barriers.py [pytest -k expression, default SELECTION]
 
 For each deletion, builds the shim from a mutated copy of cuda/ (HF_PAGED_SHIM_SOURCES) and runs the
 decode tests, printing which failed. Exits non-zero if some deletion leaves every test passing.
@@ -17,9 +17,12 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 CUDA = HERE.parents[1] / "cuda"
 BARRIER = re.compile(r"__syncthreads\(\);")
+# The model-dtype decode tests. The quantised kernels share attend_tiles and its barriers (their staging
+# adds none), so they are left out: each mutated build would otherwise compile their modules too.
+SELECTION = "decode and not nvrtc and not quantised"
 
 
-def main(selection: str = "decode and not nvrtc") -> int:
+def main(selection: str = SELECTION) -> int:
     text = (CUDA / "attention.cu").read_text()
     sites = list(BARRIER.finditer(text))
     survivors = []

@@ -1,10 +1,14 @@
 """NVRTC compile gate with no GPU: NVRTC from pip wheels, loaded through ctypes.
 
-Every kernel of hf_paged.backends.kernel_registry is compiled to cubin for sm_80 and sm_90 by each NVRTC
+Kernels of hf_paged.backends.kernel_registry are compiled to cubin for sm_80 and sm_90 by each NVRTC
 (oldest supported 12.x, newest 12.x, 13.x), the cubin's entry symbols are compared with the registry,
-and registers / shared memory / spills are read from ptxas's verbose log.
+and registers / shared memory / spills are read from ptxas's verbose log. Which modules (see plan()):
+the model-dtype modules and cache ops on every (NVRTC, arch); the 20 quantised modules (4 formats x 5
+head dims, 120 kernels: five times the model-dtype ones, ~4 min of compiling on 2 cores per pair) all
+on the newest pair (13.0, sm_90), and one each, rotating formats and head dims, on the other five pairs.
+$HF_PAGED_NVRTC_FULL=1 (or --full) compiles every module on every pair.
 
-    python tests/backends/nvrtc_gate.py        # prints the table, writes nvrtc_report.json in the cache
+    python tests/backends/nvrtc_gate.py [--full]   # prints the table, writes nvrtc_report.json in the cache
 
 The wheels are installed on first use with ``pip install --no-deps --target`` into
 $HF_PAGED_NVRTC_CACHE (default ~/.cache/hf_paged/nvrtc).
@@ -25,6 +29,13 @@ from pathlib import Path
 from hf_paged.backends import kernel_registry as reg
 
 ARCHS = ("sm_80", "sm_90")
+FULL_ENV = "HF_PAGED_NVRTC_FULL"
+NEWEST = ("13.0", "sm_90")      # compiles every module
+# The quantised module each other (NVRTC, arch) compiles: every format on sm_80 and on each NVRTC,
+# and int4 at head dim 80 (its 8-byte code loads) on the oldest pair.
+QUANTISED_SPOT_CHECKS = {("12.4", "sm_80"): ("int4", 80), ("12.4", "sm_90"): ("fp8e5m2", 256),
+                         ("12.9", "sm_80"): ("fp8e5m2", 96), ("12.9", "sm_90"): ("int8", 128),
+                         ("13.0", "sm_80"): ("fp8e4m3", 64)}
 # name: (pip requirements, nvrtc library, builtins library to preload, include dir), relative to the target
 TOOLKITS = {
     "12.4": (("nvidia-cuda-nvrtc-cu12==12.4.127", "nvidia-cuda-runtime-cu12==12.4.127"),
@@ -125,42 +136,54 @@ class Usage:
 
 @dataclass
 class GateResult:
-    entries: dict = field(default_factory=dict)    # (toolkit, arch, unit) -> set of entry names
+    entries: dict = field(default_factory=dict)    # (toolkit, arch, module) -> set of entry names
     usage: dict = field(default_factory=dict)      # (toolkit, arch, kernel) -> Usage
 
 
-def units() -> list[tuple[str, tuple[str, ...]]]:
-    """(source, defines) compiled by the gate: the production modules (attention per head dim, cache ops)."""
+def units() -> list[tuple[str, int, str]]:
+    """The production modules, (source, head dim, format tag) as KernelSpec.module: attention per head
+    dim and KV format, cache ops."""
     # The reduce kernels (attention source, head dim 0) live in every attention module: not a unit.
-    return sorted({(spec.source, spec.defines) for spec in reg.all_kernels()
-                   if spec.head_dim or spec.source != reg.ATTENTION_SOURCE})
+    return sorted({spec.module for spec in reg.all_kernels() if spec.head_dim or spec.source != reg.ATTENTION_SOURCE})
 
 
-def run_gate(toolkits=tuple(TOOLKITS), archs=ARCHS, jobs: int = 2) -> GateResult:
-    compilers = [Nvrtc(name) for name in toolkits]
-    jobs_list = [(c, arch, unit) for c in compilers for arch in archs for unit in units()]
+def plan(toolkits=tuple(TOOLKITS), archs=ARCHS, full: bool | None = None) -> list[tuple[str, str, tuple]]:
+    """(toolkit, arch, module) compiled: see the module docstring."""
+    full = os.environ.get(FULL_ENV) == "1" if full is None else full
+    jobs = []
+    for toolkit in toolkits:
+        for arch in archs:
+            spot = QUANTISED_SPOT_CHECKS.get((toolkit, arch))
+            jobs += [(toolkit, arch, unit) for unit in units()
+                     if full or (toolkit, arch) == NEWEST or not unit[2] or (unit[2], unit[1]) == spot]
+    return jobs
+
+
+def run_gate(toolkits=tuple(TOOLKITS), archs=ARCHS, jobs: int = 2, full: bool | None = None) -> GateResult:
+    compilers = {name: Nvrtc(name) for name in toolkits}
 
     def one(job):
-        compiler, arch, (source, defines) = job
+        toolkit, arch, (source, head_dim, fmt) = job
+        compiler = compilers[toolkit]
         options = [f"--gpu-architecture={arch}", f"-I{compiler.include}", "--ptxas-options=-v",
-                   *defines]
+                   *reg.KernelSpec("", source, head_dim, fmt).defines]
         cubin, log = compiler.compile(reg.kernel_source(source), options)
         return job, cubin_entries(cubin), log
 
     result = GateResult()
     with ThreadPoolExecutor(jobs) as pool:
-        for (compiler, arch, (source, defines)), entries, log in pool.map(one, jobs_list):
-            result.entries[(compiler.name, arch, source + "".join(defines))] = entries
+        for (toolkit, arch, module), entries, log in pool.map(one, plan(toolkits, archs, full)):
+            result.entries[(toolkit, arch, module)] = entries
             for m in _INFO.finditer(log):
                 kernel, _, stack, stores, loads, regs, smem = m.groups()
-                result.usage[(compiler.name, arch, kernel)] = Usage(int(regs), int(stack), int(stores),
+                result.usage[(toolkit, arch, kernel)] = Usage(int(regs), int(stack), int(stores),
                                                                     int(loads), int(smem or 0))
     return result
 
 
 def format_table(result: GateResult) -> str:
     """One row per kernel, one column per (arch, NVRTC): registers and spill bytes (stores + loads)
-    as ``regs/spill``."""
+    as ``regs/spill`` ("." where that pair did not compile the kernel)."""
     columns = sorted({(arch, toolkit) for toolkit, arch, _ in result.usage})
     cells: dict = {}
     for (toolkit, arch, kernel), u in result.usage.items():
@@ -172,12 +195,13 @@ def format_table(result: GateResult) -> str:
     lines = [head + "   (registers/spill bytes)"]
     for row in sorted({r for r, _, _ in cells}):
         lines.append(f"{row[0]:<24}{row[1] or '-':>4} " +
-                     " ".join(f"{'%d/%d' % cells[(row, arch, tk)]:>12}" for arch, tk in columns))
+                     " ".join(f"{'%d/%d' % cells[(row, arch, tk)] if (row, arch, tk) in cells else '.':>12}"
+                              for arch, tk in columns))
     return "\n".join(lines)
 
 
 if __name__ == "__main__":
-    res = run_gate()
+    res = run_gate(full=True if "--full" in sys.argv[1:] else None)
     print(format_table(res))
     report = cache_root() / "nvrtc_report.json"
     report.write_text(json.dumps({"|".join(k): vars(v) for k, v in res.usage.items()}, indent=1))

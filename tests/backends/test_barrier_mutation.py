@@ -3,7 +3,8 @@ goes unnoticed by the kernel tests.
 
 ``mutate_barriers.main()`` deletes each ``__syncthreads();`` of ``cuda/attention.cu`` in turn, rebuilds
 the CPU shim from the mutated copy and runs the decode tests (its default selection, ``decode and not
-nvrtc``: the four barriers sit in ``attend_tiles``, which decode and extend share) in a subprocess; it
+nvrtc and not quantised``: the four barriers sit in ``attend_tiles``, which decode and extend, model-dtype
+and quantised, share) in a subprocess; it
 returns non-zero if some deletion leaves every test passing. A control run of the same selection on the
 unmodified sources must pass first, or "every deletion caught" would only mean "the tests are broken".
 
@@ -22,7 +23,7 @@ import sys
 
 import mutate_barriers
 
-SELECTION = "decode and not nvrtc"          # mutate_barriers.main's default: the decode path
+SELECTION = mutate_barriers.SELECTION      # main's default: the model-dtype decode tests
 # (the names of the tests below must not match SELECTION, or the check would run itself recursively)
 # The subprocesses' torch (the reference attention) gets one thread: the kernels run in the shim on one
 # thread anyway, and two torch threads spin-wait badly on a loaded 2-core machine.
