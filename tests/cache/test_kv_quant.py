@@ -6,7 +6,10 @@ import torch
 import hf_paged
 from hf_paged.backends import quantized_torch, torch_backend
 from hf_paged.cache import KVPools, kv_bytes_per_token
-from hf_paged.kv_formats import FORMATS, KV_CACHE_DTYPES, QuantizedPool, dequantize, kv_format, quantize
+from hf_paged.backends.step import PreparedStep
+from hf_paged.kv_formats import (FORMATS, KV_CACHE_DTYPES, QuantizedPool, dequantize, kv_format, quantize,
+                                 rotation_matrix)
+from hf_paged.plan import StepPlan
 from tiny_models import make_model
 
 QUANTISED = sorted(FORMATS)
@@ -153,7 +156,8 @@ def test_writes_store_the_codec_of_the_written_rows(name):
     slots = torch.tensor([13, 2, -1, 7, 0])
     pools.write(1, k, k * 2, slots)
     pool = pools.key_pools[1]
-    codes, scales = quantize(pool.fmt, k[0].transpose(0, 1))                      # [5, 2, *]
+    assert pool.rotation is not None and torch.equal(pool.rotation, rotation_matrix(64))
+    codes, scales = quantize(pool.fmt, k[0].transpose(0, 1) @ pool.rotation)      # [5, 2, *]: x R is stored
     flat_codes = pool.data.view(2, 16, -1)
     flat_scales = pool.scales.view(2, 16, -1)
     for n, slot in enumerate(slots.tolist()):
@@ -161,3 +165,28 @@ def test_writes_store_the_codec_of_the_written_rows(name):
             assert torch.equal(flat_codes[:, slot], codes[n]) and torch.equal(flat_scales[:, slot], scales[n])
     untouched = [s for s in range(16) if s not in slots.tolist()]
     assert (flat_codes[:, untouched] == 0).all()
+
+
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
+def test_rotation_is_orthogonal_and_fixed(head_dim):
+    r = rotation_matrix(head_dim)
+    torch.testing.assert_close(r @ r.T, torch.eye(head_dim), atol=2e-6, rtol=0)
+    assert torch.equal(r, rotation_matrix(head_dim))
+
+
+@pytest.mark.parametrize("name", QUANTISED)
+def test_a_step_over_rotated_pools_attends_to_the_unrotated_values(name):
+    """PreparedStep rotates the query and un-rotates the output: the result is attention over the
+    stored values taken back to the model's basis (dequantised, times R^T)."""
+    pools = _filled_pools(name, blocks=6, block_size=4)
+    k_pool, v_pool = pools.key_pools[0], pools.value_pools[0]
+    back = [_reference_pool(p) @ p.rotation.T for p in (k_pool, v_pool)]
+    tables = torch.tensor([[3, 1, 0, 5], [2, 4, 0, 0]], dtype=torch.int32)
+    lens = torch.tensor([15, 6], dtype=torch.int32)
+    plan = StepPlan(slot_mapping=None, block_tables=tables, context_lens=lens, query_pos=(lens - 1).view(2, 1),
+                    decode_lens=lens, max_context=15)
+    step = PreparedStep(torch_backend, plan)
+    q = torch.randn(2, 4, 1, 64)
+    got = step.attend(q, k_pool, v_pool, 0.125, 0)                                  # [B, Q, Hq, D]
+    want = torch_backend.decode_attention(q[:, :, 0], *back, tables, lens, 0.125).unsqueeze(1)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)

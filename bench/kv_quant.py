@@ -1,0 +1,338 @@
+"""Quantised KV blocks on the real SmolLM2-135M: quality, memory, requests held, speed.
+
+``python -m bench kv-quant [--sections quality,capacity,speed,quantized-cache] [--out DIR]``
+
+quality  fp32 and bf16 model: teacher-forced perplexity of real text (the Python reference manual's
+         topics, which CPython ships as ``pydoc_data.topics``) through a PagedCache of each format
+         against the model-dtype KV; the mean KL divergence of next-token distributions; greedy agreement
+         (new tokens until the first that differs from the model-dtype run, 64 at most). One forward per
+         passage reads every position's keys from the quantised pool, as decoding token by token would
+         (scales are per token, so the stored codes do not depend on the order of writes).
+         Also (fp32) int4 with groups of 32 and 64 and every format without the rotation: what the
+         defaults were chosen against.
+capacity bf16 model, the engine with a fixed 24 MiB KV budget and 48 ShareGPT-shaped requests: blocks,
+         bytes per token (scales included) and the most requests running at once, per format.
+speed    fp32 model, 1 thread: the engine's useful tokens/s per format on 32 ShareGPT-shaped requests,
+         3 interleaved rounds (min/median/max).
+quantized-cache  transformers' QuantizedCache (optimum-quanto, 4 and 2 bits, residual 128) where installed,
+         decoding token by token on two passages, beside our int4 on the same tokens: perplexity,
+         KV bytes, seconds.
+Writes ``kv-quant-<stamp>.json`` and ``.md`` (and a plot) under bench/results.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+import hf_paged
+from hf_paged.kv_formats import FORMATS
+
+RESULTS = Path(__file__).resolve().parent / "results"
+NAMES = ["auto", "fp8_e4m3", "fp8_e5m2", "int8", "int4"]
+# What the defaults were chosen against (fp32 quality only): larger int4 groups, and no rotation.
+VARIANTS = {"int4_g32": dataclasses.replace(FORMATS["int4"], name="int4_g32", group=32),
+            "int4_g64": dataclasses.replace(FORMATS["int4"], name="int4_g64", group=64),
+            **{f"{n}_norot": dataclasses.replace(FORMATS[n], name=f"{n}_norot", rotate=False)
+               for n in ("fp8_e4m3", "fp8_e5m2", "int8", "int4")}}
+
+
+def passages(tokenizer, count: int = 8, tokens: int = 512) -> list[torch.Tensor]:
+    """The first ``count`` reference-manual topics (sorted by name) with at least ``tokens`` tokens."""
+    from pydoc_data.topics import topics  # noqa: PLC0415  (CPython's own documentation text)
+    out = []
+    for name in sorted(topics):
+        ids = tokenizer(topics[name], return_tensors="pt").input_ids[0]
+        if len(ids) >= tokens:
+            out.append(ids[:tokens])
+        if len(out) == count:
+            break
+    return out
+
+
+def paged_cache(model, name: str) -> hf_paged.PagedCache:
+    if name in VARIANTS:
+        cache = hf_paged.PagedCache(model.config, dtype=model.dtype)
+        cache.kv_format, cache.kv_cache_dtype = VARIANTS[name], name     # pools are built on the first forward
+        return cache
+    return hf_paged.PagedCache(model.config, kv_cache_dtype=name, dtype=model.dtype)
+
+
+def _log_probs(model, ids: torch.Tensor, cache=None) -> torch.Tensor:
+    with torch.no_grad():
+        if cache is None:
+            logits = model(input_ids=ids.unsqueeze(0), use_cache=False).logits[0]
+        else:
+            with hf_paged.use_paged_attention(model):
+                logits = model(input_ids=ids.unsqueeze(0), past_key_values=cache).logits[0]
+    return logits[:-1].float().log_softmax(-1)
+
+
+def quality(model, tokenizer, names: list[str], progress) -> dict:
+    texts = passages(tokenizer)
+    refs = [_log_probs(model, ids) for ids in texts]
+    nll_ref = torch.cat([-r.gather(-1, ids[1:, None])[:, 0] for r, ids in zip(refs, texts)])
+    prompts = torch.stack([ids[:32] for ids in texts])
+    with torch.no_grad():
+        greedy_ref = model.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=64,
+                                    min_new_tokens=64, do_sample=False)[:, 32:]
+    out = {"tokens": int(nll_ref.numel()), "ppl_model_dtype_kv": float(nll_ref.mean().exp())}
+    for name in names:
+        t0 = time.perf_counter()
+        nll, kl = [], []
+        for ref, ids in zip(refs, texts):
+            got = _log_probs(model, ids, paged_cache(model, name))
+            nll.append(-got.gather(-1, ids[1:, None])[:, 0])
+            kl.append((ref.exp() * (ref - got)).sum(-1))
+        nll, kl = torch.cat(nll), torch.cat(kl)
+        with torch.no_grad():
+            greedy = model.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=64,
+                                    min_new_tokens=64, do_sample=False, past_key_values=paged_cache(model, name))[:, 32:]
+        differ = (greedy != greedy_ref).int()
+        agree = torch.where(differ.any(1), differ.argmax(1), torch.full_like(differ[:, 0], 64)).float()
+        ppl = float(nll.mean().exp())
+        out[name] = {"ppl": ppl, "ppl_delta_pct": 100 * (ppl / out["ppl_model_dtype_kv"] - 1),
+                     "kl_mean": float(kl.mean()), "kl_p99": float(kl.quantile(0.99)),
+                     "greedy_agree_mean": float(agree.mean()), "greedy_agree_min": int(agree.min()),
+                     "bytes_per_token": paged_cache(model, name).bytes_per_token}
+        progress(f"  {name:9s} ppl {ppl:.4f} ({out[name]['ppl_delta_pct']:+.2f}%)  KL {out[name]['kl_mean']:.2e}  "
+                 f"greedy agree {out[name]['greedy_agree_mean']:.1f}/64  ({time.perf_counter() - t0:.0f} s)")
+    return out
+
+
+def _requests(n: int, seed: int, vocab: int, max_total: int = 384):
+    from .workloads import sharegpt_mix  # noqa: PLC0415
+    work = sharegpt_mix(n, max_total, vocab, seed=seed)
+    return [r.prompt for r in work.requests], work.output_lens
+
+
+def capacity(model, names: list[str], progress, budget: int = 24 * 2**20) -> dict:
+    prompts, outputs = _requests(48, seed=1, vocab=model.config.vocab_size)
+    settings = [{"max_new_tokens": n, "ignore_eos": True, "do_sample": False} for n in outputs]
+    out = {"budget_bytes": budget, "requests": len(prompts)}
+    for name in names:
+        llm = hf_paged.LLM(model, kv_cache_dtype=name, kv_cache_memory_bytes=budget, max_num_seqs=64)
+        peak = 0
+        t0 = time.perf_counter()
+        for _ in llm.stream(prompts, settings, use_tqdm=False):
+            peak = max(peak, llm.engine.stats().requests_running)
+        s = llm.stats()
+        out[name] = {"blocks": s["blocks_total"], "bytes_per_token": s["bytes_per_token"], "peak_running": peak,
+                     "preemptions": s["preemptions"], "seconds": time.perf_counter() - t0}
+        progress(f"  {name:9s} {s['blocks_total']} blocks, {s['bytes_per_token']} B/token, "
+                 f"peak {peak} running, {s['preemptions']} preemptions")
+    return out
+
+
+def speed(model, names: list[str], progress, rounds: int = 3) -> dict:
+    prompts, outputs = _requests(32, seed=2, vocab=model.config.vocab_size, max_total=256)
+    settings = [{"max_new_tokens": n, "ignore_eos": True, "do_sample": False} for n in outputs]
+    useful = sum(outputs)
+    engines = {name: hf_paged.LLM(model, kv_cache_dtype=name, max_num_seqs=32) for name in names}
+    for llm in engines.values():                              # warm-up
+        llm.generate(prompts[:2], settings[:2], use_tqdm=False)
+    rates: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in (names if r % 2 == 0 else names[::-1]):   # interleaved, alternating order
+            t0 = time.perf_counter()
+            engines[name].generate(prompts, settings, use_tqdm=False)
+            rates[name].append(useful / (time.perf_counter() - t0))
+        progress(f"  round {r + 1}: " + ", ".join(f"{n} {rates[n][-1]:.1f}" for n in names))
+    return {"threads": torch.get_num_threads(), "useful_tokens": useful, "requests": len(prompts),
+            **{n: {"min": min(v), "median": statistics.median(v), "max": max(v)} for n, v in rates.items()}}
+
+
+def quantized_cache(model, tokenizer, progress, count: int = 2, tokens: int = 256, prefill: int = 32) -> dict:
+    """Token-by-token teacher forcing: QuantizedCache quantises only what it stores after the prefill
+    (the prefill itself attends in full precision), so a single forward would not measure it."""
+    if importlib.util.find_spec("optimum.quanto") is None:
+        return {"skipped": "optimum-quanto is not installed (pip install optimum-quanto)"}
+    from transformers import DynamicCache, QuantizedCache  # noqa: PLC0415
+    texts = passages(tokenizer, count, tokens)
+    rows = {}
+    makers = {"DynamicCache": lambda: DynamicCache(config=model.config),
+              "QuantizedCache quanto int4": lambda: QuantizedCache("quanto", model.config, nbits=4),
+              "QuantizedCache quanto int2": lambda: QuantizedCache("quanto", model.config, nbits=2),
+              "hf_paged auto": lambda: hf_paged.PagedCache(model.config, dtype=model.dtype),
+              "hf_paged int4": lambda: hf_paged.PagedCache(model.config, kv_cache_dtype="int4", dtype=model.dtype),
+              "hf_paged int8": lambda: hf_paged.PagedCache(model.config, kv_cache_dtype="int8", dtype=model.dtype)}
+    for label, make in makers.items():
+        nll, seconds, kv_bytes = [], 0.0, 0
+        for ids in texts:
+            cache = make()
+            paged = isinstance(cache, hf_paged.PagedCache)
+            t0 = time.perf_counter()
+            with torch.no_grad(), (hf_paged.use_paged_attention(model) if paged else _nothing()):
+                logits = [model(input_ids=ids[None, :prefill], past_key_values=cache).logits[0, -1]]
+                for t in range(prefill, len(ids) - 1):
+                    logits.append(model(input_ids=ids[None, t:t + 1], past_key_values=cache).logits[0, -1])
+            seconds += time.perf_counter() - t0
+            log_probs = torch.stack(logits).float().log_softmax(-1)
+            nll.append(-log_probs.gather(-1, ids[prefill:, None])[:, 0])
+            kv_bytes = cache.stats()["kv_bytes_used"] if paged else _quantized_cache_bytes(cache)
+        rows[label] = {"ppl": float(torch.cat(nll).mean().exp()), "seconds": seconds, "kv_bytes_last": kv_bytes}
+        progress(f"  {label:28s} ppl {rows[label]['ppl']:.4f}  {seconds:.1f} s  KV {kv_bytes / 2**20:.2f} MiB")
+    return {"passages": count, "tokens": tokens, "prefill": prefill, **rows}
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _quantized_cache_bytes(cache) -> int:
+    """Bytes a transformers cache holds: every tensor attribute of its layers (quantised tensors by
+    their packed data and scales, which quanto exposes as tensor attributes too)."""
+    seen, total = set(), 0
+
+    def visit(obj, depth=0):
+        nonlocal total
+        if depth > 4 or id(obj) in seen:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor) and type(obj) is torch.Tensor:
+            total += obj.nbytes
+        elif isinstance(obj, torch.Tensor) or hasattr(obj, "__dict__"):
+            for value in vars(obj).values() if hasattr(obj, "__dict__") else ():
+                visit(value, depth + 1)
+        elif isinstance(obj, (list, tuple)):
+            for value in obj:
+                visit(value, depth + 1)
+
+    for layer in cache.layers:
+        visit(layer)
+    return total
+
+
+def report(result: dict) -> str:
+    lines = [f"# Quantised KV on SmolLM2-135M ({result['date']}, {result['machine']})", ""]
+    for dtype in ("fp32", "bf16"):
+        q = result.get(f"quality_{dtype}")
+        if not q:
+            continue
+        auto_bytes = q["auto"]["bytes_per_token"]
+        lines += [f"## Quality, {dtype} model ({q['tokens']} teacher-forced tokens of the Python reference manual; "
+                  f"perplexity {q['ppl_model_dtype_kv']:.4f} with model-dtype KV)", "",
+                  "| kv_cache_dtype | bytes/token | vs model dtype | perplexity | change | KL mean | KL p99 | "
+                  "greedy agreement (of 64) mean / min |", "|---|---|---|---|---|---|---|---|"]
+        for name in [n for n in q if isinstance(q[n], dict)]:
+            r = q[name]
+            lines.append(f"| {name} | {r['bytes_per_token']} | {r['bytes_per_token'] / auto_bytes:.3f} | {r['ppl']:.4f} | "
+                         f"{r['ppl_delta_pct']:+.2f}% | {r['kl_mean']:.2e} | {r['kl_p99']:.2e} | "
+                         f"{r['greedy_agree_mean']:.1f} / {r['greedy_agree_min']} |")
+        lines.append("")
+    c = result.get("capacity")
+    if c:
+        lines += [f"## Requests held, bf16 model, {c['budget_bytes'] / 2**20:.0f} MiB KV budget, {c['requests']} "
+                  "ShareGPT-shaped requests", "", "| kv_cache_dtype | blocks | bytes/token | peak running | vs auto | "
+                  "preemptions |", "|---|---|---|---|---|---|"]
+        for name in [n for n in c if isinstance(c[n], dict)]:
+            r = c[name]
+            lines.append(f"| {name} | {r['blocks']} | {r['bytes_per_token']} | {r['peak_running']} | "
+                         f"{r['peak_running'] / c['auto']['peak_running']:.2f}x | {r['preemptions']} |")
+        lines.append("")
+    sp = result.get("speed")
+    if sp:
+        lines += [f"## Engine speed, fp32 model, {sp['threads']} thread(s), {sp['requests']} requests "
+                  f"({sp['useful_tokens']} useful tokens), useful tokens/s min / median / max", "",
+                  "| kv_cache_dtype | tokens/s | vs auto (median) |", "|---|---|---|"]
+        for name in [n for n in sp if isinstance(sp[n], dict)]:
+            r = sp[name]
+            lines.append(f"| {name} | {r['min']:.1f} / {r['median']:.1f} / {r['max']:.1f} | "
+                         f"{r['median'] / sp['auto']['median']:.2f}x |")
+        lines.append("")
+    qc = result.get("quantized_cache")
+    if qc:
+        lines += ["## Beside transformers' QuantizedCache (token-by-token teacher forcing, fp32 model)", ""]
+        if "skipped" in qc:
+            lines.append(qc["skipped"])
+        else:
+            lines += [f"{qc['passages']} passages x {qc['tokens']} tokens, prefill {qc['prefill']}.", "",
+                      "| cache | perplexity | seconds | KV bytes at the end of a passage |", "|---|---|---|---|"]
+            for label in [n for n in qc if isinstance(qc[n], dict)]:
+                r = qc[label]
+                lines.append(f"| {label} | {r['ppl']:.4f} | {r['seconds']:.1f} | {r['kv_bytes_last'] / 2**10:.0f} KiB |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: Path) -> None:
+    try:
+        import matplotlib  # noqa: PLC0415
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # noqa: PLC0415
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for dtype, marker in (("fp32", "o"), ("bf16", "s")):
+        q = result.get(f"quality_{dtype}")
+        if not q:
+            continue
+        names = [n for n in q if isinstance(q[n], dict)]
+        x = [q[n]["bytes_per_token"] / q["auto"]["bytes_per_token"] for n in names]
+        y = [q[n]["ppl_delta_pct"] for n in names]
+        ax.scatter(x, y, marker=marker, label=f"{dtype} model")
+        for n, xi, yi in zip(names, x, y):
+            ax.annotate(n, (xi, yi), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    ax.axhline(0, color="grey", lw=0.5)
+    ax.set_xlabel("KV bytes per token vs the model's dtype (scales included)")
+    ax.set_ylabel("perplexity change, %")
+    ax.set_title("SmolLM2-135M: quantised KV blocks")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None, prog: str = "python -m bench kv-quant") -> None:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sections", default="quality,capacity,speed,quantized-cache")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (recorded)")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    sections = args.sections.split(",")
+    from hf_paged.integrations.smollm2 import load_smollm2  # noqa: PLC0415
+
+    def progress(message):
+        print(message, flush=True)
+
+    import os  # noqa: PLC0415
+    result = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": f"{os.cpu_count()} CPUs, no GPU",
+              "threads": args.threads, "torch": torch.__version__}
+    model, tokenizer = load_smollm2(dtype=torch.float32, verbose=False)
+    hf_paged.patch(model)
+    every = NAMES + list(VARIANTS)
+    if "quality" in sections:
+        progress("quality, fp32 model")
+        result["quality_fp32"] = quality(model, tokenizer, every, progress)
+    if "speed" in sections:
+        progress("engine speed, fp32 model")
+        result["speed"] = speed(model, NAMES, progress)
+    if "quantized-cache" in sections:
+        progress("beside transformers' QuantizedCache, fp32 model")
+        result["quantized_cache"] = quantized_cache(model, tokenizer, progress)
+    if "quality" in sections or "capacity" in sections:
+        model_bf16, _ = load_smollm2(dtype=torch.bfloat16, verbose=False)
+        hf_paged.patch(model_bf16)
+        if "quality" in sections:
+            progress("quality, bf16 model")
+            result["quality_bf16"] = quality(model_bf16, tokenizer, NAMES, progress)
+        if "capacity" in sections:
+            progress("requests held at a fixed budget, bf16 model")
+            result["capacity"] = capacity(model_bf16, NAMES, progress)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / f"kv-quant-{time.strftime('%Y%m%d-%H%M%S')}"
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    stem.with_suffix(".md").write_text(report(result))
+    plot(result, stem.with_suffix(".png"))
+    print(report(result))
+    print(f"wrote {stem}.json, .md, .png")
