@@ -10,7 +10,8 @@
     as a fraction of a device-to-device copy measured in the same run, beside torch SDPA on contiguous
     KV, and beside the naive "one pass per query head" variant (our kernel at GQA 1 on repeated KV);
 (c) prefill (extend) time against torch SDPA (causal, contiguous);
-(d) generate tokens/s of hf_paged against DynamicCache on a small random Llama.
+(d) generate tokens/s of hf_paged against DynamicCache on a small random Llama;
+(e) quantised KV: write kernel vs the PyTorch codec, decode correctness and time per kv_cache_dtype.
 Prints a table last and writes JSON. Needs CuPy and the CUDA headers (pip install hf-paged[cuda]).
 """
 from __future__ import annotations
@@ -221,6 +222,44 @@ def generate_throughput(quick):
     return {"batch": batch, "prompt": prompt, "new_tokens": new, "tokens_per_s": out}
 
 
+def quantised_decode(backend, shapes=((1, 4096), (64, 4096))):
+    """Quantised KV (kv_cache_dtype): the write kernel against kv_formats.quantize (codes equal), decode
+    against the PyTorch path on the dequantised pools, and decode time per format at Llama-3-8B's head
+    shape (32q/8kv, d128, bf16 queries, block 16) — it should fall with the bytes read."""
+    from hf_paged.kv_formats import FORMATS, QuantizedPool, dequantize, quantize  # noqa: PLC0415
+    hq, hkv, d, bs, dtype = 32, 8, 128, 16, torch.bfloat16
+    rows = []
+    for batch, ctx in shapes:
+        (pools,), tables, lens = make_cache([ctx] * batch, bs, hkv, d, dtype)
+        q = torch.randn(batch, hq, d, device=DEV, dtype=dtype)
+        base_ms = median_ms(lambda: backend.decode_attention(q, *pools, tables, lens, d ** -0.5, max_context=ctx))
+        row = {"batch": batch, "context": ctx, "auto_ms": base_ms, "auto_MB": pools[0].nbytes * 2 / 1e6}
+        for name, fmt in FORMATS.items():
+            quantised = [QuantizedPool(*quantize(fmt, p), fmt, d) for p in pools]
+            ms = median_ms(lambda: backend.decode_attention(q, *quantised, tables, lens, d ** -0.5, max_context=ctx))
+            out = backend.decode_attention(q, *quantised, tables, lens, d ** -0.5, max_context=ctx)
+            ref = ta.decode_attention(q, *[dequantize(fmt, p.data, p.scales, dtype) for p in quantised], tables, lens,
+                                      d ** -0.5, max_context=ctx)
+            err = (out.float() - ref.float()).abs().max().item()
+            # the write kernel: one token per slot of block 1, against the PyTorch codec
+            new = torch.randn(bs, hkv, d, device=DEV, dtype=dtype)
+            slots = torch.arange(bs, 2 * bs, device=DEV)
+            backend.write_kv(*quantised, new, new, slots)
+            codes, scales = quantize(fmt, new)
+            write_ok = bool(torch.equal(quantised[0].data[:, 1], codes.transpose(0, 1)) and
+                            torch.equal(quantised[0].scales[:, 1], scales.transpose(0, 1)))
+            row[name] = {"ms": ms, "MB": sum(p.nbytes for p in quantised) / 1e6, "max_err": err,
+                         "ok": math.isfinite(err) and err <= TOL[dtype], "write_equal": write_ok}
+            del quantised
+        rows.append(row)
+        print(f"quantised decode {batch}x{ctx}: auto {base_ms:.3f} ms, " +
+              ", ".join(f"{n} {row[n]['ms']:.3f} ms ({'ok' if row[n]['ok'] and row[n]['write_equal'] else 'WRONG'})"
+                        for n in FORMATS), flush=True)
+        del pools
+        torch.cuda.empty_cache()
+    return rows
+
+
 def device_map_split():
     """Layers split between the GPU and the CPU (a device_map): each layer's pools on its own device; paged
     generate (greedy, beams) and the engine must give the default path's tokens."""
@@ -269,6 +308,10 @@ def main(argv=None, prog: str = "python -m bench gpu"):
     report["decode"] = decode_bandwidth(backend, args.quick)
     report["prefill"] = prefill(backend, args.quick)
     report["generate"] = generate_throughput(args.quick)
+    try:        # on its own: a failure here must not lose the sections above
+        report["quantised_decode"] = quantised_decode(backend)
+    except Exception as e:  # noqa: BLE001 - reported, not raised
+        report["quantised_decode"] = {"error": repr(e)}
     try:        # last, and on its own: a failure here must not lose the sections above
         report["device_map"] = device_map_split()
     except Exception as e:  # noqa: BLE001 - reported, not raised
