@@ -82,6 +82,7 @@ class PagedCache(KVPools):
         self.pool: BlockPool | None = None
         self.rows: RowBook | None = None
         self._step: PreparedStep | None = None
+        self._step_columns = 0      # columns the planned, still running forward adds (see get_seq_length)
         self._new_call = False
         self.active_rows: torch.Tensor | None = None   # rows this forward computes, None = all
 
@@ -189,11 +190,13 @@ class PagedCache(KVPools):
         for row in finishing:      # their EOS is written by this forward; the blocks stay kept until needed
             rows.finish(row, rows.columns)
         self._step = prepare_step(self.backend, plan, self.peer_backends)
+        self._step_columns = q_len
         return self._step
 
     def end_step(self) -> None:
         """The forward is over: its plan may not be used again."""
         self._step = None
+        self._step_columns = 0
 
     def _new_real_columns(self, attention_mask, batch_size: int, q_len: int) -> torch.Tensor:
         if attention_mask is None:
@@ -255,7 +258,9 @@ class PagedCache(KVPools):
         return self.write(layer_idx, key_states, value_states, slots)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.rows.columns if self.rows is not None else 0
+        """Columns stored. While a planned forward runs, the columns *before* it, as DynamicCache answers
+        before its update: a forward without ``cache_position`` derives its positions from this."""
+        return self.rows.columns - self._step_columns if self.rows is not None else 0
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
         return self.get_seq_length() + query_length, 0
@@ -293,14 +298,14 @@ class PagedCache(KVPools):
         if keep >= columns:
             return
         self.rows.crop(keep)
-        self._step = None
+        self.end_step()
 
     def reset(self) -> None:
         """Forget every row; the pool keeps its memory for the next batch."""
         if self.rows is not None:
             self.rows.clear()
             self.pool.reset_peak()
-        self._step = None
+        self.end_step()
         self.active_rows = None
 
     def check_invariants(self) -> None:

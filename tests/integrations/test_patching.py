@@ -4,6 +4,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import contextlib
+
 import pytest
 import torch
 from transformers import DynamicCache, pipeline
@@ -68,6 +70,33 @@ def test_direct_forward_with_paged_cache_needs_the_scope():
             logits = model(input_ids=ids, attention_mask=mask, past_key_values=cache).logits
     real = mask.bool()
     torch.testing.assert_close(logits[real], reference[real], atol=1e-5, rtol=0)
+
+
+def test_direct_forwards_continue_at_the_right_positions(family):
+    """Prefill then decode steps by direct forwards (no cache_position, as research code writes them):
+    each step's logits equal DynamicCache's. The model derives positions from get_seq_length() inside
+    the forward, after the plan hook has planned the step."""
+    from transformers import DynamicCache
+    model = make_model(family)
+    ids, mask = make_batch([7, 4], seed=5)
+    more = torch.randint(3, 200, (2, 4), generator=torch.Generator().manual_seed(6))
+
+    def run(cache, paged_scope):
+        logits = []
+        with torch.no_grad(), paged_scope:
+            logits.append(model(input_ids=ids, attention_mask=mask, past_key_values=cache).logits[:, -1])
+            for t in range(more.shape[1]):
+                step_mask = torch.cat([mask, torch.ones(2, t + 1, dtype=mask.dtype)], 1)
+                logits.append(model(input_ids=more[:, t:t + 1], attention_mask=step_mask,
+                                    past_key_values=cache).logits[:, -1])
+        return torch.stack(logits)
+
+    reference = run(DynamicCache(config=model.config), contextlib.nullcontext())
+    with patched(model):
+        cache = hf_paged.PagedCache(model.config)
+        got = run(cache, hf_paged.use_paged_attention(model))
+        assert cache.get_seq_length() == ids.shape[1] + more.shape[1]
+    torch.testing.assert_close(got, reference, atol=1e-4, rtol=0)
 
 
 def test_global_opt_in_is_explicit_and_reversible():
