@@ -32,20 +32,27 @@ def covering_cases():
     return cases
 
 
-def make_cache(lengths, block_size, num_kv_heads, head_dim, dtype, seed=0, spare_blocks=3):
-    """Random pools and shuffled block tables holding `lengths` stored tokens per row."""
-    gen = torch.Generator().manual_seed(seed)
+def cache_tables(lengths, block_size, gen, spare_blocks=3):
+    """Shuffled block tables holding ``lengths`` stored tokens per row; (num_blocks, tables, lens)."""
     blocks = [-(-n // block_size) for n in lengths]
     num_blocks = sum(blocks) + spare_blocks
-    k_pool = torch.randn(num_kv_heads, num_blocks, block_size, head_dim, generator=gen).to(dtype)
-    v_pool = torch.randn(num_kv_heads, num_blocks, block_size, head_dim, generator=gen).to(dtype)
     order = torch.randperm(num_blocks, generator=gen)
     tables = torch.zeros(len(lengths), max(1, max(blocks)), dtype=torch.int32)
     used = 0
     for b, nb in enumerate(blocks):
         tables[b, :nb] = order[used:used + nb].int()
         used += nb
-    return k_pool, v_pool, tables, torch.tensor(lengths, dtype=torch.int32), gen
+    return num_blocks, tables, torch.tensor(lengths, dtype=torch.int32)
+
+
+def make_cache(lengths, block_size, num_kv_heads, head_dim, dtype, seed=0, spare_blocks=3):
+    """Random pools and shuffled block tables holding `lengths` stored tokens per row."""
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-n // block_size) for n in lengths) + spare_blocks
+    k_pool = torch.randn(num_kv_heads, num_blocks, block_size, head_dim, generator=gen).to(dtype)
+    v_pool = torch.randn(num_kv_heads, num_blocks, block_size, head_dim, generator=gen).to(dtype)
+    _, tables, lens = cache_tables(lengths, block_size, gen, spare_blocks)
+    return k_pool, v_pool, tables, lens, gen
 
 
 def assert_close(out, ref, dtype):

@@ -22,7 +22,7 @@ import harness
 from hf_paged import kv_formats
 from hf_paged.backends import kernel_registry as reg
 from hf_paged.backends import torch_backend as ta
-from test_attention_kernels import TOL, assert_close, extend_batch
+from test_attention_kernels import TOL, assert_close, cache_tables, extend_batch
 
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
 FORMATS = list(reg.KV_FORMAT_TAGS)              # kv_formats names: fp8_e4m3, fp8_e5m2, int8, int4
@@ -52,19 +52,6 @@ def quantised_pools(fmt, num_kv_heads, num_blocks, block_size, head_dim, gen, dt
         pools.append(kv_formats.QuantizedPool(codes, scales, fmt, head_dim))
         plain.append(kv_formats.dequantize(fmt, codes, scales, dtype))
     return pools, plain
-
-
-def cache_tables(lengths, block_size, gen, spare_blocks=3):
-    """Shuffled block tables holding ``lengths`` stored tokens per row; (num_blocks, tables, lens)."""
-    blocks = [-(-n // block_size) for n in lengths]
-    num_blocks = sum(blocks) + spare_blocks
-    order = torch.randperm(num_blocks, generator=gen)
-    tables = torch.zeros(len(lengths), max(1, max(blocks)), dtype=torch.int32)
-    used = 0
-    for b, nb in enumerate(blocks):
-        tables[b, :nb] = order[used:used + nb].int()
-        used += nb
-    return num_blocks, tables, torch.tensor(lengths, dtype=torch.int32)
 
 
 # -- write -------------------------------------------------------------------------------------------
