@@ -90,6 +90,7 @@ def replay_padded(config, prompt_lens: list[int], output_lens: list[int], block_
     cache = _cache(config, block_size, dtype, **cache_kwargs)
     cache.eos_token_ids = frozenset([eos])          # what the generate hook sets for greedy/sampling
     cache.plan_step(mask, ids, batch, width, dtype, META)
+    cache.end_step()                                # the forward (not run here) is over
     samples = [_sample(cache)] if sample else []
     outs = torch.tensor(output_lens)
     # generate appends a column of ones per step; a view of one preallocated mask is the same tensor
@@ -97,6 +98,7 @@ def replay_padded(config, prompt_lens: list[int], output_lens: list[int], block_
     for k in range(1, max_new):                     # forward k feeds generated token k-1
         fed = torch.where(outs - 1 == k - 1, eos, torch.where(outs - 1 < k - 1, pad, PLAIN))
         cache.plan_step(full[:, :width + k], fed.unsqueeze(1), batch, 1, dtype, META)
+        cache.end_step()
         if sample:
             samples.append(_sample(cache))
     bpt = cache.bytes_per_token
@@ -120,6 +122,7 @@ def replay_events(config, events: list, block_size: int = 16, dtype=torch.float3
                 mask = torch.cat([mask, torch.ones(rows, q_len, dtype=torch.int64)], dim=1)
                 ids = torch.full((rows, q_len), PLAIN, dtype=torch.int64)
             cache.plan_step(mask, ids, rows, q_len, dtype, META)
+            cache.end_step()
         else:
             cache.reorder_cache(torch.tensor(ev[1]))
         samples.append(_sample(cache))

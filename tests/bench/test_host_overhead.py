@@ -119,11 +119,13 @@ def test_cache_plan_step(benchmark, batch):
     cache = PagedCache(config, block_size=BLOCK, num_blocks=batch * ((CONTEXT + rounds) // BLOCK + 2))
     mask = torch.ones(batch, CONTEXT + rounds + 1, dtype=torch.int64)
     cache.plan_step(mask[:, :CONTEXT], None, batch, CONTEXT, torch.float32, torch.device("cpu"))
+    cache.end_step()                # as after each forward
     tokens = torch.full((batch, 1), 7, dtype=torch.int64)
 
     def step():
         cols = cache.get_seq_length()
         cache.plan_step(mask[:, :cols + 1], tokens, batch, 1, torch.float32, torch.device("cpu"))
+        cache.end_step()
 
     benchmark.pedantic(step, rounds=rounds, iterations=1)
     _record(benchmark, batch)
