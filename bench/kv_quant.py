@@ -10,8 +10,9 @@ quality  fp32 and bf16 model: teacher-forced perplexity of real text (the Python
          (scales are per token, so the stored codes do not depend on the order of writes).
          Also (fp32) int4 with groups of 32 and 64 and every format without the rotation: what the
          defaults were chosen against.
-capacity bf16 model, the engine with a fixed 24 MiB KV budget and 48 ShareGPT-shaped requests: blocks,
-         bytes per token (scales included) and the most requests running at once, per format.
+capacity bf16 model, the engine with a fixed 24 MiB KV budget and 96 requests of 64 + 16 tokens (more than
+         any format holds): blocks, bytes per token (scales included), requests that fit whole, and the
+         most requests running at once, per format.
 speed    fp32 model, 1 thread: the engine's useful tokens/s per format on 32 ShareGPT-shaped requests,
          3 interleaved rounds (min/median/max).
 quantized-cache  transformers' QuantizedCache (optimum-quanto, 4 and 2 bits, residual 128) where installed,
@@ -112,21 +113,27 @@ def _requests(n: int, seed: int, vocab: int, max_total: int = 384):
     return [r.prompt for r in work.requests], work.output_lens
 
 
-def capacity(model, names: list[str], progress, budget: int = 24 * 2**20) -> dict:
-    prompts, outputs = _requests(48, seed=1, vocab=model.config.vocab_size)
-    settings = [{"max_new_tokens": n, "ignore_eos": True, "do_sample": False} for n in outputs]
-    out = {"budget_bytes": budget, "requests": len(prompts)}
+def capacity(model, names: list[str], progress, budget: int = 24 * 2**20, requests: int = 96,
+             prompt: int = 64, output: int = 16) -> dict:
+    """More requests than any format's pool holds, all of one shape (prompt + output = 5 blocks of 16),
+    so that the pool, not the workload, bounds how many run at once."""
+    gen = torch.Generator().manual_seed(1)
+    prompts = torch.randint(100, model.config.vocab_size, (requests, prompt), generator=gen).tolist()
+    out = {"budget_bytes": budget, "requests": requests, "prompt": prompt, "output": output}
     for name in names:
-        llm = hf_paged.LLM(model, kv_cache_dtype=name, kv_cache_memory_bytes=budget, max_num_seqs=64)
+        llm = hf_paged.LLM(model, kv_cache_memory_bytes=budget, kv_cache_dtype=name, max_num_seqs=requests)
         peak = 0
         t0 = time.perf_counter()
-        for _ in llm.stream(prompts, settings, use_tqdm=False):
+        for _ in llm.stream(prompts, max_new_tokens=output, ignore_eos=True, do_sample=False, use_tqdm=False):
             peak = max(peak, llm.engine.stats().requests_running)
         s = llm.stats()
+        per_request = -(-(prompt + output) // s["block_size"])
         out[name] = {"blocks": s["blocks_total"], "bytes_per_token": s["bytes_per_token"], "peak_running": peak,
-                     "preemptions": s["preemptions"], "seconds": time.perf_counter() - t0}
+                     "fit_without_preemption": s["blocks_total"] // per_request, "preemptions": s["preemptions"],
+                     "seconds": time.perf_counter() - t0}
         progress(f"  {name:9s} {s['blocks_total']} blocks, {s['bytes_per_token']} B/token, "
-                 f"peak {peak} running, {s['preemptions']} preemptions")
+                 f"{out[name]['fit_without_preemption']} requests fit, peak {peak} running, "
+                 f"{s['preemptions']} preemptions")
     return out
 
 
@@ -233,12 +240,14 @@ def report(result: dict) -> str:
     c = result.get("capacity")
     if c:
         lines += [f"## Requests held, bf16 model, {c['budget_bytes'] / 2**20:.0f} MiB KV budget, {c['requests']} "
-                  "ShareGPT-shaped requests", "", "| kv_cache_dtype | blocks | bytes/token | peak running | vs auto | "
-                  "preemptions |", "|---|---|---|---|---|---|"]
+                  f"requests of {c['prompt']} + {c['output']} tokens", "",
+                  "| kv_cache_dtype | blocks | bytes/token | requests that fit | vs auto | peak running | preemptions |",
+                  "|---|---|---|---|---|---|---|"]
         for name in [n for n in c if isinstance(c[n], dict)]:
             r = c[name]
-            lines.append(f"| {name} | {r['blocks']} | {r['bytes_per_token']} | {r['peak_running']} | "
-                         f"{r['peak_running'] / c['auto']['peak_running']:.2f}x | {r['preemptions']} |")
+            lines.append(f"| {name} | {r['blocks']} | {r['bytes_per_token']} | {r['fit_without_preemption']} | "
+                         f"{r['fit_without_preemption'] / c['auto']['fit_without_preemption']:.2f}x | "
+                         f"{r['peak_running']} | {r['preemptions']} |")
         lines.append("")
     sp = result.get("speed")
     if sp:
