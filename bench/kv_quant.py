@@ -23,9 +23,11 @@ Writes ``kv-quant-<stamp>.json`` and ``.md`` (and a plot) under bench/results.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib.util
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -175,7 +177,7 @@ def quantized_cache(model, tokenizer, progress, count: int = 2, tokens: int = 25
             cache = make()
             paged = isinstance(cache, hf_paged.PagedCache)
             t0 = time.perf_counter()
-            with torch.no_grad(), (hf_paged.use_paged_attention(model) if paged else _nothing()):
+            with torch.no_grad(), (hf_paged.use_paged_attention(model) if paged else contextlib.nullcontext()):
                 logits = [model(input_ids=ids[None, :prefill], past_key_values=cache).logits[0, -1]]
                 for t in range(prefill, len(ids) - 1):
                     logits.append(model(input_ids=ids[None, t:t + 1], past_key_values=cache).logits[0, -1])
@@ -186,14 +188,6 @@ def quantized_cache(model, tokenizer, progress, count: int = 2, tokens: int = 25
         rows[label] = {"ppl": float(torch.cat(nll).mean().exp()), "seconds": seconds, "kv_bytes_last": kv_bytes}
         progress(f"  {label:28s} ppl {rows[label]['ppl']:.4f}  {seconds:.1f} s  KV {kv_bytes / 2**20:.2f} MiB")
     return {"passages": count, "tokens": tokens, "prefill": prefill, **rows}
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _quantized_cache_bytes(cache) -> int:
@@ -314,7 +308,6 @@ def main(argv=None, prog: str = "python -m bench kv-quant") -> None:
     def progress(message):
         print(message, flush=True)
 
-    import os  # noqa: PLC0415
     result = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": f"{os.cpu_count()} CPUs, no GPU",
               "threads": args.threads, "torch": torch.__version__}
     model, tokenizer = load_smollm2(dtype=torch.float32, verbose=False)
