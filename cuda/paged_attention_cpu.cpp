@@ -1,0 +1,248 @@
+// Paged attention on the CPU: every query token reads its sequence's K/V in place through the block
+// table (no gathered copy of the context), all query heads of one KV head together (GQA: each K/V
+// row is loaded once per group), with an online softmax over one block at a time.
+//
+// Built at run time by hf_paged/backends/cpu_backend.py through torch's extension loader
+// (-O3 -march=<this CPU>), registered as torch.ops.hf_paged_cpu.paged_attention. The PyTorch path
+// (hf_paged/backends/torch_backend.py) is the reference it is tested against (tests/backends).
+//
+// Ragged layout, one entry per query token t (decode, prefill and packed steps alike):
+//   query        [T, Hq, D]               f32 / bf16 / f16, the pools' dtype
+//   k_pool/v_pool[Hkv, blocks, BS, D]     contiguous (torch_backend.py's pool layout)
+//   block_tables int32 [R, W]             physical blocks of each sequence row
+//   token_row    int32 [T]                the row of token t
+//   token_pos    int32 [T]                stored index of token t, -1 = pad (its output is zeros)
+// Token t sees the keys j of its row with j <= pos and, with window w > 0, pos - j < w.
+// Scores, the softmax and the accumulators are float32 whatever the storage dtype.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int kMaxGroup = 64;       // query heads per KV head (refused above this, with the limit named)
+constexpr int64_t kChunk = 8;       // consecutive query tokens of one row served together (prefill)
+
+// e^x for x <= 0 (scores minus their running max), vectorisable: x = n ln2 + r with |r| <= ln2/2 and a
+// degree-6 polynomial for e^r (relative error ~1e-7, as expf). x below -87 gives ~1e-38, not 0; a weight
+// that small changes no float sum it joins.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float t = x * 1.44269504088896341f;
+  const float n = (t + 12582912.0f) - 12582912.0f;        // round to nearest (1.5 * 2^23 trick)
+  const float r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
+  float p = 1.f + r * (1.f + r * (0.5f + r * (1.6666666666666666e-1f + r * (4.1666666666666664e-2f +
+            r * (8.3333333333333332e-3f + r * 1.3888888888888889e-3f)))));
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+template <typename T>
+inline void to_float(const T* src, float* dst, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+template <typename T>
+inline void from_float(const float* src, T* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
+}
+
+// A [rows, D] tile as float: f32 pools are read where they are, others are converted into `buffer`.
+template <typename T>
+inline const float* float_tile(const T* src, float* buffer, int64_t n) {
+  to_float(src, buffer, n);
+  return buffer;
+}
+template <>
+inline const float* float_tile<float>(const float* src, float*, int64_t) { return src; }
+
+// One work item: the query heads of KV head `h` for `count` consecutive tokens of one row, starting
+// at `first_token`. Keys are read once per block for all of them: the block's K tile is transposed
+// to [D, stride] so that scores of all its keys come from FMAs along the keys (no horizontal sums).
+struct Scratch {
+  std::vector<float> q, acc, m, l, kt, vbuf, scores;
+  Scratch(int64_t queries, int64_t head_dim, int64_t block_size, int64_t stride)
+      : q(queries * head_dim), acc(queries * head_dim), m(queries), l(queries), kt(head_dim * stride),
+        vbuf(block_size * head_dim), scores(stride) {}
+};
+
+template <typename T>
+void attend(const at::Tensor& query, const at::Tensor& k_pool, const at::Tensor& v_pool,
+            const at::Tensor& block_tables, const at::Tensor& token_row, const at::Tensor& token_pos,
+            double scale, int64_t window, at::Tensor& out) {
+  const int64_t tokens = query.size(0), num_q_heads = query.size(1), head_dim = query.size(2);
+  const int64_t num_kv_heads = k_pool.size(0), num_blocks = k_pool.size(1), block_size = k_pool.size(2);
+  const int64_t group = num_q_heads / num_kv_heads, width = block_tables.size(1);
+  const int64_t rows = block_tables.size(0);
+  const int64_t stride = (block_size + 7) / 8 * 8;       // kt row: one block's keys, padded to 8 floats
+  const T* q_data = query.data_ptr<T>();
+  const T* k_data = k_pool.data_ptr<T>();
+  const T* v_data = v_pool.data_ptr<T>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* row_of = token_row.data_ptr<int32_t>();
+  const int32_t* pos_of = token_pos.data_ptr<int32_t>();
+  T* o_data = out.data_ptr<T>();
+  const int64_t tile = block_size * head_dim;            // one (head, block) tile, contiguous
+  const float fscale = static_cast<float>(scale);
+
+  // Chunks of consecutive tokens of one row; pad tokens (pos < 0) get zeros and join no chunk.
+  std::vector<int64_t> chunk_start, chunk_count;
+  for (int64_t t = 0; t < tokens; ++t) {
+    const int64_t pos = pos_of[t], row = row_of[t];
+    if (pos < 0) {
+      std::fill(o_data + t * num_q_heads * head_dim, o_data + (t + 1) * num_q_heads * head_dim, static_cast<T>(0.f));
+      continue;
+    }
+    TORCH_CHECK(row >= 0 && row < rows, "token ", t, " names row ", row, " of ", rows, " block-table rows");
+    TORCH_CHECK(pos / block_size < width, "token ", t, " at position ", pos, " needs block ", pos / block_size,
+                " but its block-table row has ", width, " entries");
+    const int64_t last = chunk_start.empty() ? -1 : chunk_start.back() + chunk_count.back() - 1;
+    if (last == t - 1 && last >= 0 && row_of[last] == row && chunk_count.back() < kChunk) {
+      ++chunk_count.back();
+    } else {
+      chunk_start.push_back(t);
+      chunk_count.push_back(1);
+    }
+  }
+  const int64_t num_chunks = static_cast<int64_t>(chunk_start.size());
+
+  // Work item = (KV head, chunk), head-major so that one thread's consecutive items share K/V tiles.
+  at::parallel_for(0, num_kv_heads * num_chunks, 1, [&](int64_t begin, int64_t end) {
+    Scratch s(kChunk * group, head_dim, block_size, stride);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t h = item / num_chunks, c = item % num_chunks;
+      const int64_t t0 = chunk_start[c], count = chunk_count[c], row = row_of[t0];
+      const int64_t queries = count * group;
+      int64_t lo_key = std::numeric_limits<int64_t>::max(), hi_key = 0;     // keys any token of the chunk sees
+      for (int64_t i = 0; i < count; ++i) {
+        const int64_t pos = pos_of[t0 + i];
+        lo_key = std::min(lo_key, window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0);
+        hi_key = std::max(hi_key, pos + 1);
+        to_float(q_data + ((t0 + i) * num_q_heads + h * group) * head_dim, s.q.data() + i * group * head_dim,
+                 group * head_dim);
+      }
+      for (int64_t i = 0; i < queries * head_dim; ++i) s.q[i] *= fscale;
+      std::fill(s.acc.begin(), s.acc.begin() + queries * head_dim, 0.f);
+      std::fill(s.m.begin(), s.m.begin() + queries, -std::numeric_limits<float>::infinity());
+      std::fill(s.l.begin(), s.l.begin() + queries, 0.f);
+      const int32_t* table = tables + row * width;
+      for (int64_t b = lo_key / block_size; b * block_size < hi_key; ++b) {
+        const int64_t block = table[b];
+        TORCH_CHECK(block >= 0 && block < num_blocks, "block-table entry ", block, " (row ", row, ", index ", b,
+                    ") outside the pool's ", num_blocks, " blocks");
+        const int64_t base = b * block_size;
+        const int64_t keys = std::min(block_size, hi_key - base);         // keys of this block anyone sees
+        const int64_t offset = (h * num_blocks + block) * tile;
+        const T* k_src = k_data + offset;
+        for (int64_t j = 0; j < keys; ++j)
+          for (int64_t d = 0; d < head_dim; ++d) s.kt[d * stride + j] = static_cast<float>(k_src[j * head_dim + d]);
+        const float* v = float_tile(v_data + offset, s.vbuf.data(), keys * head_dim);
+        for (int64_t i = 0; i < count; ++i) {
+          const int64_t pos = pos_of[t0 + i];
+          const int64_t first = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+          const int64_t jlo = std::max<int64_t>(first - base, 0), jhi = std::min(pos + 1 - base, keys);
+          if (jlo >= jhi) continue;                                        // this token sees none of the block
+          for (int64_t g = 0; g < group; ++g) {
+            const int64_t qi = i * group + g;
+            const float* qv = s.q.data() + qi * head_dim;
+            float* sc = s.scores.data();
+#pragma omp simd
+            for (int64_t j = 0; j < stride; ++j) sc[j] = 0.f;
+            for (int64_t d = 0; d < head_dim; ++d) {
+              const float qd = qv[d];
+              const float* krow = s.kt.data() + d * stride;
+#pragma omp simd
+              for (int64_t j = 0; j < stride; ++j) sc[j] += qd * krow[j];
+            }
+            float block_max = -std::numeric_limits<float>::infinity();
+            for (int64_t j = jlo; j < jhi; ++j) block_max = std::max(block_max, sc[j]);
+            const float new_max = std::max(s.m[qi], block_max);
+            const float corr = exp_nonpositive(s.m[qi] - new_max);     // ~0 on the first block (m = -inf)
+            float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t j = jlo; j < jhi; ++j) {
+              sc[j] = exp_nonpositive(sc[j] - new_max);
+              sum += sc[j];
+            }
+            s.l[qi] = s.l[qi] * corr + sum;
+            s.m[qi] = new_max;
+            float* acc = s.acc.data() + qi * head_dim;
+#pragma omp simd
+            for (int64_t d = 0; d < head_dim; ++d) acc[d] *= corr;
+            for (int64_t j = jlo; j < jhi; ++j) {
+              const float p = sc[j];
+              const float* vj = v + j * head_dim;
+#pragma omp simd
+              for (int64_t d = 0; d < head_dim; ++d) acc[d] += p * vj[d];
+            }
+          }
+        }
+      }
+      for (int64_t i = 0; i < count; ++i) {
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t qi = i * group + g;
+          float* acc = s.acc.data() + qi * head_dim;
+          const float inv = s.l[qi] > 0.f ? 1.f / s.l[qi] : 0.f;
+          for (int64_t d = 0; d < head_dim; ++d) acc[d] *= inv;
+          from_float(acc, o_data + ((t0 + i) * num_q_heads + h * group + g) * head_dim, head_dim);
+        }
+      }
+    }
+  });
+}
+
+at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                           const at::Tensor& block_tables, const at::Tensor& token_row,
+                           const at::Tensor& token_pos, double scale, int64_t window) {
+  TORCH_CHECK(query.device().is_cpu() && k_pool.device().is_cpu() && v_pool.device().is_cpu(),
+              "hf_paged_cpu.paged_attention: CPU tensors only");
+  TORCH_CHECK(query.dim() == 3 && k_pool.dim() == 4 && k_pool.sizes() == v_pool.sizes(),
+              "query must be [T, Hq, D] and the pools [Hkv, blocks, block_size, D] alike, got query ",
+              query.sizes(), ", k_pool ", k_pool.sizes(), ", v_pool ", v_pool.sizes());
+  TORCH_CHECK(query.scalar_type() == k_pool.scalar_type() && k_pool.scalar_type() == v_pool.scalar_type(),
+              "query and pools must share one dtype, got ", query.scalar_type(), ", ", k_pool.scalar_type(),
+              ", ", v_pool.scalar_type());
+  TORCH_CHECK(query.is_contiguous() && k_pool.is_contiguous() && v_pool.is_contiguous(),
+              "query and pools must be contiguous");
+  TORCH_CHECK(query.size(2) == k_pool.size(3), "query head_dim ", query.size(2), " != pools' ", k_pool.size(3));
+  const int64_t num_kv_heads = k_pool.size(0);
+  TORCH_CHECK(num_kv_heads > 0 && query.size(1) % num_kv_heads == 0 && query.size(1) / num_kv_heads <= kMaxGroup,
+              "query heads (", query.size(1), ") must be a multiple of KV heads (", num_kv_heads,
+              ") with at most ", kMaxGroup, " per KV head");
+  for (const at::Tensor* t : {&block_tables, &token_row, &token_pos}) {
+    TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous() && t->device().is_cpu(),
+                "block_tables, token_row and token_pos must be contiguous int32 CPU tensors");
+  }
+  TORCH_CHECK(block_tables.dim() == 2 && token_row.numel() == query.size(0) && token_pos.numel() == query.size(0),
+              "block_tables must be [rows, W] and token_row/token_pos have one entry per query token");
+  at::Tensor out = at::empty(query.sizes(), query.options());
+  switch (query.scalar_type()) {
+    case at::kFloat: attend<float>(query, k_pool, v_pool, block_tables, token_row, token_pos, scale, window, out); break;
+    case at::kBFloat16: attend<c10::BFloat16>(query, k_pool, v_pool, block_tables, token_row, token_pos, scale, window, out); break;
+    case at::kHalf: attend<c10::Half>(query, k_pool, v_pool, block_tables, token_row, token_pos, scale, window, out); break;
+    default: TORCH_CHECK(false, "hf_paged_cpu.paged_attention: float32, bfloat16 or float16, got ", query.scalar_type());
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(hf_paged_cpu, m) {
+  m.def("paged_attention(Tensor query, Tensor k_pool, Tensor v_pool, Tensor block_tables, Tensor token_row, "
+        "Tensor token_pos, float scale, int window) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(hf_paged_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }

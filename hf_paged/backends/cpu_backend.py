@@ -1,0 +1,171 @@
+"""CPU kernel backend: attention that reads K/V in place through the block tables.
+
+``cuda/paged_attention_cpu.cpp`` is compiled on first use through torch's extension loader for this
+CPU (``-O3 -march=native``; the build is cached under ``$TORCH_EXTENSIONS_DIR``, default
+``~/.cache/torch_extensions``, keyed by the source, the flags, torch's version and the CPU's features) and
+registered as ``torch.ops.hf_paged_cpu.paged_attention``. It replaces the PyTorch path's per-layer gather
+of every row's whole context: one ragged call per layer serves decode, prefill and packed steps.
+Writes, copy-on-write and quantised pools stay on :mod:`torch_backend` (same pool layout).
+
+``HF_PAGED_CPU_KERNEL=0`` keeps the PyTorch path; when the build fails (no compiler), ``select_backend``
+logs why and falls back to it.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import sys
+from importlib import resources
+
+import torch
+
+from ..kv_formats import QuantizedPool
+from ..plan import PackedPlan, StepPlan
+from . import torch_backend
+from .step import PreparedStep
+
+log = logging.getLogger("hf_paged.backends")
+KERNEL_ENV = "HF_PAGED_CPU_KERNEL"
+SOURCE = "paged_attention_cpu.cpp"
+CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-std=c++17"]
+
+
+def kernel_enabled() -> bool:
+    return os.environ.get(KERNEL_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def _cpu_features() -> str:
+    """The CPU's feature flags (the build uses -march=native, so a build is only valid on alike CPUs)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _registered():
+    try:
+        return torch.ops.hf_paged_cpu.paged_attention
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def load_kernel():
+    """``torch.ops.hf_paged_cpu.paged_attention``, building and loading the extension if this process has
+    not yet. Raises RuntimeError with the compiler's complaint when it cannot be built."""
+    op = _registered()
+    if op is not None:
+        return op
+    from torch.utils import cpp_extension  # noqa: PLC0415  (pulls in setuptools; only when building)
+    source = resources.files("hf_paged.cuda") / SOURCE
+    key = "\0".join([source.read_text(), " ".join(CFLAGS), torch.__version__, sys.version, _cpu_features()])
+    name = "hf_paged_cpu_" + hashlib.sha1(key.encode()).hexdigest()[:12]
+    log.info("building the CPU paged-attention kernel %s (once per machine; cached by torch)", name)
+    try:
+        with resources.as_file(source) as path:
+            cpp_extension.load(name=name, sources=[str(path)], extra_cflags=CFLAGS, is_python_module=False,
+                               verbose=False)
+    except Exception as err:    # compiler missing or failing: the caller decides whether to fall back
+        raise RuntimeError(f"could not build the CPU paged-attention kernel ({SOURCE}): {err}") from err
+    op = _registered()
+    if op is None:
+        raise RuntimeError(f"{name} loaded but registered no torch.ops.hf_paged_cpu.paged_attention")
+    return op
+
+
+class CpuStep(PreparedStep):
+    """One forward on the CPU kernel: the plan flattened once into per-token rows and positions (kept in
+    the workspace), then one kernel call per layer for every query token of the step."""
+
+    def _ragged(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(block_tables int32 [R, W], token_row int32 [T], token_pos int32 [T]) for this step's plan."""
+        if "ragged" not in self.workspace:
+            self.workspace["ragged"] = ragged_plan(self.plan)
+        return self.workspace["ragged"]
+
+    def _attend(self, query, k_pool, v_pool, scale, window):
+        if isinstance(k_pool, QuantizedPool) or query.dtype != k_pool.dtype:
+            return super()._attend(query, k_pool, v_pool, scale, window)
+        tables, rows, pos = self._ragged()
+        plan = self.plan
+        batch, num_heads, q_len, head_dim = query.shape
+        if isinstance(plan, PackedPlan):
+            flat = query[0].transpose(0, 1)                                 # [N, Hq, D]
+        elif plan.is_decode:
+            flat = query[:, :, 0]                                           # [B, Hq, D]
+        else:
+            flat = query.transpose(1, 2).reshape(batch * q_len, num_heads, head_dim)
+        out = self.backend.op(flat.contiguous(), k_pool, v_pool, tables, rows, pos, float(scale), int(window))
+        return out.view(batch, q_len, num_heads, head_dim)
+
+
+def ragged_plan(plan: StepPlan | PackedPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per query token of ``plan``, in the order the forward lays them out: its block-table row and its
+    stored index (-1 = pad). A PackedPlan's decode and extend rows share one table (decode rows first)."""
+    if isinstance(plan, StepPlan):
+        batch, q_len = plan.query_pos.shape
+        rows = torch.arange(batch, dtype=torch.int32, device=plan.query_pos.device).repeat_interleave(q_len)
+        return plan.block_tables.contiguous(), rows, plan.query_pos.reshape(-1).to(torch.int32).contiguous()
+    parts = [p for p in (plan.decode, plan.extend) if p is not None]
+    width = max(p.block_tables.shape[1] for p in parts)
+    tables, rows, pos, row_base = [], [], [], 0
+    for part in parts:
+        table = part.block_tables
+        tables.append(torch.nn.functional.pad(table, (0, width - table.shape[1])))
+        batch, q_len = part.query_pos.shape
+        part_rows = torch.arange(batch, dtype=torch.int32, device=table.device).repeat_interleave(q_len) + row_base
+        part_pos = part.query_pos.reshape(-1)
+        if part.packed_index is not None:
+            part_rows, part_pos = part_rows[part.packed_index], part_pos[part.packed_index]
+        rows.append(part_rows)
+        pos.append(part_pos.to(torch.int32))
+        row_base += batch
+    return torch.cat(tables).contiguous(), torch.cat(rows), torch.cat(pos).contiguous()
+
+
+class CpuKernelBackend:
+    """``torch_backend``'s four functions, attention through the compiled kernel. ``op``: the loaded
+    ``torch.ops.hf_paged_cpu.paged_attention`` (see :func:`load_kernel`)."""
+
+    write_kv = staticmethod(torch_backend.write_kv)
+    copy_blocks = staticmethod(torch_backend.copy_blocks)
+
+    def __init__(self, op):
+        self.op = op
+
+    def prepare(self, plan: StepPlan | PackedPlan) -> CpuStep:
+        return CpuStep(self, plan)
+
+    def decode_attention(self, query, k_pool, v_pool, block_tables, context_lens, scale, sliding_window=0,
+                         max_context=None, workspace=None):
+        """As torch_backend.decode_attention: query [B, Hq, D] -> [B, Hq, D]."""
+        if isinstance(k_pool, QuantizedPool) or query.dtype != k_pool.dtype:
+            return torch_backend.decode_attention(query, k_pool, v_pool, block_tables, context_lens, scale,
+                                                  sliding_window, max_context, workspace)
+        rows = torch.arange(query.shape[0], dtype=torch.int32)
+        pos = (context_lens.to(torch.int32) - 1).contiguous()           # 0 stored tokens -> -1: zeros
+        return self.op(query.contiguous(), k_pool, v_pool, block_tables.to(torch.int32).contiguous(), rows, pos,
+                       float(scale), int(sliding_window))
+
+    def extend_attention(self, query, k_pool, v_pool, block_tables, context_lens, query_pos, scale,
+                         sliding_window=0, max_context=None):
+        """As torch_backend.extend_attention: query [B, Hq, Q, D] -> [B, Hq, Q, D]."""
+        if isinstance(k_pool, QuantizedPool) or query.dtype != k_pool.dtype:
+            return torch_backend.extend_attention(query, k_pool, v_pool, block_tables, context_lens, query_pos,
+                                                  scale, sliding_window, max_context)
+        batch, num_heads, q_len, head_dim = query.shape
+        rows = torch.arange(batch, dtype=torch.int32).repeat_interleave(q_len)
+        flat = query.transpose(1, 2).reshape(batch * q_len, num_heads, head_dim).contiguous()
+        out = self.op(flat, k_pool, v_pool, block_tables.to(torch.int32).contiguous(), rows,
+                      query_pos.reshape(-1).to(torch.int32).contiguous(), float(scale), int(sliding_window))
+        return out.view(batch, q_len, num_heads, head_dim).transpose(1, 2)
+
+
+def make_backend() -> CpuKernelBackend:
+    """A backend on the compiled kernel (built on first use); raises RuntimeError when it cannot be built."""
+    return CpuKernelBackend(load_kernel())

@@ -1,0 +1,158 @@
+"""The CPU kernel (cuda/paged_attention_cpu.cpp through hf_paged.backends.cpu_backend) against the PyTorch
+reference (hf_paged.backends.torch_backend): decode, extend and packed steps over odd grids, GQA,
+sliding windows, pads and empty rows; its refusals; and how select_backend picks or skips it.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+
+import pytest
+import torch
+
+from hf_paged.backends import PreparedStep, cpu_backend, select_backend
+from hf_paged.backends import torch_backend as ta
+from hf_paged.blocks.table import BlockTable
+from hf_paged.plan import packed_plan
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+TOL = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float32: 2e-5}
+HEADS = [(3, 3), (9, 3), (8, 2), (14, 2), (16, 1), (32, 1)]      # GQA 1, 3, 4, 7, 16 (MQA), 32
+
+
+@pytest.fixture(scope="module")
+def backend():
+    return cpu_backend.make_backend()
+
+
+def make_cache(lengths, block_size, num_kv_heads, head_dim, dtype, seed, spare_blocks=3):
+    """Random pools and shuffled block tables holding ``lengths`` stored tokens per row."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks = [-(-n // block_size) for n in lengths]
+    num_blocks = sum(blocks) + spare_blocks
+    k_pool = torch.randn(num_kv_heads, num_blocks, block_size, head_dim, generator=gen).to(dtype)
+    v_pool = torch.randn(num_kv_heads, num_blocks, block_size, head_dim, generator=gen).to(dtype)
+    order = torch.randperm(num_blocks, generator=gen)
+    tables = torch.zeros(len(lengths), max(1, max(blocks)), dtype=torch.int32)
+    used = 0
+    for row, nb in enumerate(blocks):
+        tables[row, :nb] = order[used:used + nb].int()
+        used += nb
+    return k_pool, v_pool, tables, torch.tensor(lengths, dtype=torch.int32), gen
+
+
+def assert_close(out, ref, dtype):
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+GRID = [pytest.param(d, bs, dtype, heads, window, id=f"d{d}-b{bs}-{str(dtype)[6:]}-q{heads[0]}kv{heads[1]}-w{window}")
+        for i, (d, bs, window) in enumerate(itertools.product([40, 64, 80, 128], [1, 8, 12, 16, 32], [0, 5]))
+        for dtype, heads in [(DTYPES[i % 3], HEADS[i % len(HEADS)])]]
+
+
+@pytest.mark.parametrize("head_dim,block_size,dtype,heads,window", GRID)
+def test_decode_matches_torch(backend, head_dim, block_size, dtype, heads, window):
+    num_q, num_kv = heads
+    lengths = [0, 1, block_size - 1 or 2, block_size, block_size + 1, 3 * block_size + 5, 211]
+    k_pool, v_pool, tables, lens, gen = make_cache(lengths, block_size, num_kv, head_dim, dtype, seed=head_dim + block_size)
+    query = torch.randn(len(lengths), num_q, head_dim, generator=gen).to(dtype)
+    scale = head_dim ** -0.5
+    out = backend.decode_attention(query, k_pool, v_pool, tables, lens, scale, window)
+    ref = ta.decode_attention(query, k_pool, v_pool, tables, lens, scale, window)
+    assert_close(out, ref, dtype)
+    assert torch.all(out[0] == 0), "a row with no stored tokens gives zeros"
+
+
+@pytest.mark.parametrize("head_dim,block_size,dtype,heads,window", GRID[::3])
+def test_extend_matches_torch(backend, head_dim, block_size, dtype, heads, window):
+    """Rows with earlier context, left pads (query_pos -1) and new tokens attending causally."""
+    num_q, num_kv = heads
+    befores, news, q_len = [0, 3, block_size + 2, 40], [5, 1, 7, 9], 9
+    lengths = [b + n for b, n in zip(befores, news)]
+    k_pool, v_pool, tables, lens, gen = make_cache(lengths, block_size, num_kv, head_dim, dtype, seed=7 * head_dim)
+    query_pos = torch.full((len(lengths), q_len), -1, dtype=torch.int32)
+    for row, (before, new) in enumerate(zip(befores, news)):
+        query_pos[row, q_len - new:] = torch.arange(before, before + new, dtype=torch.int32)
+    query = torch.randn(len(lengths), num_q, q_len, head_dim, generator=gen).to(dtype)
+    scale = 0.3
+    out = backend.extend_attention(query, k_pool, v_pool, tables, lens, query_pos, scale, window)
+    ref = ta.extend_attention(query, k_pool, v_pool, tables, lens, query_pos, scale, window)
+    assert_close(out, ref, dtype)
+    assert torch.all(out[0, :, :q_len - news[0]] == 0), "pad queries give zeros"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [0, 4])
+def test_packed_step_matches_torch(backend, dtype, window):
+    """One ragged call for a packed step (decode rows, then prefill chunks) equals the PyTorch step, which
+    scatters the chunks into padding."""
+    block_size, num_q, num_kv, head_dim = 8, 6, 2, 64
+    gen = torch.Generator().manual_seed(11)
+    # (tokens computed before, tokens this step): three decodes, a fresh prompt, a chunk after a prefix
+    entries_spec = [(5, 1), (16, 1), (30, 1), (0, 13), (9, 20)]
+    num_blocks = sum(-(-(c + n) // block_size) for c, n in entries_spec) + 2
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    entries, used = [], 0
+    for computed, new in entries_spec:
+        need = -(-(computed + new) // block_size)
+        entries.append((BlockTable(order[used:used + need], computed + new), computed, new))
+        used += need
+    plan = packed_plan(entries, block_size, torch.device("cpu"))
+    k_pool = torch.randn(num_kv, num_blocks, block_size, head_dim, generator=gen).to(dtype)
+    v_pool = torch.randn(num_kv, num_blocks, block_size, head_dim, generator=gen).to(dtype)
+    tokens = sum(n for _, n in entries_spec)
+    query = torch.randn(1, num_q, tokens, head_dim, generator=gen).to(dtype)
+    out = backend.prepare(plan).attend(query, k_pool, v_pool, 0.125, window)
+    ref = PreparedStep(ta, plan).attend(query, k_pool, v_pool, 0.125, window)
+    assert_close(out, ref, dtype)
+
+
+def test_strided_query_and_all_pads(backend):
+    k_pool, v_pool, tables, lens, gen = make_cache([4, 9], 4, 2, 64, torch.float32, seed=3)
+    query = torch.randn(2, 64, 4, generator=gen).transpose(1, 2)          # [B, Hq=4, D=64], not contiguous
+    torch.testing.assert_close(backend.decode_attention(query, k_pool, v_pool, tables, lens, 0.1),
+                               ta.decode_attention(query, k_pool, v_pool, tables, lens, 0.1))
+    pads = torch.full((2, 3), -1, dtype=torch.int32)
+    out = backend.extend_attention(torch.randn(2, 4, 3, 64), k_pool, v_pool, tables, lens, pads, 0.1)
+    assert torch.all(out == 0)
+
+
+def test_refusals_name_the_problem(backend):
+    k_pool, v_pool, tables, lens, gen = make_cache([20], 8, 2, 64, torch.float32, seed=5)
+    query = torch.randn(1, 4, 64)
+    bad = tables.clone()
+    bad[0, 1] = k_pool.shape[1] + 7
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        backend.decode_attention(query, k_pool, v_pool, bad, lens, 0.1)
+    with pytest.raises(RuntimeError, match="block-table row has"):
+        backend.decode_attention(query, k_pool, v_pool, tables[:, :1], lens, 0.1)
+    with pytest.raises(RuntimeError, match="multiple of KV heads"):
+        backend.decode_attention(torch.randn(1, 3, 64), k_pool, v_pool, tables, lens, 0.1)
+    with pytest.raises(RuntimeError, match="head_dim"):
+        backend.op(torch.randn(1, 4, 32), k_pool, v_pool, tables, torch.zeros(1, dtype=torch.int32),
+                   torch.zeros(1, dtype=torch.int32), 0.1, 0)
+
+
+def test_mixed_dtypes_use_the_torch_path(backend):
+    """A query whose dtype differs from the pools' is served by the PyTorch path, not refused."""
+    k_pool, v_pool, tables, lens, gen = make_cache([7, 12], 4, 1, 64, torch.bfloat16, seed=9)
+    query = torch.randn(2, 2, 64, dtype=torch.float64)
+    with pytest.raises(RuntimeError):       # the reference refuses it too: the matmul needs one dtype
+        ta.decode_attention(query, k_pool, v_pool, tables, lens, 0.1)
+    with pytest.raises(RuntimeError):
+        backend.decode_attention(query, k_pool, v_pool, tables, lens, 0.1)
+
+
+def test_select_backend_picks_the_kernel_and_falls_back(monkeypatch, caplog):
+    assert isinstance(select_backend(torch.device("cpu")), cpu_backend.CpuKernelBackend)
+    monkeypatch.setenv(cpu_backend.KERNEL_ENV, "0")
+    assert select_backend(torch.device("cpu")) is ta
+    monkeypatch.setenv(cpu_backend.KERNEL_ENV, "1")
+
+    def broken():
+        raise RuntimeError("could not build the CPU paged-attention kernel (paged_attention_cpu.cpp): no g++")
+    monkeypatch.setattr(cpu_backend, "make_backend", broken)
+    with caplog.at_level(logging.WARNING, logger="hf_paged.backends"):
+        assert select_backend(torch.device("cpu")) is ta
+    assert "no g++" in caplog.text and cpu_backend.KERNEL_ENV in caplog.text
