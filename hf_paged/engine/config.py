@@ -28,7 +28,8 @@ class EngineConfig:
     the model's ``max_position_embeddings``). enable_prefix_caching: reuse full blocks across requests.
     kv_cache_dtype: how blocks store K/V ("auto" = the model's dtype; "fp8", "fp8_e4m3", "fp8_e5m2", "int8",
     "int4" quantise them, see hf_paged.kv_formats): a quantised pool holds ~2x (8-bit) or ~2.7x (int4) the
-    tokens in the same memory."""
+    tokens in the same memory. enforce_eager: run the model's forward as it is; by default the engine
+    prepacks the linear weights of a CPU model for oneDNN (``hf_paged.engine.prepack``)."""
     block_size: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
@@ -38,9 +39,12 @@ class EngineConfig:
     num_blocks: int | None = None
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"
+    enforce_eager: bool = False
 
     def validate(self) -> None:
         kv_format(self.kv_cache_dtype)          # raises with the known values
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be True or False, got {self.enforce_eager!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

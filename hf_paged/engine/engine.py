@@ -28,6 +28,7 @@ from ..families import model_geometry
 from ..kv_formats import kv_format
 from ..parallel import replicas_of
 from .config import EngineConfig, kv_pool_blocks
+from .prepack import PrepackedLinears
 from .request import CompletionOutput, Request, RequestOutput, SamplingParams, Sequence, Status
 from .runner import EngineCache, ModelRunner
 from .sampler import sample
@@ -84,6 +85,7 @@ class Engine:
         self.scheduler = Scheduler(self.pool, self.prefix_cache, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.counters)
         self.runner = ModelRunner(model, self.cache)
+        self.prepacked = None if config.enforce_eager or device.type != "cpu" else PrepackedLinears(model)
         self.requests: dict[int, Request] = {}
         self._ids = itertools.count()
         self._seq_ids = itertools.count()
@@ -199,22 +201,25 @@ class Engine:
     # ------------------------------------------------------------ one step
     def step(self) -> list[TokenEvent]:
         """Schedule, run one packed forward, sample; returns this step's new tokens. Inside ``session()``
-        the attention implementation is already switched; a bare call switches it for this step."""
-        if self.model.config._attn_implementation != ATTENTION_NAME:
-            with use_paged_attention(self.model):
-                return self._step()
-        return self._step()
+        the model is already switched (see ``_forward_mode``); a bare call switches it for this step."""
+        with self._forward_mode():
+            return self._step()
 
     @contextlib.contextmanager
     def session(self):
         """Switch the model to paged attention once for many steps, and count their wall time."""
         start = time.perf_counter()
         try:
-            with use_paged_attention(self.model):
+            with self._forward_mode():
                 yield self
         finally:
             self.counters.wall_s += time.perf_counter() - start
 
+    @contextlib.contextmanager
+    def _forward_mode(self):
+        """The model as the engine runs it: paged attention and, unless enforce_eager, prepacked linears."""
+        with use_paged_attention(self.model), (self.prepacked.installed() if self.prepacked else contextlib.nullcontext()):
+            yield
     def _step(self) -> list[TokenEvent]:
         start = time.perf_counter()
         scheduled = self.scheduler.schedule()

@@ -1,0 +1,96 @@
+"""Weights prepacked for the CPU's matmul library: the engine's linear layers through oneDNN.
+
+On the CPU most of a forward is the linear layers. Torch's default ``F.linear`` re-lays the weight out
+for every call; oneDNN's ``_linear_pointwise`` takes a weight reordered once into its blocked layout.
+Measured on SmolLM2-135M's layer shapes (2 threads, AMD EPYC with AVX2, 2026-12-01), one decoder layer's
+seven linears: 1.7-2.4x faster at 8-32 tokens, 2.2x at 1 token, equal at 512 (``bench/README.md``). This
+is the part of inductor's CPU "freezing" that pays here, without its start-up cost (88-115 s per
+token-count bucket on this machine for SmolLM2).
+
+``PrepackedLinears(model)`` packs every plain ``nn.Linear`` on the CPU (float32, and bfloat16 where oneDNN
+has bf16 kernels) once; the packed copies belong to it (extra memory = those weights, logged).
+``with packed.installed():`` gives those modules an instance ``forward`` using them and removes it on exit,
+so the model is untouched outside the block. A module whose weight was replaced or changed in place since
+packing (``weight._version``), or that is called with another dtype, device or with grad, runs plain
+``F.linear``. The engine enters it around its steps unless ``enforce_eager=True``.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger("hf_paged.engine")
+
+
+def prepack_available(dtype: torch.dtype) -> bool:
+    """Whether this torch build has oneDNN's prepacked linear for ``dtype`` on this CPU."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    if dtype == torch.float32:
+        return True
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return False
+
+
+class _PackedLinear:
+    """The forward of one nn.Linear over its packed weight (falls back to F.linear when it cannot apply)."""
+
+    def __init__(self, module: torch.nn.Linear):
+        self.module = module
+        self.weight, self.version = module.weight, module.weight._version
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), None)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        m = self.module
+        if (m.weight is not self.weight or m.weight._version != self.version or x.dtype != self.weight.dtype
+                or x.device.type != "cpu" or (torch.is_grad_enabled() and (x.requires_grad or m.weight.requires_grad))):
+            return F.linear(x, m.weight, m.bias)
+        flat = x.reshape(-1, x.shape[-1])
+        out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, m.bias, "none", [], "")
+        return out.view(*x.shape[:-1], m.out_features)
+
+
+class PrepackedLinears:
+    """Packed copies of a model's CPU linear weights (see the module doc)."""
+
+    def __init__(self, model: torch.nn.Module):
+        start = time.perf_counter()
+        self.model = model
+        self.layers: list[_PackedLinear] = []
+        for module in model.modules():
+            weight = getattr(module, "weight", None)
+            if (type(module) is torch.nn.Linear and type(weight) in (torch.Tensor, torch.nn.Parameter)
+                    and weight.device.type == "cpu" and prepack_available(weight.dtype)
+                    and not hasattr(module, "_hf_hook")):         # accelerate-offloaded modules move weights
+                self.layers.append(_PackedLinear(module))
+        self._lock = threading.Lock()
+        self._users = 0
+        self.seconds = time.perf_counter() - start
+        self.bytes = sum(p.packed.numel() * p.packed.element_size() for p in self.layers)
+        log.info("prepacked %d linear layers for oneDNN in %.2f s (%.0f MiB beside the model's weights; "
+                 "enforce_eager=True skips this)", len(self.layers), self.seconds, self.bytes / 2**20)
+
+    @contextlib.contextmanager
+    def installed(self):
+        """The packed forwards for the block (nested and concurrent blocks share one installation)."""
+        with self._lock:
+            if self._users == 0:
+                for layer in self.layers:
+                    layer.module.forward = layer
+            self._users += 1
+        try:
+            yield self
+        finally:
+            with self._lock:
+                self._users -= 1
+                if self._users == 0:
+                    for layer in self.layers:
+                        if layer.module.__dict__.get("forward") is layer:
+                            del layer.module.forward

@@ -1,0 +1,63 @@
+"""The engine's prepacked linears (hf_paged.engine.prepack): same outputs as F.linear, installed only
+inside the engine's steps, stale weights never used, and enforce_eager skips them."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_paged.engine import LLM, Engine
+from hf_paged.engine.prepack import PrepackedLinears, prepack_available
+from tiny_models import make_model
+
+pytestmark = pytest.mark.skipif(not prepack_available(torch.float32), reason="this torch build has no oneDNN")
+
+
+def test_packed_forward_equals_linear_and_is_removed_on_exit():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Linear(96, 80, bias=False))
+    x = torch.randn(3, 5, 64)
+    with torch.inference_mode():
+        ref = model(x)
+    packed = PrepackedLinears(model)
+    assert len(packed.layers) == 2 and packed.bytes > 0
+    with packed.installed(), packed.installed():                # nested: one installation
+        assert all("forward" in m.__dict__ for m in model)
+        with torch.inference_mode():
+            out = model(x)
+    assert all("forward" not in m.__dict__ for m in model)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_changed_or_replaced_weights_and_grad_fall_back_to_linear():
+    torch.manual_seed(1)
+    layer = torch.nn.Linear(32, 16)
+    packed = PrepackedLinears(layer)
+    x = torch.randn(4, 32)
+    with packed.installed():
+        with torch.no_grad():
+            layer.weight.mul_(2)                                    # in place: the packed copy is stale
+            torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+            layer.weight = torch.nn.Parameter(torch.randn(16, 32))  # replaced
+            torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+        y = layer(x.requires_grad_())                               # training: autograd through F.linear
+        y.sum().backward()
+        assert x.grad is not None
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_engine_tokens_equal_with_and_without_prepacking(family):
+    model = make_model(family, seed=3)
+    prompts = [[3, 9, 27, 4, 11], list(range(5, 40)), [7] * 18]
+    outs = {}
+    for eager in (False, True):
+        llm = LLM(model, enforce_eager=eager, max_num_batched_tokens=32, num_blocks=64)
+        assert (llm.engine.prepacked is None) == eager
+        outs[eager] = [o.outputs[0].token_ids for o in
+                       llm.generate(prompts, max_new_tokens=12, do_sample=False, ignore_eos=True, use_tqdm=False)]
+    assert outs[False] == outs[True]
+    assert all("forward" not in m.__dict__ for m in model.modules()), "the model is left as it was"
+
+
+def test_enforce_eager_must_be_a_bool():
+    with pytest.raises(ValueError, match="enforce_eager"):
+        Engine(make_model("llama", seed=0), enforce_eager="yes")
