@@ -1,1 +1,2 @@
-"""CUDA kernel sources (.cu/.cuh), shipped as package data."""
+"""Kernel sources shipped as package data: CUDA (.cu/.cuh, launched through CuPy) and the CPU kernel
+(paged_attention_cpu.cpp, built through torch's extension loader)."""

@@ -69,15 +69,64 @@ inline const float* float_tile(const T* src, float* buffer, int64_t n) {
 template <>
 inline const float* float_tile<float>(const float* src, float*, int64_t) { return src; }
 
-// One work item: the query heads of KV head `h` for `count` consecutive tokens of one row, starting
-// at `first_token`. Keys are read once per block for all of them: the block's K tile is transposed
-// to [D, stride] so that scores of all its keys come from FMAs along the keys (no horizontal sums).
+// One work item: the query heads of KV head `h` for up to kChunk consecutive tokens of one row. Each
+// block's K and V tiles are read (and, for 16-bit pools, converted to float) once for all of them.
 struct Scratch {
-  std::vector<float> q, acc, m, l, kt, vbuf, scores;
-  Scratch(int64_t queries, int64_t head_dim, int64_t block_size, int64_t stride)
-      : q(queries * head_dim), acc(queries * head_dim), m(queries), l(queries), kt(head_dim * stride),
-        vbuf(block_size * head_dim), scores(stride) {}
+  std::vector<float> q, acc, m, l, kbuf, vbuf, scores;
+  Scratch(int64_t queries, int64_t head_dim, int64_t block_size)
+      : q(queries * head_dim), acc(queries * head_dim), m(queries), l(queries), kbuf(block_size * head_dim),
+        vbuf(block_size * head_dim), scores(block_size) {}
 };
+
+// sc[j] = q . k[j] for keys jlo <= j < jhi of a [keys, D] tile: four keys at a time, each with its own
+// accumulator, so that the FMAs of one key do not wait on each other (one horizontal sum per key).
+inline void scores(const float* q, const float* k, int64_t jlo, int64_t jhi, int64_t head_dim, float* sc) {
+  int64_t j = jlo;
+  for (; j + 4 <= jhi; j += 4) {
+    const float *k0 = k + j * head_dim, *k1 = k0 + head_dim, *k2 = k1 + head_dim, *k3 = k2 + head_dim;
+    float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+    for (int64_t d = 0; d < head_dim; ++d) {
+      s0 += q[d] * k0[d];
+      s1 += q[d] * k1[d];
+      s2 += q[d] * k2[d];
+      s3 += q[d] * k3[d];
+    }
+    sc[j] = s0, sc[j + 1] = s1, sc[j + 2] = s2, sc[j + 3] = s3;
+  }
+  for (; j < jhi; ++j) {
+    const float* kj = k + j * head_dim;
+    float s0 = 0.f;
+#pragma omp simd reduction(+ : s0)
+    for (int64_t d = 0; d < head_dim; ++d) s0 += q[d] * kj[d];
+    sc[j] = s0;
+  }
+}
+
+// acc = acc * corr + sum_j p[j] v[j] over keys jlo <= j < jhi: eight channels at a time, held in one
+// register across all keys (stored once per block, not once per key).
+inline void accumulate(float* acc, float corr, const float* p, const float* v, int64_t jlo, int64_t jhi,
+                       int64_t head_dim) {
+  int64_t d0 = 0;
+  for (; d0 + 8 <= head_dim; d0 += 8) {
+    float a[8];
+#pragma omp simd
+    for (int e = 0; e < 8; ++e) a[e] = acc[d0 + e] * corr;
+    for (int64_t j = jlo; j < jhi; ++j) {
+      const float pj = p[j];
+      const float* vj = v + j * head_dim + d0;
+#pragma omp simd
+      for (int e = 0; e < 8; ++e) a[e] += pj * vj[e];
+    }
+#pragma omp simd
+    for (int e = 0; e < 8; ++e) acc[d0 + e] = a[e];
+  }
+  for (; d0 < head_dim; ++d0) {
+    float a = acc[d0] * corr;
+    for (int64_t j = jlo; j < jhi; ++j) a += p[j] * v[j * head_dim + d0];
+    acc[d0] = a;
+  }
+}
 
 template <typename T>
 void attend(const at::Tensor& query, const at::Tensor& k_pool, const at::Tensor& v_pool,
@@ -87,7 +136,6 @@ void attend(const at::Tensor& query, const at::Tensor& k_pool, const at::Tensor&
   const int64_t num_kv_heads = k_pool.size(0), num_blocks = k_pool.size(1), block_size = k_pool.size(2);
   const int64_t group = num_q_heads / num_kv_heads, width = block_tables.size(1);
   const int64_t rows = block_tables.size(0);
-  const int64_t stride = (block_size + 7) / 8 * 8;       // kt row: one block's keys, padded to 8 floats
   const T* q_data = query.data_ptr<T>();
   const T* k_data = k_pool.data_ptr<T>();
   const T* v_data = v_pool.data_ptr<T>();
@@ -121,7 +169,7 @@ void attend(const at::Tensor& query, const at::Tensor& k_pool, const at::Tensor&
 
   // Work item = (KV head, chunk), head-major so that one thread's consecutive items share K/V tiles.
   at::parallel_for(0, num_kv_heads * num_chunks, 1, [&](int64_t begin, int64_t end) {
-    Scratch s(kChunk * group, head_dim, block_size, stride);
+    Scratch s(kChunk * group, head_dim, block_size);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t h = item / num_chunks, c = item % num_chunks;
       const int64_t t0 = chunk_start[c], count = chunk_count[c], row = row_of[t0];
@@ -146,9 +194,7 @@ void attend(const at::Tensor& query, const at::Tensor& k_pool, const at::Tensor&
         const int64_t base = b * block_size;
         const int64_t keys = std::min(block_size, hi_key - base);         // keys of this block anyone sees
         const int64_t offset = (h * num_blocks + block) * tile;
-        const T* k_src = k_data + offset;
-        for (int64_t j = 0; j < keys; ++j)
-          for (int64_t d = 0; d < head_dim; ++d) s.kt[d * stride + j] = static_cast<float>(k_src[j * head_dim + d]);
+        const float* k = float_tile(k_data + offset, s.kbuf.data(), keys * head_dim);
         const float* v = float_tile(v_data + offset, s.vbuf.data(), keys * head_dim);
         for (int64_t i = 0; i < count; ++i) {
           const int64_t pos = pos_of[t0 + i];
@@ -159,14 +205,7 @@ void attend(const at::Tensor& query, const at::Tensor& k_pool, const at::Tensor&
             const int64_t qi = i * group + g;
             const float* qv = s.q.data() + qi * head_dim;
             float* sc = s.scores.data();
-#pragma omp simd
-            for (int64_t j = 0; j < stride; ++j) sc[j] = 0.f;
-            for (int64_t d = 0; d < head_dim; ++d) {
-              const float qd = qv[d];
-              const float* krow = s.kt.data() + d * stride;
-#pragma omp simd
-              for (int64_t j = 0; j < stride; ++j) sc[j] += qd * krow[j];
-            }
+            scores(qv, k, jlo, jhi, head_dim, sc);
             float block_max = -std::numeric_limits<float>::infinity();
             for (int64_t j = jlo; j < jhi; ++j) block_max = std::max(block_max, sc[j]);
             const float new_max = std::max(s.m[qi], block_max);
@@ -179,15 +218,7 @@ void attend(const at::Tensor& query, const at::Tensor& k_pool, const at::Tensor&
             }
             s.l[qi] = s.l[qi] * corr + sum;
             s.m[qi] = new_max;
-            float* acc = s.acc.data() + qi * head_dim;
-#pragma omp simd
-            for (int64_t d = 0; d < head_dim; ++d) acc[d] *= corr;
-            for (int64_t j = jlo; j < jhi; ++j) {
-              const float p = sc[j];
-              const float* vj = v + j * head_dim;
-#pragma omp simd
-              for (int64_t d = 0; d < head_dim; ++d) acc[d] += p * vj[d];
-            }
+            accumulate(s.acc.data() + qi * head_dim, corr, sc, v, jlo, jhi, head_dim);
           }
         }
       }

@@ -29,7 +29,10 @@ from .step import PreparedStep
 log = logging.getLogger("hf_paged.backends")
 KERNEL_ENV = "HF_PAGED_CPU_KERNEL"
 SOURCE = "paged_attention_cpu.cpp"
-CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-std=c++17"]
+# -fopenmp: at::parallel_for is inline OpenMP in torch's headers (serial without it); the extension then
+# needs libgomp.so.1, which resolves to the copy torch has already loaded (one OpenMP runtime, torch's threads).
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-std=c++17"]
+LDFLAGS = ["-fopenmp"]
 
 
 def kernel_enabled() -> bool:
@@ -63,12 +66,13 @@ def load_kernel():
         return op
     from torch.utils import cpp_extension  # noqa: PLC0415  (pulls in setuptools; only when building)
     source = resources.files("hf_paged.cuda") / SOURCE
-    key = "\0".join([source.read_text(), " ".join(CFLAGS), torch.__version__, sys.version, _cpu_features()])
+    key = "\0".join([source.read_text(), " ".join(CFLAGS + LDFLAGS), torch.__version__, sys.version, _cpu_features()])
     name = "hf_paged_cpu_" + hashlib.sha1(key.encode()).hexdigest()[:12]
     log.info("building the CPU paged-attention kernel %s (once per machine; cached by torch)", name)
     try:
         with resources.as_file(source) as path:
-            cpp_extension.load(name=name, sources=[str(path)], extra_cflags=CFLAGS, is_python_module=False,
+            cpp_extension.load(name=name, sources=[str(path)], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
+                               is_python_module=False,
                                verbose=False)
     except Exception as err:    # compiler missing or failing: the caller decides whether to fall back
         raise RuntimeError(f"could not build the CPU paged-attention kernel ({SOURCE}): {err}") from err
