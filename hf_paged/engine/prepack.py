@@ -3,9 +3,10 @@
 On the CPU most of a forward is the linear layers. Torch's default ``F.linear`` re-lays the weight out
 for every call; oneDNN's ``_linear_pointwise`` takes a weight reordered once into its blocked layout.
 Measured on SmolLM2-135M's layer shapes (2 threads, AMD EPYC with AVX2, 2026-12-01), one decoder layer's
-seven linears: 1.7-2.4x faster at 8-32 tokens, 2.2x at 1 token, equal at 512 (``bench/README.md``). This
-is the part of inductor's CPU "freezing" that pays here, without its start-up cost (88-115 s per
-token-count bucket on this machine for SmolLM2).
+seven linears: 1.7-2.4x faster at 8-32 tokens, 2.2x at 1 token, equal at 512. This is the part of
+inductor's CPU "freezing" that pays here, without its start-up cost (88-115 s per token-count bucket on
+this machine for SmolLM2). Fusing sibling linears (q/k/v, gate/up) into one packed matmul was tried and
+measured no faster end to end, so it is not done.
 
 ``PrepackedLinears(model)`` packs every plain ``nn.Linear`` on the CPU (float32, and bfloat16 where oneDNN
 has bf16 kernels) once; the packed copies belong to it (extra memory = those weights, logged).
@@ -39,17 +40,22 @@ def prepack_available(dtype: torch.dtype) -> bool:
     return False
 
 
+def _version(t: torch.Tensor) -> int:
+    """The tensor's in-place version counter; -1 for inference tensors (they keep none)."""
+    return -1 if t.is_inference() else t._version
+
+
 class _PackedLinear:
     """The forward of one nn.Linear over its packed weight (falls back to F.linear when it cannot apply)."""
 
     def __init__(self, module: torch.nn.Linear):
         self.module = module
-        self.weight, self.version = module.weight, module.weight._version
+        self.weight, self.version = module.weight, _version(module.weight)
         self.packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), None)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         m = self.module
-        if (m.weight is not self.weight or m.weight._version != self.version or x.dtype != self.weight.dtype
+        if (m.weight is not self.weight or _version(m.weight) != self.version or x.dtype != self.weight.dtype
                 or x.device.type != "cpu" or (torch.is_grad_enabled() and (x.requires_grad or m.weight.requires_grad))):
             return F.linear(x, m.weight, m.bias)
         flat = x.reshape(-1, x.shape[-1])

@@ -156,3 +156,20 @@ def test_select_backend_picks_the_kernel_and_falls_back(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="hf_paged.backends"):
         assert select_backend(torch.device("cpu")) is ta
     assert "no g++" in caplog.text and cpu_backend.KERNEL_ENV in caplog.text
+
+
+def test_torch_compile_traces_the_op_without_a_graph_break(backend):
+    """fullgraph=True fails on any graph break: the op has a fake implementation, so inductor takes it
+    as one node, and the compiled function equals the eager one."""
+    k_pool, v_pool, tables, lens, gen = make_cache([9, 30], 8, 2, 64, torch.float32, seed=13)
+    query = torch.randn(2, 6, 64, generator=gen)
+    rows = torch.arange(2, dtype=torch.int32)
+    pos = lens - 1
+
+    def attention_then_proj(q, weight):
+        out = torch.ops.hf_paged_cpu.paged_attention(q, k_pool, v_pool, tables, rows, pos, 0.125, 0)
+        return (out.flatten(1) @ weight).relu()
+
+    weight = torch.randn(6 * 64, 16, generator=gen)
+    compiled = torch.compile(attention_then_proj, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(query, weight), attention_then_proj(query, weight))

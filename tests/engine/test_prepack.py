@@ -61,3 +61,14 @@ def test_engine_tokens_equal_with_and_without_prepacking(family):
 def test_enforce_eager_must_be_a_bool():
     with pytest.raises(ValueError, match="enforce_eager"):
         Engine(make_model("llama", seed=0), enforce_eager="yes")
+
+
+def test_inference_tensors_and_a_model_built_in_inference_mode():
+    """Inference tensors keep no version counter: packing and calling still work."""
+    with torch.inference_mode():
+        layer = torch.nn.Linear(16, 8)
+        packed = PrepackedLinears(layer)
+        x = torch.randn(3, 16)
+        with packed.installed():
+            out = layer(x)
+        torch.testing.assert_close(out, torch.nn.functional.linear(x, layer.weight, layer.bias))
