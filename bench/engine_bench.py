@@ -129,6 +129,8 @@ def parse_args(argv=None, prog: str = "python -m bench engine"):
     ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2", choices=["smollm2", "random", "tiny"])
     ap.add_argument("--n", type=int, default=32, help="requests")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="the model's dtype on every side (bfloat16: the half-precision option)")
     ap.add_argument("--max-prompt", type=int, default=192, help="longest prompt drawn from ShareGPT")
     ap.add_argument("--max-output", type=int, default=64, help="longest output drawn from ShareGPT")
     ap.add_argument("--seed", type=int, default=0)
@@ -158,6 +160,9 @@ def main(argv=None, prog: str = "python -m bench engine") -> dict:
     torch.set_num_threads(threads)
     load_start = os.getloadavg()
     model, described, key = load_model(args.model)
+    if args.dtype != "float32":
+        model = model.to(getattr(torch, args.dtype))
+        described = described.replace("fp32", args.dtype)
     wl = workload(args.n, args.seed, model.config.vocab_size, max_prompt=args.max_prompt,
                   min_out=min(4, args.max_output), max_out=args.max_output)
     skip = {a: "--skip" for a in args.skip}

@@ -71,12 +71,76 @@ inline const float* float_tile<float>(const float* src, float*, int64_t) { retur
 
 // One work item: the query heads of KV head `h` for up to kChunk consecutive tokens of one row. Each
 // block's K and V tiles are read (and, for 16-bit pools, converted to float) once for all of them.
+constexpr int64_t kRows = 4;        // queries per register tile in the chunk path
+constexpr int64_t kKeys = 16;       // keys per register tile (two 8-float vectors)
+
+// Scratch of one thread. Query rows are padded to a multiple of kRows with zero queries (their results
+// are never read). kt: a block's keys transposed, [D, key_stride]; columns past a block's keys hold
+// finite leftovers whose scores are never read.
 struct Scratch {
-  std::vector<float> q, acc, m, l, kbuf, vbuf, scores;
+  int64_t key_stride;
+  std::vector<float> q, acc, m, l, corr, kbuf, vbuf, kt, scores;
   Scratch(int64_t queries, int64_t head_dim, int64_t block_size)
-      : q(queries * head_dim), acc(queries * head_dim), m(queries), l(queries), kbuf(block_size * head_dim),
-        vbuf(block_size * head_dim), scores(block_size) {}
+      : key_stride((block_size + kKeys - 1) / kKeys * kKeys), q(pad(queries) * head_dim),
+        acc(pad(queries) * head_dim), m(pad(queries)), l(pad(queries)), corr(pad(queries)),
+        kbuf(block_size * head_dim), vbuf(block_size * head_dim), kt(head_dim * key_stride),
+        scores(pad(queries) * key_stride) {}
+  static int64_t pad(int64_t n) { return (n + kRows - 1) / kRows * kRows; }
 };
+
+// Chunk path, scores: S[r][j] = q[r] . k[j] for all padded query rows and key columns, as kRows x kKeys
+// register tiles of outer products over the head dim (a broadcast query channel times a row of kt).
+inline void score_tile(const float* q, const float* kt, int64_t rows, int64_t head_dim, int64_t key_stride,
+                       float* out) {
+  for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
+    for (int64_t j0 = 0; j0 < key_stride; j0 += kKeys) {
+      float a[kRows][kKeys] = {};
+      for (int64_t d = 0; d < head_dim; ++d) {
+        const float* krow = kt + d * key_stride + j0;
+#pragma GCC unroll 4
+        for (int64_t r = 0; r < kRows; ++r) {
+          const float qd = q[(r0 + r) * head_dim + d];
+#pragma omp simd
+          for (int64_t e = 0; e < kKeys; ++e) a[r][e] += qd * krow[e];
+        }
+      }
+      for (int64_t r = 0; r < kRows; ++r)
+        for (int64_t e = 0; e < kKeys; ++e) out[(r0 + r) * key_stride + j0 + e] = a[r][e];
+    }
+  }
+}
+
+// Chunk path, values: acc[r] = acc[r] * corr[r] + sum_j p[r][j] v[j] for keys j < keys, kRows queries x
+// 8 channels held in registers, each V row loaded once for the kRows queries.
+inline void value_tile(float* acc, const float* corr, const float* p, const float* v, int64_t rows, int64_t keys,
+                       int64_t head_dim, int64_t key_stride) {
+  for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
+    int64_t d0 = 0;
+    for (; d0 + 8 <= head_dim; d0 += 8) {
+      float a[kRows][8];
+      for (int64_t r = 0; r < kRows; ++r)
+        for (int64_t e = 0; e < 8; ++e) a[r][e] = acc[(r0 + r) * head_dim + d0 + e] * corr[r0 + r];
+      for (int64_t j = 0; j < keys; ++j) {
+        const float* vj = v + j * head_dim + d0;
+#pragma GCC unroll 4
+        for (int64_t r = 0; r < kRows; ++r) {
+          const float pj = p[(r0 + r) * key_stride + j];
+#pragma omp simd
+          for (int64_t e = 0; e < 8; ++e) a[r][e] += pj * vj[e];
+        }
+      }
+      for (int64_t r = 0; r < kRows; ++r)
+        for (int64_t e = 0; e < 8; ++e) acc[(r0 + r) * head_dim + d0 + e] = a[r][e];
+    }
+    for (; d0 < head_dim; ++d0) {
+      for (int64_t r = 0; r < kRows; ++r) {
+        float a = acc[(r0 + r) * head_dim + d0] * corr[r0 + r];
+        for (int64_t j = 0; j < keys; ++j) a += p[(r0 + r) * key_stride + j] * v[j * head_dim + d0];
+        acc[(r0 + r) * head_dim + d0] = a;
+      }
+    }
+  }
+}
 
 // sc[j] = q . k[j] for keys jlo <= j < jhi of a [keys, D] tile: four keys at a time, each with its own
 // accumulator, so that the FMAs of one key do not wait on each other (one horizontal sum per key).
@@ -125,6 +189,38 @@ inline void accumulate(float* acc, float corr, const float* p, const float* v, i
     float a = acc[d0] * corr;
     for (int64_t j = jlo; j < jhi; ++j) a += p[j] * v[j * head_dim + d0];
     acc[d0] = a;
+  }
+}
+
+// Online softmax over scores sc[jlo:jhi] of one query: updates its running max m and sum l, turns the
+// scores into weights exp(s - m_new), and returns the factor exp(m_old - m_new) for its accumulator.
+inline float softmax_update(float* sc, int64_t jlo, int64_t jhi, float& m, float& l) {
+  float block_max = -std::numeric_limits<float>::infinity();
+  for (int64_t j = jlo; j < jhi; ++j) block_max = std::max(block_max, sc[j]);
+  const float new_max = std::max(m, block_max);
+  const float corr = exp_nonpositive(m - new_max);        // ~0 on the first block (m = -inf)
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = jlo; j < jhi; ++j) {
+    sc[j] = exp_nonpositive(sc[j] - new_max);
+    sum += sc[j];
+  }
+  l = l * corr + sum;
+  m = new_max;
+  return corr;
+}
+
+// Decode path for one block: each of the token's `group` queries against the keys it sees.
+inline void single_token(Scratch& s, int64_t pos, int64_t window, int64_t base, int64_t keys, int64_t group,
+                         int64_t head_dim, const float* k, const float* v) {
+  const int64_t first = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+  const int64_t jlo = std::max<int64_t>(first - base, 0), jhi = std::min(pos + 1 - base, keys);
+  if (jlo >= jhi) return;
+  for (int64_t g = 0; g < group; ++g) {
+    float* sc = s.scores.data();
+    scores(s.q.data() + g * head_dim, k, jlo, jhi, head_dim, sc);
+    const float corr = softmax_update(sc, jlo, jhi, s.m[g], s.l[g]);
+    accumulate(s.acc.data() + g * head_dim, corr, sc, v, jlo, jhi, head_dim);
   }
 }
 
@@ -183,7 +279,11 @@ void attend(const at::Tensor& query, const at::Tensor& k_pool, const at::Tensor&
                  group * head_dim);
       }
       for (int64_t i = 0; i < queries * head_dim; ++i) s.q[i] *= fscale;
-      std::fill(s.acc.begin(), s.acc.begin() + queries * head_dim, 0.f);
+      // Padding rows: zero queries give zero scores, and with corr 1 their accumulators stay zero.
+      const int64_t padded = Scratch::pad(queries);
+      std::fill(s.q.begin() + queries * head_dim, s.q.begin() + padded * head_dim, 0.f);
+      std::fill(s.corr.begin() + queries, s.corr.begin() + padded, 1.f);
+      std::fill(s.acc.begin(), s.acc.begin() + padded * head_dim, 0.f);
       std::fill(s.m.begin(), s.m.begin() + queries, -std::numeric_limits<float>::infinity());
       std::fill(s.l.begin(), s.l.begin() + queries, 0.f);
       const int32_t* table = tables + row * width;
@@ -196,31 +296,33 @@ void attend(const at::Tensor& query, const at::Tensor& k_pool, const at::Tensor&
         const int64_t offset = (h * num_blocks + block) * tile;
         const float* k = float_tile(k_data + offset, s.kbuf.data(), keys * head_dim);
         const float* v = float_tile(v_data + offset, s.vbuf.data(), keys * head_dim);
+        if (count == 1) {        // decode: a few queries, dot products per key
+          single_token(s, pos_of[t0], window, base, keys, group, head_dim, k, v);
+          continue;
+        }
+        // Prefill chunk: keys transposed once for all count * group queries, then register tiles.
+        for (int64_t j = 0; j < keys; ++j)
+          for (int64_t d = 0; d < head_dim; ++d) s.kt[d * s.key_stride + j] = k[j * head_dim + d];
+        score_tile(s.q.data(), s.kt.data(), padded, head_dim, s.key_stride, s.scores.data());
         for (int64_t i = 0; i < count; ++i) {
           const int64_t pos = pos_of[t0 + i];
           const int64_t first = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
           const int64_t jlo = std::max<int64_t>(first - base, 0), jhi = std::min(pos + 1 - base, keys);
-          if (jlo >= jhi) continue;                                        // this token sees none of the block
           for (int64_t g = 0; g < group; ++g) {
             const int64_t qi = i * group + g;
-            const float* qv = s.q.data() + qi * head_dim;
-            float* sc = s.scores.data();
-            scores(qv, k, jlo, jhi, head_dim, sc);
-            float block_max = -std::numeric_limits<float>::infinity();
-            for (int64_t j = jlo; j < jhi; ++j) block_max = std::max(block_max, sc[j]);
-            const float new_max = std::max(s.m[qi], block_max);
-            const float corr = exp_nonpositive(s.m[qi] - new_max);     // ~0 on the first block (m = -inf)
-            float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-            for (int64_t j = jlo; j < jhi; ++j) {
-              sc[j] = exp_nonpositive(sc[j] - new_max);
-              sum += sc[j];
+            float* sc = s.scores.data() + qi * s.key_stride;
+            if (jlo >= jhi) {                                  // this token sees none of the block
+              std::fill(sc, sc + keys, 0.f);
+              s.corr[qi] = 1.f;
+              continue;
             }
-            s.l[qi] = s.l[qi] * corr + sum;
-            s.m[qi] = new_max;
-            accumulate(s.acc.data() + qi * head_dim, corr, sc, v, jlo, jhi, head_dim);
+            s.corr[qi] = softmax_update(sc, jlo, jhi, s.m[qi], s.l[qi]);
+            std::fill(sc, sc + jlo, 0.f);
+            std::fill(sc + jhi, sc + keys, 0.f);
           }
         }
+        value_tile(s.acc.data(), s.corr.data(), s.scores.data(), v, padded, keys, head_dim,
+                   s.key_stride);
       }
       for (int64_t i = 0; i < count; ++i) {
         for (int64_t g = 0; g < group; ++g) {
