@@ -71,7 +71,7 @@ inline const float* float_tile<float>(const float* src, float*, int64_t) { retur
 
 // One work item: the query heads of KV head `h` for up to kChunk consecutive tokens of one row. Each
 // block's K and V tiles are read (and, for 16-bit pools, converted to float) once for all of them.
-constexpr int64_t kRows = 4;        // queries per register tile in the chunk path
+constexpr int64_t kRows = 6;        // queries per register tile in the chunk path
 constexpr int64_t kKeys = 16;       // keys per register tile (two 8-float vectors)
 
 // Scratch of one thread. Query rows are padded to a multiple of kRows with zero queries (their results
@@ -97,7 +97,7 @@ inline void score_tile(const float* q, const float* kt, int64_t rows, int64_t he
       float a[kRows][kKeys] = {};
       for (int64_t d = 0; d < head_dim; ++d) {
         const float* krow = kt + d * key_stride + j0;
-#pragma GCC unroll 4
+#pragma GCC unroll 6
         for (int64_t r = 0; r < kRows; ++r) {
           const float qd = q[(r0 + r) * head_dim + d];
 #pragma omp simd
@@ -110,35 +110,34 @@ inline void score_tile(const float* q, const float* kt, int64_t rows, int64_t he
   }
 }
 
-// Chunk path, values: acc[r] = acc[r] * corr[r] + sum_j p[r][j] v[j] for keys j < keys, kRows queries x
-// 8 channels held in registers, each V row loaded once for the kRows queries.
+// Chunk path, values: acc[r] = acc[r] * corr[r] + sum_j p[r][j] v[j] for keys j < keys: kRows queries x
+// W channels held in registers, each V row segment loaded once for the kRows queries.
+template <int64_t W>
+inline void value_columns(float* acc, const float* corr, const float* p, const float* v, int64_t r0, int64_t d0,
+                          int64_t keys, int64_t head_dim, int64_t key_stride) {
+  float a[kRows][W];
+  for (int64_t r = 0; r < kRows; ++r)
+    for (int64_t e = 0; e < W; ++e) a[r][e] = acc[(r0 + r) * head_dim + d0 + e] * corr[r0 + r];
+  for (int64_t j = 0; j < keys; ++j) {
+    const float* vj = v + j * head_dim + d0;
+#pragma GCC unroll 6
+    for (int64_t r = 0; r < kRows; ++r) {
+      const float pj = p[(r0 + r) * key_stride + j];
+#pragma omp simd
+      for (int64_t e = 0; e < W; ++e) a[r][e] += pj * vj[e];
+    }
+  }
+  for (int64_t r = 0; r < kRows; ++r)
+    for (int64_t e = 0; e < W; ++e) acc[(r0 + r) * head_dim + d0 + e] = a[r][e];
+}
+
 inline void value_tile(float* acc, const float* corr, const float* p, const float* v, int64_t rows, int64_t keys,
                        int64_t head_dim, int64_t key_stride) {
   for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
     int64_t d0 = 0;
-    for (; d0 + 8 <= head_dim; d0 += 8) {
-      float a[kRows][8];
-      for (int64_t r = 0; r < kRows; ++r)
-        for (int64_t e = 0; e < 8; ++e) a[r][e] = acc[(r0 + r) * head_dim + d0 + e] * corr[r0 + r];
-      for (int64_t j = 0; j < keys; ++j) {
-        const float* vj = v + j * head_dim + d0;
-#pragma GCC unroll 4
-        for (int64_t r = 0; r < kRows; ++r) {
-          const float pj = p[(r0 + r) * key_stride + j];
-#pragma omp simd
-          for (int64_t e = 0; e < 8; ++e) a[r][e] += pj * vj[e];
-        }
-      }
-      for (int64_t r = 0; r < kRows; ++r)
-        for (int64_t e = 0; e < 8; ++e) acc[(r0 + r) * head_dim + d0 + e] = a[r][e];
-    }
-    for (; d0 < head_dim; ++d0) {
-      for (int64_t r = 0; r < kRows; ++r) {
-        float a = acc[(r0 + r) * head_dim + d0] * corr[r0 + r];
-        for (int64_t j = 0; j < keys; ++j) a += p[(r0 + r) * key_stride + j] * v[j * head_dim + d0];
-        acc[(r0 + r) * head_dim + d0] = a;
-      }
-    }
+    for (; d0 + 16 <= head_dim; d0 += 16) value_columns<16>(acc, corr, p, v, r0, d0, keys, head_dim, key_stride);
+    for (; d0 + 8 <= head_dim; d0 += 8) value_columns<8>(acc, corr, p, v, r0, d0, keys, head_dim, key_stride);
+    for (; d0 < head_dim; ++d0) value_columns<1>(acc, corr, p, v, r0, d0, keys, head_dim, key_stride);
   }
 }
 

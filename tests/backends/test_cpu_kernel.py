@@ -173,3 +173,21 @@ def test_torch_compile_traces_the_op_without_a_graph_break(backend):
     weight = torch.randn(6 * 64, 16, generator=gen)
     compiled = torch.compile(attention_then_proj, fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(compiled(query, weight), attention_then_proj(query, weight))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_long_prefill_kernel_and_its_routing(backend, dtype):
+    """Rows of >= LONG_PREFILL new tokens go to SDPA over gathered K/V (measured faster there); the kernel
+    itself still serves them right when called directly, and both equal the reference."""
+    num_q, num_kv, head_dim, block_size = 6, 2, 64, 16
+    befores, q_len = [0, 37], cpu_backend.LONG_PREFILL + 36
+    lengths = [b + q_len for b in befores]
+    k_pool, v_pool, tables, lens, gen = make_cache(lengths, block_size, num_kv, head_dim, dtype, seed=21)
+    query_pos = torch.stack([torch.arange(b, b + q_len, dtype=torch.int32) for b in befores])
+    query = torch.randn(len(lengths), num_q, q_len, head_dim, generator=gen).to(dtype)
+    ref = ta.extend_attention(query, k_pool, v_pool, tables, lens, query_pos, 0.125, 24)
+    assert_close(backend.extend_attention(query, k_pool, v_pool, tables, lens, query_pos, 0.125, 24), ref, dtype)
+    rows = torch.arange(len(lengths), dtype=torch.int32).repeat_interleave(q_len)
+    flat = query.transpose(1, 2).reshape(-1, num_q, head_dim).contiguous()
+    direct = backend.op(flat, k_pool, v_pool, tables, rows, query_pos.reshape(-1).contiguous(), 0.125, 24)
+    assert_close(direct.view(len(lengths), q_len, num_q, head_dim).transpose(1, 2), ref, dtype)
