@@ -89,12 +89,6 @@ def _fake_paged_attention(query, k_pool, v_pool, block_tables, token_row, token_
     return torch.empty_like(query, memory_format=torch.contiguous_format)
 
 
-# Queries per row from which prefill goes to torch's SDPA over gathered K/V instead of the kernel: there
-# the gather is small beside the attention and SDPA's GEMM tiles are faster (measured 2026-12-01, SmolLM2
-# heads: 192 new tokens 1.1-1.2x, 512 after 512 1.35-1.45x); below it the kernel wins (no gather).
-LONG_PREFILL = 64
-
-
 class CpuStep(PreparedStep):
     """One forward on the CPU kernel: the plan flattened once into per-token rows and positions (kept in
     the workspace), then one kernel call per layer for every query token of the step."""
@@ -106,12 +100,10 @@ class CpuStep(PreparedStep):
         return self.workspace["ragged"]
 
     def _attend(self, query, k_pool, v_pool, scale, window):
-        plan = self.plan
-        extend = plan.extend if isinstance(plan, PackedPlan) else None if plan.is_decode else plan
-        if (isinstance(k_pool, QuantizedPool) or query.dtype != k_pool.dtype
-                or (extend is not None and extend.query_pos.shape[1] >= LONG_PREFILL)):
-            return super()._attend(query, k_pool, v_pool, scale, window)    # decode rows still on the kernel
+        if isinstance(k_pool, QuantizedPool) or query.dtype != k_pool.dtype:
+            return super()._attend(query, k_pool, v_pool, scale, window)
         tables, rows, pos = self._ragged()
+        plan = self.plan
         batch, num_heads, q_len, head_dim = query.shape
         if isinstance(plan, PackedPlan):
             flat = query[0].transpose(0, 1)                                 # [N, Hq, D]
@@ -173,9 +165,8 @@ class CpuKernelBackend:
 
     def extend_attention(self, query, k_pool, v_pool, block_tables, context_lens, query_pos, scale,
                          sliding_window=0, max_context=None):
-        """As torch_backend.extend_attention: query [B, Hq, Q, D] -> [B, Hq, Q, D]. From ``LONG_PREFILL``
-        queries per row on, torch's SDPA over gathered K/V (faster there, see LONG_PREFILL)."""
-        if isinstance(k_pool, QuantizedPool) or query.dtype != k_pool.dtype or query.shape[2] >= LONG_PREFILL:
+        """As torch_backend.extend_attention: query [B, Hq, Q, D] -> [B, Hq, Q, D]."""
+        if isinstance(k_pool, QuantizedPool) or query.dtype != k_pool.dtype:
             return torch_backend.extend_attention(query, k_pool, v_pool, block_tables, context_lens, query_pos,
                                                   scale, sliding_window, max_context)
         batch, num_heads, q_len, head_dim = query.shape
