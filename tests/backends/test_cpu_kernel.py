@@ -14,36 +14,14 @@ from hf_paged.backends import PreparedStep, cpu_backend, select_backend
 from hf_paged.backends import torch_backend as ta
 from hf_paged.blocks.table import BlockTable
 from hf_paged.plan import packed_plan
+from test_attention_kernels import DTYPES, assert_close, make_cache
 
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-TOL = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float32: 2e-5}
 HEADS = [(3, 3), (9, 3), (8, 2), (14, 2), (16, 1), (32, 1)]      # GQA 1, 3, 4, 7, 16 (MQA), 32
 
 
 @pytest.fixture(scope="module")
 def backend():
     return cpu_backend.make_backend()
-
-
-def make_cache(lengths, block_size, num_kv_heads, head_dim, dtype, seed, spare_blocks=3):
-    """Random pools and shuffled block tables holding ``lengths`` stored tokens per row."""
-    gen = torch.Generator().manual_seed(seed)
-    blocks = [-(-n // block_size) for n in lengths]
-    num_blocks = sum(blocks) + spare_blocks
-    k_pool = torch.randn(num_kv_heads, num_blocks, block_size, head_dim, generator=gen).to(dtype)
-    v_pool = torch.randn(num_kv_heads, num_blocks, block_size, head_dim, generator=gen).to(dtype)
-    order = torch.randperm(num_blocks, generator=gen)
-    tables = torch.zeros(len(lengths), max(1, max(blocks)), dtype=torch.int32)
-    used = 0
-    for row, nb in enumerate(blocks):
-        tables[row, :nb] = order[used:used + nb].int()
-        used += nb
-    return k_pool, v_pool, tables, torch.tensor(lengths, dtype=torch.int32), gen
-
-
-def assert_close(out, ref, dtype):
-    assert out.dtype == ref.dtype and out.shape == ref.shape
-    torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
 
 
 GRID = [pytest.param(d, bs, dtype, heads, window, id=f"d{d}-b{bs}-{str(dtype)[6:]}-q{heads[0]}kv{heads[1]}-w{window}")
