@@ -57,7 +57,8 @@ class EngineConfig:
             raise ValueError(f"num_blocks must be a positive int, got {self.num_blocks!r}")
 
 
-def _available_cpu_bytes() -> int:
+def available_bytes() -> int:
+    """Memory the OS says is available (MemAvailable), in bytes."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -82,7 +83,7 @@ def kv_pool_blocks(config: EngineConfig, bytes_per_token: int, max_model_len: in
             knob = how
         else:
             need = config.max_num_seqs * (max_model_len + config.block_size) * bytes_per_token
-            budget = min(_CPU_DEFAULT_CAP, _available_cpu_bytes() // 10, need)
+            budget = min(_CPU_DEFAULT_CAP, available_bytes() // 10, need)
             how = "CPU default: min(512 MiB, 10% of available memory, max_num_seqs full-length sequences)"
             knob = "kv_cache_memory_bytes (CPU default)"
         blocks = blocks_for_budget(budget, bytes_per_token, config.block_size, knob)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from ..attention_interface import ATTENTION_NAME, use_paged_attention
+from ..attention_interface import use_paged_attention
 from ..blocks import BlockPool, PrefixCache
 from ..families import model_geometry
 from ..kv_formats import kv_format
@@ -220,6 +220,7 @@ class Engine:
         """The model as the engine runs it: paged attention and, unless enforce_eager, prepacked linears."""
         with use_paged_attention(self.model), (self.prepacked.installed() if self.prepacked else contextlib.nullcontext()):
             yield
+
     def _step(self) -> list[TokenEvent]:
         start = time.perf_counter()
         scheduled = self.scheduler.schedule()

@@ -13,7 +13,8 @@ has bf16 kernels) once; the packed copies belong to it (extra memory = those wei
 ``with packed.installed():`` gives those modules an instance ``forward`` using them and removes it on exit,
 so the model is untouched outside the block. A module whose weight was replaced or changed in place since
 packing (``weight._version``), or that is called with another dtype, device or with grad, runs plain
-``F.linear``. The engine enters it around its steps unless ``enforce_eager=True``.
+``F.linear``. The engine enters it around its steps unless ``enforce_eager=True``. When the copies would take
+more than half of the memory available, nothing is packed (with a warning).
 """
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ import time
 
 import torch
 import torch.nn.functional as F
+
+from .config import available_bytes
 
 log = logging.getLogger("hf_paged.engine")
 
@@ -43,6 +46,13 @@ def prepack_available(dtype: torch.dtype) -> bool:
 def _version(t: torch.Tensor) -> int:
     """The tensor's in-place version counter; -1 for inference tensors (they keep none)."""
     return -1 if t.is_inference() else t._version
+
+
+def _packable(module) -> bool:
+    weight = getattr(module, "weight", None)
+    return (type(module) is torch.nn.Linear and type(weight) in (torch.Tensor, torch.nn.Parameter)
+            and weight.device.type == "cpu" and prepack_available(weight.dtype)
+            and not hasattr(module, "_hf_hook"))         # accelerate-offloaded modules move their weights
 
 
 class _PackedLinear:
@@ -70,12 +80,15 @@ class PrepackedLinears:
         start = time.perf_counter()
         self.model = model
         self.layers: list[_PackedLinear] = []
-        for module in model.modules():
-            weight = getattr(module, "weight", None)
-            if (type(module) is torch.nn.Linear and type(weight) in (torch.Tensor, torch.nn.Parameter)
-                    and weight.device.type == "cpu" and prepack_available(weight.dtype)
-                    and not hasattr(module, "_hf_hook")):         # accelerate-offloaded modules move weights
-                self.layers.append(_PackedLinear(module))
+        modules = [m for m in model.modules() if _packable(m)]
+        need = sum(m.weight.numel() * m.weight.element_size() for m in modules)
+        available = available_bytes()
+        if need > available // 2:       # the copies must not crowd out the KV pool or push the machine to swap
+            log.warning("not prepacking the linear weights: the copies need %.0f MiB and %.0f MiB is available "
+                        "(at most half of it is used); the engine runs plain F.linear (enforce_eager=True skips this "
+                        "check)", need / 2**20, available / 2**20)
+            modules = []
+        self.layers = [_PackedLinear(m) for m in modules]
         self._lock = threading.Lock()
         self._users = 0
         self.seconds = time.perf_counter() - start

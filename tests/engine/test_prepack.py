@@ -72,3 +72,16 @@ def test_inference_tensors_and_a_model_built_in_inference_mode():
         with packed.installed():
             out = layer(x)
         torch.testing.assert_close(out, torch.nn.functional.linear(x, layer.weight, layer.bias))
+
+
+def test_no_packing_when_the_copies_would_crowd_memory(monkeypatch, caplog):
+    import logging
+
+    from hf_paged.engine import prepack
+    layer = torch.nn.Linear(64, 64)
+    monkeypatch.setattr(prepack, "available_bytes", lambda: 2 * 64 * 64 * 4 - 1)
+    with caplog.at_level(logging.WARNING, logger="hf_paged.engine"):
+        packed = PrepackedLinears(layer)
+    assert packed.layers == [] and "not prepacking" in caplog.text and "enforce_eager" in caplog.text
+    monkeypatch.setattr(prepack, "available_bytes", lambda: 2 * 64 * 64 * 4)
+    assert len(PrepackedLinears(layer).layers) == 1
