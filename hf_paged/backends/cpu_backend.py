@@ -69,19 +69,23 @@ def load_kernel():
     source = resources.files("hf_paged.cuda") / SOURCE
     key = "\0".join([source.read_text(), " ".join(CFLAGS + LDFLAGS), torch.__version__, sys.version, _cpu_features()])
     name = "hf_paged_cpu_" + hashlib.sha1(key.encode()).hexdigest()[:12]
-    log.info("building the CPU paged-attention kernel %s (once per machine; cached by torch)", name)
+    log.info("building or loading the CPU paged-attention kernel %s (built once per machine, ~20 s; cached by torch)",
+             name)
     try:
         with resources.as_file(source) as path:
             cpp_extension.load(name=name, sources=[str(path)], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
-                               is_python_module=False,
-                               verbose=False)
+                               is_python_module=False, verbose=False)
     except Exception as err:    # compiler missing or failing: the caller decides whether to fall back
         raise RuntimeError(f"could not build the CPU paged-attention kernel ({SOURCE}): {err}") from err
     op = _registered()
     if op is None:
         raise RuntimeError(f"{name} loaded but registered no torch.ops.hf_paged_cpu.paged_attention")
     # Shape propagation for torch.compile: the op is one opaque node in a traced graph (no graph break).
-    torch.library.register_fake("hf_paged_cpu::paged_attention")(_fake_paged_attention)
+    try:
+        torch.library.register_fake("hf_paged_cpu::paged_attention")(_fake_paged_attention)
+    except RuntimeError:        # another thread loading at the same time registered it first
+        pass
+    log.info("%s loaded", name)
     return op
 
 
