@@ -78,8 +78,6 @@ class PrepackedLinears:
 
     def __init__(self, model: torch.nn.Module):
         start = time.perf_counter()
-        self.model = model
-        self.layers: list[_PackedLinear] = []
         modules = [m for m in model.modules() if _packable(m)]
         need = sum(m.weight.numel() * m.weight.element_size() for m in modules)
         available = available_bytes()
@@ -88,7 +86,7 @@ class PrepackedLinears:
                         "(at most half of it is used); the engine runs plain F.linear (enforce_eager=True skips this "
                         "check)", need / 2**20, available / 2**20)
             modules = []
-        self.layers = [_PackedLinear(m) for m in modules]
+        self.layers: list[_PackedLinear] = [_PackedLinear(m) for m in modules]
         self._lock = threading.Lock()
         self._users = 0
         self.seconds = time.perf_counter() - start
