@@ -54,4 +54,94 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
+// --- sm_80+ instructions: tensor-core mma, ldmatrix, cp.async -----------------------------------
+// On the GPU these are inline PTX; under the CPU shim (HFP_CUDASHIM) the shim computes the same
+// fragments for the whole warp (tests/backends/shim/shim.h documents the layouts). Every call is
+// warp-wide (all 32 lanes, .aligned) and warp-uniform.
+
+// d = a * b + c for one m16n8k16 tile, fp32 accumulators; T (__half or __nv_bfloat16) is the type of
+// the a and b fragments (two values per 32-bit register, lower column / row in the low half).
+template <typename A, typename B> struct IsSame { static constexpr bool value = false; };
+template <typename A> struct IsSame<A, A> { static constexpr bool value = true; };
+
+template <typename T>
+__device__ __forceinline__ void mma_16816(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+#ifdef HFP_CUDASHIM
+    ::cudashim::mma_16816(__LINE__, !IsSame<T, __half>::value, d, a, b, d);
+#else
+    if constexpr (IsSame<T, __half>::value) {
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                     "{%0,%1,%2,%3};\n"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+    } else {
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                     "{%0,%1,%2,%3};\n"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+    }
+#endif
+}
+
+// ldmatrix.x4 (.trans): lanes 8m..8m+7 give the 16-byte-aligned shared-memory rows of 8x8 matrix m.
+template <bool Trans>
+__device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], const void* row) {
+#ifdef HFP_CUDASHIM
+    ::cudashim::ldsm_x4(__LINE__, Trans, r, row);
+#else
+    const unsigned addr = (unsigned)__cvta_generic_to_shared(row);
+    if constexpr (Trans) {
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+    } else {
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+    }
+#endif
+}
+
+// 16 bytes global -> shared, asynchronously (cp.async.cg: bypasses L1). fill = false writes zeros and
+// reads nothing. Complete only after cp_async_wait<n>() of a later group, then a barrier for the block.
+__device__ __forceinline__ void cp_async_16(void* smem, const void* global, bool fill) {
+#ifdef HFP_CUDASHIM
+    ::cudashim::cp_async(smem, global, 16, fill);
+#else
+    const unsigned addr = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(addr), "l"(global), "r"(fill ? 16 : 0));
+#endif
+}
+__device__ __forceinline__ void cp_async_commit() {
+#ifdef HFP_CUDASHIM
+    ::cudashim::cp_async_commit();
+#else
+    asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+// Wait until at most n of this thread's most recent committed groups are still in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+#ifdef HFP_CUDASHIM
+    ::cudashim::cp_async_wait(N);
+#else
+    asm volatile("cp.async.wait_group %0;\n" :: "n"(N));
+#endif
+}
+
+// The low / high value of a register of T pairs, as float.
+__device__ __forceinline__ float unpack_lo(unsigned w, __half) { return __half2float(__ushort_as_half((unsigned short)w)); }
+__device__ __forceinline__ float unpack_hi(unsigned w, __half) {
+    return __half2float(__ushort_as_half((unsigned short)(w >> 16)));
+}
+__device__ __forceinline__ float unpack_lo(unsigned w, __nv_bfloat16) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float unpack_hi(unsigned w, __nv_bfloat16) { return __uint_as_float(w & 0xffff0000u); }
+
+// Two floats as one register of T pairs (low half = a).
+__device__ __forceinline__ unsigned pack2(float a, float b, __half) {
+    return (unsigned)__half_as_ushort(__float2half_rn(a)) | ((unsigned)__half_as_ushort(__float2half_rn(b)) << 16);
+}
+__device__ __forceinline__ unsigned pack2(float a, float b, __nv_bfloat16) {
+    return (unsigned)__bfloat16_as_ushort(__float2bfloat16_rn(a)) |
+           ((unsigned)__bfloat16_as_ushort(__float2bfloat16_rn(b)) << 16);
+}
+
 }  // namespace hfp

@@ -127,6 +127,7 @@ inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); retu
 inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
 inline int __float2int_rn(float x) { return (int)std::nearbyint(x); }  // default rounding mode: nearest even
 inline unsigned short __half_as_ushort(__half h) { return h.x; }
+inline __half __ushort_as_half(unsigned short u) { return __half{u}; }
 inline unsigned short __bfloat16_as_ushort(__nv_bfloat16 b) { return b.x; }
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
 inline int __ffs(int x) { return __builtin_ffs(x); }
@@ -150,7 +151,8 @@ namespace cudashim {
 
 enum Schedule { kInOrder = 0, kReverse = 1, kRandom = 2, kWarpAhead = 3 };
 enum FiberState { kRunnable = 0, kAtBarrier = 1, kAtWarp = 2, kDone = 3 };
-enum CollectiveKind { kShflXor = 1, kShfl = 2, kShflDown = 3, kShflUp = 4, kSyncWarp = 5 };
+enum CollectiveKind { kShflXor = 1, kShfl = 2, kShflDown = 3, kShflUp = 4, kSyncWarp = 5, kMmaF16 = 6, kMmaBf16 = 7,
+                      kLdsm = 8, kLdsmTrans = 9 };
 
 // Passed from Python (ctypes) with every launch; mirrors tests/kernels/harness.py LaunchConfig.
 struct LaunchConfig {
@@ -161,6 +163,15 @@ struct LaunchConfig {
     int seed;
 };
 
+// One cp.async copy in flight: done (source read, destination written) only when its thread waits for
+// its group; until then the destination holds 0xFF bytes (NaN in every float format).
+struct AsyncCopy {
+    unsigned char* dst;
+    const unsigned char* src;  // nullptr: zero fill
+    int bytes;
+    int group;                 // -1 until committed
+};
+
 struct Fiber {
     ucontext_t ctx;
     char* stack = nullptr;
@@ -169,6 +180,9 @@ struct Fiber {
     int state = kRunnable;
     int wait_line = 0;
     uint64_t result = 0;
+    uint32_t matrix[4] = {0, 0, 0, 0};  // result registers of an mma / ldmatrix collective
+    std::vector<struct AsyncCopy> copies;  // cp.async copies issued and not yet waited for
+    int next_group = 0;                 // id the next cp.async.commit_group gives
     void* tsan_fiber = nullptr;
 };
 
@@ -180,6 +194,7 @@ struct WarpSlot {
     int width = 32;
     uint64_t values[32];
     int args[32];
+    uint32_t payload[32][10];  // mma: a[4], b[2], c[4] (c as float bits) per lane
 };
 
 constexpr size_t kStackBytes = 256 * 1024;
@@ -274,6 +289,90 @@ inline void syncthreads(int line) {
 #endif
 }
 
+inline float half_bits_to_float(uint32_t bits, bool bf16) {
+    if (bf16) {
+        uint32_t u = bits << 16;
+        float f;
+        std::memcpy(&f, &u, 4);
+        return f;
+    }
+    _Float16 h;
+    const uint16_t b = (uint16_t)bits;
+    std::memcpy(&h, &b, 2);
+    return (float)h;
+}
+
+inline bool in_dynamic_smem(const Runtime& r, const void* p, size_t bytes) {
+    const unsigned char* c = (const unsigned char*)p;
+    const unsigned char* lo = r.smem_alloc + kGuardBytes;
+    return c >= lo && c + bytes <= lo + r.smem_bytes;
+}
+
+// mma.sync m16n8k16 (row.col, f32 accumulators) and ldmatrix.x4, computed for the whole warp once every
+// lane has arrived, from the fragments as the PTX ISA lays them out (lane = 4 * group + t):
+//   A (16x16): a0 (g, 2t..2t+1), a1 (g+8, 2t..), a2 (g, 2t+8..), a3 (g+8, 2t+8..)  [low half = lower column]
+//   B (16x8):  b0 (k = 2t..2t+1, n = g), b1 (k = 2t+8.., n = g)
+//   C, D:      c0 (g, 2t), c1 (g, 2t+1), c2 (g+8, 2t), c3 (g+8, 2t+1)
+//   ldmatrix.x4: lanes 8m..8m+7 give the row addresses of matrix m (8 rows of 16 bytes); register m of
+//   lane i holds row i/4, halves 2(i%4)..+1 (.trans: rows 2(i%4) and 2(i%4)+1, column i/4).
+inline void complete_matrix(Runtime& r, WarpSlot& w, unsigned warp, int kind, const std::string& where) {
+    if (w.mask != 0xffffffffu) fail("mma/ldmatrix" + where + ": needs the whole warp (.aligned)");
+    if (kind == kMmaF16 || kind == kMmaBf16) {
+        const bool bf16 = kind == kMmaBf16;
+        float a[16][16], b[16][8];
+        for (unsigned l = 0; l < 32; ++l) {
+            const unsigned g = l >> 2, t = l & 3;
+            const uint32_t* p = w.payload[l];
+            const unsigned ar[4] = {g, g + 8, g, g + 8}, ac[4] = {2 * t, 2 * t, 2 * t + 8, 2 * t + 8};
+            for (int i = 0; i < 4; ++i) {
+                a[ar[i]][ac[i]] = half_bits_to_float(p[i] & 0xffffu, bf16);
+                a[ar[i]][ac[i] + 1] = half_bits_to_float(p[i] >> 16, bf16);
+            }
+            for (int i = 0; i < 2; ++i) {
+                b[2 * t + 8 * i][g] = half_bits_to_float(p[4 + i] & 0xffffu, bf16);
+                b[2 * t + 8 * i + 1][g] = half_bits_to_float(p[4 + i] >> 16, bf16);
+            }
+        }
+        for (unsigned l = 0; l < 32; ++l) {
+            const unsigned g = l >> 2, t = l & 3;
+            Fiber& f = r.fibers[warp * 32 + l];
+            for (int i = 0; i < 4; ++i) {
+                const unsigned row = g + 8 * (i >> 1), col = 2 * t + (i & 1);
+                float acc;
+                std::memcpy(&acc, &w.payload[l][6 + i], 4);
+                for (int k = 0; k < 16; ++k) acc += a[row][k] * b[k][col];
+                std::memcpy(&f.matrix[i], &acc, 4);
+            }
+            f.state = kRunnable;
+        }
+        return;
+    }
+    for (unsigned l = 0; l < 32; ++l) {
+        const void* p = (const void*)(uintptr_t)w.values[l];
+        if ((uintptr_t)p % 16 || !in_dynamic_smem(r, p, 16)) {
+            fail("ldmatrix" + where + ": lane " + std::to_string(l) +
+                 " gives a row address that is not 16-byte aligned dynamic shared memory");
+        }
+    }
+    for (unsigned l = 0; l < 32; ++l) {
+        Fiber& f = r.fibers[warp * 32 + l];
+        for (unsigned m = 0; m < 4; ++m) {
+            if (kind == kLdsm) {
+                const unsigned char* row = (const unsigned char*)(uintptr_t)w.values[8 * m + l / 4];
+                std::memcpy(&f.matrix[m], row + 4 * (l % 4), 4);
+            } else {
+                const unsigned char* r0 = (const unsigned char*)(uintptr_t)w.values[8 * m + 2 * (l % 4)];
+                const unsigned char* r1 = (const unsigned char*)(uintptr_t)w.values[8 * m + 2 * (l % 4) + 1];
+                uint16_t lo, hi;
+                std::memcpy(&lo, r0 + 2 * (l / 4), 2);
+                std::memcpy(&hi, r1 + 2 * (l / 4), 2);
+                f.matrix[m] = (uint32_t)lo | ((uint32_t)hi << 16);
+            }
+        }
+        f.state = kRunnable;
+    }
+}
+
 // A warp collective: every lane named in `mask` must arrive with the same kind, mask and width.
 inline uint64_t collective(int kind, int line, unsigned mask, uint64_t value, int arg, int width) {
     Runtime& r = rt();
@@ -306,7 +405,10 @@ inline uint64_t collective(int kind, int line, unsigned mask, uint64_t value, in
 #if CUDASHIM_TSAN
     __tsan_release(&w);
 #endif
-    if ((w.arrived & mask) == mask) {
+    if ((w.arrived & mask) == mask && kind >= kMmaF16) {
+        complete_matrix(r, w, warp, kind, where);
+        w.arrived = 0;
+    } else if ((w.arrived & mask) == mask) {
         for (unsigned l = 0; l < 32; ++l) {
             if (!(mask >> l & 1u)) continue;
             const unsigned seg = l & ~(unsigned)(w.width - 1);
@@ -419,6 +521,8 @@ inline void run_block(Runtime& r) {
         f.idx = {t % r.block.x, (t / r.block.x) % r.block.y, t / (r.block.x * r.block.y)};
         f.state = kRunnable;
         f.wait_line = 0;
+        f.copies.clear();
+        f.next_group = 0;
         getcontext(&f.ctx);
         f.ctx.uc_stack.ss_sp = f.stack;
         f.ctx.uc_stack.ss_size = kStackBytes;
@@ -452,6 +556,14 @@ inline void run_block(Runtime& r) {
     }
     r.current = nullptr;
     if (r.failed) return;
+    for (auto& f : r.fibers) {
+        if (f.tid < r.nthreads && !f.copies.empty()) {
+            r.failed = true;
+            r.error = "thread " + std::to_string(f.tid) + " exited with " + std::to_string(f.copies.size()) +
+                      " cp.async copies never waited for (cp.async.wait_group)";
+            return;
+        }
+    }
     for (size_t i = 0; i < kGuardBytes; ++i) {
         if (r.smem_alloc[i] != 0xff || r.smem_alloc[kGuardBytes + r.smem_bytes + i] != 0xff) {
             r.failed = true;
@@ -569,7 +681,58 @@ inline T shfl_(int kind, int line, unsigned mask, T v, int arg, int width = 32) 
     return from_bits<T>(collective(kind, line, mask, to_bits(v), arg, width));
 }
 inline void syncwarp_(int line, unsigned mask = 0xffffffffu) { collective(kSyncWarp, line, mask, 0, 0, 32); }
+
+// Tensor-core and async-copy instructions, for cuda/common.cuh's wrappers (HFP_CUDASHIM).
+inline void mma_16816(int line, bool bf16, float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2],
+                      const float (&c)[4]) {
+    Runtime& r = rt();
+    uint32_t* p = r.warps[r.current->tid >> 5].payload[r.current->tid & 31u];
+    for (int i = 0; i < 4; ++i) p[i] = a[i];
+    p[4] = b[0];
+    p[5] = b[1];
+    for (int i = 0; i < 4; ++i) std::memcpy(&p[6 + i], &c[i], 4);
+    collective(bf16 ? kMmaBf16 : kMmaF16, line, 0xffffffffu, 0, 0, 32);
+    for (int i = 0; i < 4; ++i) std::memcpy(&d[i], &r.current->matrix[i], 4);
+}
+
+inline void ldsm_x4(int line, bool trans, unsigned (&out)[4], const void* row) {
+    collective(trans ? kLdsmTrans : kLdsm, line, 0xffffffffu, (uint64_t)(uintptr_t)row, 0, 32);
+    for (int i = 0; i < 4; ++i) out[i] = rt().current->matrix[i];
+}
+
+// cp.async.cg 16 bytes (fill = false: zeros, the source is not read). The destination is poisoned at
+// issue and written only when the issuing thread waits for the copy's group.
+inline void cp_async(void* dst, const void* src, int bytes, bool fill) {
+    Runtime& r = rt();
+    if ((uintptr_t)dst % bytes || (fill && (uintptr_t)src % bytes)) {
+        fail("cp.async of " + std::to_string(bytes) + " bytes: misaligned source or destination");
+    }
+    if (!in_dynamic_smem(r, dst, (size_t)bytes)) fail("cp.async destination outside dynamic shared memory");
+    std::memset(dst, 0xff, (size_t)bytes);
+    r.current->copies.push_back({(unsigned char*)dst, fill ? (const unsigned char*)src : nullptr, bytes, -1});
+}
+inline void cp_async_commit() {
+    Fiber* f = rt().current;
+    for (auto& c : f->copies) if (c.group < 0) c.group = f->next_group;
+    ++f->next_group;
+}
+// cp.async.wait_group n: every copy of a committed group but the n most recent is complete.
+inline void cp_async_wait(int n) {
+    Fiber* f = rt().current;
+    const int last_done = f->next_group - 1 - n;
+    std::vector<AsyncCopy> pending;
+    for (auto& c : f->copies) {
+        if (c.group >= 0 && c.group <= last_done) {
+            if (c.src) std::memcpy(c.dst, c.src, (size_t)c.bytes);
+            else std::memset(c.dst, 0, (size_t)c.bytes);
+        } else {
+            pending.push_back(c);
+        }
+    }
+    f->copies.swap(pending);
+}
 }  // namespace cudashim
+#define HFP_CUDASHIM 1
 
 // Dynamic shared memory (the kernels' one way to declare it) and the per-kernel launcher export.
 #define HFP_DYNAMIC_SMEM(name) unsigned char* name = ::cudashim::dynamic_smem()
