@@ -97,16 +97,10 @@ class CpuStep(PreparedStep):
     """One forward on the CPU kernel: the plan flattened once into per-token rows and positions (kept in
     the workspace), then one kernel call per layer for every query token of the step."""
 
-    def _ragged(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(block_tables int32 [R, W], token_row int32 [T], token_pos int32 [T]) for this step's plan."""
-        if "ragged" not in self.workspace:
-            self.workspace["ragged"] = ragged_plan(self.plan)
-        return self.workspace["ragged"]
-
     def _attend(self, query, k_pool, v_pool, scale, window):
         if isinstance(k_pool, QuantizedPool) or query.dtype != k_pool.dtype:
             return super()._attend(query, k_pool, v_pool, scale, window)
-        tables, rows, pos = self._ragged()
+        tables, rows, pos = self.ragged()
         plan = self.plan
         batch, num_heads, q_len, head_dim = query.shape
         if isinstance(plan, PackedPlan):
@@ -117,30 +111,6 @@ class CpuStep(PreparedStep):
             flat = query.transpose(1, 2).reshape(batch * q_len, num_heads, head_dim)
         out = self.backend.op(flat.contiguous(), k_pool, v_pool, tables, rows, pos, float(scale), int(window))
         return out.view(batch, q_len, num_heads, head_dim)
-
-
-def ragged_plan(plan: StepPlan | PackedPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per query token of ``plan``, in the order the forward lays them out: its block-table row and its
-    stored index (-1 = pad). A PackedPlan's decode and extend rows share one table (decode rows first)."""
-    if isinstance(plan, StepPlan):
-        batch, q_len = plan.query_pos.shape
-        rows = torch.arange(batch, dtype=torch.int32, device=plan.query_pos.device).repeat_interleave(q_len)
-        return plan.block_tables.contiguous(), rows, plan.query_pos.reshape(-1).to(torch.int32).contiguous()
-    parts = [p for p in (plan.decode, plan.extend) if p is not None]
-    width = max(p.block_tables.shape[1] for p in parts)
-    tables, rows, pos, row_base = [], [], [], 0
-    for part in parts:
-        table = part.block_tables
-        tables.append(torch.nn.functional.pad(table, (0, width - table.shape[1])))
-        batch, q_len = part.query_pos.shape
-        part_rows = torch.arange(batch, dtype=torch.int32, device=table.device).repeat_interleave(q_len) + row_base
-        part_pos = part.query_pos.reshape(-1)
-        if part.packed_index is not None:
-            part_rows, part_pos = part_rows[part.packed_index], part_pos[part.packed_index]
-        rows.append(part_rows)
-        pos.append(part_pos.to(torch.int32))
-        row_base += batch
-    return torch.cat(tables).contiguous(), torch.cat(rows), torch.cat(pos).contiguous()
 
 
 class CpuKernelBackend:

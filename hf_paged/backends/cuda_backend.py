@@ -17,6 +17,8 @@ import numpy as np
 import torch
 
 from ..kv_formats import QuantizedPool
+from ..plan import PackedPlan
+from . import cuda_fast
 from . import kernel_registry as reg
 from .step import PreparedStep
 
@@ -150,9 +152,44 @@ class KernelBackend:
 
     # -- attention ----------------------------------------------------------------------------
     def prepare(self, plan) -> PreparedStep:
-        """Bind one forward's plan (its tables are already int32 on the device); the split-K partition
-        and the partial-result scratch are computed by the first layer and kept in the step's workspace."""
-        return PreparedStep(self, plan)
+        """Bind one forward's plan (its tables are already int32 on the device). What every layer shares —
+        the ragged token list and work chunks, split partitions, partial-result scratch — is computed by
+        the first layer on the device (no host sync) and kept in the step's workspace; later layers only
+        launch."""
+        return CudaStep(self, plan)
+
+    def _splits_for(self, device: torch.device, tile: int):
+        """Keys per split for a grid of ``ctas`` CTAs over ``span`` keys (see _partition)."""
+        return lambda ctas, span: self._partition(device, ctas, span, tile)
+
+    def ragged_attention(self, query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                         block_tables: torch.Tensor, token_row: torch.Tensor, token_pos: torch.Tensor,
+                         scale: float, sliding_window: int = 0, span: int | None = None,
+                         workspace: dict | None = None, reuse: str | None = None) -> torch.Tensor:
+        """query [T, Hq, D] for fp16/bf16 model-dtype pools -> out [T, Hq, D]: every query token with its
+        block-table row and stored index (int32 [T], -1 = pad), tokens of a row consecutive. ``span``:
+        a bound on the keys any token sees (default: the table's width in tokens). ``reuse``: a name under
+        which the work chunks are kept in ``workspace`` for later calls with the same token list."""
+        _check_pools(k_pool, v_pool)
+        group = query.shape[1] // k_pool.shape[0]
+        block_size = k_pool.shape[2]
+        tables = block_tables.to(torch.int32).contiguous()
+        rows = token_row.to(torch.int32).contiguous()
+        pos = token_pos.to(torch.int32).contiguous()
+        per_chunk = cuda_fast.tokens_per_chunk(group)
+        key = ("ragged_chunks", reuse, per_chunk)
+        chunks = workspace.get(key) if workspace is not None and reuse else None
+        if chunks is None:
+            chunks = cuda_fast.ragged_chunks(rows, per_chunk, tables.shape[0])
+            if workspace is not None and reuse:
+                workspace[key] = chunks
+        span = tables.shape[1] * block_size if span is None else span
+        if sliding_window > 0:
+            span = min(span, sliding_window + reg.RAGGED_ROWS)   # a chunk's tokens span < 64 positions
+        return cuda_fast.ragged_attention(self, query, k_pool, v_pool, tables, rows, pos, chunks, scale,
+                                          sliding_window, max(span, 1),
+                                          self._splits_for(query.device, reg.ragged_tile_keys(query.shape[-1])),
+                                          workspace)
 
     def _attention_pools(self, query: torch.Tensor, k_pool, v_pool) -> tuple:
         """(query in the kernels' dtype, dtype tag, format tag ("" unquantised), pool arguments) after
@@ -184,6 +221,9 @@ class KernelBackend:
         length = int(context_lens.max()) if max_context is None else int(max_context)
         if batch == 0 or length == 0:
             return torch.zeros_like(query)
+        if cuda_fast.eligible(query, k_pool):
+            return self._decode_fast(query, k_pool, v_pool, block_tables, context_lens, scale, sliding_window,
+                                     length, workspace)
         elem = query.element_size()
         tables = block_tables.to(torch.int32).contiguous()
         lens = context_lens.to(torch.int32).contiguous()
@@ -217,6 +257,20 @@ class KernelBackend:
                                  (num_q_heads, batch, 1), (reg.THREADS, 1, 1), args, 0)
         return out
 
+    def _decode_fast(self, query, k_pool, v_pool, block_tables, context_lens, scale, window, length, workspace):
+        """fp16/bf16 decode: CUDA cores for small groups, else the tensor-core kernel with one token per row."""
+        batch, num_q_heads, head_dim = query.shape
+        group = num_q_heads // k_pool.shape[0]
+        span = min(length, window) if window > 0 else length
+        tables = block_tables.to(torch.int32).contiguous()
+        lens = context_lens.to(torch.int32).contiguous()
+        if reg.uses_decode_fast(group, head_dim):
+            return cuda_fast.decode_fast(self, query, k_pool, v_pool, tables, lens, scale, window, span,
+                                         self._splits_for(query.device, reg.decode_fast_keys(head_dim)), workspace)
+        rows = torch.arange(batch, dtype=torch.int32, device=query.device)
+        return self.ragged_attention(query, k_pool, v_pool, tables, rows, lens - 1, scale, window, span, workspace,
+                                     reuse=f"decode{batch}")
+
     def extend_attention(self, query: torch.Tensor, k_pool: torch.Tensor | QuantizedPool,
                          v_pool: torch.Tensor | QuantizedPool, block_tables: torch.Tensor,
                          context_lens: torch.Tensor, query_pos: torch.Tensor, scale: float,
@@ -229,6 +283,12 @@ class KernelBackend:
         length = int(context_lens.max()) if max_context is None else int(max_context)
         if batch == 0 or q_len == 0 or length == 0:
             return torch.zeros_like(query)
+        if cuda_fast.eligible(query, k_pool):
+            flat = query.transpose(1, 2).reshape(batch * q_len, num_q_heads, head_dim)
+            rows = torch.arange(batch, dtype=torch.int32, device=query.device).repeat_interleave(q_len)
+            out = self.ragged_attention(flat, k_pool, v_pool, block_tables, rows, query_pos.reshape(-1), scale,
+                                        sliding_window, length)
+            return out.view(batch, q_len, num_q_heads, head_dim).transpose(1, 2)
         out = torch.empty_like(query)
         tables = block_tables.to(torch.int32).contiguous()
         lens = context_lens.to(torch.int32).contiguous()
@@ -254,6 +314,31 @@ class KernelBackend:
             return span
         per_split = -(-span // want_splits)
         return max(-(-per_split // tile) * tile, 256)
+
+
+class CudaStep(PreparedStep):
+    """A forward on the kernels. With fp16/bf16 model-dtype pools every query token of the step — decode
+    rows, prefill, the packed engine's mixed steps — goes to one ragged launch per layer (decode steps
+    with small groups to the CUDA-core decode); other pools take PreparedStep's padded path."""
+
+    def _attend(self, query, k_pool, v_pool, scale, window):
+        plan = self.plan
+        if not cuda_fast.eligible(query, k_pool) or (not isinstance(plan, PackedPlan) and plan.is_decode):
+            return super()._attend(query, k_pool, v_pool, scale, window)
+        batch, num_heads, q_len, head_dim = query.shape
+        tables, rows, pos = self.ragged()
+        flat = query[0].transpose(0, 1) if isinstance(plan, PackedPlan) else \
+            query.transpose(1, 2).reshape(batch * q_len, num_heads, head_dim)
+        span = _max_context(plan)
+        out = self.backend.ragged_attention(flat, k_pool, v_pool, tables, rows, pos, scale, window, span,
+                                            self.workspace, reuse="step")
+        return out.view(batch, q_len, num_heads, head_dim)
+
+
+def _max_context(plan) -> int:
+    if isinstance(plan, PackedPlan):
+        return max(p.max_context for p in (plan.decode, plan.extend) if p is not None)
+    return plan.max_context
 
 
 class CupyLauncher:

@@ -22,6 +22,12 @@ MAX_ROWS = 32             # query rows (heads x tokens) per extend CTA
 THREADS = 128             # threads per block of every kernel (hfp::kThreads)
 ATTENTION_SOURCE = "attention.cu"
 CACHE_SOURCE = "cache_ops.cu"
+# sm_80+ fp16/bf16 kernels over model-dtype pools: cp.async decode for small groups, tensor-core
+# ragged attention for the rest (fast_attention.cu); fp32 and quantised pools use attention.cu.
+FAST_SOURCE = "fast_attention.cu"
+FAST_DTYPE_TAGS = ("f16", "bf16")
+FAST_DECODE_MAX_GROUP = 7     # larger groups decode on tensor cores (the ragged kernel, one token)
+RAGGED_ROWS = 64              # query rows (tokens x group heads) per ragged CTA
 # Quantised KV formats (hf_paged/kv_formats.py name -> kernel-name tag). Their kernels read codes and
 # scales and dequantise into the query's dtype; the write kernels quantise from the key's dtype.
 KV_FORMAT_TAGS = {"fp8_e4m3": "fp8e4m3", "fp8_e5m2": "fp8e5m2", "int8": "int8", "int4": "int4"}
@@ -47,6 +53,8 @@ class KernelSpec:
     @property
     def defines(self) -> tuple[str, ...]:
         """Preprocessor options selecting this kernel's module (see the end of attention.cu)."""
+        if self.source == FAST_SOURCE:
+            return (f"-DHFP_ONLY_HEAD_DIM={self.head_dim}",)
         if self.source != ATTENTION_SOURCE:
             return ()
         return (f"-DHFP_ONLY_HEAD_DIM={self.head_dim}", f"-DHFP_ONLY_KV_FORMAT={KV_FORMAT_IDS[self.kv_format]}")
@@ -67,6 +75,19 @@ def extend_kernel(tag: str, head_dim: int, kv_format: str = "") -> KernelSpec:
 def reduce_kernel(tag: str, head_dim: int, kv_format: str = "") -> KernelSpec:
     """The split-K merge; compiled into every attention module, so it is looked up in the caller's."""
     return KernelSpec(f"hfp_decode_reduce_{tag}", ATTENTION_SOURCE, head_dim, kv_format)
+
+
+def ragged_kernel(tag: str, head_dim: int) -> KernelSpec:
+    return KernelSpec(f"hfp_ragged_{tag}_d{head_dim}", FAST_SOURCE, head_dim)
+
+
+def decode_fast_kernel(tag: str, head_dim: int) -> KernelSpec:
+    return KernelSpec(f"hfp_decode_fast_{tag}_d{head_dim}", FAST_SOURCE, head_dim)
+
+
+def merge_kernel(tag: str, head_dim: int) -> KernelSpec:
+    """The split merge of the fast kernels; compiled into every fast_attention.cu module."""
+    return KernelSpec(f"hfp_merge_splits_{tag}", FAST_SOURCE, head_dim)
 
 
 def write_kv_kernel(tag: str, kv_format: str = "") -> KernelSpec:
@@ -90,6 +111,9 @@ def all_kernels() -> list[KernelSpec]:
     """Every entry point, each once (the reduce kernels under head dim 0)."""
     tags = list(DTYPE_TAGS.values())
     specs = [KernelSpec(f"hfp_decode_reduce_{t}", ATTENTION_SOURCE) for t in tags]
+    specs += [KernelSpec(f"hfp_merge_splits_{t}", FAST_SOURCE) for t in FAST_DTYPE_TAGS]
+    for d in HEAD_DIMS:
+        specs += [ragged_kernel(t, d) for t in FAST_DTYPE_TAGS] + [decode_fast_kernel(t, d) for t in FAST_DTYPE_TAGS]
     for d in HEAD_DIMS:
         specs += [decode_kernel(t, d) for t in tags] + [extend_kernel(t, d) for t in tags]
     for f in KV_FORMAT_TAGS.values():
@@ -102,8 +126,8 @@ def all_kernels() -> list[KernelSpec]:
 
 def attention_modules() -> list[tuple[str, int, str]]:
     """Every compiled attention unit (source, head dim, format tag), model dtype first."""
-    return sorted({s.module for s in all_kernels() if s.source == ATTENTION_SOURCE and s.head_dim},
-                  key=lambda m: (m[2] != "", m[2], m[1]))
+    return sorted({s.module for s in all_kernels() if s.source != CACHE_SOURCE and s.head_dim},
+                  key=lambda m: (m[2] != "", m[2], m[0], m[1]))
 
 
 def module_kernel_names(module: tuple[str, int, str]) -> set[str]:
@@ -112,6 +136,8 @@ def module_kernel_names(module: tuple[str, int, str]) -> set[str]:
     names = {spec.name for spec in all_kernels() if spec.module == module}
     if module[0] == ATTENTION_SOURCE:
         names |= {reduce_kernel(t, module[1], module[2]).name for t in DTYPE_TAGS.values()}
+    if module[0] == FAST_SOURCE:
+        names |= {merge_kernel(t, module[1]).name for t in FAST_DTYPE_TAGS}
     return names
 
 
@@ -189,3 +215,58 @@ def kernel_source(source: str) -> str:
         return _INCLUDE.sub(lambda m: expand(m.group(1)), text)
 
     return expand(source)
+
+
+# --- fast_attention.cu geometry (mirrors of RaggedShape / DecodeShape there) -----------------------
+def ragged_tile_keys(head_dim: int) -> int:
+    return 64 if head_dim <= 128 else 32
+
+
+def ragged_smem_bytes(head_dim: int) -> int:
+    """q [64][D + 8] + K and V [2][keys][D + 8] (fp16/bf16) + 64 int positions."""
+    return (RAGGED_ROWS + 4 * ragged_tile_keys(head_dim)) * (head_dim + 8) * 2 + 4 * RAGGED_ROWS
+
+
+def decode_fast_slots(head_dim: int) -> int:
+    """Lane groups per decode CTA: 128 threads / lanes per head_dim (one 16-byte chunk each, a power of two)."""
+    chunks = head_dim // 8
+    return THREADS // (8 if chunks <= 8 else 16 if chunks <= 16 else 32)
+
+
+def decode_fast_keys(head_dim: int) -> int:
+    return 32 if head_dim <= 128 else 16
+
+
+DECODE_FAST_STAGES = 3
+
+
+def decode_fast_smem_bytes(head_dim: int) -> int:
+    """K and V rings [stages][keys][D] (fp16/bf16) + the key-group merge [slots][D + 2] fp32."""
+    ring = DECODE_FAST_STAGES * decode_fast_keys(head_dim) * head_dim * 2
+    return 2 * ring + 4 * decode_fast_slots(head_dim) * (head_dim + 2)
+
+
+def uses_decode_fast(group: int, head_dim: int) -> bool:
+    """Decode on CUDA cores (one lane group per query head) or, for larger groups, on tensor cores."""
+    return group <= min(FAST_DECODE_MAX_GROUP, decode_fast_slots(head_dim))
+
+
+def decode_key_groups(group: int, head_dim: int) -> int:
+    """Key groups per decode CTA: the largest power of two with group * key_groups <= slots."""
+    spare = decode_fast_slots(head_dim) // group
+    return 1 << (spare.bit_length() - 1)
+
+
+def kernel_smem_bytes(spec: KernelSpec, group: int, q_per_cta: int = 1) -> int:
+    """Dynamic shared memory of one launch of ``spec`` for a GQA group (extend: rows = group x q_per_cta)."""
+    if spec.source == FAST_SOURCE:
+        if spec.name.startswith("hfp_ragged_"):
+            return ragged_smem_bytes(spec.head_dim)
+        if spec.name.startswith("hfp_decode_fast_"):
+            return decode_fast_smem_bytes(spec.head_dim)
+        return 0
+    if spec.source == ATTENTION_SOURCE and spec.head_dim and "reduce" not in spec.name:
+        elem = 4 if spec.name.split("_")[-2] == "f32" else 2
+        rows = group if "_decode_" in spec.name else min(MAX_ROWS, group * q_per_cta)
+        return attention_smem_bytes(spec.head_dim, elem, rows)
+    return 0

@@ -36,6 +36,12 @@ class PreparedStep:
             self.workspace[key] = prepare_step(self.peers[device], plan_on(self.plan, device))
         return self.workspace[key]
 
+    def ragged(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:func:`ragged_plan` of this step, built on first use and kept for the other layers."""
+        if "ragged" not in self.workspace:
+            self.workspace["ragged"] = ragged_plan(self.plan)
+        return self.workspace["ragged"]
+
     def attend(self, query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, scale: float,
                window: int) -> torch.Tensor:
         """query [B, Hq, Q, D] (packed: [1, Hq, N, D]) -> out [B, Q, Hq, D]. Pad queries give zeros."""
@@ -83,6 +89,30 @@ class PreparedStep:
             parts.append(out.transpose(1, 2).reshape(rows * q_len, num_heads, head_dim).index_select(0, e.packed_index))
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
         return out.unsqueeze(0)
+
+
+def ragged_plan(plan: StepPlan | PackedPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per query token of ``plan``, in the order the forward lays them out: its block-table row and its
+    stored index (-1 = pad). A PackedPlan's decode and extend rows share one table (decode rows first)."""
+    if isinstance(plan, StepPlan):
+        batch, q_len = plan.query_pos.shape
+        rows = torch.arange(batch, dtype=torch.int32, device=plan.query_pos.device).repeat_interleave(q_len)
+        return plan.block_tables.contiguous(), rows, plan.query_pos.reshape(-1).to(torch.int32).contiguous()
+    parts = [p for p in (plan.decode, plan.extend) if p is not None]
+    width = max(p.block_tables.shape[1] for p in parts)
+    tables, rows, pos, row_base = [], [], [], 0
+    for part in parts:
+        table = part.block_tables
+        tables.append(torch.nn.functional.pad(table, (0, width - table.shape[1])))
+        batch, q_len = part.query_pos.shape
+        part_rows = torch.arange(batch, dtype=torch.int32, device=table.device).repeat_interleave(q_len) + row_base
+        part_pos = part.query_pos.reshape(-1)
+        if part.packed_index is not None:
+            part_rows, part_pos = part_rows[part.packed_index], part_pos[part.packed_index]
+        rows.append(part_rows)
+        pos.append(part_pos.to(torch.int32))
+        row_base += batch
+    return torch.cat(tables).contiguous(), torch.cat(rows), torch.cat(pos).contiguous()
 
 
 def prepare_step(backend, plan: StepPlan | PackedPlan, peers: dict | None = None) -> PreparedStep:

@@ -48,8 +48,9 @@ def cache_dir() -> Path:
 
 def module_units(head_dims=reg.HEAD_DIMS) -> list[tuple[str, int, str]]:
     """Registry modules (source, head dim, format tag) of each library built by default: model-dtype
-    attention per head dim, cache ops once. Quantised attention modules: quantised_units."""
-    return [(reg.ATTENTION_SOURCE, d, "") for d in head_dims] + [(reg.CACHE_SOURCE, 0, "")]
+    attention (attention.cu and fast_attention.cu) per head dim, cache ops once. Quantised attention modules: quantised_units."""
+    return ([(reg.ATTENTION_SOURCE, d, "") for d in head_dims] + [(reg.FAST_SOURCE, d, "") for d in head_dims]
+            + [(reg.CACHE_SOURCE, 0, "")])
 
 
 def quantised_units(head_dims=reg.HEAD_DIMS, formats=tuple(reg.KV_FORMAT_TAGS.values())) -> list[tuple[str, int, str]]:

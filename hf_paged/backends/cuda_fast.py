@@ -1,0 +1,144 @@
+"""Host side of ``cuda/fast_attention.cu``: fp16/bf16 attention over model-dtype pools on sm_80+.
+
+* :func:`ragged_attention` — the tensor-core kernel over a ragged token list: every query token of a step
+  (prefill, chunked prefill, the engine's packed steps, or decode rows with large GQA groups) given by
+  its block-table row and stored index; no padding, no scatter.
+* :func:`decode_fast` — the cp.async-pipelined CUDA-core decode for groups up to
+  ``kernel_registry.FAST_DECODE_MAX_GROUP``.
+
+Work lists (:func:`ragged_chunks`) are built on the device without a host sync, once per step and
+chunk size (see :class:`~hf_paged.backends.cuda_backend.CudaStep`). Fp32 and quantised pools stay on
+``attention.cu`` (:class:`~hf_paged.backends.cuda_backend.KernelBackend`).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from . import kernel_registry as reg
+
+_SPLIT_CAP = 1 << 30   # "no split": a partition longer than any key range
+
+
+def _ptr(t: torch.Tensor | None) -> np.uint64:
+    return np.uint64(0 if t is None else t.data_ptr())
+
+
+def eligible(query: torch.Tensor, k_pool) -> bool:
+    """Whether the fast kernels serve these tensors: model-dtype fp16/bf16 pools, the query cast to them."""
+    return isinstance(k_pool, torch.Tensor) and reg.DTYPE_TAGS.get(k_pool.dtype) in reg.FAST_DTYPE_TAGS
+
+
+def tokens_per_chunk(group: int) -> int:
+    """Query tokens per ragged CTA: its 64 rows hold tokens x the group's heads."""
+    return max(1, reg.RAGGED_ROWS // group)
+
+
+def ragged_chunks(token_row: torch.Tensor, per_chunk: int, num_rows: int) -> torch.Tensor:
+    """int32 [C, 2] (first token, count): runs of consecutive tokens of one row, cut every ``per_chunk``
+    tokens. Computed on the token list's device without reading it on the host: C is an upper bound
+    (ceil(T / per_chunk) + min(T, rows)) and unused entries have count 0 (their CTAs exit at once)."""
+    total = token_row.numel()
+    device = token_row.device
+    if total == 0:
+        return torch.zeros(0, 2, dtype=torch.int32, device=device)
+    index = torch.arange(total, device=device)
+    new_run = torch.ones(total, dtype=torch.bool, device=device)
+    new_run[1:] = token_row[1:] != token_row[:-1]
+    run_start = torch.where(new_run, index, torch.zeros_like(index)).cummax(0).values
+    chunk_id = ((index - run_start) % per_chunk == 0).cumsum(0) - 1
+    capacity = -(-total // per_chunk) + min(total, num_rows)
+    first = torch.zeros(capacity, dtype=torch.int64, device=device)
+    first.scatter_reduce_(0, chunk_id, index, reduce="amin", include_self=False)
+    count = torch.zeros(capacity, dtype=torch.int64, device=device).scatter_add_(0, chunk_id, torch.ones_like(index))
+    return torch.stack([first, count], 1).to(torch.int32).contiguous()
+
+
+def _split_scratch(workspace: dict | None, key: tuple, rows: int, splits: int, head_dim: int, device):
+    """fp32 partial outputs [rows, splits, D] and log2-sum-exps [rows, splits], shared by the layers of a
+    step (they run one after another)."""
+    if splits == 1:
+        return None, None
+    cached = workspace.get(key) if workspace is not None else None
+    if cached is None:
+        cached = (torch.empty(rows, splits, head_dim, dtype=torch.float32, device=device),
+                  torch.empty(rows, splits, dtype=torch.float32, device=device))
+        if workspace is not None:
+            workspace[key] = cached
+    return cached
+
+
+def _merge(backend, tag: str, head_dim: int, out, part_out, part_lse, splits: int) -> None:
+    rows = out.numel() // head_dim
+    args = (_ptr(out), _ptr(part_out), _ptr(part_lse), np.int32(splits), np.int32(head_dim))
+    backend.launcher.launch(reg.merge_kernel(tag, head_dim), out.device, (rows, 1, 1), (reg.THREADS, 1, 1), args, 0)
+
+
+def _aligned_tokens(query: torch.Tensor) -> torch.Tensor:
+    """[T, Hq, D] with unit stride on D and 16-byte aligned token and head rows (copied otherwise)."""
+    elem = query.element_size()
+    ok = (query.stride(2) == 1 and query.data_ptr() % 16 == 0
+          and all(query.stride(i) * elem % 16 == 0 or query.shape[i] == 1 for i in (0, 1)))
+    return query if ok else query.contiguous()
+
+
+def ragged_attention(backend, query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                     block_tables: torch.Tensor, token_row: torch.Tensor, token_pos: torch.Tensor,
+                     chunks: torch.Tensor, scale: float, window: int, span: int, splits_for=None,
+                     workspace: dict | None = None) -> torch.Tensor:
+    """query [T, Hq, D] (any strides; fp16/bf16 pools) -> out [T, Hq, D]. token_row / token_pos int32 [T]
+    (pos -1 = pad: zeros); chunks from :func:`ragged_chunks` with ``tokens_per_chunk(group)``; ``span``:
+    an upper bound on the keys any token sees (for the split plan). ``splits_for(ctas, span)`` -> keys per
+    split, or None for one split."""
+    total, num_q_heads, head_dim = query.shape
+    num_kv_heads, _, block_size, _ = k_pool.shape
+    group = num_q_heads // num_kv_heads
+    tag = reg.check_attention_shape(k_pool.dtype, head_dim, block_size, num_q_heads, num_kv_heads)
+    query = _aligned_tokens(query.to(k_pool.dtype))
+    out = torch.empty(total, num_q_heads, head_dim, dtype=k_pool.dtype, device=query.device)
+    if total == 0 or chunks.shape[0] == 0:
+        return out.zero_()
+    ctas = chunks.shape[0] * num_kv_heads
+    partition = splits_for(ctas, span) if splits_for is not None else None
+    partition = _SPLIT_CAP if partition is None or partition >= span else partition
+    splits = 1 if partition == _SPLIT_CAP else -(-span // partition)
+    part_out, part_lse = _split_scratch(workspace, ("ragged_split", total, num_q_heads, head_dim, splits),
+                                        total * num_q_heads, splits, head_dim, query.device)
+    args = (_ptr(out), _ptr(part_out), _ptr(part_lse), _ptr(query), np.int64(query.stride(0)),
+            np.int64(query.stride(1)), _ptr(k_pool), _ptr(v_pool), np.int64(k_pool.stride(0)),
+            _ptr(block_tables), np.int32(block_tables.shape[1]), np.int32(block_size.bit_length() - 1),
+            _ptr(token_row), _ptr(token_pos), _ptr(chunks), np.int32(num_kv_heads), np.int32(group),
+            np.int32(window), np.int32(partition), np.float32(scale * np.log2(np.e)))
+    backend.launcher.launch(reg.ragged_kernel(tag, head_dim), query.device, (ctas, splits, 1), (reg.THREADS, 1, 1),
+                            args, reg.ragged_smem_bytes(head_dim))
+    if splits > 1:
+        _merge(backend, tag, head_dim, out, part_out, part_lse, splits)
+    return out
+
+
+def decode_fast(backend, query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, window: int, span: int,
+                splits_for=None, workspace: dict | None = None) -> torch.Tensor:
+    """query [B, Hq, D] -> out [B, Hq, D] on CUDA cores (groups up to FAST_DECODE_MAX_GROUP)."""
+    batch, num_q_heads, head_dim = query.shape
+    num_kv_heads, _, block_size, _ = k_pool.shape
+    group = num_q_heads // num_kv_heads
+    tag = reg.check_attention_shape(k_pool.dtype, head_dim, block_size, num_q_heads, num_kv_heads)
+    query = query.to(k_pool.dtype).contiguous()
+    out = torch.empty_like(query)
+    ctas = batch * num_kv_heads
+    partition = splits_for(ctas, span) if splits_for is not None else None
+    partition = _SPLIT_CAP if partition is None or partition >= span else partition
+    splits = 1 if partition == _SPLIT_CAP else -(-span // partition)
+    part_out, part_lse = _split_scratch(workspace, ("decode_fast_split", batch, num_q_heads, head_dim, splits),
+                                        batch * num_q_heads, splits, head_dim, query.device)
+    args = (_ptr(out), _ptr(part_out), _ptr(part_lse), _ptr(query), _ptr(k_pool), _ptr(v_pool),
+            np.int64(k_pool.stride(0)), _ptr(block_tables), np.int32(block_tables.shape[1]),
+            np.int32(block_size.bit_length() - 1), _ptr(context_lens), np.int32(num_kv_heads), np.int32(group),
+            np.int32(reg.decode_key_groups(group, head_dim)), np.int32(window), np.int32(partition),
+            np.float32(scale * np.log2(np.e)))
+    backend.launcher.launch(reg.decode_fast_kernel(tag, head_dim), query.device, (ctas, splits, 1),
+                            (reg.THREADS, 1, 1), args, reg.decode_fast_smem_bytes(head_dim))
+    if splits > 1:
+        _merge(backend, tag, head_dim, out, part_out, part_lse, splits)
+    return out
