@@ -1,344 +1,1205 @@
-"""One prepared check for a GPU machine (about 4-6 minutes on an H100/H200):
+"""The prepared check for a GPU machine, built so that one try cannot be lost (<= 6 minutes on an H200):
 
-    python -m bench gpu [--out gpu_check.json] [--quick]     (or: python bench/gpu_check.py ...)
+    python bench/gpu_check.py --out $OUT          (or: python -m bench gpu --out $OUT)
+    python bench/gpu_check.py --list              the sections and their deadlines
+    python bench/gpu_check.py --sections correctness,decode_bandwidth --out $OUT
+    python bench/gpu_check.py --dry-run --out /tmp/x   the machinery on the CPU, with fake sections
 
-(a) every kernel against the PyTorch path on the GPU over a covering grid (head dims, block sizes,
-    dtypes, GQA ratios, context lengths 0/1/block+-1/long, sliding window, split-K);
-(b) decode bandwidth = KV bytes read / time (CUDA events, median; pools rotated so the bytes touched
-    per measurement are several times the L2) for batch x context {1x4k, 8x2k, 64x4k, 256x1k} with
-    Llama-3-8B (32q/8kv), Qwen2.5-7B (28q/4kv), GLM-4-9B (32q/2kv) head shapes (d128, bf16, block 16),
-    as a fraction of a device-to-device copy measured in the same run, beside torch SDPA on contiguous
-    KV, and beside the naive "one pass per query head" variant (our kernel at GQA 1 on repeated KV);
-(c) prefill (extend) time against torch SDPA (causal, contiguous);
-(d) generate tokens/s of hf_paged against DynamicCache on a small random Llama;
-(e) quantised KV: write kernel vs the PyTorch codec, decode correctness and time per kv_cache_dtype.
-Prints a table last and writes JSON. Needs CuPy and the CUDA headers (pip install hf-paged[cuda]).
+First ``pip install --no-deps --no-build-isolation --no-index -e .`` (offline; when it fails, each section
+loads hf_paged straight from this checkout's folders, and says so). Then every section runs in its own
+subprocess (``python bench/gpu_check.py --section NAME``) under its own deadline: a CUDA fault (sticky for
+the process) or a timeout loses only that section, and what the section recorded before it died is kept.
+Each section's result is appended, as one JSON line, to ``$OUT/gpu_check.jsonl`` (or ``--out``) the moment
+it finishes; a compact summary of whatever finished is printed last. Sections:
+
+  env               driver, CUDA, cupy, NVRTC, torch, transformers versions; the device; the CuPy loader's verdict
+  correctness       the kernels through the public backend API against torch_backend on the same GPU tensors:
+                    fp16/bf16/fp32, head dims 64/128/256, block sizes 8/16/32, GQA groups 1-32, windows, forced
+                    split-K, long prompts (8k tokens; 70k at group 32, past the old grid limit), 128k decode
+  decode_bandwidth  GB/s of decode vs a device-to-device copy of the same bytes and vs SDPA (flash) on contiguous
+                    K/V: 1x4k, 16x4k, 64x4k, 256x2k tokens x GQA 1/4/8/16 (32 query heads, d128, bf16, block 16)
+  extend            prefill TFLOPS vs SDPA flash (causal) at 512/2k/4k/8k tokens (32 heads / 8 KV heads, d128, bf16)
+  generate          model.generate tokens/s, DynamicCache vs cache_implementation="paged", random Llama (8 layers,
+                    hidden 4096, 32/8 heads, bf16); whether greedy tokens agree
+  engine            hf_paged.LLM (KV pool sized by gpu_memory_utilization) vs padded generate on 64 requests
+  quantised         quantised KV formats: decode vs the PyTorch path, write-kernel codes, time per format (last:
+                    runs only when the budget has room)
+
+Timing: N back-to-back calls between one pair of CUDA events, after a warm-up that runs until two batches
+agree within 3%; the same N calls replayed from a CUDA graph too (the kernels' time without the host's), unless
+--no-graphs. Inputs rotate over enough copies that each round touches >= 3x the L2 (60 MB on an H200); K and V
+are distinct tensors for every baseline; bandwidth counts the bytes actually read and written (K+V of every
+context token, q and out).
 """
 from __future__ import annotations
 
 import argparse
+import collections
+import datetime
+import functools
+import importlib
+import importlib.util
 import json
 import math
-import statistics
+import os
+import signal
+import subprocess
 import sys
+import tempfile
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+import traceback
+from pathlib import Path
 
-import torch
-import torch.nn.functional as F
-
-# hf_paged's kernel modules: imported by main() once a GPU is there, so that --help needs no CUDA stack
-reg = ta = None
-
-
-def _kernel_backend():
-    global reg, ta
-    from hf_paged.backends import kernel_registry as reg_  # noqa: PLC0415
-    from hf_paged.backends import torch_backend as ta_  # noqa: PLC0415
-    from hf_paged.backends.cuda_backend import CupyLauncher, KernelBackend  # noqa: PLC0415
-    reg, ta = reg_, ta_
-    return KernelBackend(CupyLauncher())
-
-DEV = torch.device("cuda")
-MODELS = {"Llama-3-8B": (32, 8), "Qwen2.5-7B": (28, 4), "GLM-4-9B": (32, 2)}
-DECODE_SHAPES = [(1, 4096), (8, 2048), (64, 4096), (256, 1024)]
-TOL = {torch.float16: 3e-3, torch.bfloat16: 2e-2, torch.float32: 1e-4}
+REPO = Path(__file__).resolve().parent.parent
+TOTAL_BUDGET_S = 360.0        # the whole run, install included
+MIN_SECTION_S = 15.0          # a section is not started with less time than this left
+SKIP_NO_CUDA = "skipped: no CUDA device"
+GROUPS = (1, 4, 8, 16, 32)
+TARGETS = "decode >= 80% of copy at 64x4k GQA 4, >= 60% at GQA 16; batch-1 4k within 1.5x SDPA; extend >= 50% SDPA"
 
 
-def median_ms(fn, iters=20, warmup=3):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
+# ---------------------------------------------------------------------------------------------------------
+# The section's side: what a section function receives, timing, tensors
+# ---------------------------------------------------------------------------------------------------------
+class SectionContext:
+    """Handed to a section function: ``record(case)`` appends one case to the result file at once (so a
+    timeout or a crash keeps it), ``time_left()`` is the section's own deadline minus the time spent."""
+
+    def __init__(self, result_file: Path, deadline_s: float, smoke: bool, graphs: bool):
+        self.result_file, self.smoke, self.graphs = result_file, smoke, graphs
+        self.started = time.monotonic()
+        self.deadline_s = deadline_s
+        self.package = None         # how hf_paged was imported (set by run_section)
+
+    def write(self, kind: str, data) -> None:
+        with open(self.result_file, "a") as f:
+            f.write(json.dumps({"kind": kind, "data": data}, default=_jsonable) + "\n")
+
+    def record(self, case: dict) -> None:
+        self.write("case", case)
+
+    def time_left(self) -> float:
+        return self.deadline_s - (time.monotonic() - self.started)
+
+
+def _jsonable(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return str(value)
+
+
+def guarded(ctx: SectionContext, case: dict, fn) -> bool:
+    """Run ``fn(case)`` (it fills ``case``), record the case with its exception if any. False when the CUDA
+    context is lost (every later CUDA call would fail too), so the section should stop."""
+    t0 = time.perf_counter()
+    try:
+        fn(case)
+        case.setdefault("ok", True)
+    except Exception as exc:  # noqa: BLE001 - recorded per case, the section goes on
+        case.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:2000])
+    case["seconds"] = round(time.perf_counter() - t0, 3)
+    ctx.record(case)
+    if case.get("ok") is False and "error" in case:
+        return _context_alive()
+    return True
+
+
+def _context_alive() -> bool:
+    import torch
+    if not torch.cuda.is_available():
+        return True
+    try:
+        torch.cuda.synchronize()
+        torch.zeros(1, device="cuda").add_(1).item()
+        return True
+    except Exception:  # noqa: BLE001 - a sticky CUDA error: the section stops here
+        return False
+
+
+def measure(fn, device, graphs: bool = True, target_ms: float = 20.0, repeats: int = 3,
+            max_warm_s: float = 0.6) -> dict:
+    """Milliseconds per call of ``fn(i)`` (i counts calls; fn rotates its inputs by it).
+
+    CUDA: N calls back to back between one pair of events (N so that a batch lasts ~target_ms), after
+    warm-up batches until two agree within 3% (or max_warm_s); median of ``repeats`` batches. Then, when
+    ``graphs``, the same N calls captured into one CUDA graph and replayed (the GPU's time alone)."""
+    import torch
+    counter = iter(range(1 << 62))
+    if device.type != "cuda":
+        fn(next(counter))
+        t0 = time.perf_counter()
+        fn(next(counter))
+        return {"ms": (time.perf_counter() - t0) * 1e3, "n": 1, "timer": "perf_counter"}
+
+    def batch(n):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        for _ in range(n):
+            fn(next(counter))
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+        return start.elapsed_time(end) / n
 
-
-def make_cache(lengths, block_size, num_kv_heads, head_dim, dtype, seed=0, copies=1):
-    gen = torch.Generator(device=DEV).manual_seed(seed)
-    blocks = [-(-n // block_size) for n in lengths]
-    num_blocks = sum(blocks) + 1
-    pools = [(torch.randn(num_kv_heads, num_blocks, block_size, head_dim, generator=gen, device=DEV, dtype=dtype),
-              torch.randn(num_kv_heads, num_blocks, block_size, head_dim, generator=gen, device=DEV, dtype=dtype))
-             for _ in range(copies)]
-    order = torch.randperm(num_blocks, generator=gen, device=DEV).int()
-    tables = torch.zeros(len(lengths), max(1, max(blocks)), dtype=torch.int32, device=DEV)
-    used = 0
-    for b, nb in enumerate(blocks):
-        tables[b, :nb] = order[used:used + nb]
-        used += nb
-    return pools, tables, torch.tensor(lengths, dtype=torch.int32, device=DEV)
-
-
-def check(name, out, ref, dtype, results):
-    err = (out.float() - ref.float()).abs().max().item() if out.numel() else 0.0
-    scale = max(1.0, ref.float().abs().max().item()) if ref.numel() else 1.0
-    ok = math.isfinite(err) and err <= TOL[dtype] * scale
-    results.append({"case": name, "max_abs_err": err, "ok": ok})
-    if not ok:
-        print(f"FAIL {name}: max abs err {err:.3g}", flush=True)
-
-
-def correctness(backend, quick):
-    results = []
-    combos = [(d, 16) for d in reg.HEAD_DIMS] + [(128, 8), (128, 32), (64, 8), (256, 32)]
-    if quick:
-        combos = [(128, 16), (64, 8)]
-    heads = [(8, 8), (32, 8), (28, 4), (32, 2), (16, 1)]
-    # Build the modules in parallel first (NVRTC, then CuPy's disk cache on later runs).
-    with ThreadPoolExecutor(8) as pool:
-        list(pool.map(lambda d: backend.launcher.prepare(reg.decode_kernel("f16", d), DEV), reg.HEAD_DIMS))
-    for i, (d, bs) in enumerate(combos):
-        for dtype in (torch.float16, torch.bfloat16):
-            hq, hkv = heads[i % len(heads)]
-            lengths = [0, 1, bs - 1, bs, bs + 1, 777, 3000]
-            pools, tables, lens = make_cache(lengths, bs, hkv, d, dtype, seed=i)
-            kp, vp = pools[0]
-            q = torch.randn(len(lengths), hq, d, device=DEV, dtype=dtype)
-            tag = f"d{d} b{bs} {reg.DTYPE_TAGS[dtype]} {hq}/{hkv}"
-            for window in (0, 100):
-                ref = ta.decode_attention(q, kp, vp, tables, lens, d ** -0.5, sliding_window=window)
-                for part in (None, 128):
-                    backend.partition_size = part
-                    out = backend.decode_attention(q, kp, vp, tables, lens, d ** -0.5, sliding_window=window)
-                    check(f"decode {tag} w{window} p{part}", out, ref, dtype, results)
-            backend.partition_size = None
-            q_len = 40
-            pos = torch.full((len(lengths), q_len), -1, dtype=torch.int32, device=DEV)
-            for b, n in enumerate(lengths):
-                new = min(n, q_len)
-                pos[b, q_len - new:] = torch.arange(n - new, n, device=DEV, dtype=torch.int32)
-            qe = torch.randn(len(lengths), hq, q_len, d, device=DEV, dtype=dtype)
-            for window in (0, 17):
-                ref = ta.extend_attention(qe, kp, vp, tables, lens, pos, d ** -0.5, sliding_window=window)
-                out = backend.extend_attention(qe, kp, vp, tables, lens, pos, d ** -0.5, sliding_window=window)
-                check(f"extend {tag} w{window}", out, ref, dtype, results)
-            key = torch.randn(20, hkv, d, device=DEV, dtype=dtype)
-            slots = torch.randperm(kp.shape[1] * bs, device=DEV)[:20]
-            slots[3] = -1
-            want = [kp.clone(), vp.clone()]
-            ta.write_kv(*want, key, key, slots)
-            backend.write_kv(kp, vp, key, key, slots)
+    batch(1)
+    one = batch(3)
+    n = int(min(1000, max(3, target_ms / max(one, 1e-3))))
+    t0, prev = time.perf_counter(), None
+    while time.perf_counter() - t0 < max_warm_s:
+        cur = batch(n)
+        if prev is not None and abs(cur - prev) <= 0.03 * prev:
+            break
+        prev = cur
+    samples = sorted(batch(n) for _ in range(repeats))
+    out = {"ms": samples[len(samples) // 2], "eager_ms": samples[len(samples) // 2], "n": n,
+           "spread": [samples[0], samples[-1]], "timer": "cuda events"}
+    if graphs:
+        try:
+            out["graph_ms"] = _graph_ms(fn, counter, n, repeats)
+            out["ms"] = out["graph_ms"]
+            out["timer"] = "cuda graph replay"
+        except Exception as exc:  # noqa: BLE001 - the eager figure stands
+            out["graph_error"] = f"{type(exc).__name__}: {exc}"[:300]
             torch.cuda.synchronize()
-            results.append({"case": f"write_kv {tag}", "ok": torch.equal(kp, want[0]) and torch.equal(vp, want[1])})
-            pairs = torch.tensor([[0, 1], [2, 3]], device=DEV)
-            want = [kp.clone(), vp.clone()]
-            ta.copy_blocks(want, pairs)
-            backend.copy_blocks([kp, vp], pairs)
-            torch.cuda.synchronize()
-            results.append({"case": f"copy_blocks {tag}", "ok": torch.equal(kp, want[0]) and torch.equal(vp, want[1])})
-    return results
+    return out
 
 
-def copy_bandwidth():
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=DEV)
+def _graph_ms(fn, counter, n: int, repeats: int) -> float:
+    import torch
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn(next(counter))                       # a warm call on the capture stream
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        for _ in range(n):
+            fn(next(counter))
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / n)
+    del graph
+    return sorted(times)[len(times) // 2]
+
+
+def heat_up(device, seconds: float = 0.3) -> None:
+    """Load the GPU for a moment so that its clocks leave idle before the first measurement."""
+    import torch
+    if device.type != "cuda":
+        return
+    src = torch.empty(1 << 28, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    ms = median_ms(lambda: dst.copy_(src), iters=10)
-    return 2 * src.numel() / ms / 1e6  # GB/s, bytes read + written
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for _ in range(20):
+            dst.copy_(src)
+        torch.cuda.synchronize()
 
 
-def decode_bandwidth(backend, quick):
-    l2 = torch.cuda.get_device_properties(DEV).L2_cache_size
-    rows = []
-    shapes = DECODE_SHAPES[:2] if quick else DECODE_SHAPES
-    for model, (hq, hkv) in MODELS.items():
-        for batch, ctx in shapes:
-            d, bs, dtype = 128, 16, torch.bfloat16
-            kv_bytes = batch * ctx * hkv * d * 2 * 2
-            copies = max(1, math.ceil(4 * l2 / kv_bytes))   # rotate pools: >= 4x L2 touched per round
-            pools, tables, lens = make_cache([ctx] * batch, bs, hkv, d, dtype, copies=copies)
-            q = torch.randn(batch, hq, d, device=DEV, dtype=dtype)
-            it = iter(range(1 << 30))
+def paged_kv(lengths, block_size: int, num_kv_heads: int, head_dim: int, dtype, device, copies: int = 1,
+             seed: int = 0):
+    """Distinct K and V pools [Hkv, blocks, block_size, D] holding ``copies`` independent sets of the rows
+    ``lengths`` in shuffled blocks; returns (k_pool, v_pool, [block_tables int32 [B, W]] per copy, lens)."""
+    import torch
+    gen = torch.Generator(device=device).manual_seed(seed)
+    per_row = [max(1, -(-n // block_size)) for n in lengths]
+    width, per_copy = max(per_row), sum(per_row)
+    num_blocks = copies * per_copy + 1
+    shape = (num_kv_heads, num_blocks, block_size, head_dim)
+    k_pool = torch.randn(shape, generator=gen, device=device, dtype=dtype)
+    v_pool = torch.randn(shape, generator=gen, device=device, dtype=dtype)
+    order = (torch.randperm(num_blocks - 1, generator=gen, device=device) + 1).to(torch.int32)
+    tables = []
+    for c in range(copies):
+        table = torch.zeros(len(lengths), width, dtype=torch.int32, device=device)
+        used = c * per_copy
+        for b, nb in enumerate(per_row):
+            table[b, :nb] = order[used:used + nb]
+            used += nb
+        tables.append(table)
+    return k_pool, v_pool, tables, torch.tensor(lengths, dtype=torch.int32, device=device)
 
-            def ours():
-                kp, vp = pools[next(it) % copies]
-                backend.decode_attention(q, kp, vp, tables, lens, d ** -0.5, max_context=ctx)
-            ms = median_ms(ours)
-            # torch SDPA on contiguous KV [B, Hkv, ctx, D]
-            kc = [torch.randn(batch, hkv, ctx, d, device=DEV, dtype=dtype) for _ in range(min(copies, 4))]
 
-            def sdpa():
-                k = kc[next(it) % len(kc)]
-                F.scaled_dot_product_attention(q.unsqueeze(2), k, k, enable_gqa=True)
-            ms_sdpa = median_ms(sdpa)
-            # naive: one pass over the KV per query head = our kernel at GQA 1 on KV repeated per head
-            group = hq // hkv
-            kr = pools[0][0].repeat_interleave(group, dim=0)
-            ms_naive = median_ms(lambda: backend.decode_attention(q, kr, kr, tables, lens, d ** -0.5, max_context=ctx))
-            del kr, kc, pools
+def contiguous_kv(pool, table, length: int):
+    """[B, Hkv, length, D] contiguous copy of the rows a block table names (a new tensor)."""
+    from hf_paged.backends import torch_backend
+    return torch_backend.gather_kv(pool, table, length).transpose(0, 1).contiguous()
+
+
+def sdpa_runner(q, k, v, causal: bool):
+    """(callable, how) for torch SDPA on q [B, Hq, Q, D], k/v [B, Hkv, L, D]: flash with enable_gqa when it
+    runs, else flash over K/V repeated per query head (repeated here, outside any timing), else the default."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    group = q.shape[1] // k.shape[1]
+    tries = [("flash, enable_gqa", [SDPBackend.FLASH_ATTENTION], k, v, group > 1)]
+    if group > 1:
+        tries.append(("flash, K/V repeated per query head", [SDPBackend.FLASH_ATTENTION], None, None, False))
+    tries.append(("default backend, enable_gqa", None, k, v, group > 1))
+    errors = []
+    for how, backends, kk, vv, gqa in tries:
+        if kk is None:
+            kk, vv = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+
+        def run(kk=kk, vv=vv, gqa=gqa, backends=backends):
+            if backends is None:
+                return F.scaled_dot_product_attention(q, kk, vv, is_causal=causal, enable_gqa=gqa)
+            with sdpa_kernel(backends):
+                return F.scaled_dot_product_attention(q, kk, vv, is_causal=causal, enable_gqa=gqa)
+        try:
+            run()
+            if q.is_cuda:
+                torch.cuda.synchronize()
+            return run, how
+        except RuntimeError as exc:
+            errors.append(f"{how}: {exc}"[:200])
+    raise RuntimeError("no SDPA backend ran: " + " | ".join(errors))
+
+
+def device_and_backend(ctx: SectionContext):
+    """(device, kernel backend, torch_backend). --cpu-smoke: the CPU, and the PyTorch path standing in for
+    the kernels (the section's code runs; its figures mean nothing)."""
+    import torch
+    from hf_paged.backends import torch_backend
+    if ctx.smoke:
+        return torch.device("cpu"), torch_backend, torch_backend
+    from hf_paged.backends.cuda_backend import make_backend
+    return torch.device("cuda"), make_backend(), torch_backend
+
+
+def split_backend(backend, partition: int):
+    """The kernel backend with split-K forced to ``partition`` keys per split (its compiled kernels shared)."""
+    if not hasattr(backend, "launcher"):
+        return backend
+    return type(backend)(backend.launcher, partition_size=partition)
+
+
+def l2_bytes(device) -> int:
+    import torch
+    if device.type != "cuda":
+        return 1 << 20
+    return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 60 * 2**20)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Sections
+# ---------------------------------------------------------------------------------------------------------
+def section_env(ctx: SectionContext) -> dict:
+    import torch
+    figures = {"python": sys.version.split()[0], "torch": torch.__version__, "torch_cuda": torch.version.cuda,
+               "cuda_available": torch.cuda.is_available(), "package": ctx.package}
+    for name in ("transformers", "numpy"):
+        figures[name] = _version_of(name)
+    try:
+        from hf_paged.backends import cupy_loader
+        figures["driver_cuda_version"] = cupy_loader.driver_version()
+        figures["cupy_distributions"] = cupy_loader.installed_cupy()
+        try:
+            cupy = cupy_loader.import_cupy()
+            figures["cupy"] = cupy.__version__
+            figures["cupy_cuda_runtime"] = cupy.cuda.runtime.runtimeGetVersion()
+            figures["nvrtc"] = ".".join(map(str, cupy.cuda.nvrtc.getVersion()))
+            figures["cuda_include_dirs"] = cupy_loader.cuda_include_dirs(cupy_loader.cupy_cuda_major(cupy))
+        except Exception as exc:  # noqa: BLE001 - the loader's message is the finding
+            figures["cupy_error"] = f"{type(exc).__name__}: {exc}"
+    except ImportError as exc:
+        figures["cupy_loader_error"] = repr(exc)
+    figures["nvidia_smi"] = _nvidia_smi()
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        figures.update(device=props.name, capability=f"{props.major}.{props.minor}",
+                       sms=props.multi_processor_count, memory_GiB=round(props.total_memory / 2**30, 1),
+                       l2_MB=round(getattr(props, "L2_cache_size", 0) / 1e6, 1))
+        if hasattr(torch.cuda, "get_device_capability"):
+            figures["flash_sdp_enabled"] = torch.backends.cuda.flash_sdp_enabled()
+    print("versions: " + ", ".join(f"{k}={figures.get(k)}" for k in (
+        "driver_cuda_version", "torch_cuda", "cupy", "nvrtc", "torch", "transformers", "device")), flush=True)
+    if not torch.cuda.is_available() and not ctx.smoke:
+        figures["status"] = SKIP_NO_CUDA
+    cupy_note = f"; cupy: {figures['cupy_error'][:200]}" if "cupy_error" in figures else ""
+    figures["summary"] = [f"{figures.get('device', 'no CUDA device')}: driver CUDA "
+                          f"{figures.get('driver_cuda_version')}, "
+                          f"torch {figures['torch']} (CUDA {figures['torch_cuda']}), cupy {figures.get('cupy')}, "
+                          f"NVRTC {figures.get('nvrtc')}; package {figures['package']}{cupy_note}"]
+    return figures
+
+
+def _version_of(name: str):
+    try:
+        return importlib.import_module(name).__version__
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _nvidia_smi():
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total",
+                              "--format=csv,noheader"], capture_output=True, text=True, timeout=10)
+        return out.stdout.strip() or out.stderr.strip()[:200]
+    except (OSError, subprocess.SubprocessError) as exc:
+        return repr(exc)
+
+
+def _tolerance(torch, dtype) -> float:
+    return {torch.float16: 3e-3, torch.bfloat16: 2e-2, torch.float32: 1e-4}[dtype]
+
+
+def _compare(case: dict, out, ref, tol: float) -> None:
+    """Fill max_abs_err, ref_max and ok: |out - ref| <= tol * max(1, max |ref|)."""
+    if out.shape != ref.shape:
+        raise AssertionError(f"shape {tuple(out.shape)} != reference {tuple(ref.shape)}")
+    err = (out.float() - ref.float()).abs().max().item() if out.numel() else 0.0
+    ref_max = ref.float().abs().max().item() if ref.numel() else 0.0
+    case.update(max_abs_err=err, ref_max=ref_max, tol=tol * max(1.0, ref_max),
+                ok=bool(math.isfinite(err) and err <= tol * max(1.0, ref_max)))
+
+
+def _extend_positions(torch, lengths, q_len: int, device):
+    """query_pos [B, q_len]: each row's last min(n, q_len) stored tokens are its new ones, right-aligned."""
+    pos = torch.full((len(lengths), q_len), -1, dtype=torch.int32, device=device)
+    for b, n in enumerate(lengths):
+        new = min(n, q_len)
+        pos[b, q_len - new:] = torch.arange(n - new, n, device=device, dtype=torch.int32)
+    return pos
+
+
+def _precompile(backend, torch, dims, device) -> dict:
+    """Build the attention modules of these head dims in parallel (NVRTC; CuPy's disk cache keeps them for
+    the later sections). Only a warm-up: any failure shows again, per case, in the grid."""
+    if not hasattr(backend, "launcher"):
+        return {"precompile": "skipped (no launcher)"}
+    from concurrent.futures import ThreadPoolExecutor
+    t0 = time.perf_counter()
+    try:
+        from hf_paged.backends import kernel_registry as reg
+        modules = {}
+        for spec in reg.all_kernels():     # one entry point per compiled unit: these head dims, the cache ops
+            if not spec.kv_format and (spec.head_dim in dims or spec.source == reg.CACHE_SOURCE):
+                modules.setdefault(spec.module, spec)
+        with ThreadPoolExecutor(len(modules)) as pool:
+            list(pool.map(lambda s: backend.launcher.prepare(s, device), modules.values()))
+        return {"precompile_s": round(time.perf_counter() - t0, 2)}
+    except Exception as exc:  # noqa: BLE001 - see the docstring
+        return {"precompile_error": f"{type(exc).__name__}: {exc}"[:500]}
+
+
+def section_correctness(ctx: SectionContext) -> dict:
+    import torch
+    device, backend, ref = device_and_backend(ctx)
+    dtypes = (torch.bfloat16, torch.float16, torch.float32)
+    dims, blocks = (128, 64, 256), (16, 8, 32)
+    figures = _precompile(backend, torch, dims, device)
+    splits = [("auto", backend)]
+    for partition in (128, 512):
+        try:
+            splits.append((f"split{partition}", split_backend(backend, partition)))
+        except Exception as exc:  # noqa: BLE001 - the other cases still run
+            ctx.record({"case": f"split{partition} backend", "ok": False, "error": repr(exc)[:500]})
+    grid = [(dt, d, bs) for dt in dtypes for d in dims for bs in blocks]    # bf16 d128 block 16 first
+    if ctx.smoke:
+        grid = grid[:2]
+    alive, done = True, 0
+    for i, (dtype, d, bs) in enumerate(grid):
+        if not alive or ctx.time_left() < 25:
+            figures["grid_truncated_at"] = f"{i}/{len(grid)}"
+            break
+        group = GROUPS[i % len(GROUPS)]         # every group meets every dtype, head dim and block size
+        alive = _grid_config(ctx, torch, device, backend, ref, splits, i, dtype, d, bs, group)
+        done += 1
+        print(f"config {done}/{len(grid)} {dtype} d{d} block {bs} group {group}: "
+              f"{time.monotonic() - ctx.started:.0f} s", flush=True)
+    if alive:
+        alive = _long_cases(ctx, torch, device, backend, ref)
+    figures["configs_done"] = f"{done}/{len(grid)}"
+    figures["context_lost"] = not alive
+    return figures
+
+
+def _grid_config(ctx, torch, device, backend, ref, splits, seed, dtype, d, bs, group) -> bool:
+    """One (dtype, head dim, block size, group) of the grid: decode (windows 0/100, every split setting),
+    extend (windows 0/17, q_len 40 over rows of 0..3000 tokens), write_kv + copy_blocks (exact)."""
+    hkv = 2
+    hq, tol, scale = group * hkv, _tolerance(torch, dtype), d ** -0.5
+    lengths = [0, 1, bs - 1, bs, bs + 1, 777, 3000] if not ctx.smoke else [0, 1, bs - 1, bs + 1, 40]
+    k_pool, v_pool, (table,), lens = paged_kv(lengths, bs, hkv, d, dtype, device, seed=seed)
+    q = torch.randn(len(lengths), hq, d, device=device, dtype=dtype)
+    base = {"dtype": str(dtype).replace("torch.", ""), "head_dim": d, "block": bs, "group": group,
+            "q_heads": hq, "kv_heads": hkv}
+    args = (k_pool, v_pool, table, lens)
+
+    def decode(case, be, window, want):
+        _compare(case, be.decode_attention(q, *args, scale, sliding_window=window), want, tol)
+
+    q_len = 40 if not ctx.smoke else 8
+    pos = _extend_positions(torch, lengths, q_len, device)
+    qe = torch.randn(len(lengths), hq, q_len, d, device=device, dtype=dtype)
+
+    def extend(case, window):
+        want = ref.extend_attention(qe, *args, pos, scale, sliding_window=window)
+        _compare(case, backend.extend_attention(qe, *args, pos, scale, sliding_window=window), want, tol)
+
+    def cache_ops(case):
+        key, value = (torch.randn(20, hkv, d, device=device, dtype=dtype) for _ in range(2))
+        slots = torch.randperm(k_pool.shape[1] * bs, device=device)[:20]
+        slots[3] = -1
+        want = [k_pool.clone(), v_pool.clone()]
+        ref.write_kv(*want, key, value, slots)
+        backend.write_kv(k_pool, v_pool, key, value, slots)
+        pairs = torch.tensor([[1, 2], [3, 4]], device=device)
+        ref.copy_blocks(want, pairs)
+        backend.copy_blocks([k_pool, v_pool], pairs)
+        case["ok"] = bool(torch.equal(k_pool, want[0]) and torch.equal(v_pool, want[1]))
+
+    for window in (0, 100):
+        want = ref.decode_attention(q, *args, scale, sliding_window=window)
+        for label, be in splits:
+            case = {"case": "decode", **base, "window": window, "splits": label}
+            if not guarded(ctx, case, functools.partial(decode, be=be, window=window, want=want)):
+                return False
+    for window in (0, 17):
+        case = {"case": "extend", **base, "window": window, "q_len": q_len}
+        if not guarded(ctx, case, functools.partial(extend, window=window)):
+            return False
+    return guarded(ctx, {"case": "write_kv+copy_blocks", **base}, cache_ops)
+
+
+def _long_cases(ctx, torch, device, backend, ref) -> bool:
+    """Long prompts and contexts: 8k-token prefill (full comparison), a 70k-token prefill at group 32 (past
+    the old 65,535 grid-z limit; sampled query rows compared), a 128k-token decode (many splits)."""
+    small = ctx.smoke
+    cases = [   # name, tokens, KV heads, query heads, head dim, query rows compared (None: all)
+        ("extend_prefill", 8192 if not small else 64, 8, 32, 128, None),
+        ("extend_prefill_group32", 70000 if not small else 96, 1, 32, 64, 384 if not small else 15),
+        ("decode_long", 131072 if not small else 512, 4, 32, 128, None),
+    ]
+    for name, length, hkv, hq, d, sample in cases:
+        case = {"case": name, "dtype": "bfloat16", "tokens": length, "q_heads": hq, "kv_heads": hkv, "head_dim": d,
+                "rows_compared": sample}
+        if ctx.time_left() < (30 if not small else 0):
+            ctx.record({**case, "skipped": "section deadline near", "ok": None})
+            continue
+        if not guarded(ctx, case, functools.partial(_long_case, torch=torch, device=device, backend=backend, ref=ref)):
+            return False
+        if device.type == "cuda":
             torch.cuda.empty_cache()
-            rows.append({"model": model, "batch": batch, "context": ctx, "kv_MB": kv_bytes / 1e6,
-                         "ours_ms": ms, "ours_GBps": kv_bytes / ms / 1e6,
-                         "sdpa_ms": ms_sdpa, "sdpa_GBps": kv_bytes / ms_sdpa / 1e6,
-                         "naive_ms": ms_naive, "naive_GBps": kv_bytes / ms_naive / 1e6})
-            print(f"decode {model} {batch}x{ctx}: {ms:.3f} ms", flush=True)
-    return rows
+    return True
 
 
-def prefill(backend, quick):
-    rows = []
-    hq, hkv, d, bs, dtype = 32, 8, 128, 16, torch.bfloat16
-    for batch, length in ([(1, 512)] if quick else [(1, 512), (1, 2048), (4, 1024)]):
-        pools, tables, lens = make_cache([length] * batch, bs, hkv, d, dtype)
-        kp, vp = pools[0]
-        q = torch.randn(batch, hq, length, d, device=DEV, dtype=dtype)
-        pos = torch.arange(length, device=DEV, dtype=torch.int32).expand(batch, length).contiguous()
-        ms = median_ms(lambda: backend.extend_attention(q, kp, vp, tables, lens, pos, d ** -0.5), iters=5)
-        k = torch.randn(batch, hkv, length, d, device=DEV, dtype=dtype)
-        ms_sdpa = median_ms(lambda: F.scaled_dot_product_attention(q, k, k, is_causal=True, enable_gqa=True), iters=5)
-        rows.append({"batch": batch, "length": length, "ours_ms": ms, "sdpa_ms": ms_sdpa})
-    return rows
+def _long_case(case, torch, device, backend, ref) -> None:
+    bf16, bs = torch.bfloat16, 16
+    length, hkv, hq, d, sample = (case[k] for k in ("tokens", "kv_heads", "q_heads", "head_dim", "rows_compared"))
+    scale = d ** -0.5
+    rows = [length, length // 3] if case["case"] == "decode_long" else [length]
+    k_pool, v_pool, (table,), lens = paged_kv(rows, bs, hkv, d, bf16, device, seed=7)
+    args = (k_pool, v_pool, table, lens)
+    if case["case"] == "decode_long":
+        q = torch.randn(len(rows), hq, d, device=device, dtype=bf16)
+        _compare(case, backend.decode_attention(q, *args, scale), ref.decode_attention(q, *args, scale),
+                 _tolerance(torch, bf16))
+        return
+    q = torch.randn(1, hq, length, d, device=device, dtype=bf16)
+    pos = torch.arange(length, device=device, dtype=torch.int32).view(1, -1)
+    got = backend.extend_attention(q, *args, pos, scale)
+    if sample is None:
+        want = ref.extend_attention(q, *args, pos, scale)
+    else:           # the reference for some query rows only (query_pos may name any rows): first, middle, last
+        third = sample // 3
+        idx = torch.cat([torch.arange(third), torch.arange(length // 2, length // 2 + third),
+                         torch.arange(length - third, length)]).to(device)
+        want = ref.extend_attention(q[:, :, idx], *args, pos[:, idx], scale)
+        got = got[:, :, idx]
+    _compare(case, got, want, _tolerance(torch, bf16))
 
 
-def generate_throughput(quick):
+DECODE_PRIORITY = [(64, 4096, 4), (64, 4096, 16), (1, 4096, 4), (1, 4096, 16)]
+DECODE_SHAPES = [(1, 4096), (16, 4096), (64, 4096), (256, 2048)]
+DECODE_GQA = (1, 4, 8, 16)
+
+
+def section_decode_bandwidth(ctx: SectionContext) -> dict:
+    import torch
+    device, backend, _ = device_and_backend(ctx)
+    heat_up(device)
+    l2 = l2_bytes(device)
+    figures = {"l2_bytes": l2, "q_heads": 32, "head_dim": 128, "dtype": "bfloat16", "block": 16}
+    if device.type == "cuda":
+        figures["copy_1GiB_GBps"] = 2 * 2**30 / _copy_ms(torch, device, 2**30, 1) / 1e6     # read + written
+    order = DECODE_PRIORITY + [(b, c, g) for b, c in DECODE_SHAPES for g in DECODE_GQA
+                               if (b, c, g) not in DECODE_PRIORITY]
+    if ctx.smoke:
+        order = [(2, 64, 4), (1, 48, 1)]
+    alive, summary = True, []
+    for batch, context, group in order:
+        if not alive or ctx.time_left() < 8:
+            figures["truncated"] = True
+            break
+        case = {"case": "decode", "batch": batch, "context": context, "gqa": group}
+        alive = guarded(ctx, case, lambda c: _decode_case(ctx, c, torch, device, backend, l2))
+        if "ours_GBps" in case:
+            summary.append(_decode_line(case))
+            print(summary[-1], flush=True)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    figures["summary"] = summary
+    return figures
+
+
+def _decode_case(ctx, case, torch, device, backend, l2):
+    from hf_paged.backends import torch_backend
+    hq, d, bs, dtype = 32, 128, 16, torch.bfloat16
+    batch, context, group = case["batch"], case["context"], case["gqa"]
+    hkv, elem = hq // group, 2
+    kv_bytes = batch * context * hkv * d * elem * 2
+    traffic = kv_bytes + 2 * batch * hq * d * elem            # K+V read, q read, out written
+    copies = max(1, math.ceil(3 * l2 / kv_bytes))
+    case.update(q_heads=hq, kv_heads=hkv, kv_MB=kv_bytes / 1e6, copies=copies)
+    k_pool, v_pool, tables, lens = paged_kv([context] * batch, bs, hkv, d, dtype, device, copies=copies)
+    qs = [torch.randn(batch, hq, d, device=device, dtype=dtype) for _ in range(copies)]
+    scale = d ** -0.5
+    workspaces = [{} for _ in range(copies)]       # one per "step": layers of a step share one
+
+    def ours(i):
+        c = i % copies
+        return backend.decode_attention(qs[c], k_pool, v_pool, tables[c], lens, scale, max_context=context,
+                                        workspace=workspaces[c])
+    want = torch_backend.decode_attention(qs[0], k_pool, v_pool, tables[0], lens, scale, max_context=context)
+    _compare(case, ours(0), want, _tolerance(torch, dtype))
+    m = measure(ours, device, graphs=ctx.graphs)
+    case.update(ours_ms=m["ms"], ours_timing=m, ours_GBps=traffic / m["ms"] / 1e6)
+    copy_ms = _copy_ms(torch, device, kv_bytes, copies)
+    case.update(copy_ms=copy_ms, copy_GBps=2 * kv_bytes / copy_ms / 1e6)
+    case["fraction_of_copy"] = case["ours_GBps"] / case["copy_GBps"]
+    # SDPA on K/V gathered into contiguous [B, Hkv, L, D] beforehand: distinct K and V for every copy
+    runners = []
+    for c in range(copies):
+        k, v = contiguous_kv(k_pool, tables[c], context), contiguous_kv(v_pool, tables[c], context)
+        run, case["sdpa_backend"] = sdpa_runner(qs[c].unsqueeze(2), k, v, causal=False)
+        runners.append(run)
+    m = measure(lambda i: runners[i % copies](), device, graphs=ctx.graphs)
+    case.update(sdpa_ms=m["ms"], sdpa_timing=m, sdpa_GBps=traffic / m["ms"] / 1e6)
+    case["latency_vs_sdpa"] = case["ours_ms"] / case["sdpa_ms"]
+
+
+def _copy_ms(torch, device, nbytes: int, copies: int) -> float:
+    """ms of a device-to-device copy of ``nbytes``, rotated over ``copies`` source/destination pairs."""
+    src = torch.empty(copies * nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+
+    def copy(i):
+        c = i % copies
+        dst[c * nbytes:(c + 1) * nbytes].copy_(src[c * nbytes:(c + 1) * nbytes])
+    return measure(copy, device, graphs=False)["ms"]
+
+
+def _decode_line(c: dict) -> str:
+    target = {(64, 4096, 4): 0.8, (64, 4096, 16): 0.6}.get((c["batch"], c["context"], c["gqa"]))
+    note = ""
+    if target is not None:
+        note = f"  target {target:.0%} of copy: {'met' if c.get('fraction_of_copy', 0) >= target else 'missed'}"
+    elif (c["batch"], c["context"]) == (1, 4096):
+        note = f"  target <= 1.5x SDPA latency: {'met' if c.get('latency_vs_sdpa', 9) <= 1.5 else 'missed'}"
+    sdpa = f"sdpa {c['sdpa_ms'] * 1e3:8.1f} us ({c['sdpa_GBps']:5.0f} GB/s)" if "sdpa_ms" in c else "sdpa -"
+    return (f"decode {c['batch']:>3}x{c['context']:<5} GQA{c['gqa']:<2} {c['ours_ms'] * 1e3:8.1f} us "
+            f"{c['ours_GBps']:6.0f} GB/s = {c.get('fraction_of_copy', 0):4.0%} of copy | {sdpa}{note}")
+
+
+def section_extend(ctx: SectionContext) -> dict:
+    import torch
+    device, backend, _ = device_and_backend(ctx)
+    heat_up(device)
+    l2 = l2_bytes(device)
+    lengths = (512, 2048, 4096, 8192) if not ctx.smoke else (32, 64)
+    alive, summary = True, []
+    for length in lengths:
+        if not alive or ctx.time_left() < 8:
+            break
+        case = {"case": "extend", "tokens": length, "q_heads": 32, "kv_heads": 8, "head_dim": 128, "dtype": "bfloat16"}
+        alive = guarded(ctx, case, lambda c: _extend_case(ctx, c, torch, device, backend, l2))
+        if "ours_TFLOPS" in case:
+            target = "" if length < 2048 else (
+                f"  target 50% of SDPA: {'met' if case.get('of_sdpa', 0) >= 0.5 else 'missed'}")
+            nan = float("nan")
+            summary.append(f"extend {length:>5} tokens: {case['ours_ms']:8.3f} ms {case['ours_TFLOPS']:7.1f} TFLOPS | "
+                           f"sdpa {case.get('sdpa_ms', nan):8.3f} ms {case.get('sdpa_TFLOPS', nan):7.1f} "
+                           f"TFLOPS = {case.get('of_sdpa', nan):4.0%}{target}")
+            print(summary[-1], flush=True)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return {"summary": summary, "flops": "causal: 2*2*L^2*D*H/2"}
+
+
+def _extend_case(ctx, case, torch, device, backend, l2):
+    length, hq, hkv, d, bs, dtype = case["tokens"], 32, 8, 128, 16, torch.bfloat16
+    per_copy = (2 * hq + 2 * hkv) * length * d * 2            # q, out, K, V
+    copies = max(1, math.ceil(3 * l2 / per_copy))
+    flops = 2 * 2 * length * length * d * hq / 2
+    case["copies"] = copies
+    k_pool, v_pool, tables, lens = paged_kv([length], bs, hkv, d, dtype, device, copies=copies)
+    qs = [torch.randn(1, hq, length, d, device=device, dtype=dtype) for _ in range(copies)]
+    pos = torch.arange(length, device=device, dtype=torch.int32).view(1, -1)
+    scale = d ** -0.5
+
+    def ours(i):
+        c = i % copies
+        return backend.extend_attention(qs[c], k_pool, v_pool, tables[c], lens, pos, scale, max_context=length)
+    kc = [contiguous_kv(k_pool, t, length) for t in tables]
+    vc = [contiguous_kv(v_pool, t, length) for t in tables]
+    runners = []
+    for c in range(copies):
+        run, how = sdpa_runner(qs[c], kc[c], vc[c], causal=True)
+        runners.append(run)
+    case["sdpa_backend"] = how
+    _compare(case, ours(0), runners[0](), _tolerance(torch, dtype))
+    m = measure(ours, device, graphs=ctx.graphs)
+    case.update(ours_ms=m["ms"], ours_timing=m, ours_TFLOPS=flops / m["ms"] / 1e9)
+    m = measure(lambda i: runners[i % copies](), device, graphs=ctx.graphs)
+    case.update(sdpa_ms=m["ms"], sdpa_timing=m, sdpa_TFLOPS=flops / m["ms"] / 1e9)
+    case["of_sdpa"] = case["ours_TFLOPS"] / case["sdpa_TFLOPS"]
+
+
+def random_llama(smoke: bool, device):
+    """A random-weights Llama of real layer size (8 layers, hidden 4096, 32/8 heads, d128, bf16); tiny with
+    --cpu-smoke."""
+    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
-
-    import hf_paged
-    config = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
-                         num_attention_heads=8, num_key_value_heads=2, head_dim=128, max_position_embeddings=4096)
+    if smoke:
+        config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
+        dtype = torch.float32
+    else:
+        config = LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=8,
+                             num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=4096)
+        dtype = torch.bfloat16
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(DEV, torch.bfloat16).eval()
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(config).eval()
+    finally:
+        torch.set_default_dtype(previous)
     model.generation_config.eos_token_id = None
-    batch, prompt, new = (8, 128, 32) if quick else (32, 256, 128)
-    ids = torch.randint(3, 32000, (batch, prompt), device=DEV)
-    kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
-              do_sample=False)
-    out = {}
-    for name, extra in (("DynamicCache", {}), ("hf_paged", {"cache_implementation": "paged"})):
-        if name == "hf_paged":
-            hf_paged.patch(model)
-        model.generate(**{**kw, "max_new_tokens": 4, "min_new_tokens": 4}, **extra)   # warm-up
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def _sync(torch, device):
+    if device.type == "cuda":
         torch.cuda.synchronize()
-        start = time.perf_counter()
-        model.generate(**kw, **extra)
-        torch.cuda.synchronize()
-        out[name] = batch * new / (time.perf_counter() - start)
-    hf_paged.unpatch(model)
-    return {"batch": batch, "prompt": prompt, "new_tokens": new, "tokens_per_s": out}
 
 
-def quantised_decode(backend, shapes=((1, 4096), (64, 4096))):
-    """Quantised KV (kv_cache_dtype): the write kernel against kv_formats.quantize (codes equal), decode
-    against the PyTorch path on the dequantised pools, and decode time per format at Llama-3-8B's head
-    shape (32q/8kv, d128, bf16 queries, block 16) — it should fall with the bytes read."""
-    from hf_paged.kv_formats import FORMATS, QuantizedPool, dequantize, quantize  # noqa: PLC0415
-    hq, hkv, d, bs, dtype = 32, 8, 128, 16, torch.bfloat16
-    rows = []
-    for batch, ctx in shapes:
-        (pools,), tables, lens = make_cache([ctx] * batch, bs, hkv, d, dtype)
-        q = torch.randn(batch, hq, d, device=DEV, dtype=dtype)
-        base_ms = median_ms(lambda: backend.decode_attention(q, *pools, tables, lens, d ** -0.5, max_context=ctx))
-        row = {"batch": batch, "context": ctx, "auto_ms": base_ms, "auto_MB": pools[0].nbytes * 2 / 1e6}
-        for name, fmt in FORMATS.items():
-            quantised = [QuantizedPool(*quantize(fmt, p), fmt, d) for p in pools]
-            ms = median_ms(lambda: backend.decode_attention(q, *quantised, tables, lens, d ** -0.5, max_context=ctx))
-            out = backend.decode_attention(q, *quantised, tables, lens, d ** -0.5, max_context=ctx)
-            ref = ta.decode_attention(q, *[dequantize(fmt, p.data, p.scales, dtype) for p in quantised], tables, lens,
-                                      d ** -0.5, max_context=ctx)
-            err = (out.float() - ref.float()).abs().max().item()
-            # the write kernel: one token per slot of block 1, against the PyTorch codec
-            new = torch.randn(bs, hkv, d, device=DEV, dtype=dtype)
-            slots = torch.arange(bs, 2 * bs, device=DEV)
-            backend.write_kv(*quantised, new, new, slots)
-            codes, scales = quantize(fmt, new)
-            write_ok = bool(torch.equal(quantised[0].data[:, 1], codes.transpose(0, 1)) and
-                            torch.equal(quantised[0].scales[:, 1], scales.transpose(0, 1)))
-            row[name] = {"ms": ms, "MB": sum(p.nbytes for p in quantised) / 1e6, "max_err": err,
-                         "ok": math.isfinite(err) and err <= TOL[dtype], "write_equal": write_ok}
-            del quantised
-        rows.append(row)
-        print(f"quantised decode {batch}x{ctx}: auto {base_ms:.3f} ms, " +
-              ", ".join(f"{n} {row[n]['ms']:.3f} ms ({'ok' if row[n]['ok'] and row[n]['write_equal'] else 'WRONG'})"
-                        for n in FORMATS), flush=True)
-        del pools
-        torch.cuda.empty_cache()
-    return rows
-
-
-def device_map_split():
-    """Layers split between the GPU and the CPU (a device_map): each layer's pools on its own device; paged
-    generate (greedy, beams) and the engine must give the default path's tokens."""
-    import tempfile
-
-    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+def section_generate(ctx: SectionContext) -> dict:
+    import torch
 
     import hf_paged
-    config = LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=1024)
-    with tempfile.TemporaryDirectory() as tmp:
-        torch.manual_seed(0)
-        LlamaForCausalLM(config).save_pretrained(tmp)
-        device_map = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.layers.0": 0, "model.layers.1": 0,
-                      "model.layers.2": "cpu", "model.layers.3": "cpu", "model.norm": "cpu", "lm_head": "cpu"}
-        model = AutoModelForCausalLM.from_pretrained(tmp, device_map=device_map).eval()
-    model.generation_config.eos_token_id = None
-    ids = torch.randint(3, 1024, (3, 12), device=DEV)
-    mask = torch.ones_like(ids)
-    mask[0, :5] = 0
-    result = {"layer_devices": [str(d) for d in hf_paged.model_geometry(model).layer_devices]}
-    for name, kw in (("greedy", dict(do_sample=False)), ("beams", dict(do_sample=False, num_beams=3))):
-        want = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, **kw)
-        hf_paged.patch(model)
-        got = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, cache_implementation="paged", **kw)
-        hf_paged.unpatch(model)
-        result[name] = bool(torch.equal(want.cpu(), got.cpu()))
-    outs = hf_paged.generate_many(model, [[5, 6, 7], [9] * 30], max_new_tokens=6, ignore_eos=True)
-    result["engine"] = [len(o.outputs[0].token_ids) for o in outs] == [6, 6]
-    return result
+    device = torch.device("cpu" if ctx.smoke else "cuda")
+    model = random_llama(ctx.smoke, device)
+    shapes = [(32, 512, 128), (1, 512, 64)] if not ctx.smoke else [(2, 8, 4)]
+    summary = []
+    for batch, prompt, new in shapes:
+        if ctx.time_left() < 20 and not ctx.smoke:
+            break
+        case = {"case": "generate", "batch": batch, "prompt": prompt, "new_tokens": new}
+
+        def run(case, batch=batch, prompt=prompt, new=new):
+            ids = torch.randint(3, model.config.vocab_size, (batch, prompt), device=device)
+            kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False)
+            outs = {}
+            for name, extra in (("DynamicCache", {}), ("paged", {"cache_implementation": "paged"})):
+                if name == "paged":
+                    hf_paged.patch(model)
+                try:
+                    with torch.inference_mode():
+                        model.generate(**kw, max_new_tokens=4, min_new_tokens=4, **extra)     # warm-up
+                        _sync(torch, device)
+                        t0 = time.perf_counter()
+                        outs[name] = model.generate(**kw, max_new_tokens=new, min_new_tokens=new, **extra)
+                        _sync(torch, device)
+                    case[f"{name}_tokens_per_s"] = batch * new / (time.perf_counter() - t0)
+                finally:
+                    if name == "paged":
+                        hf_paged.unpatch(model)
+            a, b = (outs[k][:, prompt:].cpu() for k in ("DynamicCache", "paged"))
+            same = a == b
+            case["greedy_equal"] = bool(same.all())
+            case["tokens_agreeing"] = float(same.float().mean())
+            diverged = (~same).any(0).nonzero()
+            case["first_divergence_step"] = int(diverged[0]) if diverged.numel() else None
+            case["speedup"] = case["paged_tokens_per_s"] / case["DynamicCache_tokens_per_s"]
+        guarded(ctx, case, run)
+        if "speedup" in case:
+            summary.append(f"generate {batch}x({prompt}+{new}): DynamicCache {case['DynamicCache_tokens_per_s']:.0f} "
+                           f"tok/s, paged {case['paged_tokens_per_s']:.0f} tok/s ({case['speedup']:.2f}x); greedy "
+                           f"tokens equal: {case['greedy_equal']} ({case['tokens_agreeing']:.0%} agree)")
+            print(summary[-1], flush=True)
+    return {"summary": summary, "model": "random Llama, 8 layers, hidden 4096, 32/8 heads, vocab 32000, bf16"}
+
+
+def section_engine(ctx: SectionContext) -> dict:
+    import torch
+
+    import hf_paged
+    device = torch.device("cpu" if ctx.smoke else "cuda")
+    model = random_llama(ctx.smoke, device)
+    requests, new = (64, 128) if not ctx.smoke else (4, 4)
+    gen = torch.Generator().manual_seed(0)
+    low, high = (64, 512) if not ctx.smoke else (3, 9)
+    lengths = torch.randint(low, high + 1, (requests,), generator=gen).tolist()
+    prompts = [torch.randint(3, model.config.vocab_size, (n,), generator=gen).tolist() for n in lengths]
+    case = {"case": "padded_generate", "requests": requests, "new_tokens": new, "prompt_tokens": sum(lengths)}
+
+    def padded(case):
+        width = max(lengths)
+        ids = torch.zeros(requests, width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        ids, mask = ids.to(device), mask.to(device)
+        with torch.inference_mode():
+            model.generate(input_ids=ids[:4], attention_mask=mask[:4], max_new_tokens=4, do_sample=False)
+            _sync(torch, device)
+            t0 = time.perf_counter()
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                                 do_sample=False)
+            _sync(torch, device)
+        case["seconds_timed"] = time.perf_counter() - t0
+        case["tokens_per_s"] = requests * new / case["seconds_timed"]
+        case["_tokens"] = out[:, width:].cpu().tolist()
+    guarded(ctx, case, padded)
+    padded_tokens = case.pop("_tokens", None)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    engine_case = {"case": "engine", "requests": requests, "new_tokens": new, "gpu_memory_utilization": 0.85}
+
+    def engine(case):
+        llm = hf_paged.LLM(model, gpu_memory_utilization=0.85, max_num_seqs=requests, max_num_batched_tokens=4096,
+                           enable_prefix_caching=False)
+        llm.generate(prompts[:4], max_new_tokens=4, ignore_eos=True, do_sample=False, use_tqdm=False)   # warm-up
+        _sync(torch, device)
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, max_new_tokens=new, ignore_eos=True, do_sample=False, use_tqdm=False)
+        _sync(torch, device)
+        case["seconds_timed"] = time.perf_counter() - t0
+        case["tokens_per_s"] = sum(len(o.outputs[0].token_ids) for o in outs) / case["seconds_timed"]
+        try:
+            stats = llm.stats()
+            case.update(kv_blocks_total=stats.blocks_total, block_size=stats.block_size)
+        except Exception as exc:  # noqa: BLE001 - the timing stands
+            case["stats_error"] = repr(exc)[:300]
+        if padded_tokens is not None:
+            agree = [a == b for o, ref in zip(outs, padded_tokens) for a, b in zip(o.outputs[0].token_ids, ref)]
+            case["tokens_agreeing_with_padded"] = sum(agree) / max(1, len(agree))
+    guarded(ctx, engine_case, engine)
+    summary = []
+    if "tokens_per_s" in case and "tokens_per_s" in engine_case:
+        summary.append(f"engine {requests} requests x {new} new: padded generate {case['tokens_per_s']:.0f} tok/s, "
+                       f"hf_paged.LLM {engine_case['tokens_per_s']:.0f} tok/s "
+                       f"({engine_case['tokens_per_s'] / case['tokens_per_s']:.2f}x), "
+                       f"KV pool {engine_case.get('kv_blocks_total')} blocks")
+    return {"summary": summary}
+
+
+def section_quantised(ctx: SectionContext) -> dict:
+    """Quantised KV (kv_cache_dtype) at 64x4k, Llama-3-8B heads (32/8, d128, bf16 queries, block 16; 1 GB of
+    bf16 K+V, far beyond the L2): decode against the PyTorch path on the same quantised pools, the write
+    kernel's codes against kv_formats.quantize, and decode time per format beside the unquantised pools."""
+    import torch
+
+    from hf_paged.kv_formats import FORMATS, QuantizedPool, quantize
+    device, backend, ref = device_and_backend(ctx)
+    batch, context = (64, 4096) if not ctx.smoke else (2, 64)
+    hq, hkv, d, bs, dtype = 32, 8, 128, 16, torch.bfloat16
+    k_pool, v_pool, (table,), lens = paged_kv([context] * batch, bs, hkv, d, dtype, device)
+    q = torch.randn(batch, hq, d, device=device, dtype=dtype)
+    scale = d ** -0.5
+    auto = {"case": "quantised_decode", "format": "auto", "batch": batch, "context": context}
+
+    def time_auto(case):
+        m = measure(lambda i: backend.decode_attention(q, k_pool, v_pool, table, lens, scale, max_context=context),
+                    device, graphs=ctx.graphs)
+        case.update(ms=m["ms"], MB=2 * k_pool.nbytes / 1e6)
+    guarded(ctx, auto, time_auto)
+    summary = [f"quantised decode {batch}x{context}: auto {auto.get('ms', float('nan')):.3f} ms"]
+    for name, fmt in FORMATS.items():
+        if ctx.time_left() < 8:
+            break
+        case = {"case": "quantised_decode", "format": name, "batch": batch, "context": context}
+
+        def run(case, fmt=fmt):
+            pools = [QuantizedPool(*quantize(fmt, p), fmt, d) for p in (k_pool, v_pool)]
+            got = backend.decode_attention(q, *pools, table, lens, scale, max_context=context)
+            _compare(case, got, ref.decode_attention(q, *pools, table, lens, scale, max_context=context),
+                     _tolerance(torch, dtype))
+            m = measure(lambda i: backend.decode_attention(q, *pools, table, lens, scale, max_context=context),
+                        device, graphs=ctx.graphs)
+            case.update(ms=m["ms"], MB=sum(p.data.nbytes + p.scales.nbytes for p in pools) / 1e6)
+            new = torch.randn(bs, hkv, d, device=device, dtype=dtype)          # one token per slot of block 1
+            backend.write_kv(*pools, new, new, torch.arange(bs, 2 * bs, device=device))
+            codes, scales = quantize(fmt, new)
+            case["write_equal"] = bool(torch.equal(pools[0].data[:, 1], codes.transpose(0, 1))
+                                       and torch.equal(pools[0].scales[:, 1], scales.transpose(0, 1)))
+            case["ok"] = case["ok"] and case["write_equal"]
+        guarded(ctx, case, run)
+        if "ms" in case:
+            summary[0] += f", {name} {case['ms']:.3f} ms ({'ok' if case['ok'] else 'WRONG'})"
+    print(summary[0], flush=True)
+    return {"summary": summary}
+
+
+# Fake sections for --dry-run: the machinery (subprocess, deadline, JSON lines, summary) on the CPU.
+def fake_ok(ctx: SectionContext) -> dict:
+    ctx.record({"case": "one", "ok": True, "value": 1.0})
+    ctx.record({"case": "two", "ok": True, "value": 2.0})
+    return {"summary": ["fake_ok: two cases"], "device": "fake"}
+
+
+def fake_fail(ctx: SectionContext) -> dict:
+    ctx.record({"case": "before the failure", "ok": True})
+    raise RuntimeError("a planted failure")
+
+
+def fake_timeout(ctx: SectionContext) -> dict:
+    ctx.record({"case": "before the hang", "ok": True})
+    time.sleep(600)
+    return {}
+
+
+def fake_crash(ctx: SectionContext) -> dict:
+    ctx.record({"case": "before the crash", "ok": True})
+    sys.stdout.flush()
+    os.abort()          # as a CUDA fault that takes the process down
+
+
+# name -> (deadline s, needs CUDA, function, one line). Order = run order: the most wanted first.
+SECTIONS = {
+    "env": (20, False, section_env, "versions (driver, CUDA, cupy, NVRTC, torch), device, CuPy loader verdict"),
+    "correctness": (90, True, section_correctness, "kernels vs torch_backend: dtypes, head dims, blocks, groups, "
+                                                   "windows, split-K, long prompts"),
+    "decode_bandwidth": (90, True, section_decode_bandwidth, "decode GB/s vs copy and SDPA, 1x4k..256x2k, GQA 1-16"),
+    "extend": (60, True, section_extend, "prefill TFLOPS vs SDPA flash (causal), 512..8k tokens"),
+    "generate": (90, True, section_generate, "model.generate DynamicCache vs paged, random 8-layer Llama"),
+    "engine": (90, True, section_engine, "hf_paged.LLM vs padded generate, 64 requests"),
+    "quantised": (45, True, section_quantised, "quantised KV: decode vs PyTorch, write codes, time per format "
+                                               "(runs only if the budget has room left)"),
+}
+FAKE_SECTIONS = {
+    "fake_ok": (10, False, fake_ok, "records two cases"),
+    "fake_fail": (10, False, fake_fail, "raises after one case"),
+    "fake_timeout": (2, False, fake_timeout, "hangs past its 2 s deadline after one case"),
+    "fake_crash": (10, False, fake_crash, "aborts the process after one case"),
+    "fake_after": (10, False, fake_ok, "runs after the others: isolation holds"),
+}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The child: one section in this process
+# ---------------------------------------------------------------------------------------------------------
+def import_package() -> str:
+    """Import hf_paged from this checkout: installed (editable) if it imports from here, else loaded from the
+    folders setup.py maps (hf_paged/, integrations/ -> hf_paged.integrations, cuda/ -> hf_paged.cuda)."""
+    try:
+        import hf_paged
+        import hf_paged.cuda  # noqa: F401
+        import hf_paged.integrations  # noqa: F401
+        if Path(hf_paged.__file__).resolve().is_relative_to(REPO):
+            return "installed (this checkout)"
+        found = f"installed elsewhere ({hf_paged.__file__})"
+    except ImportError as exc:
+        found = f"not importable ({exc})"
+    for name in [m for m in sys.modules if m == "hf_paged" or m.startswith("hf_paged.")]:
+        del sys.modules[name]
+    spec = importlib.util.spec_from_file_location("hf_paged", REPO / "hf_paged" / "__init__.py",
+                                                  submodule_search_locations=[str(REPO / "hf_paged"), str(REPO)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["hf_paged"] = module
+    spec.loader.exec_module(module)
+    return f"loaded from {REPO} (the package was {found})"
+
+
+def _die_with_parent(seconds: float) -> None:
+    """A section never outlives its parent (Linux: SIGKILL when the parent dies) nor its deadline by much
+    (a timer ends the process) — a GPU left busy would spoil the next try."""
+    try:
+        import ctypes
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)          # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    timer = threading.Timer(seconds, lambda: os._exit(124))
+    timer.daemon = True
+    timer.start()
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def run_section(name: str, result_file: Path, deadline: float, smoke: bool, graphs: bool) -> int:
+    table = {**SECTIONS, **FAKE_SECTIONS}
+    _, needs_cuda, fn, _ = table[name]
+    ctx = SectionContext(result_file, deadline, smoke, graphs)
+    if name in SECTIONS:
+        import torch
+        if needs_cuda and not smoke and not torch.cuda.is_available():
+            ctx.write("status", SKIP_NO_CUDA)
+            return 0
+        ctx.package = import_package()
+    try:
+        figures = fn(ctx) or {}
+        if name in SECTIONS and not smoke:
+            import torch
+            if torch.cuda.is_available():
+                figures.setdefault("device", torch.cuda.get_device_name())
+        ctx.write("figures", figures)
+        return 0
+    except BaseException:  # noqa: BLE001 - recorded; the parent reads it
+        ctx.write("error", traceback.format_exc()[-4000:])
+        return 1
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The parent: install, one subprocess per section, JSON lines, summary
+# ---------------------------------------------------------------------------------------------------------
+def out_path(arg: str | None) -> Path:
+    """--out: a .jsonl/.json file, or a folder (gpu_check.jsonl inside); default $OUT/gpu_check.jsonl, else
+    ./gpu_check.jsonl."""
+    if arg is None:
+        base = os.environ.get("OUT")
+        return Path(base) / "gpu_check.jsonl" if base else Path("gpu_check.jsonl")
+    path = Path(arg)
+    if path.suffix in (".jsonl", ".json") and not path.is_dir():
+        return path
+    return path / "gpu_check.jsonl"
+
+
+def install(budget_s: float) -> dict:
+    """pip install --no-deps --no-build-isolation --no-index -e <repo> (offline)."""
+    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index",
+           "--disable-pip-version-check", "-e", str(REPO)]
+    t0 = time.monotonic()
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=budget_s, cwd=REPO)
+        status = "ok" if done.returncode == 0 else "failed"
+        tail = (done.stdout + done.stderr).strip()[-1500:]
+    except subprocess.TimeoutExpired:
+        status, tail = "timeout", f"pip did not finish in {budget_s:.0f} s"
+    except OSError as exc:
+        status, tail = "failed", repr(exc)
+    record = {"section": "install", "status": status, "seconds": round(time.monotonic() - t0, 2),
+              "command": " ".join(cmd)}
+    if status != "ok":
+        record["error"] = tail
+        record["fallback"] = f"each section loads hf_paged from {REPO}'s folders (import_package)"
+    return record
+
+
+def spawn(name: str, deadline: float, workdir: Path, smoke: bool, graphs: bool) -> dict:
+    """Run one section in its own process group under ``deadline``; its output is echoed with a prefix."""
+    result_file = workdir / f"{name}.jsonl"
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--section", name, "--result-file", str(result_file),
+           "--deadline", f"{deadline:.0f}"] + (["--cpu-smoke"] if smoke else []) + ([] if graphs else ["--no-graphs"])
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    t0 = time.monotonic()
+    # its own process group (killed whole at the deadline) but not its own session, so that whatever ends
+    # this run (a job limit) ends the section too
+    group = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env,
+                            **group)
+    tail: collections.deque = collections.deque(maxlen=30)
+
+    def pump():
+        for line in proc.stdout:
+            tail.append(line.rstrip())
+            print(f"  [{name}] {line.rstrip()}", flush=True)
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    timed_out = False
+    try:
+        proc.wait(timeout=deadline)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+    finally:                            # the deadline, or this process interrupted: the section goes
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                proc.kill()
+            proc.wait()
+    reader.join(timeout=5)
+    seconds = time.monotonic() - t0
+    return _collect(name, cmd, proc.returncode, timed_out, seconds, deadline, result_file, list(tail))
+
+
+def _collect(name, cmd, returncode, timed_out, seconds, deadline, result_file: Path, tail: list) -> dict:
+    cases, figures, error, status_line = [], None, None, None
+    if result_file.exists():
+        for line in result_file.read_text().splitlines():
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError:
+                continue            # a line cut by the kill
+            kind, data = item.get("kind"), item.get("data")
+            if kind == "case":
+                cases.append(data)
+            elif kind == "figures":
+                figures = data
+            elif kind == "error":
+                error = data
+            elif kind == "status":
+                status_line = data
+    figures = dict(figures or {})
+    bad = [c for c in cases if c.get("ok") is False]
+    if timed_out:
+        status = "timeout"
+        error = error or f"killed at its {deadline:.0f} s deadline; {len(cases)} cases recorded before"
+    elif status_line:
+        status = status_line
+    elif figures.get("status"):
+        status = figures.pop("status")
+    elif returncode != 0 or error is not None or figures == {} and not cases:
+        status = "failed"
+        if error is None:
+            sig = -returncode if returncode and returncode < 0 else None
+            what = f"signal {signal.Signals(sig).name}" if sig else f"exit code {returncode}"
+            error = f"the section process ended with {what} (a CUDA fault kills the process)"
+    elif bad:
+        status = "failed"
+    else:
+        status = "ok"
+    record = {"section": name, "status": status, "seconds": round(seconds, 2), "deadline_s": round(deadline),
+              "device": figures.get("device"), "command": " ".join(cmd),
+              "cases_total": len(cases), "cases_failed": len(bad), "figures": {**figures, "cases": cases}}
+    if error:
+        record["error"] = error
+    if status not in ("ok",) and not status.startswith("skipped"):
+        record["log_tail"] = tail[-15:]
+    return record
+
+
+def append(path: Path, record: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps(record, default=_jsonable) + "\n")
+
+
+def summarize(records: list[dict], path: Path) -> None:
+    print(f"\n==== gpu_check summary ({TARGETS}) ====", flush=True)
+    for r in records:
+        head = f"{r['section']:<17} {r['status']:<26} {r['seconds']:7.1f} s"
+        if r["section"] != "install":
+            head += f"  cases {r.get('cases_total', 0) - r.get('cases_failed', 0)}/{r.get('cases_total', 0)} ok"
+        print(head)
+        if r.get("error"):
+            print("    error: " + str(r["error"]).strip().splitlines()[-1][:300])
+        figures = r.get("figures", {})
+        for line in figures.get("summary", []):
+            print("    " + line)
+        failed = [c for c in figures.get("cases", []) if c.get("ok") is False]
+        for c in failed[:6]:
+            keys = {k: v for k, v in c.items() if k not in ("ok", "seconds") and not k.endswith("timing")}
+            print("    FAIL " + json.dumps(keys, default=_jsonable)[:300])
+        if len(failed) > 6:
+            print(f"    ... {len(failed) - 6} more failed cases in the JSON")
+    print(f"wrote {path}", flush=True)
 
 
 def main(argv=None, prog: str = "python -m bench gpu"):
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default="gpu_check.json")
-    parser.add_argument("--quick", action="store_true", help="a smaller grid, for a first try")
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", help="JSON-lines file, or a folder for gpu_check.jsonl (default $OUT/gpu_check.jsonl)")
+    parser.add_argument("--sections", help="comma-separated subset, in run order (see --list)")
+    parser.add_argument("--list", action="store_true", help="list the sections and their deadlines")
+    parser.add_argument("--budget", type=float, default=TOTAL_BUDGET_S, help="seconds for the whole run (360)")
+    parser.add_argument("--no-install", action="store_true", help="skip the offline pip install -e")
+    parser.add_argument("--no-graphs", action="store_true", help="time eagerly only (no CUDA graph replay)")
+    parser.add_argument("--dry-run", action="store_true", help="fake sections on the CPU: the machinery alone")
+    parser.add_argument("--cpu-smoke", action="store_true",
+                        help="the real sections' code on the CPU, tiny shapes, PyTorch path for the kernels "
+                             "(for developing this script; no figure means anything)")
+    parser.add_argument("--section", help=argparse.SUPPRESS)
+    parser.add_argument("--result-file", help=argparse.SUPPRESS)
+    parser.add_argument("--deadline", type=float, default=60.0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        sys.exit("gpu_check needs a CUDA GPU")
-    t0 = time.time()
-    backend = _kernel_backend()
-    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
-    report["correctness"] = correctness(backend, args.quick)
-    print(f"correctness done ({time.time() - t0:.0f} s)", flush=True)
-    report["copy_GBps"] = copy_bandwidth()
-    report["decode"] = decode_bandwidth(backend, args.quick)
-    report["prefill"] = prefill(backend, args.quick)
-    report["generate"] = generate_throughput(args.quick)
-    try:        # on its own: a failure here must not lose the sections above
-        report["quantised_decode"] = quantised_decode(backend)
-    except Exception as e:  # noqa: BLE001 - reported, not raised
-        report["quantised_decode"] = {"error": repr(e)}
-    try:        # last, and on its own: a failure here must not lose the sections above
-        report["device_map"] = device_map_split()
-    except Exception as e:  # noqa: BLE001 - reported, not raised
-        report["device_map"] = {"error": repr(e)}
-    print(f"device_map (GPU + CPU layers): {report['device_map']}", flush=True)
-    report["seconds"] = time.time() - t0
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
 
-    bad = [r for r in report["correctness"] if not r["ok"]]
-    copy = report["copy_GBps"]
-    print(f"\n{report['device']}  copy {copy:.0f} GB/s (read+write)  correctness: "
-          f"{len(report['correctness']) - len(bad)}/{len(report['correctness'])} ok")
-    print(f"{'model':<11} {'BxCtx':>9} {'KV MB':>7} {'ours ms':>8} {'GB/s':>6} {'%copy':>6} "
-          f"{'sdpa ms':>8} {'GB/s':>6} {'naive ms':>8} {'GB/s':>6}")
-    for r in report["decode"]:
-        print(f"{r['model']:<11} {r['batch']:>4}x{r['context']:<4} {r['kv_MB']:>7.0f} {r['ours_ms']:>8.3f} "
-              f"{r['ours_GBps']:>6.0f} {100 * r['ours_GBps'] / copy:>5.0f}% {r['sdpa_ms']:>8.3f} "
-              f"{r['sdpa_GBps']:>6.0f} {r['naive_ms']:>8.3f} {r['naive_GBps']:>6.0f}")
-    for r in report["prefill"]:
-        print(f"prefill {r['batch']}x{r['length']}: ours {r['ours_ms']:.2f} ms, sdpa {r['sdpa_ms']:.2f} ms")
-    g = report["generate"]
-    print(f"generate {g['batch']}x({g['prompt']}+{g['new_tokens']}): " +
-          ", ".join(f"{k} {v:.0f} tok/s" for k, v in g["tokens_per_s"].items()))
-    print(f"total {report['seconds']:.0f} s; wrote {args.out}")
+    if args.section:                    # the child
+        if sys.path and Path(sys.path[0] or ".").resolve() == Path(__file__).resolve().parent:
+            sys.path.pop(0)             # bench/'s modules must not shadow top-level ones
+        _die_with_parent(args.deadline + 15)
+        sys.exit(run_section(args.section, Path(args.result_file), args.deadline, args.cpu_smoke,
+                             not args.no_graphs))
+
+    table = FAKE_SECTIONS if args.dry_run else SECTIONS
+    if args.list:
+        for name, (deadline, cuda, _, line) in table.items():
+            print(f"{name:<17} {deadline:>4} s  {'CUDA' if cuda else '    '}  {line}")
+        return
+    names = list(table) if not args.sections else [s.strip() for s in args.sections.split(",") if s.strip()]
+    unknown = [n for n in names if n not in table]
+    if unknown:
+        parser.error(f"unknown section(s) {unknown}; known: {list(table)} (see --list)")
+    path = out_path(args.out)
+    run_id = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    start = time.monotonic()
+    left = lambda: args.budget - (time.monotonic() - start)  # noqa: E731
+    records = []
+
+    def finish(record):
+        record.update(run_id=run_id, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+        records.append(record)
+        append(path, record)
+        print(f"-- {record['section']}: {record['status']} ({record['seconds']:.1f} s) -> {path}", flush=True)
+
+    if args.dry_run or args.no_install:
+        finish({"section": "install", "status": "skipped (--dry-run)" if args.dry_run else "skipped (--no-install)",
+                "seconds": 0.0})
+    else:
+        print(f"installing {REPO} offline (pip install --no-deps --no-build-isolation --no-index -e .)", flush=True)
+        finish(install(min(60.0, left() / 4)))
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        _run_sections(names, table, args, left, finish)
+    except KeyboardInterrupt as exc:
+        print(f"\ninterrupted ({exc}): the running section was stopped", flush=True)
+        records.append({"section": "interrupted", "status": "interrupted", "seconds": 0.0})
+    finally:                            # also when interrupted: whatever finished is in the file already
+        summarize(records, path)
+    bad = [r["section"] for r in records if r["status"] in ("failed", "timeout", "interrupted")]
     if bad:
-        sys.exit(1)
+        sys.exit(f"gpu_check: not ok: {', '.join(bad)}")
+
+
+def _run_sections(names, table, args, left, finish) -> None:
+    device = cuda_seen = None
+    with tempfile.TemporaryDirectory(prefix="gpu_check-") as tmp:
+        for name in names:
+            deadline, needs_cuda, _, _ = table[name]
+            budget = min(deadline, left() - 5)
+            t0 = time.monotonic()
+            if needs_cuda and cuda_seen is False and not args.cpu_smoke:
+                record = {"section": name, "status": SKIP_NO_CUDA, "seconds": 0.0,
+                          "note": "env found no CUDA device; the section was not started"}
+            elif budget < min(MIN_SECTION_S, deadline):
+                record = {"section": name, "status": "skipped: out of time budget", "seconds": 0.0,
+                          "note": f"{left():.0f} s of the {args.budget:.0f} s budget left"}
+            else:
+                print(f"== {name} (deadline {budget:.0f} s)", flush=True)
+                record = spawn(name, budget, Path(tmp), args.cpu_smoke, not args.no_graphs)
+                if name == "env":
+                    cuda_seen = record["figures"].get("cuda_available")   # None (unknown) skips nothing
+                    device = record["figures"].get("device")
+            record.setdefault("device", device)
+            record["device"] = record["device"] or device
+            record["seconds"] = record.get("seconds") or round(time.monotonic() - t0, 2)
+            finish(record)
 
 
 if __name__ == "__main__":
