@@ -84,7 +84,7 @@ class DeviceLimits:
 def _as_int(kernel_name: str, what: str, value) -> int:
     """An integer launch value as a Python int (numpy integers accepted; floats and bools refused)."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{kernel_name}: {what} = {value!r} ({type(value).__name__}) must be an integer")
+        raise ValueError(f"{kernel_name}: {what} = {value!r} ({type(value).__name__}) must be an integer")  # noqa: TRY004 (every refused launch: ValueError)
     return int(value)
 
 
@@ -176,7 +176,7 @@ INT32_MIN, INT32_MAX = -2**31, 2**31 - 1
 def check_int32_range(name: str, value, knob: str = "") -> np.int32:
     """``value`` as the numpy int32 a kernel argument needs, refusing what int32 cannot hold."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{name} = {value!r} ({type(value).__name__}) must be an integer (int32 kernel argument)")
+        raise ValueError(f"{name} = {value!r} ({type(value).__name__}) must be an integer (int32 kernel argument)")  # noqa: TRY004
     value = int(value)
     if not INT32_MIN <= value <= INT32_MAX:
         hint = f"; {knob}" if knob else ""

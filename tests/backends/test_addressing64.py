@@ -8,13 +8,13 @@ become memory. ``hf_paged.backends.torch_backend`` indexes with int64 and is the
 """
 from __future__ import annotations
 
+import harness
 import pytest
 import torch
+from recording_launcher import untouched_tensor
 
-import harness
 from hf_paged.backends import kernel_registry as reg
 from hf_paged.backends import torch_backend as ta
-from recording_launcher import untouched_tensor
 
 TOL = {torch.bfloat16: 1.6e-2, torch.float32: 2e-5}
 KV_HEADS, GROUP, HEAD_DIM, BLOCK_SIZE = 2, 2, 64, 16

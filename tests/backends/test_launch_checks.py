@@ -7,7 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from hf_paged.backends.launch_checks import DeviceLimits, check_int32_range, check_launch, check_tensors
+from hf_paged.backends.launch_checks import (
+    DeviceLimits,
+    check_int32_range,
+    check_launch,
+    check_tensors,
+)
 
 H100 = DeviceLimits.for_arch("sm_90", sm_count=132)
 A100 = DeviceLimits.for_arch("sm_80", sm_count=108)

@@ -17,11 +17,11 @@ import pytest
 import torch
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
+from recording_launcher import RecordingLauncher, untouched_tensor
 
 from hf_paged.backends import kernel_registry as reg
 from hf_paged.backends.cuda_backend import KernelBackend
 from hf_paged.backends.launch_checks import DeviceLimits
-from recording_launcher import RecordingLauncher, untouched_tensor
 
 LIMITS = DeviceLimits.for_arch("sm_90", sm_count=132)
 VIRTUAL_BYTES = 4 << 30      # per output / scratch tensor the backend allocates (never written here)
