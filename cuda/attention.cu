@@ -411,8 +411,9 @@ __device__ __forceinline__ void decode_reduce_kernel(
     }
 }
 
-// grid (Hkv, B, ceil(Q / q_per_cta)), 128 threads. Rows: r = g * q_per_cta + i for query head
-// h * group + g and query token z * q_per_cta + i. Keys [first visible, last visible] of the rows.
+// grid (Hkv * ceil(Q / q_per_cta), B), 128 threads: x = h + Hkv * z (x holds up to 2^31 - 1 CTAs, so
+// long prompts fit). Rows: r = g * q_per_cta + i for query head h * group + g and query token
+// z * q_per_cta + i. Keys [first visible, last visible] of the rows.
 template <typename T, int D, typename Pools>
 __device__ __forceinline__ void extend_kernel(
     T* __restrict__ out,                   // [B, Hq, Q, D]
@@ -426,9 +427,9 @@ __device__ __forceinline__ void extend_kernel(
     HFP_DYNAMIC_SMEM(smem_raw);
     const int rows = group * q_per_cta;
     const AttnSmem<T, D> sm(smem_raw, rows);
-    const int h = blockIdx.x;
+    const int h = blockIdx.x % num_kv_heads;
     const int b = blockIdx.y;
-    const int q0 = blockIdx.z * q_per_cta;
+    const int q0 = (blockIdx.x / num_kv_heads) * q_per_cta;
     const int num_q_heads = num_kv_heads * group;
     const int length = context_lens[b];
     const int* pos_row = query_pos + (long long)b * q_len;

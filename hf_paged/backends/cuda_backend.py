@@ -10,9 +10,6 @@ write_kv quantises from the keys' dtype, and the attention kernels dequantise in
 """
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import numpy as np
 import torch
 
@@ -20,9 +17,9 @@ from ..kv_formats import QuantizedPool
 from ..plan import PackedPlan
 from . import cuda_fast
 from . import kernel_registry as reg
+from .cupy_loader import cuda_include_dirs, cupy_cuda_major, import_cupy
+from .launch_checks import DeviceLimits, check_launch, check_tensors
 from .step import PreparedStep
-
-INSTALL_HINT = "pip install hf-paged[cuda]   (cupy-cuda13x and the CUDA headers, nvidia-cuda-runtime)"
 _DEFAULT_SMEM_LIMIT = 48 * 1024
 
 
@@ -61,6 +58,14 @@ def _check_quantized_pools(k_pool: QuantizedPool, v_pool) -> str:
     return tag
 
 
+def _pool_tensors(k_pool, v_pool) -> dict:
+    """The pools' tensors and the alignment the kernels read them with (16-byte words; bf16 scales)."""
+    if isinstance(k_pool, QuantizedPool):
+        return {"k_codes": (k_pool.data, 16), "k_scales": (k_pool.scales, 2), "v_codes": (v_pool.data, 16),
+                "v_scales": (v_pool.scales, 2)}
+    return {"k_pool": (k_pool, 16), "v_pool": (v_pool, 16)}
+
+
 def _copy_word(tile_bytes: int, pools: list[torch.Tensor]) -> int:
     """Bytes per word copy_blocks moves: the largest of 16, 4, 1 dividing a (head, block) tile and
     every pool's address (16 for model-dtype pools and, at block sizes 8/16/32, for codes and scales)."""
@@ -79,6 +84,15 @@ class KernelBackend:
     def __init__(self, launcher, partition_size: int | None = None):
         self.launcher = launcher
         self.partition_size = partition_size
+
+    def launch(self, spec: reg.KernelSpec, device: torch.device, grid, block, args, shared_mem: int,
+               tensors: dict | None = None, explain: dict | None = None) -> None:
+        """Every launch goes through here: tensors on ``device`` and aligned as the kernel reads them
+        (``tensors``: name -> (tensor or None, bytes)), grid, block and shared memory within the device's
+        limits (``explain``: where a quantity comes from and its knob, for the error), then the launcher."""
+        check_tensors(spec.name, device, tensors or {})
+        check_launch(spec.name, grid, block, shared_mem, self.launcher.device_limits(device), explain)
+        self.launcher.launch(spec, device, grid, block, args, shared_mem)
 
     # -- cache writes -------------------------------------------------------------------------
     def write_kv(self, k_pool: torch.Tensor | QuantizedPool, v_pool: torch.Tensor | QuantizedPool,
@@ -100,7 +114,9 @@ class KernelBackend:
                 np.int32(num_kv_heads), np.int32(head_dim),
                 np.int64(key.stride(0)), np.int64(key.stride(1)),
                 np.int64(value.stride(0)), np.int64(value.stride(1)))
-        self.launcher.launch(reg.write_kv_kernel(tag), k_pool.device, (n, 1, 1), (reg.THREADS, 1, 1), args, 0)
+        self.launch(reg.write_kv_kernel(tag), k_pool.device, (n, 1, 1), (reg.THREADS, 1, 1), args, 0,
+                    {"k_pool": (k_pool, 16), "v_pool": (v_pool, 16), "key": (key, key.element_size()),
+                     "value": (value, value.element_size()), "slot_mapping": (slots, 8)})
 
     def _write_quantized(self, k_pool: QuantizedPool, v_pool: QuantizedPool, key: torch.Tensor,
                          value: torch.Tensor, slots: torch.Tensor) -> None:
@@ -117,8 +133,11 @@ class KernelBackend:
                 _ptr(value), _ptr(slots), np.int64(num_blocks * block_size), np.int32(num_kv_heads),
                 np.int32(head_dim), np.int64(key.stride(0)), np.int64(key.stride(1)),
                 np.int64(value.stride(0)), np.int64(value.stride(1)))
-        self.launcher.launch(reg.write_kv_kernel(tag, fmt_tag), k_pool.device, (slots.numel(), 1, 1),
-                             (reg.THREADS, 1, 1), args, 0)
+        self.launch(reg.write_kv_kernel(tag, fmt_tag), k_pool.device, (slots.numel(), 1, 1), (reg.THREADS, 1, 1),
+                    args, 0, {"k_codes": (k_pool.data, 16), "k_scales": (k_pool.scales, 2),
+                              "v_codes": (v_pool.data, 16), "v_scales": (v_pool.scales, 2),
+                              "key": (key, key.element_size()), "value": (value, value.element_size()),
+                              "slot_mapping": (slots, 8)})
 
     def copy_blocks(self, pools: list[torch.Tensor], pairs: torch.Tensor) -> None:
         """Block ``dst`` = block ``src`` (every head) for each (src, dst) row of int64 ``pairs`` [P, 2], in
@@ -147,8 +166,9 @@ class KernelBackend:
         table = torch.tensor([p.data_ptr() for p in pools], dtype=torch.int64).to(pairs.device, non_blocking=True)
         args = (_ptr(table), _ptr(pairs), np.int32(shape[0]), np.int64(shape[1] * tile_bytes // word),
                 np.int64(tile_bytes // word))
-        self.launcher.launch(reg.COPY_BLOCKS_BY_WORD[word], pairs.device, (pairs.shape[0], len(pools), 1),
-                             (reg.THREADS, 1, 1), args, 0)
+        self.launch(reg.COPY_BLOCKS_BY_WORD[word], pairs.device, (pairs.shape[0], len(pools), 1),
+                    (reg.THREADS, 1, 1), args, 0, {f"pool {i}": (p, word) for i, p in enumerate(pools)},
+                    {"grid.x": f"{pairs.shape[0]} block copies", "grid.y": f"{len(pools)} pools"})
 
     # -- attention ----------------------------------------------------------------------------
     def prepare(self, plan) -> PreparedStep:
@@ -249,12 +269,17 @@ class KernelBackend:
                 np.int32(num_kv_heads), np.int32(group), np.int32(sliding_window), np.int32(partition),
                 np.float32(scale * np.log2(np.e)))
         smem = reg.attention_smem_bytes(head_dim, elem, group)
-        self.launcher.launch(reg.decode_kernel(tag, head_dim, fmt_tag), query.device,
-                             (num_kv_heads, batch, splits), (reg.THREADS, 1, 1), args, smem)
+        tensors = {"out": (out, elem), "query": (query, elem), **_pool_tensors(k_pool, v_pool),
+                   "block_tables": (tables, 4), "context_lens": (lens, 4), "part_out": (part_out, 4),
+                   "part_lse": (part_lse, 4)}
+        explain = {"grid.y": f"batch rows {batch}: run fewer sequences per forward",
+                   "grid.z": f"ceil({span} keys / partition {partition}): raise partition_size"}
+        self.launch(reg.decode_kernel(tag, head_dim, fmt_tag), query.device, (num_kv_heads, batch, splits),
+                    (reg.THREADS, 1, 1), args, smem, tensors, explain)
         if splits > 1:
             args = (_ptr(out), _ptr(part_out), _ptr(part_lse), np.int32(splits), np.int32(head_dim))
-            self.launcher.launch(reg.reduce_kernel(tag, head_dim, fmt_tag), query.device,
-                                 (num_q_heads, batch, 1), (reg.THREADS, 1, 1), args, 0)
+            self.launch(reg.reduce_kernel(tag, head_dim, fmt_tag), query.device, (num_q_heads, batch, 1),
+                        (reg.THREADS, 1, 1), args, 0, explain={"grid.y": explain["grid.y"]})
         return out
 
     def _decode_fast(self, query, k_pool, v_pool, block_tables, context_lens, scale, window, length, workspace):
@@ -300,8 +325,14 @@ class KernelBackend:
                 np.int32(num_kv_heads), np.int32(group), np.int32(q_len),
                 np.int32(q_per_cta), np.int32(sliding_window), np.float32(scale * np.log2(np.e)))
         smem = reg.attention_smem_bytes(head_dim, query.element_size(), group * q_per_cta)
-        self.launcher.launch(reg.extend_kernel(tag, head_dim, fmt_tag), query.device,
-                             (num_kv_heads, batch, -(-q_len // q_per_cta)), (reg.THREADS, 1, 1), args, smem)
+        elem = query.element_size()
+        tensors = {"out": (out, elem), "query": (query, elem), **_pool_tensors(k_pool, v_pool),
+                   "block_tables": (tables, 4), "context_lens": (lens, 4), "query_pos": (pos, 4)}
+        explain = {"grid.x": f"{num_kv_heads} KV heads x ceil({q_len} query tokens / {q_per_cta} per CTA)",
+                   "grid.y": f"batch rows {batch}: run fewer sequences per forward"}
+        self.launch(reg.extend_kernel(tag, head_dim, fmt_tag), query.device,
+                    (num_kv_heads * -(-q_len // q_per_cta), batch, 1), (reg.THREADS, 1, 1), args, smem, tensors,
+                    explain)
         return out
 
     def _partition(self, device: torch.device, ctas: int, span: int, tile: int) -> int:
@@ -348,14 +379,17 @@ class CupyLauncher:
     def __init__(self):
         self._functions: dict[tuple[int, str], object] = {}
         self._modules: dict[tuple[int, tuple], object] = {}
-        self._sm_counts: dict[int, int] = {}
+        self._limits: dict[int, DeviceLimits] = {}
         self._cupy = None
 
     def sm_count(self, device: torch.device) -> int:
+        return self.device_limits(device).sm_count
+
+    def device_limits(self, device: torch.device) -> DeviceLimits:
         index = device.index if device.index is not None else torch.cuda.current_device()
-        if index not in self._sm_counts:
-            self._sm_counts[index] = torch.cuda.get_device_properties(index).multi_processor_count
-        return self._sm_counts[index]
+        if index not in self._limits:
+            self._limits[index] = DeviceLimits.for_device(index)
+        return self._limits[index]
 
     def prepare(self, spec: reg.KernelSpec, device: torch.device):
         """The compiled kernel function (building its module on first use on this device)."""
@@ -381,7 +415,8 @@ class CupyLauncher:
     def _module(self, cupy, index: int, spec: reg.KernelSpec):
         key = (index, spec.module)
         if key not in self._modules:
-            options = (*spec.defines, *(f"-I{d}" for d in cuda_include_dirs()))  # NVRTC 12+: C++17 by default
+            includes = cuda_include_dirs(cupy_cuda_major(cupy))
+            options = (*spec.defines, *(f"-I{d}" for d in includes))  # NVRTC 12+: C++17 by default
             module = cupy.RawModule(code=reg.kernel_source(spec.source), options=options, backend="nvrtc")
             module.compile()
             self._modules[key] = module
@@ -389,29 +424,8 @@ class CupyLauncher:
 
     def _import_cupy(self):
         if self._cupy is None:
-            try:
-                import cupy  # noqa: PLC0415  (optional dependency)
-            except ImportError as exc:
-                raise ImportError(f"hf_paged's CUDA kernels need CuPy: {INSTALL_HINT}. "
-                                  f"Or set HF_PAGED_FORCE_TORCH=1 to use the PyTorch path.") from exc
-            if not cuda_include_dirs():
-                raise ImportError(f"hf_paged's CUDA kernels need the CUDA headers (cuda_fp16.h) and none "
-                                  f"were found (CUDA_PATH, /usr/local/cuda, the nvidia-cuda-runtime wheel): "
-                                  f"{INSTALL_HINT}")
-            self._cupy = cupy
+            self._cupy = import_cupy()
         return self._cupy
-
-
-def cuda_include_dirs() -> list[str]:
-    """Folders holding cuda_fp16.h: $CUDA_PATH, /usr/local/cuda, then the pip runtime wheels."""
-    candidates = [Path(p) / "include" for p in (os.environ.get("CUDA_PATH"), "/usr/local/cuda") if p]
-    try:
-        import nvidia  # noqa: PLC0415  (namespace package of the pip CUDA wheels)
-        for root in map(Path, nvidia.__path__):
-            candidates += [root / "cu13" / "include", root / "cuda_runtime" / "include"]
-    except ImportError:
-        pass
-    return [str(c) for c in candidates if (c / "cuda_fp16.h").is_file()][:1]
 
 
 def make_backend() -> KernelBackend:

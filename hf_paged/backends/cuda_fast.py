@@ -71,7 +71,9 @@ def _split_scratch(workspace: dict | None, key: tuple, rows: int, splits: int, h
 def _merge(backend, tag: str, head_dim: int, out, part_out, part_lse, splits: int) -> None:
     rows = out.numel() // head_dim
     args = (_ptr(out), _ptr(part_out), _ptr(part_lse), np.int32(splits), np.int32(head_dim))
-    backend.launcher.launch(reg.merge_kernel(tag, head_dim), out.device, (rows, 1, 1), (reg.THREADS, 1, 1), args, 0)
+    backend.launch(reg.merge_kernel(tag, head_dim), out.device, (rows, 1, 1), (reg.THREADS, 1, 1), args, 0,
+                   {"out": (out, 2), "part_out": (part_out, 4), "part_lse": (part_lse, 4)},
+                   {"grid.x": f"{rows} (token, query head) rows"})
 
 
 def _aligned_tokens(query: torch.Tensor) -> torch.Tensor:
@@ -109,8 +111,13 @@ def ragged_attention(backend, query: torch.Tensor, k_pool: torch.Tensor, v_pool:
             _ptr(block_tables), np.int32(block_tables.shape[1]), np.int32(block_size.bit_length() - 1),
             _ptr(token_row), _ptr(token_pos), _ptr(chunks), np.int32(num_kv_heads), np.int32(group),
             np.int32(window), np.int32(partition), np.float32(scale * np.log2(np.e)))
-    backend.launcher.launch(reg.ragged_kernel(tag, head_dim), query.device, (ctas, splits, 1), (reg.THREADS, 1, 1),
-                            args, reg.ragged_smem_bytes(head_dim))
+    tensors = {"out": (out, 16), "query": (query, 16), "k_pool": (k_pool, 16), "v_pool": (v_pool, 16),
+               "block_tables": (block_tables, 4), "token_row": (token_row, 4), "token_pos": (token_pos, 4),
+               "chunks": (chunks, 4), "part_out": (part_out, 16), "part_lse": (part_lse, 4)}
+    explain = {"grid.x": f"{chunks.shape[0]} work chunks x {num_kv_heads} KV heads",
+               "grid.y": f"ceil({span} keys / partition {partition}): raise partition_size"}
+    backend.launch(reg.ragged_kernel(tag, head_dim), query.device, (ctas, splits, 1), (reg.THREADS, 1, 1), args,
+                   reg.ragged_smem_bytes(head_dim), tensors, explain)
     if splits > 1:
         _merge(backend, tag, head_dim, out, part_out, part_lse, splits)
     return out
@@ -137,8 +144,13 @@ def decode_fast(backend, query: torch.Tensor, k_pool: torch.Tensor, v_pool: torc
             np.int32(block_size.bit_length() - 1), _ptr(context_lens), np.int32(num_kv_heads), np.int32(group),
             np.int32(reg.decode_key_groups(group, head_dim)), np.int32(window), np.int32(partition),
             np.float32(scale * np.log2(np.e)))
-    backend.launcher.launch(reg.decode_fast_kernel(tag, head_dim), query.device, (ctas, splits, 1),
-                            (reg.THREADS, 1, 1), args, reg.decode_fast_smem_bytes(head_dim))
+    tensors = {"out": (out, 16), "query": (query, 16), "k_pool": (k_pool, 16), "v_pool": (v_pool, 16),
+               "block_tables": (block_tables, 4), "context_lens": (context_lens, 4), "part_out": (part_out, 16),
+               "part_lse": (part_lse, 4)}
+    explain = {"grid.x": f"{batch} rows x {num_kv_heads} KV heads",
+               "grid.y": f"ceil({span} keys / partition {partition}): raise partition_size"}
+    backend.launch(reg.decode_fast_kernel(tag, head_dim), query.device, (ctas, splits, 1), (reg.THREADS, 1, 1),
+                   args, reg.decode_fast_smem_bytes(head_dim), tensors, explain)
     if splits > 1:
         _merge(backend, tag, head_dim, out, part_out, part_lse, splits)
     return out

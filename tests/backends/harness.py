@@ -21,6 +21,7 @@ import numpy as np
 
 from hf_paged.backends import kernel_registry as reg
 from hf_paged.backends.cuda_backend import KernelBackend
+from hf_paged.backends.launch_checks import DeviceLimits
 
 HERE = Path(__file__).resolve().parent
 SHIM_DIR = HERE / "shim"
@@ -115,6 +116,10 @@ class ShimLauncher:
 
     def sm_count(self, device) -> int:
         return self.sms
+
+    def device_limits(self, device) -> DeviceLimits:
+        """An H200's limits (the shim runs whatever it is given; the backend checks against these)."""
+        return DeviceLimits.for_arch("sm_90", self.sms)
 
     def library(self, spec: reg.KernelSpec):
         if spec.module not in self.libs:

@@ -81,6 +81,9 @@ class RecordingLauncher:
     def sm_count(self, device) -> int:
         return self.limits.sm_count
 
+    def device_limits(self, device) -> DeviceLimits:
+        return self.limits
+
     def launch(self, spec: reg.KernelSpec, device, grid, block, args, shared_mem: int) -> None:
         device = torch.device(device)
         params = self.signature(spec)
