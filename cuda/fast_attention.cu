@@ -461,7 +461,7 @@ __device__ __forceinline__ void merge_splits_kernel(T* __restrict__ out, const f
 }  // namespace hfp
 
 #define HFP_RAGGED_ENTRY(TN, D)                                                                \
-    extern "C" __global__ void __launch_bounds__(hfp::kThreads) hfp_ragged_##TN##_d##D(        \
+    extern "C" __global__ void __launch_bounds__(hfp::kThreads, 2) hfp_ragged_##TN##_d##D(        \
         HFP_T(TN)* out, float* part_out, float* part_lse, const HFP_T(TN)* query,              \
         long long q_token_stride, long long q_head_stride, const HFP_T(TN)* k_pool,            \
         const HFP_T(TN)* v_pool, long long head_stride, const int* block_tables, int max_blocks, \
@@ -474,7 +474,7 @@ __device__ __forceinline__ void merge_splits_kernel(T* __restrict__ out, const f
     HFP_EXPORT_LAUNCHER(hfp_ragged_##TN##_d##D)
 
 #define HFP_DECODE_FAST_ENTRY(TN, D)                                                           \
-    extern "C" __global__ void __launch_bounds__(hfp::kThreads) hfp_decode_fast_##TN##_d##D(   \
+    extern "C" __global__ void __launch_bounds__(hfp::kThreads, 2) hfp_decode_fast_##TN##_d##D(   \
         HFP_T(TN)* out, float* part_out, float* part_lse, const HFP_T(TN)* query,              \
         const HFP_T(TN)* k_pool, const HFP_T(TN)* v_pool, long long head_stride,               \
         const int* block_tables, int max_blocks, int block_shift, const int* context_lens,     \
