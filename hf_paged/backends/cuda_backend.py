@@ -350,7 +350,14 @@ class KernelBackend:
 class CudaStep(PreparedStep):
     """A forward on the kernels. With fp16/bf16 model-dtype pools every query token of the step — decode
     rows, prefill, the packed engine's mixed steps — goes to one ragged launch per layer (decode steps
-    with small groups to the CUDA-core decode); other pools take PreparedStep's padded path."""
+    with small groups to the CUDA-core decode); other pools take PreparedStep's padded path. The ragged
+    token list is built here, once per forward; the work chunks (which depend on the model's GQA group)
+    and split scratch by the first layer, kept in the workspace for the others."""
+
+    def __init__(self, backend, plan):
+        super().__init__(backend, plan)
+        if isinstance(plan, PackedPlan) or not plan.is_decode:
+            self.ragged()
 
     def _attend(self, query, k_pool, v_pool, scale, window):
         plan = self.plan
