@@ -26,7 +26,7 @@ CACHE_SOURCE = "cache_ops.cu"
 # ragged attention for the rest (fast_attention.cu); fp32 and quantised pools use attention.cu.
 FAST_SOURCE = "fast_attention.cu"
 FAST_DTYPE_TAGS = ("f16", "bf16")
-FAST_DECODE_MAX_GROUP = 7     # larger groups decode on tensor cores (the ragged kernel, one token)
+FAST_DECODE_MAX_GROUP = 4     # larger groups decode on tensor cores (the ragged kernel, one token); bench/roofline.py
 RAGGED_ROWS = 64              # query rows (tokens x group heads) per ragged CTA
 # Quantised KV formats (hf_paged/kv_formats.py name -> kernel-name tag). Their kernels read codes and
 # scales and dequantise into the query's dtype; the write kernels quantise from the key's dtype.
