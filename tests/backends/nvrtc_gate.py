@@ -1,8 +1,10 @@
 """NVRTC compile gate with no GPU: NVRTC from pip wheels, loaded through ctypes.
 
 Kernels of hf_paged.backends.kernel_registry are compiled to cubin for sm_80 and sm_90 by each NVRTC
-(oldest supported 12.x, newest 12.x, 13.x), the cubin's entry symbols are compared with the registry,
-and registers / shared memory / spills are read from ptxas's verbose log. Which modules (see plan()):
+(oldest supported 12.x, newest 12.x, 13.x) with the options CuPy's RawModule passes in production
+(production_options: -ftz=true, C++17, -arch=sm_XX, ...), the cubin's entry symbols are compared with
+the registry, and registers / shared memory / spills are read from ptxas's verbose log; sass_gate.py
+disassembles the same cubins. Which modules (see plan()):
 the model-dtype modules and cache ops on every (NVRTC, arch); the 20 quantised modules (4 formats x 5
 head dims, 120 kernels: five times the model-dtype ones, ~4 min of compiling on 2 cores per pair) all
 on the newest pair (13.0, sm_90), and one each, rotating formats and head dims, on the other five pairs.
@@ -16,13 +18,15 @@ $HF_PAGED_NVRTC_CACHE (default ~/.cache/hf_paged/nvrtc).
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
+import multiprocessing
 import os
 import re
 import struct
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -56,14 +60,37 @@ def cache_root() -> Path:
 
 def install(name: str) -> Path:
     """The toolkit's folder, pip-installing its wheels there first if needed."""
+    return pip_target(name, TOOLKITS[name][0], TOOLKITS[name][1])
+
+
+def pip_target(name: str, requirements, marker: str) -> Path:
+    """cache_root()/name holding ``requirements`` (``pip install --no-deps --target``), installed
+    unless done before (``.complete``) or the file ``marker`` is already there."""
     target = cache_root() / name
-    if (target / ".complete").exists() or (target / TOOLKITS[name][1]).exists():
+    if (target / ".complete").exists() or (target / marker).exists():
         return target
     target.mkdir(parents=True, exist_ok=True)
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target),
-                    *TOOLKITS[name][0]], check=True)
+                    *requirements], check=True)
     (target / ".complete").touch()
     return target
+
+
+def production_options(arch: str, include: Path, defines=()) -> list[str]:
+    """The NVRTC options of the production build, in CuPy's order, plus ptxas's verbose log.
+
+    hf_paged.backends.cuda_backend builds ``cupy.RawModule(code, options=(*defines, -I<CUDA
+    headers>), backend="nvrtc")``; CuPy 14.2 then compiles with (cupy/_core/core.pyx
+    ``assemble_cupy_compiler_options``, cupy/cuda/compiler.py ``_compile_with_cache_cuda`` and
+    ``_compile_using_nvrtc_no_warning``): its bundled CCCL include dirs, the caller's options,
+    ``--std=c++17`` (none given), ``-I<cupy/_core/include>``, ``-I<CUDA headers>``, ``-ftz=true``,
+    ``-arch=sm_XX`` (a cubin, as the arch is within the NVRTC's range and CUPY_COMPILE_WITH_PTX is
+    unset) and ``--device-as-default-execution-space``. Left out: the CCCL and cupy include dirs (no
+    CuPy wheel here; the kernels include only cuda_fp16.h / cuda_bf16.h, found under ``include``), and
+    the second -I of the same CUDA header dir. ``--ptxas-options=-v`` only adds the register/spill
+    log; it does not change the code."""
+    return [*defines, f"-I{include}", "--std=c++17", "-ftz=true", f"-arch={arch}",
+            "--device-as-default-execution-space", "--ptxas-options=-v"]
 
 
 class Nvrtc:
@@ -122,7 +149,7 @@ def cubin_entries(cubin: bytes) -> set[str]:
 
 _INFO = re.compile(r"Compiling entry function '(\w+)' for '(sm_\d+)'.*?"
                    r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads.*?"
-                   r"Used (\d+) registers(?:, used \d+ barriers)?(?:, (\d+) bytes smem)?", re.S)
+                   r"Used (\d+) registers(?:, used \d+ barriers)?(?:, (\d+) bytes smem)?", re.DOTALL)
 
 
 @dataclass
@@ -138,13 +165,15 @@ class Usage:
 class GateResult:
     entries: dict = field(default_factory=dict)    # (toolkit, arch, module) -> set of entry names
     usage: dict = field(default_factory=dict)      # (toolkit, arch, kernel) -> Usage
+    cubins: dict = field(default_factory=dict)     # (toolkit, arch, module) -> cubin bytes
 
 
 def units() -> list[tuple[str, int, str]]:
     """The production modules, (source, head dim, format tag) as KernelSpec.module: attention per head
     dim and KV format, cache ops."""
-    # The reduce kernels (attention source, head dim 0) live in every attention module: not a unit.
-    return sorted({spec.module for spec in reg.all_kernels() if spec.head_dim or spec.source != reg.ATTENTION_SOURCE})
+    # Kernels of head dim 0 in an attention source (reduce, merge) live in every module of that source:
+    # not a unit.
+    return sorted({spec.module for spec in reg.all_kernels() if spec.head_dim or spec.source == reg.CACHE_SOURCE})
 
 
 def plan(toolkits=tuple(TOOLKITS), archs=ARCHS, full: bool | None = None) -> list[tuple[str, str, tuple]]:
@@ -160,25 +189,40 @@ def plan(toolkits=tuple(TOOLKITS), archs=ARCHS, full: bool | None = None) -> lis
 
 
 def run_gate(toolkits=tuple(TOOLKITS), archs=ARCHS, jobs: int = 2, full: bool | None = None) -> GateResult:
-    compilers = {name: Nvrtc(name) for name in toolkits}
-
-    def one(job):
-        toolkit, arch, (source, head_dim, fmt) = job
-        compiler = compilers[toolkit]
-        options = [f"--gpu-architecture={arch}", f"-I{compiler.include}", "--ptxas-options=-v",
-                   *reg.KernelSpec("", source, head_dim, fmt).defines]
-        cubin, log = compiler.compile(reg.kernel_source(source), options)
-        return job, cubin_entries(cubin), log
-
+    """Compiles plan()'s modules in ``jobs`` processes (NVRTC serialises compiles within a process)."""
+    for name in toolkits:
+        install(name)
     result = GateResult()
-    with ThreadPoolExecutor(jobs) as pool:
-        for (toolkit, arch, module), entries, log in pool.map(one, plan(toolkits, archs, full)):
-            result.entries[(toolkit, arch, module)] = entries
-            for m in _INFO.finditer(log):
-                kernel, _, stack, stores, loads, regs, smem = m.groups()
-                result.usage[(toolkit, arch, kernel)] = Usage(int(regs), int(stack), int(stores),
-                                                                    int(loads), int(smem or 0))
+    context = multiprocessing.get_context("spawn")    # no fork of a process holding torch's threads
+    with ProcessPoolExecutor(jobs, mp_context=context) as pool:
+        for (toolkit, arch, module), cubin, log in pool.map(compile_job, plan(toolkits, archs, full)):
+            result.entries[(toolkit, arch, module)] = cubin_entries(cubin)
+            result.cubins[(toolkit, arch, module)] = cubin
+            result.usage.update({(toolkit, arch, k): u for k, u in usage_from_log(log).items()})
     return result
+
+
+def compile_job(job: tuple[str, str, tuple]) -> tuple[tuple, bytes, str]:
+    """(job, cubin, ptxas log) of one (toolkit, arch, module) of plan(), built as in production."""
+    toolkit, arch, (source, head_dim, fmt) = job
+    compiler = _compiler(toolkit)
+    options = production_options(arch, compiler.include, reg.KernelSpec("", source, head_dim, fmt).defines)
+    cubin, log = compiler.compile(reg.kernel_source(source), options)
+    return job, cubin, log
+
+
+@functools.cache
+def _compiler(name: str) -> Nvrtc:
+    return Nvrtc(name)      # one per toolkit and process: loading the library is not free
+
+
+def usage_from_log(log: str) -> dict[str, Usage]:
+    """Kernel -> registers, stack, spills and static shared memory, from ptxas's verbose log."""
+    usage = {}
+    for m in _INFO.finditer(log):
+        kernel, _, stack, stores, loads, regs, smem = m.groups()
+        usage[kernel] = Usage(int(regs), int(stack), int(stores), int(loads), int(smem or 0))
+    return usage
 
 
 def format_table(result: GateResult) -> str:
@@ -195,7 +239,7 @@ def format_table(result: GateResult) -> str:
     lines = [head + "   (registers/spill bytes)"]
     for row in sorted({r for r, _, _ in cells}):
         lines.append(f"{row[0]:<24}{row[1] or '-':>4} " +
-                     " ".join(f"{'%d/%d' % cells[(row, arch, tk)] if (row, arch, tk) in cells else '.':>12}"
+                     " ".join(f"{'{}/{}'.format(*cells[(row, arch, tk)]) if (row, arch, tk) in cells else '.':>12}"
                               for arch, tk in columns))
     return "\n".join(lines)
 

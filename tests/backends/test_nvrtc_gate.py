@@ -1,11 +1,15 @@
 """The production compiler, with no GPU: the registry kernels compile with NVRTC 12.4, 12.9 and 13.0
 for sm_80 and sm_90 (every model-dtype and cache kernel on each pair; the quantised ones all on 13.0
-sm_90 and a rotating module on each other pair, see nvrtc_gate.plan), the cubins' entry points equal
-the registry, and the decode kernels, model-dtype and quantised, do not spill.
+sm_90 and a rotating module on each other pair, see nvrtc_gate.plan) with the options CuPy uses in
+production (-ftz=true included), the cubins' entry points equal the registry, and the decode kernels,
+model-dtype and quantised, do not spill. The same cubins then go through the SASS gate (sass_gate.py):
+opcode counts per kernel, the RULES table (cp.async / mma.sync in the new kernels, no local memory,
+>= 2 CTAs per SM at the benchmark shapes); its machinery is proven in test_sass_gate.py.
 
 The NVRTC wheels are pip-installed on first run (see nvrtc_gate.py); failing to install them fails
 the test. Offline, opt out explicitly with HF_PAGED_SKIP_NVRTC=1 (the test then reports a skip).
-`pytest -s` prints the register table; it is also written to nvrtc_report.txt in the NVRTC cache folder.
+`pytest -s` prints the register table and the SASS table; they are also written to nvrtc_report.txt
+and sass_report.txt in the NVRTC cache folder.
 """
 from __future__ import annotations
 
@@ -13,9 +17,10 @@ import os
 import shutil
 import subprocess
 
-import pytest
-
 import nvrtc_gate
+import pytest
+import sass_gate
+
 from hf_paged.backends import kernel_registry as reg
 
 
@@ -29,6 +34,14 @@ def gate():
     table = nvrtc_gate.format_table(result)
     (nvrtc_gate.cache_root() / "nvrtc_report.txt").write_text(table + "\n")
     print("\n" + table)
+    return result
+
+
+@pytest.fixture(scope="module")
+def sass(gate):
+    result = sass_gate.run_sass(gate, jobs=max(2, os.cpu_count() or 2))
+    (nvrtc_gate.cache_root() / "sass_report.txt").write_text(sass_gate.format_table(gate, result) + "\n")
+    print("\n" + sass_gate.format_table(gate, result, kernels=sass_gate.default_rows))
     return result
 
 
@@ -54,6 +67,22 @@ def test_every_kernel_reported_and_decode_never_spills(gate):
                 assert usage.spill_stores == usage.spill_loads == usage.stack == 0, (toolkit, arch, name, usage)
 
 
+def test_sass_rules(gate, sass):
+    """Every kernel a rule of sass_gate.RULES names satisfies it (notes: rules that name no kernel
+    yet, occupancy rows the registry cannot size yet)."""
+    violations, notes = sass_gate.check(gate, sass)
+    print("\n" + "\n".join(notes))
+    assert violations == [], "\n".join(violations)
+
+
+def test_model_dtype_modules_disassembled(gate, sass):
+    for toolkit, arch, module in gate.entries:
+        if module in reg.attention_modules() and not module[2]:
+            for name in reg.module_kernel_names(module):
+                assert (toolkit, arch, name) in sass.opcodes, (toolkit, arch, name)
+                assert sum(sass.opcodes[(toolkit, arch, name)].values()) > 0
+
+
 def test_shared_memory_fits():
     """The largest dynamic shared memory the backend asks for, plus static, fits sm_80's 163 KiB
     (quantised kernels stage tiles of the query's dtype: the same sizes)."""
@@ -74,7 +103,7 @@ def test_nvcc_sass_quantised_decode_never_spills(tmp_path):
     source.write_text(reg.kernel_source(reg.ATTENTION_SOURCE))
     spec = reg.decode_kernel("f32", 256, "int4")
     proc = subprocess.run([NVCC, "-cubin", "-arch=sm_90", "-Xptxas", "-v", *spec.defines, str(source),
-                           "-o", str(tmp_path / "attention.cubin")], capture_output=True, text=True, timeout=300)
+                           "-o", str(tmp_path / "attention.cubin")], capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     usage = {m.group(1): m.groups() for m in nvrtc_gate._INFO.finditer(proc.stdout + proc.stderr)}
     decode = {name for name in reg.module_kernel_names(spec.module) if name.startswith("hfp_decode_int4")}
