@@ -83,3 +83,43 @@ def test_quantised_generate_through_shim_kernels_matches_the_torch_path(shim_lib
     assert torch.equal(kernel_paged.sequences, torch_paged.sequences)
     for a, b in zip(kernel_paged.scores, torch_paged.scores):
         torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-4)
+
+
+def test_engine_packed_steps_through_the_fast_kernels(shim_libraries, dtype=torch.float16):
+    """The engine's packed steps (decode rows and prefill chunks together, chunked prefill under a small
+    token budget) through the tensor-core ragged kernel give the tokens of the same engine on the CPU.
+    fp16 only: in bf16 the kernel rounds probabilities to bf16 before P @ V (as FlashAttention does), so
+    on this random tiny model (near-flat logits) a greedy token can flip; bf16 outputs are checked
+    within tolerance in test_fast_kernels.py."""
+    from hf_paged import LLM
+    model = tiny_llama(dtype)
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 256, (n,), generator=gen).tolist() for n in (5, 30, 1, 17, 44)]
+    knobs = dict(block_size=8, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=24)
+    reference = LLM(model, **knobs).generate(prompts, max_new_tokens=6)
+    llm = LLM(model, **knobs)
+    backend = harness.shim_backend(shim_libraries, schedule="warp_ahead")
+    llm.engine.cache.backend = backend
+    outs = llm.generate(prompts, max_new_tokens=6)
+    tag = {torch.float16: "f16", torch.bfloat16: "bf16"}[dtype]
+    assert f"hfp_ragged_{tag}_d64" in backend.launcher.launches
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in reference]
+
+
+def test_fp16_generate_through_the_fast_kernels(shim_libraries):
+    """Padded generate in fp16: prefill on the ragged tensor-core kernel, decode (GQA 4) on the pipelined
+    CUDA-core kernel, the same greedy and beam tokens as the PyTorch paged path."""
+    model = tiny_llama(torch.float16)
+    ids, mask = left_padded([9, 1, 17])
+    patch(model, block_size=8)
+    try:
+        for mode in (dict(do_sample=False), dict(do_sample=False, num_beams=3)):
+            kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, **mode)
+            torch_paged = model.generate(cache_implementation="paged", **kw)
+            backend = harness.shim_backend(shim_libraries, schedule="warp_ahead")
+            cache = hf_paged.PagedCache(model.config, block_size=8, dtype=model.dtype, backend=backend)
+            kernel_paged = model.generate(**{cache_keyword(model): cache}, **kw)
+            assert {"hfp_ragged_f16_d64", "hfp_decode_fast_f16_d64"} <= set(backend.launcher.launches)
+            assert torch.equal(kernel_paged, torch_paged), mode
+    finally:
+        unpatch(model)
