@@ -103,7 +103,7 @@ class Load:
 
 @dataclass(frozen=True)
 class DecodeFast:
-    """hfp_decode_fast (CUDA cores, G <= 7): 128 threads, one CTA per (sequence, KV head, split).
+    """hfp_decode_fast (CUDA cores, G <= 4): 128 threads, one CTA per (sequence, KV head, split).
     head_dim split over ``bdx`` lanes (16 bytes each); the 128 / bdx slots are rows (one per query
     head) x key groups; K and V tiles of ``tile_keys`` keys by 16-byte cp.async into rings of
     ``stages`` K and ``stages`` V buffers (kernel_registry.DECODE_FAST_STAGES), key groups merged
@@ -116,8 +116,8 @@ class DecodeFast:
     bdx: int = 16
     tile_keys: int = 32
     stages: int = 3              # per ring (K and V)
-    registers: int = 64          # assumed; the SASS gate prints the real figure
-    max_group: int = 7           # kernel_registry.FAST_DECODE_MAX_GROUP
+    registers: int = 111         # ptxas, NVRTC 13.0 sm_90 (tests/backends/sass_gate.py table)
+    max_group: int = 4           # kernel_registry.FAST_DECODE_MAX_GROUP
     lds128: float = 2            # one 16-byte K chunk, one V chunk
     ffma: float = 16             # 8 for q.k, 8 for o += p v
     convert: float = 16          # bf16 -> fp32: one PRMT / shift / AND per element, K and V
@@ -163,7 +163,7 @@ class Ragged:
     rows_per_warp: int = 16
     tile_keys: int = 64
     stages: int = 2
-    registers: int = 128         # assumed: 64 O + 32 S accumulators per lane, fragments, addresses
+    registers: int = 183         # ptxas, NVRTC 13.0 sm_90 (tests/backends/sass_gate.py table)
     decode_split_keys: bool = False
     hmma: float = 128            # QK^T: 8 k-steps x 8 n-tiles; PV: 4 k-steps x 16 n-tiles
     ldsm_kv: float = 64          # x4: 32 for K, 32 (.trans) for V
@@ -393,13 +393,14 @@ def findings(decode: list[DecodeRow], extend: list[ExtendRow], m: Machine) -> li
     fast = DecodeFast()
     limit = memory_bound_limit(fast, m)
     over = fast.load(limit + 1).clocks(m)
-    at_max = decode_row(fast, 64, 4096, fast.max_group, m)
-    ragged = decode_row(Ragged(), 64, 4096, fast.max_group, m)
+    at_7 = decode_row(fast, 64, 4096, 7, m)
+    ragged = decode_row(Ragged(), 64, 4096, 7, m)
+    routing = ("matches" if fast.max_group <= limit else "should be lowered to") + f" {limit}"
     out.append(f"hfp_decode_fast stays memory-bound up to GQA group {limit}; from {limit + 1} the "
                f"{max(over, key=over.get)} pipe binds (shared-memory reads grow with the group: every row re-reads "
-               f"each K/V chunk, plus log2(bdx) shuffles per key and row). At 64x4k GQA {fast.max_group} (its "
-               f"largest group) it predicts {at_max.fraction:.0%} against hfp_ragged's {ragged.fraction:.0%}: "
-               f"groups {limit + 1}-{fast.max_group} would do better on hfp_ragged (FAST_DECODE_MAX_GROUP = {limit}).")
+               f"each K/V chunk, plus log2(bdx) shuffles per key and row). At 64x4k GQA 7 it would predict "
+               f"{at_7.fraction:.0%} against hfp_ragged's {ragged.fraction:.0%}; FAST_DECODE_MAX_GROUP = "
+               f"{fast.max_group} {routing}.")
     batch1 = [r for r in decode if r.batch == 1 and r.design == fast.name]
     out.append("Batch 1 x 4k is latency-bound: " + ", ".join(f"GQA {r.group} {r.time_us:.1f} us ({r.fraction:.0%})"
                                                              for r in batch1)
@@ -424,7 +425,7 @@ def markdown(decode: list[DecodeRow], extend: list[ExtendRow], m: Machine) -> st
               f"{m.clock_ghz} GHz; Llama-3-8B heads (32 q, d128, bf16). Model: `bench/roofline.py`."), "",
              "| design | batch x context | GQA | bound | predicted fraction of copy bandwidth | target |",
              "|---|---|---|---|---|---|"]
-    for r in decode:    # the kernel each group goes to (decode_fast up to 7), and ragged from group 8
+    for r in decode:    # the kernel each group goes to (decode_fast up to 4), and ragged from group 8
         if r.design not in ("hfp_decode_fast", "hfp_ragged") or (r.design == "hfp_ragged" and r.group < 8):
             continue
         target = f"{r.target:.0%}: {r.verdict}" if r.target is not None else ""
