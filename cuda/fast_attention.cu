@@ -319,18 +319,27 @@ __device__ __forceinline__ void decode_fast_kernel(
 
     const T* kh = k_pool + h * head_stride;
     const T* vh = v_pool + h * head_stride;
-    auto stage = [&](int t) {  // K then V of tile t into ring slot t % kStages, two commit groups
+    // K then V of tile t into ring slot t % kStages, two commit groups; each thread's block-table
+    // lookups are done once for both (src: element offset in the head's pool, -1 = zero fill).
+    constexpr int kPerThread = (kKeys * kChunks + kThreads - 1) / kThreads;
+    auto stage = [&](int t) {
         const int buf = t % kStages;
-        for (int i = tid; i < kKeys * kChunks; i += kThreads) {
-            const int key = i / kChunks, c = i - key * kChunks, j = beg + t * kKeys + key;
-            const long long src = j < end ? pool_slot(table, j, block_shift) * D + c * 8 : -1;
-            cp_async_16(sk + (buf * kKeys + key) * D + c * 8, kh + (src < 0 ? 0 : src), src >= 0);
+        long long src[kPerThread];
+#pragma unroll
+        for (int k = 0; k < kPerThread; ++k) {
+            const int i = tid + k * kThreads, key = i / kChunks, c = i - key * kChunks, j = beg + t * kKeys + key;
+            src[k] = i < kKeys * kChunks && j < end ? pool_slot(table, j, block_shift) * D + c * 8 : -1;
+        }
+#pragma unroll
+        for (int k = 0; k < kPerThread; ++k) {
+            const int i = tid + k * kThreads, key = i / kChunks, c = i - key * kChunks;
+            if (i < kKeys * kChunks) cp_async_16(sk + (buf * kKeys + key) * D + c * 8, kh + (src[k] < 0 ? 0 : src[k]), src[k] >= 0);
         }
         cp_async_commit();
-        for (int i = tid; i < kKeys * kChunks; i += kThreads) {
-            const int key = i / kChunks, c = i - key * kChunks, j = beg + t * kKeys + key;
-            const long long src = j < end ? pool_slot(table, j, block_shift) * D + c * 8 : -1;
-            cp_async_16(sv + (buf * kKeys + key) * D + c * 8, vh + (src < 0 ? 0 : src), src >= 0);
+#pragma unroll
+        for (int k = 0; k < kPerThread; ++k) {
+            const int i = tid + k * kThreads, key = i / kChunks, c = i - key * kChunks;
+            if (i < kKeys * kChunks) cp_async_16(sv + (buf * kKeys + key) * D + c * 8, vh + (src[k] < 0 ? 0 : src[k]), src[k] >= 0);
         }
         cp_async_commit();
     };
