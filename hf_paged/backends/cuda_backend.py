@@ -79,11 +79,17 @@ class KernelBackend:
     scalars; pointers as ``numpy.uint64``) and ``sm_count(device)``.
     partition_size: keys per decode split; ``None`` chooses one per call so that the grid fills the
     device (fewer, longer splits when the batch already does).
+    fast_kernels: fp16/bf16 model-dtype pools on fast_attention.cu (the default); False keeps them on
+    attention.cu, the kernels the quantised formats share their compute with (for comparisons).
     """
 
-    def __init__(self, launcher, partition_size: int | None = None):
+    def __init__(self, launcher, partition_size: int | None = None, fast_kernels: bool = True):
         self.launcher = launcher
         self.partition_size = partition_size
+        self.fast_kernels = fast_kernels
+
+    def _fast(self, query: torch.Tensor, k_pool) -> bool:
+        return self.fast_kernels and cuda_fast.eligible(query, k_pool)
 
     def launch(self, spec: reg.KernelSpec, device: torch.device, grid, block, args, shared_mem: int,
                tensors: dict | None = None, explain: dict | None = None) -> None:
@@ -241,7 +247,7 @@ class KernelBackend:
         length = int(context_lens.max()) if max_context is None else int(max_context)
         if batch == 0 or length == 0:
             return torch.zeros_like(query)
-        if cuda_fast.eligible(query, k_pool):
+        if self._fast(query, k_pool):
             return self._decode_fast(query, k_pool, v_pool, block_tables, context_lens, scale, sliding_window,
                                      length, workspace)
         elem = query.element_size()
@@ -308,7 +314,7 @@ class KernelBackend:
         length = int(context_lens.max()) if max_context is None else int(max_context)
         if batch == 0 or q_len == 0 or length == 0:
             return torch.zeros_like(query)
-        if cuda_fast.eligible(query, k_pool):
+        if self._fast(query, k_pool):
             flat = query.transpose(1, 2).reshape(batch * q_len, num_q_heads, head_dim)
             rows = torch.arange(batch, dtype=torch.int32, device=query.device).repeat_interleave(q_len)
             out = self.ragged_attention(flat, k_pool, v_pool, block_tables, rows, query_pos.reshape(-1), scale,
@@ -361,7 +367,7 @@ class CudaStep(PreparedStep):
 
     def _attend(self, query, k_pool, v_pool, scale, window):
         plan = self.plan
-        if not cuda_fast.eligible(query, k_pool) or (not isinstance(plan, PackedPlan) and plan.is_decode):
+        if not self.backend._fast(query, k_pool) or (not isinstance(plan, PackedPlan) and plan.is_decode):
             return super()._attend(query, k_pool, v_pool, scale, window)
         batch, num_heads, q_len, head_dim = query.shape
         tables, rows, pos = self.ragged()

@@ -146,7 +146,7 @@ class ShimLauncher:
 
 
 def shim_backend(libraries: dict | None = None, schedule: str = "in_order", seed: int = 0,
-                 partition_size: int | None = None, sms: int = 4) -> KernelBackend:
+                 partition_size: int | None = None, sms: int = 4, fast_kernels: bool = True) -> KernelBackend:
     """A backend object (write_kv, copy_blocks, decode_attention, extend_attention) over CPU tensors
     that runs the real kernels through the shim; usable as PagedCache(..., backend=...)."""
-    return KernelBackend(ShimLauncher(libraries or build(), schedule, seed, sms), partition_size)
+    return KernelBackend(ShimLauncher(libraries or build(), schedule, seed, sms), partition_size, fast_kernels)

@@ -157,9 +157,10 @@ def test_quantised_decode_matches_torch(libs, name, head_dim, block_size, dtype,
             assert launched[0] == kernel
             if partition == 64 and not window:
                 assert launched[1:] == [f"hfp_decode_reduce_{reg.DTYPE_TAGS[dtype]}"]
-            if schedule == other:
-                plain = backend.decode_attention(query, k_ref, v_ref, tables, lens, scale, sliding_window=window)
-                assert torch.equal(out, plain)
+            if schedule == other:   # attention.cu on the dequantised pools: the compute the formats share
+                plain = harness.shim_backend(libs, schedule=schedule, partition_size=partition, fast_kernels=False)
+                assert torch.equal(out, plain.decode_attention(query, k_ref, v_ref, tables, lens, scale,
+                                                               sliding_window=window))
 
 
 EXTEND_CASES = [  # format, head_dim, block_size, dtype, (Hq, Hkv), other schedule
@@ -192,8 +193,8 @@ def test_quantised_extend_matches_torch(libs, name, head_dim, block_size, dtype,
         out = backend.extend_attention(query, k_pool, v_pool, tables, lens, pos, head_dim ** -0.5,
                                        sliding_window=window)
         assert_close(out, ref, dtype)
-        plain = backend.extend_attention(query, k_ref, v_ref, tables, lens, pos, head_dim ** -0.5,
-                                         sliding_window=window)
+        plain = harness.shim_backend(libs, schedule=schedule, fast_kernels=False).extend_attention(
+            query, k_ref, v_ref, tables, lens, pos, head_dim ** -0.5, sliding_window=window)
         assert torch.equal(out, plain)
         assert backend.launcher.launches[:1] == [
             f"hfp_extend_{reg.KV_FORMAT_TAGS[name]}_{reg.DTYPE_TAGS[dtype]}_d{head_dim}"]

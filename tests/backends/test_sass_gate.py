@@ -168,7 +168,7 @@ def test_controls(toolkit, arch):
 @needs_tools
 def test_occupancy_rule_fails_a_fat_kernel():
     gate, sass = compile_controls("13.0", "sm_80")
-    rule = dataclasses.replace(sass_gate.RULES[0], pattern="ctl_tensor", min_ctas=2)
+    rule = dataclasses.replace(sass_gate.RULES[0], pattern="ctl_tensor", min_ctas=2, archs=("sm_80", "sm_90"))
     fits = sass_gate.check(gate, sass, [rule], smem_of=lambda kernel, group: 40 * 1024)
     assert fits[0] == [], fits
     violations, _ = sass_gate.check(gate, sass, [rule], smem_of=lambda kernel, group: 100 * 1024)
