@@ -112,20 +112,16 @@ __device__ __forceinline__ void ragged_kernel(
             const int j = beg + t * kKeys + (tid + k * kThreads) / kChunks;
             slot[k] = j < end ? pool_slot(table, j, block_shift) : -1;
         }
+        for (int x = 0; x < 2; ++x) {   // K, then V: one commit group each
+            T* dst = (x == 0 ? sk : sv) + buf * kKeys * kStride;
+            const T* head = x == 0 ? kh : vh;
 #pragma unroll
-        for (int k = 0; k < S::kPerThread; ++k) {
-            const int i = tid + k * kThreads, key = i / kChunks, c = i - key * kChunks;
-            cp_async_16(sk + (buf * kKeys + key) * kStride + c * 8, kh + (slot[k] < 0 ? 0 : slot[k] * D + c * 8),
-                        slot[k] >= 0);
+            for (int k = 0; k < S::kPerThread; ++k) {
+                const int i = tid + k * kThreads, key = i / kChunks, c = i - key * kChunks;
+                cp_async_16(dst + key * kStride + c * 8, head + (slot[k] < 0 ? 0 : slot[k] * D + c * 8), slot[k] >= 0);
+            }
+            cp_async_commit();
         }
-        cp_async_commit();
-#pragma unroll
-        for (int k = 0; k < S::kPerThread; ++k) {
-            const int i = tid + k * kThreads, key = i / kChunks, c = i - key * kChunks;
-            cp_async_16(sv + (buf * kKeys + key) * kStride + c * 8, vh + (slot[k] < 0 ? 0 : slot[k] * D + c * 8),
-                        slot[k] >= 0);
-        }
-        cp_async_commit();
     };
 
     const bool active = warp * 16 < rows_used;       // warp-uniform: a warp with no real rows only loads
@@ -330,18 +326,16 @@ __device__ __forceinline__ void decode_fast_kernel(
             const int i = tid + k * kThreads, key = i / kChunks, c = i - key * kChunks, j = beg + t * kKeys + key;
             src[k] = i < kKeys * kChunks && j < end ? pool_slot(table, j, block_shift) * D + c * 8 : -1;
         }
+        for (int x = 0; x < 2; ++x) {   // K, then V: one commit group each
+            T* dst = (x == 0 ? sk : sv) + buf * kKeys * D;
+            const T* head = x == 0 ? kh : vh;
 #pragma unroll
-        for (int k = 0; k < kPerThread; ++k) {
-            const int i = tid + k * kThreads, key = i / kChunks, c = i - key * kChunks;
-            if (i < kKeys * kChunks) cp_async_16(sk + (buf * kKeys + key) * D + c * 8, kh + (src[k] < 0 ? 0 : src[k]), src[k] >= 0);
+            for (int k = 0; k < kPerThread; ++k) {
+                const int i = tid + k * kThreads, key = i / kChunks, c = i - key * kChunks;
+                if (i < kKeys * kChunks) cp_async_16(dst + key * D + c * 8, head + (src[k] < 0 ? 0 : src[k]), src[k] >= 0);
+            }
+            cp_async_commit();
         }
-        cp_async_commit();
-#pragma unroll
-        for (int k = 0; k < kPerThread; ++k) {
-            const int i = tid + k * kThreads, key = i / kChunks, c = i - key * kChunks;
-            if (i < kKeys * kChunks) cp_async_16(sv + (buf * kKeys + key) * D + c * 8, vh + (src[k] < 0 ? 0 : src[k]), src[k] >= 0);
-        }
-        cp_async_commit();
     };
 
     float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};

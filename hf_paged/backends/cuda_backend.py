@@ -20,6 +20,7 @@ from . import kernel_registry as reg
 from .cupy_loader import cuda_include_dirs, cupy_cuda_major, import_cupy
 from .launch_checks import DeviceLimits, check_launch, check_tensors
 from .step import PreparedStep
+
 _DEFAULT_SMEM_LIMIT = 48 * 1024
 
 

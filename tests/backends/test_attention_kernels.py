@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import itertools
 
+import harness
 import pytest
 import torch
 
-import harness
 from hf_paged.backends import kernel_registry as reg
 from hf_paged.backends import torch_backend as ta
 
@@ -53,6 +53,26 @@ def make_cache(lengths, block_size, num_kv_heads, head_dim, dtype, seed=0, spare
     v_pool = torch.randn(num_kv_heads, num_blocks, block_size, head_dim, generator=gen).to(dtype)
     _, tables, lens = cache_tables(lengths, block_size, gen, spare_blocks)
     return k_pool, v_pool, tables, lens, gen
+
+
+def packed_case(spec, block_size, num_q_heads, num_kv_heads, head_dim, dtype, seed):
+    """An engine step: ``spec`` = (tokens computed before, tokens this step) per sequence, one-token
+    entries first; (PackedPlan, k_pool, v_pool, query [1, Hq, N, D]) over shuffled blocks."""
+    from hf_paged.blocks import BlockTable
+    from hf_paged.plan import packed_plan
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-(c + n) // block_size) for c, n in spec) + 2
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    entries, used = [], 0
+    for computed, new in spec:
+        need = -(-(computed + new) // block_size)
+        entries.append((BlockTable(order[used:used + need], computed + new), computed, new))
+        used += need
+    plan = packed_plan(entries, block_size, torch.device("cpu"))
+    k_pool = torch.randn(num_kv_heads, num_blocks, block_size, head_dim, generator=gen).to(dtype)
+    v_pool = torch.randn(num_kv_heads, num_blocks, block_size, head_dim, generator=gen).to(dtype)
+    query = torch.randn(1, num_q_heads, sum(n for _, n in spec), head_dim, generator=gen).to(dtype)
+    return plan, k_pool, v_pool, query
 
 
 def assert_close(out, ref, dtype):

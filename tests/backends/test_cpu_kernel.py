@@ -9,12 +9,10 @@ import logging
 
 import pytest
 import torch
+from test_attention_kernels import DTYPES, assert_close, make_cache, packed_case
 
 from hf_paged.backends import PreparedStep, cpu_backend, select_backend
 from hf_paged.backends import torch_backend as ta
-from hf_paged.blocks.table import BlockTable
-from hf_paged.plan import packed_plan
-from test_attention_kernels import DTYPES, assert_close, make_cache
 
 HEADS = [(3, 3), (9, 3), (8, 2), (14, 2), (16, 1), (32, 1)]      # GQA 1, 3, 4, 7, 16 (MQA), 32
 
@@ -65,22 +63,8 @@ def test_extend_matches_torch(backend, head_dim, block_size, dtype, heads, windo
 def test_packed_step_matches_torch(backend, dtype, window):
     """One ragged call for a packed step (decode rows, then prefill chunks) equals the PyTorch step, which
     scatters the chunks into padding."""
-    block_size, num_q, num_kv, head_dim = 8, 6, 2, 64
-    gen = torch.Generator().manual_seed(11)
-    # (tokens computed before, tokens this step): three decodes, a fresh prompt, a chunk after a prefix
-    entries_spec = [(5, 1), (16, 1), (30, 1), (0, 13), (9, 20)]
-    num_blocks = sum(-(-(c + n) // block_size) for c, n in entries_spec) + 2
-    order = torch.randperm(num_blocks, generator=gen).tolist()
-    entries, used = [], 0
-    for computed, new in entries_spec:
-        need = -(-(computed + new) // block_size)
-        entries.append((BlockTable(order[used:used + need], computed + new), computed, new))
-        used += need
-    plan = packed_plan(entries, block_size, torch.device("cpu"))
-    k_pool = torch.randn(num_kv, num_blocks, block_size, head_dim, generator=gen).to(dtype)
-    v_pool = torch.randn(num_kv, num_blocks, block_size, head_dim, generator=gen).to(dtype)
-    tokens = sum(n for _, n in entries_spec)
-    query = torch.randn(1, num_q, tokens, head_dim, generator=gen).to(dtype)
+    spec = [(5, 1), (16, 1), (30, 1), (0, 13), (9, 20)]   # three decodes, a fresh prompt, a chunk after a prefix
+    plan, k_pool, v_pool, query = packed_case(spec, 8, 6, 2, 64, dtype, seed=11)
     out = backend.prepare(plan).attend(query, k_pool, v_pool, 0.125, window)
     ref = PreparedStep(ta, plan).attend(query, k_pool, v_pool, 0.125, window)
     assert_close(out, ref, dtype)

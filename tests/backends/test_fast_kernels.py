@@ -12,16 +12,14 @@ from __future__ import annotations
 import itertools
 import shutil
 
+import harness
 import pytest
 import torch
+from test_attention_kernels import assert_close, make_cache, packed_case
 
-import harness
 from hf_paged.backends import kernel_registry as reg
 from hf_paged.backends import torch_backend as ta
 from hf_paged.backends.step import PreparedStep
-from hf_paged.blocks import BlockTable
-from hf_paged.plan import packed_plan
-from test_attention_kernels import assert_close, make_cache
 
 FAST = [torch.float16, torch.bfloat16]
 GROUPS = [(4, 4), (8, 2), (14, 2), (16, 2), (32, 1), (32, 2), (6, 6)]   # GQA 1, 4, 7, 8, 32, 16, 1
@@ -95,26 +93,14 @@ def test_decode_routes_and_matches(shim_libraries, dtype, head_dim, heads):
 def test_packed_step_is_one_ragged_launch(shim_libraries, dtype):
     """An engine step (three decodes, a fresh prompt, a chunk after a prefix) is one launch per layer,
     equal to the PyTorch step that scatters the chunks into padding."""
-    block_size, num_q, num_kv, head_dim = 8, 8, 2, 64
-    gen = torch.Generator().manual_seed(5)
     spec = [(5, 1), (16, 1), (30, 1), (0, 13), (9, 20)]
-    num_blocks = sum(-(-(c + n) // block_size) for c, n in spec) + 2
-    order = torch.randperm(num_blocks, generator=gen).tolist()
-    entries, used = [], 0
-    for computed, new in spec:
-        need = -(-(computed + new) // block_size)
-        entries.append((BlockTable(order[used:used + need], computed + new), computed, new))
-        used += need
-    plan = packed_plan(entries, block_size, torch.device("cpu"))
-    k_pool = torch.randn(num_kv, num_blocks, block_size, head_dim, generator=gen).to(dtype)
-    v_pool = torch.randn(num_kv, num_blocks, block_size, head_dim, generator=gen).to(dtype)
-    query = torch.randn(1, num_q, sum(n for _, n in spec), head_dim, generator=gen).to(dtype)
+    plan, k_pool, v_pool, query = packed_case(spec, 8, 8, 2, 64, dtype, seed=5)
     backend = harness.shim_backend(shim_libraries, schedule="warp_ahead")
     step = backend.prepare(plan)
     for window in (0, 4):   # two "layers": the second reuses the step's ragged plan and chunks
         out = step.attend(query, k_pool, v_pool, 0.125, window)
         assert_close(out, PreparedStep(ta, plan).attend(query, k_pool, v_pool, 0.125, window), dtype)
-    assert backend.launcher.launches == [reg.ragged_kernel(reg.DTYPE_TAGS[dtype], head_dim).name] * 2
+    assert backend.launcher.launches == [reg.ragged_kernel(reg.DTYPE_TAGS[dtype], 64).name] * 2
 
 
 def test_ragged_chunks_cut_runs_without_a_host_sync():
@@ -153,12 +139,12 @@ def test_pipeline_mutations_are_caught(tmp_path, name):
         k_pool, v_pool, tables, rows, pos, gen = ragged_case(8, 2, 64, dtype, seed=3)
         query = torch.randn(rows.numel(), 8, 64, generator=gen).to(dtype)
         ref = ragged_reference(query, k_pool, v_pool, tables, rows, pos, 0.125, 0)
-        run = lambda b: b.ragged_attention(query, k_pool, v_pool, tables, rows, pos, 0.125)  # noqa: E731
+        run = lambda b: b.ragged_attention(query, k_pool, v_pool, tables, rows, pos, 0.125)
     else:
         k_pool, v_pool, tables, lens, gen = make_cache([1, 40, 150, 300], 16, 2, 64, dtype, seed=3)
         query = torch.randn(4, 4, 64, generator=gen).to(dtype)
         ref = ta.decode_attention(query, k_pool, v_pool, tables, lens, 0.125)
-        run = lambda b: b.decode_attention(query, k_pool, v_pool, tables, lens, 0.125)  # noqa: E731
+        run = lambda b: b.decode_attention(query, k_pool, v_pool, tables, lens, 0.125)
     caught = []
     for schedule in ("warp_ahead", "random", "in_order"):
         try:
