@@ -16,10 +16,10 @@ if __package__:                 # imported as bench.gpu_sections (python -m benc
 else:                           # python bench/gpu_check.py: bench/ is on sys.path
     import gpu_timing as _timing
 (SKIP_NO_CUDA, SectionContext, _compare, _tolerance, contiguous_kv, device_and_backend, guarded, heat_up,
- l2_bytes, measure, paged_kv, sdpa_runner, split_backend) = (
+ kernel_choice, l2_bytes, measure, paged_kv, sdpa_runner, split_backend) = (
     _timing.SKIP_NO_CUDA, _timing.SectionContext, _timing._compare, _timing._tolerance, _timing.contiguous_kv,
-    _timing.device_and_backend, _timing.guarded, _timing.heat_up, _timing.l2_bytes, _timing.measure,
-    _timing.paged_kv, _timing.sdpa_runner, _timing.split_backend)
+    _timing.device_and_backend, _timing.guarded, _timing.heat_up, _timing.kernel_choice, _timing.l2_bytes,
+    _timing.measure, _timing.paged_kv, _timing.sdpa_runner, _timing.split_backend)
 
 GROUPS = (1, 4, 8, 16, 32)
 
@@ -138,6 +138,7 @@ def section_correctness(ctx: SectionContext) -> dict:
         alive = _long_cases(ctx, torch, device, backend, ref)
     figures["configs_done"] = f"{done}/{len(grid)}"
     figures["context_lost"] = not alive
+    figures["kernels"] = kernel_choice(backend)
     return figures
 
 
@@ -267,6 +268,7 @@ def section_decode_bandwidth(ctx: SectionContext) -> dict:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     figures["summary"] = summary
+    figures["kernels"] = kernel_choice(backend)
     return figures
 
 
@@ -351,7 +353,7 @@ def section_extend(ctx: SectionContext) -> dict:
             print(summary[-1], flush=True)
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    return {"summary": summary, "flops": "causal: 2*2*L^2*D*H/2"}
+    return {"summary": summary, "flops": "causal: 2*2*L^2*D*H/2", "kernels": kernel_choice(backend)}
 
 
 def _extend_case(ctx, case, torch, device, backend, l2):

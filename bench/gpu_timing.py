@@ -256,3 +256,12 @@ def _compare(case: dict, out, ref, tol: float) -> None:
     ref_max = ref.float().abs().max().item() if ref.numel() else 0.0
     case.update(max_abs_err=err, ref_max=ref_max, tol=tol * max(1.0, ref_max),
                 ok=bool(math.isfinite(err) and err <= tol * max(1.0, ref_max)))
+
+
+def kernel_choice(backend) -> dict:
+    """Which kernels served: per (device, dtype, head dim), whether the fp16/bf16 fast kernels passed their
+    first-use self-check (False: attention.cu served instead, and its figures are what was measured)."""
+    checked = getattr(backend, "_checked", {})
+    return {"fast_kernels": getattr(backend, "fast_kernels", None),
+            "self_check_passed": {f"{dev} {str(dtype).removeprefix('torch.')} d{dim}": ok
+                                  for (dev, dtype, dim), ok in checked.items()}}

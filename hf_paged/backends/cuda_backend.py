@@ -10,6 +10,8 @@ write_kv quantises from the keys' dtype, and the attention kernels dequantise in
 """
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
 
@@ -21,6 +23,7 @@ from .cupy_loader import cuda_include_dirs, cupy_cuda_major, import_cupy
 from .launch_checks import DeviceLimits, check_launch, check_tensors
 from .step import PreparedStep
 
+logger = logging.getLogger(__name__)
 _DEFAULT_SMEM_LIMIT = 48 * 1024
 
 
@@ -84,13 +87,36 @@ class KernelBackend:
     attention.cu, the kernels the quantised formats share their compute with (for comparisons).
     """
 
+    # Device types on which the fast kernels are checked against PyTorch on first use (cuda_fast.self_check):
+    # the GPU's PTX paths; the CPU shim's emulation is what the test-suite proves.
+    self_check_devices = ("cuda",)
+
     def __init__(self, launcher, partition_size: int | None = None, fast_kernels: bool = True):
         self.launcher = launcher
         self.partition_size = partition_size
         self.fast_kernels = fast_kernels
+        self._checked: dict[tuple, bool] = {}   # (device, dtype, head_dim) -> fast kernels agreed
 
     def _fast(self, query: torch.Tensor, k_pool) -> bool:
-        return self.fast_kernels and cuda_fast.eligible(query, k_pool)
+        """Whether fast_attention.cu serves this call: eligible pools, and on a GPU a passed self-check."""
+        if not (self.fast_kernels and cuda_fast.eligible(query, k_pool)):
+            return False
+        device = k_pool.device
+        if device.type not in self.self_check_devices:
+            return True
+        key = (device, k_pool.dtype, k_pool.shape[-1])
+        if key not in self._checked:
+            self._checked[key] = True          # the check itself runs the fast kernels
+            try:
+                problem = cuda_fast.self_check(self, device, k_pool.dtype, k_pool.shape[-1])
+            except (RuntimeError, ValueError) as exc:   # e.g. a compiler the kernels do not build with
+                problem = f"{type(exc).__name__}: {exc}"
+            if problem is not None:
+                logger.error("hf_paged: the sm_80+ kernels (cuda/fast_attention.cu) disagree with the PyTorch "
+                             "reference on %s: %s. Using attention.cu's kernels instead; please report this "
+                             "with the GPU's name.", device, problem)
+                self._checked[key] = False
+        return self._checked[key]
 
     def launch(self, spec: reg.KernelSpec, device: torch.device, grid, block, args, shared_mem: int,
                tensors: dict | None = None, explain: dict | None = None) -> None:
@@ -299,8 +325,13 @@ class KernelBackend:
         if reg.uses_decode_fast(group, head_dim):
             return cuda_fast.decode_fast(self, query, k_pool, v_pool, tables, lens, scale, window, span,
                                          self._splits_for(query.device, reg.decode_fast_keys(head_dim)), workspace)
-        rows = torch.arange(batch, dtype=torch.int32, device=query.device)
-        return self.ragged_attention(query, k_pool, v_pool, tables, rows, lens - 1, scale, window, span, workspace,
+        key = ("decode_tokens", batch)             # one token per row: its row and stored index
+        tokens = workspace.get(key) if workspace is not None else None
+        if tokens is None:
+            tokens = (torch.arange(batch, dtype=torch.int32, device=query.device), lens - 1)
+            if workspace is not None:
+                workspace[key] = tokens
+        return self.ragged_attention(query, k_pool, v_pool, tables, *tokens, scale, window, span, workspace,
                                      reuse=f"decode{batch}")
 
     def extend_attention(self, query: torch.Tensor, k_pool: torch.Tensor | QuantizedPool,

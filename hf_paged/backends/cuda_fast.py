@@ -154,3 +154,45 @@ def decode_fast(backend, query: torch.Tensor, k_pool: torch.Tensor, v_pool: torc
     if splits > 1:
         _merge(backend, tag, head_dim, out, part_out, part_lse, splits)
     return out
+
+
+def self_check(backend, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+    """Both kernels once, on a small random case, against ``torch_backend``: the first use of the PTX paths
+    (mma.sync fragments, ldmatrix, cp.async) on a real device is checked before any model output depends
+    on them. None when they agree, else what disagreed (the caller then keeps attention.cu)."""
+    from . import torch_backend  # noqa: PLC0415  (the reference; imported only when a check runs)
+    gen = torch.Generator().manual_seed(0)
+    block_size, num_kv_heads, lengths = 16, 2, [150, 5, 1]
+    num_blocks = sum(-(-n // block_size) for n in lengths) + 1
+    pools = [torch.randn(num_kv_heads, num_blocks, block_size, head_dim, generator=gen).to(device, dtype)
+             for _ in range(2)]
+    order = torch.randperm(num_blocks, generator=gen)
+    tables = torch.zeros(len(lengths), -(-max(lengths) // block_size), dtype=torch.int32)
+    used = 0
+    for row, n in enumerate(lengths):
+        tables[row, :-(-n // block_size)] = order[used:used + -(-n // block_size)].int()
+        used += -(-n // block_size)
+    tables, lens = tables.to(device), torch.tensor(lengths, dtype=torch.int32, device=device)
+    pos = torch.stack([torch.arange(100, 150), torch.cat([torch.arange(5), torch.full((45,), -1)]),
+                       torch.cat([torch.arange(1), torch.full((49,), -1)])]).to(device, torch.int32)
+    tolerance = 2e-2 if dtype == torch.float16 else 6e-2
+    for group in (4, 8):                      # CUDA-core decode, and decode on tensor cores
+        num_q_heads = num_kv_heads * group
+        query = torch.randn(len(lengths), num_q_heads, head_dim, generator=gen).to(device, dtype)
+        cases = {
+            f"decode, group {group}": (
+                backend._decode_fast(query, *pools, tables, lens, 0.1, 0, max(lengths), None),
+                torch_backend.decode_attention(query, *pools, tables, lens, 0.1)),
+        }
+        extend_q = torch.randn(len(lengths), num_q_heads, pos.shape[1], head_dim, generator=gen).to(device, dtype)
+        flat = extend_q.transpose(1, 2).reshape(-1, num_q_heads, head_dim)
+        rows = torch.arange(len(lengths), dtype=torch.int32, device=device).repeat_interleave(pos.shape[1])
+        out = backend.ragged_attention(flat, *pools, tables, rows, pos.reshape(-1), 0.1, 0, max(lengths))
+        cases[f"prefill, group {group}"] = (
+            out.view(len(lengths), pos.shape[1], num_q_heads, head_dim).transpose(1, 2),
+            torch_backend.extend_attention(extend_q, *pools, tables, lens, pos, 0.1))
+        for name, (got, want) in cases.items():
+            error = (got.float() - want.float()).abs().max().item()
+            if not error <= tolerance:        # NaN fails too
+                return f"{name}: max |error| {error:.3g} > {tolerance} ({dtype}, head_dim {head_dim})"
+    return None

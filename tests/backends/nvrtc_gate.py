@@ -211,6 +211,20 @@ def compile_job(job: tuple[str, str, tuple]) -> tuple[tuple, bytes, str]:
     return job, cubin, log
 
 
+def compile_source(toolkit: str, arch: str, source: str) -> tuple[bytes, str]:
+    """(cubin, ptxas log) of a standalone source, built with the production options."""
+    compiler = _compiler(toolkit)
+    return compiler.compile(source, production_options(arch, compiler.include))
+
+
+def isolated(fn, *args):
+    """fn(*args) in a fresh spawned process. NVRTC leaves its thread's C locale at "C" (seen with 12.x and
+    13.0 loaded through ctypes), which turns Python's preferred encoding into ASCII for everything the
+    caller runs afterwards (open() and read_text() of UTF-8 files then fail): compile off the test process."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result()
+
+
 @functools.cache
 def _compiler(name: str) -> Nvrtc:
     return Nvrtc(name)      # one per toolkit and process: loading the library is not free

@@ -152,3 +152,31 @@ def test_pipeline_mutations_are_caught(tmp_path, name):
         except (AssertionError, harness.KernelError) as exc:
             caught.append((schedule, type(exc).__name__))
     assert caught, f"mutation {name!r} went unnoticed under every schedule"
+
+
+def test_self_check_keeps_attention_cu_when_the_fast_kernels_disagree(tmp_path, shim_libraries, caplog):
+    """On a GPU the first fast launch per (device, dtype, head_dim) is checked against PyTorch; here the
+    check is pointed at the shim. Correct kernels pass it; a broken build is caught, logged, and
+    attention.cu serves the calls instead, with correct results."""
+    k_pool, v_pool, tables, lens, gen = make_cache([1, 40, 150], 16, 2, 64, torch.float16, seed=2)
+    query = torch.randn(3, 8, 64, generator=gen).half()
+    ref = ta.decode_attention(query, k_pool, v_pool, tables, lens, 0.125)
+    good = harness.shim_backend(shim_libraries)
+    good.self_check_devices = ("cpu",)
+    assert_close(good.decode_attention(query, k_pool, v_pool, tables, lens, 0.125), ref, torch.float16)
+    assert reg.decode_fast_kernel("f16", 64).name in good.launcher.launches
+
+    sources = tmp_path / "cuda"
+    shutil.copytree(harness.CUDA_DIR, sources, ignore=shutil.ignore_patterns("__pycache__", "*.py", "*.cpp"))
+    old, statement = MUTATIONS["decode: no wait for V"]
+    text = (sources / reg.FAST_SOURCE).read_text()
+    (sources / reg.FAST_SOURCE).write_text(text.replace(old, statement + old[old.index(";") + 1:]))
+    broken = harness.build(sources_dir=sources, units=[(reg.FAST_SOURCE, 64, "")])
+    libraries = harness.ShimLibraries({**shim_libraries, **broken}, shim_libraries.options)
+    bad = harness.shim_backend(libraries)
+    bad.self_check_devices = ("cpu",)
+    with caplog.at_level("ERROR", logger="hf_paged.backends.cuda_backend"):
+        out = bad.decode_attention(query, k_pool, v_pool, tables, lens, 0.125)
+    assert "disagree with the PyTorch reference" in caplog.text and "decode, group 4" in caplog.text
+    assert_close(out, ref, torch.float16)
+    assert bad.launcher.launches[-1] == "hfp_decode_f16_d64"

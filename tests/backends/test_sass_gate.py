@@ -126,8 +126,8 @@ needs_tools = pytest.mark.skipif(os.environ.get("HF_PAGED_SKIP_NVRTC") == "1",
 
 def compile_controls(toolkit: str, arch: str):
     """(GateResult, SassResult) of CONTROL_SOURCE built with the production options."""
-    compiler = nvrtc_gate.Nvrtc(toolkit)
-    cubin, log = compiler.compile(CONTROL_SOURCE, nvrtc_gate.production_options(arch, compiler.include))
+    nvrtc_gate.install(toolkit)
+    cubin, log = nvrtc_gate.isolated(nvrtc_gate.compile_source, toolkit, arch, CONTROL_SOURCE)
     gate = nvrtc_gate.GateResult()
     gate.usage = {(toolkit, arch, k): u for k, u in nvrtc_gate.usage_from_log(log).items()}
     sass = sass_gate.SassResult({(toolkit, arch, k): c for k, c in sass_gate.disassemble(cubin).items()})
@@ -184,7 +184,8 @@ def test_registry_fp32_decode_has_no_cp_async():
     has no LDGSTS, so the pipelined-decode rule applied to it fails."""
     spec = reg.decode_kernel("f32", 64)
     gate = nvrtc_gate.GateResult()
-    _, cubin, log = nvrtc_gate.compile_job(("13.0", "sm_90", spec.module))
+    nvrtc_gate.install("13.0")
+    _, cubin, log = nvrtc_gate.isolated(nvrtc_gate.compile_job, ("13.0", "sm_90", spec.module))
     gate.usage = {("13.0", "sm_90", k): u for k, u in nvrtc_gate.usage_from_log(log).items()}
     sass = sass_gate.SassResult({("13.0", "sm_90", k): c for k, c in sass_gate.disassemble(cubin).items()})
     assert sass.opcodes[("13.0", "sm_90", spec.name)]["LDGSTS"] == 0
