@@ -11,7 +11,7 @@ re-exports the core (``blocks`` → ``plan`` → ``cache`` → ``backends`` → 
 from .attention_interface import ATTENTION_NAME, use_paged_attention
 from .blocks import PoolExhaustedError
 from .cache import PagedCache
-from .families import model_geometry
+from .introspect import model_geometry
 from .engine import LLM, Engine, EngineConfig, RequestOutput, generate_many
 from .integrations.patching import disable, enable, enabled, is_enabled, is_patched, last_stats, patch, unpatch
 

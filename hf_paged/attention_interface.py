@@ -2,10 +2,11 @@
 ``ATTENTION_NAME``, and the switch of a model's attention implementation.
 
 Per forward, the cache (PagedCache or the engine's cache) binds its plan to its backend
-(``backends.prepare_step``) and the prepared step reaches every attention call through the forward's
-kwargs under ``STEP_KWARG``. The attention function reads K/V through it and never sees a dense
-mask. The mask function exists because transformers gives a custom attention name without one no
-padding information at all; ours builds nothing, since the plan holds each row's causal limits.
+(``KVPools.prepare``); each layer's ``cache.update`` writes the new K/V and returns the layer's pools
+bound to that step (``backends.step.PagedLayer``), which is how the step reaches every attention call.
+The attention function reads K/V through it and never sees a dense mask. The mask function exists
+because transformers gives a custom attention name without one no padding information at all; ours
+builds nothing, since the plan holds each row's causal limits.
 """
 from __future__ import annotations
 
@@ -15,19 +16,20 @@ import threading
 
 import torch
 
+from .backends.step import PagedLayer
+
 ATTENTION_NAME = "hf_paged"
-STEP_KWARG = "hf_paged_step"
 
 
-def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                    attention_mask, dropout: float = 0.0, scaling: float | None = None,
-                    sliding_window: int | None = None, **kwargs) -> tuple[torch.Tensor, None]:
-    """query: [B, Hq, Q, D]; key/value: the layer's pools [Hkv, num_blocks, block_size, D].
+def paged_attention(module: torch.nn.Module, query: torch.Tensor, key, value, attention_mask,
+                    dropout: float = 0.0, scaling: float | None = None, sliding_window: int | None = None,
+                    **kwargs) -> tuple[torch.Tensor, None]:
+    """query: [B, Hq, Q, D]; key/value: what the paged cache's ``update`` returned (a ``PagedLayer``: the
+    layer's pools and the forward's step).
 
     Returns ``(out [B, Q, Hq, D], None)``. Pad queries give zeros.
     """
-    step = kwargs.get(STEP_KWARG)
-    if step is None:
+    if not isinstance(key, PagedLayer):
         raise RuntimeError(
             f"attn_implementation={ATTENTION_NAME!r} needs a hf_paged.PagedCache (and a patched model): "
             "generate with cache_implementation='paged' after hf_paged.patch(model), or pass "
@@ -36,8 +38,14 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
         raise ValueError("hf_paged does not return attention weights; use output_attentions=False.")
     if dropout:
         raise ValueError("hf_paged attention is for inference: dropout must be 0 (call model.eval()).")
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    return step.attend(query, key, value, scale, int(sliding_window or 0)), None
+    batch, num_heads, q_len, head_dim = query.shape
+    if batch * q_len != key.step.plan.num_tokens:
+        raise RuntimeError(f"the forward has {batch} x {q_len} query tokens but its plan has "
+                           f"{key.step.plan.num_tokens}: the inputs changed after the cache planned the step")
+    scale = scaling if scaling is not None else head_dim ** -0.5
+    tokens = query.transpose(1, 2).reshape(batch * q_len, num_heads, head_dim)
+    out = key.step.attend(tokens, key.k_pool, key.v_pool, scale, int(sliding_window or 0))
+    return out.reshape(batch, q_len, num_heads, head_dim), None
 
 
 def no_dense_mask(*args, **kwargs) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .families import tensor_parallel_size
+from .introspect import tensor_parallel_size
 
 
 class Replicas:

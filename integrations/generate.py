@@ -12,7 +12,8 @@ import contextlib
 
 from hf_paged.attention_interface import cache_keyword
 from hf_paged.cache import PagedCache
-from hf_paged.families import config_geometry, model_geometry
+from hf_paged.families import config_geometry
+from hf_paged.introspect import model_geometry
 
 PAGED = "paged"
 

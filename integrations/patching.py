@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hf_paged.attention_interface import ATTENTION_NAME, STEP_KWARG, register, use_paged_attention
+from hf_paged.attention_interface import ATTENTION_NAME, register, use_paged_attention
 from hf_paged.cache import PagedCache
-from hf_paged.families import adapter_for
+from hf_paged.families import family_for
 
 from .generate import paged_generate, wants_paged
 
@@ -41,63 +41,32 @@ _MISSING = object()
 
 
 def _plan_hook(decoder, args, kwargs):
-    """Forward pre-hook on the decoder: plan the step once, before any layer runs.
-
-    The plan travels to every attention call in the decoder's ``**kwargs`` (transformers passes them
-    through the layers to the attention function), which works the same in every supported release.
-    """
+    """Forward pre-hook on the decoder: the PagedCache plans the step once, before any layer runs, and
+    says which inputs the forward runs with (finished rows left out)."""
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     if not isinstance(cache, PagedCache):
         return None
-    input_ids = kwargs.get("input_ids", args[0] if args else None)
-    embeds = kwargs.get("inputs_embeds")
-    reference = input_ids if input_ids is not None else embeds
-    if reference is None:
-        raise ValueError("hf_paged needs input_ids or inputs_embeds to plan a step")
-    batch, q_len = reference.shape[:2]
     if decoder.config._attn_implementation != ATTENTION_NAME:
         raise RuntimeError(
             "a PagedCache was passed to a forward that does not use hf_paged attention "
             f"(attn_implementation={decoder.config._attn_implementation!r}). Generate through a patched "
             "model's generate, or wrap direct forwards in `with hf_paged.use_paged_attention(model):`.")
+    if args:
+        kwargs = {**kwargs, "input_ids": args[0]}
+        args = args[1:]
     weight = decoder.get_input_embeddings().weight
     # Leaving finished rows out changes no token, but per-layer outputs would lose those rows.
     compact = not args and not kwargs.get("output_hidden_states") and not kwargs.get("output_attentions")
-    step = cache.plan_step(kwargs.get("attention_mask"), input_ids, batch, q_len, weight.dtype, weight.device,
-                           compact=compact)
-    kwargs = {**kwargs, STEP_KWARG: step}
-    if cache.active_rows is not None:
-        # Finished rows are not computed: the forward sees only the active rows; _expand_hook puts
-        # the batch back together (zeros for finished rows) so generate sees the shapes it expects.
-        rows = cache.active_rows.to(reference.device)
-        for name in _ROW_TENSORS:
-            value = kwargs.get(name)
-            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == batch:
-                kwargs[name] = value.index_select(0, rows)
-        kwargs[_FULL_BATCH_KWARG] = batch
-    return args, kwargs
-
-
-_ROW_TENSORS = ("input_ids", "inputs_embeds", "attention_mask", "position_ids", "token_type_ids")
-_FULL_BATCH_KWARG = "hf_paged_full_batch"
+    return args, cache.begin_forward(kwargs, weight.dtype, weight.device, compact=compact)
 
 
 def _expand_hook(decoder, args, kwargs, output):
-    """Forward hook on the decoder: after a forward on the active rows only, scatter the hidden states
-    back into the full batch (finished rows get zeros). The cache forgets the step's plan, so that a
-    forward that skipped the pre-hook can never write through a stale one."""
+    """Forward hook on the decoder: the PagedCache ends the step (a forward that skipped the pre-hook can
+    never write through a stale plan) and gives back the full batch."""
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     if not isinstance(cache, PagedCache):
         return None
-    cache.end_step()
-    batch = kwargs.get(_FULL_BATCH_KWARG)
-    if batch is None:
-        return None
-    hidden = output.last_hidden_state
-    full = hidden.new_zeros((batch, *hidden.shape[1:]))
-    full[cache.active_rows.to(hidden.device)] = hidden
-    output.last_hidden_state = full
-    return output
+    return cache.end_forward(output)
 
 
 def patch(model, *, default: bool = False, block_size: int = 16, num_blocks: int | None = None,
@@ -114,7 +83,7 @@ def patch(model, *, default: bool = False, block_size: int = 16, num_blocks: int
     """
     options = dict(block_size=block_size, num_blocks=num_blocks, max_memory_bytes=max_memory_bytes,
                    release_finished_rows=release_finished_rows, kv_cache_dtype=kv_cache_dtype)
-    adapter_for(model.config)
+    family_for(model.config)
     PagedCache(model.config, dtype=model.dtype, **options)       # validates the options now
     state = getattr(model, STATE_ATTR, None)
     if state is not None:

@@ -23,9 +23,9 @@ from importlib import resources
 import torch
 
 from ..kv_formats import QuantizedPool
-from ..plan import PackedPlan, StepPlan
+from ..plan import StepPlan
 from . import torch_backend
-from .step import PreparedStep
+from .step import Step
 
 log = logging.getLogger("hf_paged.backends")
 KERNEL_ENV = "HF_PAGED_CPU_KERNEL"
@@ -93,29 +93,23 @@ def _fake_paged_attention(query, k_pool, v_pool, block_tables, token_row, token_
     return torch.empty_like(query, memory_format=torch.contiguous_format)
 
 
-class CpuStep(PreparedStep):
-    """One forward on the CPU kernel: the plan flattened once into per-token rows and positions (kept in
-    the workspace), then one kernel call per layer for every query token of the step."""
+class CpuStep(Step):
+    """One forward on the CPU kernel: one call per layer for every query token of the step, read
+    straight from the plan's ragged token list (rows and stored indices)."""
 
     def _attend(self, query, k_pool, v_pool, scale, window):
         if isinstance(k_pool, QuantizedPool) or query.dtype != k_pool.dtype:
             return super()._attend(query, k_pool, v_pool, scale, window)
-        tables, rows, pos = self.ragged()
         plan = self.plan
-        batch, num_heads, q_len, head_dim = query.shape
-        if isinstance(plan, PackedPlan):
-            flat = query[0].transpose(0, 1)                                 # [N, Hq, D]
-        elif plan.is_decode:
-            flat = query[:, :, 0]                                           # [B, Hq, D]
-        else:
-            flat = query.transpose(1, 2).reshape(batch * q_len, num_heads, head_dim)
-        out = self.backend.op(flat.contiguous(), k_pool, v_pool, tables, rows, pos, float(scale), int(window))
-        return out.view(batch, q_len, num_heads, head_dim)
+        return self.backend.op(query.contiguous(), k_pool, v_pool, plan.block_tables, plan.token_row,
+                               plan.token_pos, float(scale), int(window))
 
 
 class CpuKernelBackend:
-    """``torch_backend``'s four functions, attention through the compiled kernel. ``op``: the loaded
-    ``torch.ops.hf_paged_cpu.paged_attention`` (see :func:`load_kernel`)."""
+    """The backend protocol (``hf_paged.backends.step``) with attention through the compiled kernel;
+    writes and copies are ``torch_backend``'s. ``decode_attention`` / ``extend_attention``: the kernel
+    over torch_backend's padded signatures. ``op``: the loaded ``torch.ops.hf_paged_cpu.paged_attention``
+    (see :func:`load_kernel`)."""
 
     write_kv = staticmethod(torch_backend.write_kv)
     copy_blocks = staticmethod(torch_backend.copy_blocks)
@@ -123,8 +117,8 @@ class CpuKernelBackend:
     def __init__(self, op):
         self.op = op
 
-    def prepare(self, plan: StepPlan | PackedPlan) -> CpuStep:
-        return CpuStep(self, plan)
+    def prepare(self, plan: StepPlan, peers: dict | None = None) -> CpuStep:
+        return CpuStep(self, plan, peers)
 
     def decode_attention(self, query, k_pool, v_pool, block_tables, context_lens, scale, sliding_window=0,
                          max_context=None, workspace=None):

@@ -8,7 +8,7 @@
 
 Work lists (:func:`ragged_chunks`) are built on the device without a host sync, once per step and
 chunk size (see :class:`~hf_paged.backends.cuda_backend.CudaStep`). Fp32 and quantised pools stay on
-``attention.cu`` (:class:`~hf_paged.backends.cuda_backend.KernelBackend`).
+``attention.cu`` (:class:`~hf_paged.backends.cuda_backend.CudaBackend`).
 """
 from __future__ import annotations
 
@@ -16,12 +16,11 @@ import numpy as np
 import torch
 
 from . import kernel_registry as reg
+from .cuda_args import ptr
+from .splits import split_scratch
+from .synthetic import random_paged_kv
 
 _SPLIT_CAP = 1 << 30   # "no split": a partition longer than any key range
-
-
-def _ptr(t: torch.Tensor | None) -> np.uint64:
-    return np.uint64(0 if t is None else t.data_ptr())
 
 
 def eligible(query: torch.Tensor, k_pool) -> bool:
@@ -54,23 +53,9 @@ def ragged_chunks(token_row: torch.Tensor, per_chunk: int, num_rows: int) -> tor
     return torch.stack([first, count], 1).to(torch.int32).contiguous()
 
 
-def _split_scratch(workspace: dict | None, key: tuple, rows: int, splits: int, head_dim: int, device):
-    """fp32 partial outputs [rows, splits, D] and log2-sum-exps [rows, splits], shared by the layers of a
-    step (they run one after another)."""
-    if splits == 1:
-        return None, None
-    cached = workspace.get(key) if workspace is not None else None
-    if cached is None:
-        cached = (torch.empty(rows, splits, head_dim, dtype=torch.float32, device=device),
-                  torch.empty(rows, splits, dtype=torch.float32, device=device))
-        if workspace is not None:
-            workspace[key] = cached
-    return cached
-
-
 def _merge(backend, tag: str, head_dim: int, out, part_out, part_lse, splits: int) -> None:
     rows = out.numel() // head_dim
-    args = (_ptr(out), _ptr(part_out), _ptr(part_lse), np.int32(splits), np.int32(head_dim))
+    args = (ptr(out), ptr(part_out), ptr(part_lse), np.int32(splits), np.int32(head_dim))
     backend.launch(reg.merge_kernel(tag, head_dim), out.device, (rows, 1, 1), (reg.THREADS, 1, 1), args, 0,
                    {"out": (out, 2), "part_out": (part_out, 4), "part_lse": (part_lse, 4)},
                    {"grid.x": f"{rows} (token, query head) rows"})
@@ -79,19 +64,19 @@ def _merge(backend, tag: str, head_dim: int, out, part_out, part_lse, splits: in
 def _aligned_tokens(query: torch.Tensor) -> torch.Tensor:
     """[T, Hq, D] with unit stride on D and 16-byte aligned token and head rows (copied otherwise)."""
     elem = query.element_size()
-    ok = (query.stride(2) == 1 and query.data_ptr() % 16 == 0
+    ok = (query.stride(2) == 1 and query.dataptr() % 16 == 0
           and all(query.stride(i) * elem % 16 == 0 or query.shape[i] == 1 for i in (0, 1)))
     return query if ok else query.contiguous()
 
 
 def ragged_attention(backend, query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                      block_tables: torch.Tensor, token_row: torch.Tensor, token_pos: torch.Tensor,
-                     chunks: torch.Tensor, scale: float, window: int, span: int, splits_for=None,
-                     workspace: dict | None = None) -> torch.Tensor:
+                     chunks: torch.Tensor, scale: float, window: int, span: int,
+                     workspace=None) -> torch.Tensor:
     """query [T, Hq, D] (any strides; fp16/bf16 pools) -> out [T, Hq, D]. token_row / token_pos int32 [T]
     (pos -1 = pad: zeros); chunks from :func:`ragged_chunks` with ``tokens_per_chunk(group)``; ``span``:
-    an upper bound on the keys any token sees (for the split plan). ``splits_for(ctas, span)`` -> keys per
-    split, or None for one split."""
+    an upper bound on the keys any token sees (for the split plan, ``backend.plan_splits``); ``workspace``:
+    the step's (split scratch shared by its layers), or None."""
     total, num_q_heads, head_dim = query.shape
     num_kv_heads, _, block_size, _ = k_pool.shape
     group = num_q_heads // num_kv_heads
@@ -101,15 +86,15 @@ def ragged_attention(backend, query: torch.Tensor, k_pool: torch.Tensor, v_pool:
     if total == 0 or chunks.shape[0] == 0:
         return out.zero_()
     ctas = chunks.shape[0] * num_kv_heads
-    partition = splits_for(ctas, span) if splits_for is not None else None
-    partition = _SPLIT_CAP if partition is None or partition >= span else partition
-    splits = 1 if partition == _SPLIT_CAP else -(-span // partition)
-    part_out, part_lse = _split_scratch(workspace, ("ragged_split", total, num_q_heads, head_dim, splits),
-                                        total * num_q_heads, splits, head_dim, query.device)
-    args = (_ptr(out), _ptr(part_out), _ptr(part_lse), _ptr(query), np.int64(query.stride(0)),
-            np.int64(query.stride(1)), _ptr(k_pool), _ptr(v_pool), np.int64(k_pool.stride(0)),
-            _ptr(block_tables), np.int32(block_tables.shape[1]), np.int32(block_size.bit_length() - 1),
-            _ptr(token_row), _ptr(token_pos), _ptr(chunks), np.int32(num_kv_heads), np.int32(group),
+    split = backend.plan_splits(query.device, ctas, span, reg.ragged_tile_keys(head_dim))
+    partition, splits = (_SPLIT_CAP, 1) if split.splits == 1 else (split.partition, split.splits)
+    part_out, part_lse = split_scratch(workspace.splits if workspace is not None else None,
+                                       ("ragged", total, num_q_heads, head_dim, splits),
+                                       total * num_q_heads, splits, head_dim, query.device)
+    args = (ptr(out), ptr(part_out), ptr(part_lse), ptr(query), np.int64(query.stride(0)),
+            np.int64(query.stride(1)), ptr(k_pool), ptr(v_pool), np.int64(k_pool.stride(0)),
+            ptr(block_tables), np.int32(block_tables.shape[1]), np.int32(block_size.bit_length() - 1),
+            ptr(token_row), ptr(token_pos), ptr(chunks), np.int32(num_kv_heads), np.int32(group),
             np.int32(window), np.int32(partition), np.float32(scale * np.log2(np.e)))
     tensors = {"out": (out, 16), "query": (query, 16), "k_pool": (k_pool, 16), "v_pool": (v_pool, 16),
                "block_tables": (block_tables, 4), "token_row": (token_row, 4), "token_pos": (token_pos, 4),
@@ -125,7 +110,7 @@ def ragged_attention(backend, query: torch.Tensor, k_pool: torch.Tensor, v_pool:
 
 def decode_fast(backend, query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                 block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, window: int, span: int,
-                splits_for=None, workspace: dict | None = None) -> torch.Tensor:
+                workspace=None) -> torch.Tensor:
     """query [B, Hq, D] -> out [B, Hq, D] on CUDA cores (groups up to FAST_DECODE_MAX_GROUP)."""
     batch, num_q_heads, head_dim = query.shape
     num_kv_heads, _, block_size, _ = k_pool.shape
@@ -134,14 +119,14 @@ def decode_fast(backend, query: torch.Tensor, k_pool: torch.Tensor, v_pool: torc
     query = query.to(k_pool.dtype).contiguous()
     out = torch.empty_like(query)
     ctas = batch * num_kv_heads
-    partition = splits_for(ctas, span) if splits_for is not None else None
-    partition = _SPLIT_CAP if partition is None or partition >= span else partition
-    splits = 1 if partition == _SPLIT_CAP else -(-span // partition)
-    part_out, part_lse = _split_scratch(workspace, ("decode_fast_split", batch, num_q_heads, head_dim, splits),
-                                        batch * num_q_heads, splits, head_dim, query.device)
-    args = (_ptr(out), _ptr(part_out), _ptr(part_lse), _ptr(query), _ptr(k_pool), _ptr(v_pool),
-            np.int64(k_pool.stride(0)), _ptr(block_tables), np.int32(block_tables.shape[1]),
-            np.int32(block_size.bit_length() - 1), _ptr(context_lens), np.int32(num_kv_heads), np.int32(group),
+    split = backend.plan_splits(query.device, ctas, span, reg.decode_fast_keys(head_dim))
+    partition, splits = (_SPLIT_CAP, 1) if split.splits == 1 else (split.partition, split.splits)
+    part_out, part_lse = split_scratch(workspace.splits if workspace is not None else None,
+                                       ("decode_fast", batch, num_q_heads, head_dim, splits),
+                                       batch * num_q_heads, splits, head_dim, query.device)
+    args = (ptr(out), ptr(part_out), ptr(part_lse), ptr(query), ptr(k_pool), ptr(v_pool),
+            np.int64(k_pool.stride(0)), ptr(block_tables), np.int32(block_tables.shape[1]),
+            np.int32(block_size.bit_length() - 1), ptr(context_lens), np.int32(num_kv_heads), np.int32(group),
             np.int32(reg.decode_key_groups(group, head_dim)), np.int32(window), np.int32(partition),
             np.float32(scale * np.log2(np.e)))
     tensors = {"out": (out, 16), "query": (query, 16), "k_pool": (k_pool, 16), "v_pool": (v_pool, 16),
@@ -162,17 +147,9 @@ def self_check(backend, device: torch.device, dtype: torch.dtype, head_dim: int)
     on them. None when they agree, else what disagreed (the caller then keeps attention.cu)."""
     from . import torch_backend  # noqa: PLC0415  (the reference; imported only when a check runs)
     gen = torch.Generator().manual_seed(0)
-    block_size, num_kv_heads, lengths = 16, 2, [150, 5, 1]
-    num_blocks = sum(-(-n // block_size) for n in lengths) + 1
-    pools = [torch.randn(num_kv_heads, num_blocks, block_size, head_dim, generator=gen).to(device, dtype)
-             for _ in range(2)]
-    order = torch.randperm(num_blocks, generator=gen)
-    tables = torch.zeros(len(lengths), -(-max(lengths) // block_size), dtype=torch.int32)
-    used = 0
-    for row, n in enumerate(lengths):
-        tables[row, :-(-n // block_size)] = order[used:used + -(-n // block_size)].int()
-        used += -(-n // block_size)
-    tables, lens = tables.to(device), torch.tensor(lengths, dtype=torch.int32, device=device)
+    num_kv_heads, lengths = 2, [150, 5, 1]
+    *pools, tables, lens = random_paged_kv(lengths, 16, num_kv_heads, head_dim, dtype, gen, spare_blocks=1,
+                                           device=device)
     pos = torch.stack([torch.arange(100, 150), torch.cat([torch.arange(5), torch.full((45,), -1)]),
                        torch.cat([torch.arange(1), torch.full((49,), -1)])]).to(device, torch.int32)
     tolerance = 2e-2 if dtype == torch.float16 else 6e-2
@@ -181,7 +158,7 @@ def self_check(backend, device: torch.device, dtype: torch.dtype, head_dim: int)
         query = torch.randn(len(lengths), num_q_heads, head_dim, generator=gen).to(device, dtype)
         cases = {
             f"decode, group {group}": (
-                backend._decode_fast(query, *pools, tables, lens, 0.1, 0, max(lengths), None),
+                backend.decode_attention(query, *pools, tables, lens, 0.1),
                 torch_backend.decode_attention(query, *pools, tables, lens, 0.1)),
         }
         extend_q = torch.randn(len(lengths), num_q_heads, pos.shape[1], head_dim, generator=gen).to(device, dtype)

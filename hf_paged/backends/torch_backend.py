@@ -16,14 +16,13 @@ the stored index of a token equals its position id. Quantised pools (``kv_cache_
 ``hf_paged.kv_formats.QuantizedPool`` objects with the same block geometry; every function here hands them
 to ``quantized_torch``.
 
-Step metadata (built once per forward by ``hf_paged.plan``, read by every layer)
-------------------------------------------------------------------------------
-    slot_mapping  : int64 [B*Q]           slot of each new token (row-major), -1 where nothing is written
-    block_tables  : int32 [B, max_blocks] physical block ids; entries past a row's blocks are 0
-    context_lens  : int32 [B]             stored tokens of each row after this step's write
-    query_pos     : int32 [B, Q]          stored index of each query token, -1 for pad queries
+Step metadata: ``hf_paged.plan.StepPlan`` (built once per forward, read by every layer). The functions
+here take its padded view (``plan.padded_view``): ``block_tables`` int32 [B, max_blocks] (entries past
+a row's blocks are 0), ``context_lens`` int32 [B] (stored tokens after this step's write) and
+``query_pos`` int32 [B, Q] (stored index of each query, -1 for pads).
 A query at stored index ``p`` sees keys ``j`` with ``j <= p`` and, with a sliding window ``w > 0``,
 ``p - j < w``. Pad queries (``query_pos == -1``) and rows with no keys give zeros, never NaN.
+:class:`TorchBackend` is this module behind the backend protocol of ``hf_paged.backends.step``.
 """
 from __future__ import annotations
 
@@ -31,7 +30,9 @@ import torch
 import torch.nn.functional as F
 
 from ..kv_formats import QuantizedPool
+from ..plan import StepPlan
 from . import quantized_torch
+from .step import Step, Workspace
 
 
 def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -85,7 +86,7 @@ def visible_keys(query_pos: torch.Tensor, length: int, sliding_window: int) -> t
 
 def decode_attention(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                      block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                     sliding_window: int = 0, max_context: int | None = None, workspace: dict | None = None
+                     sliding_window: int = 0, max_context: int | None = None, workspace: Workspace | None = None
                      ) -> torch.Tensor:
     """One new token per row. query: [B, Hq, D]; block_tables int32 [B, W]; context_lens int32 [B]
     -> out [B, Hq, D].
@@ -115,12 +116,12 @@ def decode_attention(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Te
     return out * live.to(out.dtype).view(batch, 1, 1)
 
 
-def _decode_bias(context_lens: torch.Tensor, length: int, sliding_window: int, workspace: dict | None):
+def _decode_bias(context_lens: torch.Tensor, length: int, sliding_window: int, workspace: Workspace | None):
     """(float32 [B, L] additive mask, bool [B, 1] rows with keys) for decode; the same for every
     layer of a forward with this window, so it is kept in the step's workspace."""
-    key = ("decode_bias", length, sliding_window)
-    if workspace is not None and key in workspace:
-        return workspace[key]
+    key = (length, sliding_window)
+    if workspace is not None and key in workspace.decode_bias:
+        return workspace.decode_bias[key]
     lens = context_lens.long().view(-1, 1)
     key_index = torch.arange(length, device=context_lens.device)
     hidden = key_index >= lens                                              # [B, L]
@@ -131,7 +132,7 @@ def _decode_bias(context_lens: torch.Tensor, length: int, sliding_window: int, w
     bias = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device).masked_fill_(hidden, float("-inf"))
     result = (bias, lens > 0)
     if workspace is not None:
-        workspace[key] = result
+        workspace.decode_bias[key] = result
     return result
 
 
@@ -164,3 +165,16 @@ def extend_attention(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Te
         enable_gqa=num_q_heads != num_kv_heads,
     )
     return out * has_key.unsqueeze(1).to(out.dtype)
+
+
+class TorchBackend:
+    """This module's functions behind the backend protocol (``hf_paged.backends.step``): the CPU
+    fallback, quantised pools on the CPU, and the reference every kernel is tested against."""
+
+    write_kv = staticmethod(write_kv)
+    copy_blocks = staticmethod(copy_blocks)
+    decode_attention = staticmethod(decode_attention)
+    extend_attention = staticmethod(extend_attention)
+
+    def prepare(self, plan: StepPlan, peers: dict | None = None) -> Step:
+        return Step(self, plan, peers)

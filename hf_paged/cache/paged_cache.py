@@ -2,12 +2,15 @@
 
 How a forward flows through it
 ------------------------------
-1. A forward pre-hook on the decoder (installed by ``hf_paged.patch``) calls ``plan_step`` with the
-   2D padding mask once per forward: rows get slots for their *real* new tokens only, shared
-   partly-filled blocks are copied (copy-on-write), and the plan is bound to the backend once.
-2. The hook passes the prepared step down the decoder's kwargs to every attention call; each layer's
-   ``update`` writes its new K/V into the planned slots and returns the layer's pools as "keys"/"values".
-3. The registered attention function (``attention_interface.paged_attention``) reads K/V through it.
+1. A forward pre-hook on the decoder (installed by ``hf_paged.patch``) calls ``begin_forward`` with the
+   decoder's inputs once per forward: rows get slots for their *real* new tokens only (``plan_step``,
+   from the 2D padding mask), shared partly-filled blocks are copied (copy-on-write), the plan is bound
+   to the backend once, and finished rows are left out of the inputs (``active_rows``).
+2. Each layer's ``update`` writes its new K/V into the planned slots and returns the layer's pools bound
+   to the step; the registered attention function (``attention_interface.paged_attention``) reads K/V
+   through it.
+3. A forward hook calls ``end_forward``: the step ends, and the hidden states of a forward that left
+   finished rows out are put back into the full batch.
 
 Lengths: transformers sees the *logical* length (columns, pads included) from ``get_seq_length``;
 the pool stores only real tokens, so a row's stored index of a token equals its position id.
@@ -21,11 +24,12 @@ from __future__ import annotations
 
 import torch
 
-from ..backends import PreparedStep, prepare_step
+from ..backends import Step
 from ..blocks import BlockPool, PoolExhaustedError, blocks_for_budget
-from ..plan import padded_plan
 from ..families import KVGeometry
 from ..kv_formats import kv_format
+from ..plan import padded_plan
+from .active_rows import ActiveRows
 from .pools import KVPools
 from .rows import RowBook
 
@@ -81,10 +85,9 @@ class PagedCache(KVPools):
             self._blocks_for_budget()            # fail early on a budget below one block
         self.pool: BlockPool | None = None
         self.rows: RowBook | None = None
-        self._step: PreparedStep | None = None
         self._step_columns = 0      # columns the planned, still running forward adds (see get_seq_length)
         self._new_call = False
-        self.active_rows: torch.Tensor | None = None   # rows this forward computes, None = all
+        self.active_rows: ActiveRows | None = None   # rows this forward computes, None = all
 
     # ------------------------------------------------------------ geometry and pool
     @property
@@ -130,45 +133,96 @@ class PagedCache(KVPools):
         self.eos_token_ids = eos_token_ids
         self._new_call = True
 
-    # ------------------------------------------------------------ planning
+    # ------------------------------------------------------------ one forward
+    def begin_forward(self, kwargs: dict, dtype: torch.dtype, device: torch.device, compact: bool = True) -> dict:
+        """Plan the decoder forward whose keyword inputs are ``kwargs``; returns the inputs it should run
+        with. ``compact``: finished rows may be left out of a decode forward (their logits are zeros
+        either way; only per-layer outputs such as hidden states would lose those rows)."""
+        input_ids = kwargs.get("input_ids")
+        reference = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
+        if reference is None:
+            raise ValueError("hf_paged needs input_ids or inputs_embeds to plan a step")
+        batch, q_len = reference.shape[:2]
+        self.plan_step(kwargs.get("attention_mask"), input_ids, batch, q_len, dtype, device, compact=compact)
+        return kwargs if self.active_rows is None else self.active_rows.select(kwargs)
+
+    def end_forward(self, output):
+        """The forward is over: its step ends; with rows left out, the output gets back the full batch."""
+        self.end_step()
+        active, self.active_rows = self.active_rows, None
+        return output if active is None else active.expand(output)
+
     def plan_step(self, attention_mask: torch.Tensor | None, input_ids: torch.Tensor | None,
                   batch_size: int, q_len: int, dtype: torch.dtype, device: torch.device,
-                  compact: bool = False) -> PreparedStep:
+                  compact: bool = False) -> Step:
         """Reserve slots for this forward's real tokens; return the plan bound to the backend.
 
         attention_mask: the 2D padding mask [B, columns_before + Q] (or None: all real).
-        compact: the caller runs the forward on ``self.active_rows`` only (finished rows left out);
-            the plan then covers those rows. Without it every row is planned (finished ones read nothing).
+        compact: the forward runs on ``self.active_rows`` only (finished rows left out, see
+            ``begin_forward``); the plan then covers those rows. Without it every row is planned (finished
+            ones read nothing).
         When this raises (pool exhausted, bad shapes, a continuation that cannot be served) nothing changes,
         except that finished rows a new call has already taken back stay live (a retry finds them so).
         """
         new_real = self._new_real_columns(attention_mask, batch_size, q_len)
-        counts = new_real.sum(1).tolist()
         first_step = self.rows is None or len(self.rows) == 0
         leaders = _duplicate_leaders(input_ids, attention_mask, batch_size) if first_step else list(range(batch_size))
         if first_step:
-            unique = sum(-(-counts[r] // self.block_size) for r in range(batch_size) if leaders[r] == r)
-            self._ensure_pools(dtype, device, unique + batch_size)
-        rows = self.rows
-        if not first_step:
-            if len(rows) != batch_size:
-                raise ValueError(f"PagedCache holds {len(rows)} rows but the forward has {batch_size}; "
-                                 "call cache.reset() before reusing it for another batch")
-            if any(rows.finished) and (self._new_call or q_len > 1):
-                self._resume_finished(attention_mask)
+            counts = new_real.sum(1).tolist()
+            self._ensure_pools(dtype, device, sum(-(-counts[r] // self.block_size) for r in range(batch_size)
+                                                  if leaders[r] == r) + batch_size)
+        else:
+            self._check_rows(batch_size, attention_mask, q_len)
         self._new_call = False
         finishing = self._finishing_rows(input_ids, q_len) if not first_step else []
-        for row, done in enumerate(rows.finished if not first_step else ()):
-            if done:
-                new_real[row] = False
-                counts[row] = 0
+        new_real[torch.tensor(self.rows.finished if not first_step else [False] * batch_size)] = False
+        counts = new_real.sum(1).tolist()
         self._reserve(counts, leaders, first_step)
+        writes, slots, kv_before = self._append(new_real, counts, leaders)
+        rows = self.rows
+        rows.columns += q_len
+        rows.written.append(new_real)
+        # Finished rows (decode only) are left out of the forward: begin_forward runs it on the others.
+        active = [r for r, done in enumerate(rows.finished) if not done] if q_len == 1 and compact else []
+        self.active_rows = ActiveRows(active, batch_size) if 0 < len(active) < batch_size else None
+        if self.active_rows is not None:
+            new_real, writes = new_real[self.active_rows.index], writes[self.active_rows.index]
+            kv_before = [kv_before[r] for r in active]
+        planned = active if self.active_rows is not None else range(batch_size)
+        plan = padded_plan([rows.tables[r] for r in planned], new_real, writes, kv_before, slots, self.block_size,
+                           self._device)
+        for row in finishing:      # their EOS is written by this forward; the blocks stay kept until needed
+            rows.finish(row, rows.columns)
+        self._step_columns = q_len
+        return self.prepare(plan)
 
+    def end_step(self) -> None:
+        """The forward is over: its plan may not be used again."""
+        super().end_step()
+        self._step_columns = 0
+
+    no_step_message = ("PagedCache.update was called without a step plan: the model is not patched. Call "
+                       "hf_paged.patch(model) (or use `with hf_paged.enabled():`) before generating with a "
+                       "PagedCache.")
+
+    def _check_rows(self, batch_size: int, attention_mask, q_len: int) -> None:
+        """A later forward of this cache: the same rows, and finished rows resumed when a new call (or a
+        multi-token forward) continues them."""
+        rows = self.rows
+        if len(rows) != batch_size:
+            raise ValueError(f"PagedCache holds {len(rows)} rows but the forward has {batch_size}; "
+                             "call cache.reset() before reusing it for another batch")
+        if any(rows.finished) and (self._new_call or q_len > 1):
+            self._resume_finished(attention_mask)
+
+    def _append(self, new_real: torch.Tensor, counts: list[int], leaders: list[int]):
+        """Give each row slots for its new tokens (copy-on-write applied). Returns (writes bool [B, Q],
+        the written slots in row-major order, stored tokens per row before this step)."""
+        rows, pool = self.rows, self.pool
         writes = new_real.clone()
         copies: list[tuple[int, int]] = []
         slots: list[int] = []
         kv_before = [t.num_tokens for t in rows.tables]
-        pool = self.pool
         for row, table in enumerate(rows.tables):
             if leaders[row] == row:
                 slots.extend(table.append(pool, counts[row], copies))
@@ -176,27 +230,7 @@ class PagedCache(KVPools):
                 rows.tables[row] = rows.tables[leaders[row]].fork(pool)
                 writes[row] = False
         self.copy_blocks(copies)
-        rows.columns += q_len
-        rows.written.append(new_real)
-        # Finished rows (decode only) are left out of the forward: the hooks run it on the others.
-        active = [r for r, done in enumerate(rows.finished) if not done] if q_len == 1 and compact else []
-        self.active_rows = torch.tensor(active) if 0 < len(active) < batch_size else None
-        planned = active if self.active_rows is not None else range(batch_size)
-        tables = [rows.tables[r] for r in planned]
-        if self.active_rows is not None:
-            new_real, writes = new_real[self.active_rows], writes[self.active_rows]
-            kv_before = [kv_before[r] for r in planned]
-        plan = padded_plan(tables, new_real, writes, kv_before, slots, self.block_size, self._device)
-        for row in finishing:      # their EOS is written by this forward; the blocks stay kept until needed
-            rows.finish(row, rows.columns)
-        self._step = prepare_step(self.backend, plan, self.peer_backends)
-        self._step_columns = q_len
-        return self._step
-
-    def end_step(self) -> None:
-        """The forward is over: its plan may not be used again."""
-        self._step = None
-        self._step_columns = 0
+        return writes, slots, kv_before
 
     def _new_real_columns(self, attention_mask, batch_size: int, q_len: int) -> torch.Tensor:
         if attention_mask is None:
@@ -247,16 +281,6 @@ class PagedCache(KVPools):
             rows.start(len(counts))
 
     # ------------------------------------------------------------ Cache contract
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
-               *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write this step's K/V ([B, Hkv, Q, D]) into the planned slots; return the layer's pools."""
-        if self._step is None:
-            raise RuntimeError(
-                "PagedCache.update was called without a step plan: the model is not patched. Call "
-                "hf_paged.patch(model) (or use `with hf_paged.enabled():`) before generating with a PagedCache.")
-        slots = self._step.on(self.key_pools[layer_idx].device).plan.slot_mapping   # the plan where this layer's pool is
-        return self.write(layer_idx, key_states, value_states, slots)
-
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Columns stored. While a planned forward runs, the columns *before* it, as DynamicCache answers
         before its update: a forward without ``cache_position`` derives its positions from this."""

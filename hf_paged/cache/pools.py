@@ -13,6 +13,7 @@ import torch
 from transformers import Cache
 
 from ..backends import select_backend
+from ..backends.step import PagedLayer, Step
 from ..families import KVGeometry, config_geometry
 from ..kv_formats import KVFormat, QuantizedPool, kv_format, rotation_matrix
 
@@ -24,13 +25,14 @@ def kv_bytes_per_token(config, dtype: torch.dtype, kv_cache_dtype: str = "auto")
 
 
 class KVPools(Cache):
-    """Pools and backend of a paged cache; subclasses decide which slots each forward uses."""
+    """Pools and backend of a paged cache; subclasses decide which slots each forward uses (they plan it
+    and ``prepare`` it; ``update`` writes and hands the step on to the attention function)."""
 
     def __init__(self, config, backend=None, geometry: KVGeometry | None = None, kv_format: KVFormat | None = None):
         super().__init__(layers=[])
         self.config = config
         # The config's geometry, unless the model holds less per process (tensor parallelism: see
-        # families.model_geometry, which the patched generate and the engine pass).
+        # introspect.model_geometry, which the patched generate and the engine pass).
         self.geometry = geometry or config_geometry(config)
         self.kv_format = kv_format          # None: the model's dtype
         if kv_format is not None:
@@ -39,6 +41,7 @@ class KVPools(Cache):
         self.key_pools: list[torch.Tensor | QuantizedPool] = []
         self.value_pools: list[torch.Tensor | QuantizedPool] = []
         self.peer_backends: dict = {}     # device -> backend of layers on other devices than ``device``
+        self.step: Step | None = None     # the running forward's step (set by whoever planned it)
 
     def allocate_pools(self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device) -> None:
         """Pools on ``device``, or on each layer's own device where the geometry names one (device_map)."""
@@ -95,6 +98,30 @@ class KVPools(Cache):
         for device, pools in by_device.items():
             pairs = torch.tensor(copies, dtype=torch.int64, device=device)
             self.peer_backends.get(device, self.backend).copy_blocks(pools, pairs)
+
+    def prepare(self, plan) -> Step:
+        """Bind one forward's plan to the backend (and the peers of a device_map); the layers' ``update``
+        calls write and read through it until ``end_step``."""
+        self.step = self.backend.prepare(plan, self.peer_backends)
+        return self.step
+
+    def end_step(self) -> None:
+        """The forward is over: its plan may not be used again."""
+        self.step = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               *args, **kwargs) -> tuple[PagedLayer, PagedLayer]:
+        """Write this forward's K/V ([B, Hkv, Q, D]) into the planned slots; return the layer's pools bound
+        to the step (as both "keys" and "values"), which the attention function reads."""
+        if self.step is None:
+            raise RuntimeError(self.no_step_message)
+        k_pool = self.key_pools[layer_idx]
+        step = self.step.on(k_pool.device)      # the plan where this layer's pool is
+        self.write(layer_idx, key_states, value_states, step.plan.slot_mapping)
+        layer = PagedLayer(k_pool, self.value_pools[layer_idx], step)
+        return layer, layer
+
+    no_step_message = "a paged cache's update ran outside a planned forward"
 
     def write(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor,
               slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,7 +24,7 @@ import torch
 
 from ..attention_interface import use_paged_attention
 from ..blocks import BlockPool, PrefixCache
-from ..families import model_geometry
+from ..introspect import model_geometry
 from ..kv_formats import kv_format
 from ..parallel import replicas_of
 from .config import EngineConfig, kv_pool_blocks

@@ -1,10 +1,11 @@
 """Model runner: one packed forward per step through the paged KV pool.
 
 All scheduled tokens of all sequences go in as one row, ``input_ids [1, N]`` with each token's own
-``position_ids [1, N]``, so the linear layers never see padding. ``EngineCache`` holds the pools and
-writes the new K/V of [1, Hkv, N, D] through the plan's packed ``slot_mapping [N]``; the attention
-function reads the prepared ``PackedPlan`` passed in the forward's kwargs (``STEP_KWARG``). Only the rows that
-sample (a sequence's last scheduled token when it reaches the end of its tokens) reach the LM head.
+``position_ids [1, N]``, so the linear layers never see padding. ``EngineCache`` holds the pools; the
+runner builds the step's ``StepPlan`` (``plan.packed_plan``) and prepares it on the cache, whose
+``update`` writes the new K/V of [1, Hkv, N, D] through the plan's ``slot_mapping [N]`` and hands the
+step to the attention function. Only the rows that sample (a sequence's last scheduled token when it
+reaches the end of its tokens) reach the LM head.
 """
 from __future__ import annotations
 
@@ -12,8 +13,7 @@ import time
 
 import torch
 
-from ..attention_interface import STEP_KWARG, cache_keyword
-from ..backends import PreparedStep, prepare_step
+from ..attention_interface import cache_keyword
 from ..cache import KVPools
 from ..plan import packed_plan
 
@@ -21,20 +21,16 @@ from ..plan import packed_plan
 class EngineCache(KVPools):
     """The engine's KV pools (``[Hkv, num_blocks, block_size, D]`` per layer, keys and values).
 
-    Not a PagedCache: the generate pre-hook leaves it alone; the runner sets the plan of each forward.
+    Not a PagedCache: the generate pre-hook leaves it alone; the runner prepares the plan of each forward.
     """
+
+    no_step_message = "EngineCache.update ran outside ModelRunner.execute (no step was planned)"
 
     def __init__(self, config, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
                  geometry=None, kv_format=None):
         super().__init__(config, geometry=geometry, kv_format=kv_format)
         self.block_size = block_size
         self.allocate_pools(num_blocks, block_size, dtype, device)
-        self.step: PreparedStep | None = None
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """key/value_states [1, Hkv, N, D] -> written at the plan's slots; returns the layer's pools."""
-        slots = self.step.on(self.key_pools[layer_idx].device).plan.slot_mapping   # the plan where this layer's pool is
-        return self.write(layer_idx, key_states, value_states, slots)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0
@@ -59,7 +55,7 @@ class ModelRunner:
     def prepare(self, batch: list[tuple[object, int]]):
         """batch: (sequence, number of its tokens to compute), decode entries (1 token) first.
 
-        Returns (input_ids [1, N], position_ids [1, N], prepared step, sample_index [S]: packed index of
+        Returns (input_ids [1, N], position_ids [1, N], the step's plan, sample_index [S]: packed index of
         each sampling sequence's last token, sampling sequences).
         """
         ids, positions, sample_at, samplers = [], [], [], []
@@ -77,20 +73,19 @@ class ModelRunner:
         def t(x):
             return torch.as_tensor(x, dtype=torch.long).to(dev, non_blocking=True)
 
-        step = prepare_step(self.cache.backend, plan, self.cache.peer_backends)
-        return t(ids).view(1, -1), t(positions).view(1, -1), step, t(sample_at), samplers
+        return t(ids).view(1, -1), t(positions).view(1, -1), plan, t(sample_at), samplers
 
     @torch.inference_mode()
     def execute(self, batch: list[tuple[object, int]]) -> tuple[torch.Tensor, list, float]:
         """Run one packed forward. Returns (float32 logits [S, V] of the sampling sequences, those
         sequences, seconds spent building the inputs and the plan)."""
         start = time.perf_counter()
-        input_ids, position_ids, step, sample_at, samplers = self.prepare(batch)
+        input_ids, position_ids, plan, sample_at, samplers = self.prepare(batch)
+        self.cache.prepare(plan)
         prepare_s = time.perf_counter() - start
-        self.cache.step = step
         try:
             out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=True,
-                             logits_to_keep=sample_at, **{self.cache_kw: self.cache, STEP_KWARG: step})
+                             logits_to_keep=sample_at, **{self.cache_kw: self.cache})
         finally:
-            self.cache.step = None
+            self.cache.end_step()
         return out.logits[0].float(), samplers, prepare_s

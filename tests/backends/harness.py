@@ -1,7 +1,7 @@
 """Run the CUDA kernels of cuda/ on the CPU: build them with the shim (shim/shim.h) into shared
 libraries, launch them through ctypes with the same arguments the GPU path passes to CuPy.
 
-    backend = shim_backend(schedule="warp_ahead")   # KernelBackend over CPU torch tensors
+    backend = shim_backend(schedule="warp_ahead")   # CudaBackend over CPU torch tensors
     backend.decode_attention(query, k_pool, v_pool, block_tables, context_lens, scale)
 
 Test infrastructure only; never imported by the package.
@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from hf_paged.backends import kernel_registry as reg
-from hf_paged.backends.cuda_backend import KernelBackend
+from hf_paged.backends.cuda_backend import CudaBackend
 from hf_paged.backends.launch_checks import DeviceLimits
 
 HERE = Path(__file__).resolve().parent
@@ -104,7 +104,7 @@ def build(sanitize: str | None = None, sources_dir: Path | None = None, jobs: in
 
 
 class ShimLauncher:
-    """Launcher for KernelBackend that runs kernels in the CPU shim (arguments: numpy scalars)."""
+    """Launcher for CudaBackend that runs kernels in the CPU shim (arguments: numpy scalars)."""
 
     def __init__(self, libraries: dict, schedule: str = "in_order", seed: int = 0, sms: int = 4):
         self.paths = libraries          # a ShimLibraries builds missing modules on first use
@@ -146,7 +146,7 @@ class ShimLauncher:
 
 
 def shim_backend(libraries: dict | None = None, schedule: str = "in_order", seed: int = 0,
-                 partition_size: int | None = None, sms: int = 4, fast_kernels: bool = True) -> KernelBackend:
+                 partition_size: int | None = None, sms: int = 4, fast_kernels: bool = True) -> CudaBackend:
     """A backend object (write_kv, copy_blocks, decode_attention, extend_attention) over CPU tensors
     that runs the real kernels through the shim; usable as PagedCache(..., backend=...)."""
-    return KernelBackend(ShimLauncher(libraries or build(), schedule, seed, sms), partition_size, fast_kernels)
+    return CudaBackend(ShimLauncher(libraries or build(), schedule, seed, sms), partition_size, fast_kernels)

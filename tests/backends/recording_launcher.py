@@ -1,10 +1,10 @@
-"""A launcher for KernelBackend that records launches instead of running them, and checks each one.
+"""A launcher for CudaBackend that records launches instead of running them, and checks each one.
 
     launcher = RecordingLauncher(DeviceLimits.for_arch("sm_90", sm_count=132))
-    KernelBackend(launcher).extend_attention(...)       # nothing runs; every launch is checked
+    CudaBackend(launcher).extend_attention(...)       # nothing runs; every launch is checked
     launcher.launches[-1].grid                          # what a GPU would have been asked to do
 
-Each launch is checked independently of whatever KernelBackend checks itself:
+Each launch is checked independently of whatever CudaBackend checks itself:
 - grid, block and shared memory by ``launch_checks.check_launch`` against the limits given;
 - the arguments against the kernel's ``extern "C"`` signature, read from the ``.cu`` source: one numpy
   scalar per parameter, of the parameter's C type (pointers as ``numpy.uint64``, ``int`` as int32,
@@ -69,7 +69,7 @@ class Launch:
 
 
 class RecordingLauncher:
-    """KernelBackend's launcher protocol (``launch``, ``sm_count``); records, checks, runs nothing."""
+    """CudaBackend's launcher protocol (``launch``, ``sm_count``); records, checks, runs nothing."""
 
     def __init__(self, limits: DeviceLimits, optional_pointers=OPTIONAL_POINTERS, vector_pointers=VECTOR_POINTERS):
         self.limits = limits

@@ -15,6 +15,7 @@ from recording_launcher import untouched_tensor
 
 from hf_paged.backends import kernel_registry as reg
 from hf_paged.backends import torch_backend as ta
+from hf_paged.backends.synthetic import assign_blocks
 
 TOL = {torch.bfloat16: 1.6e-2, torch.float32: 2e-5}
 KV_HEADS, GROUP, HEAD_DIM, BLOCK_SIZE = 2, 2, 64, 16
@@ -46,11 +47,7 @@ def cache(backend, request):
     gen = torch.Generator().manual_seed(64)
     blocks = [-(-n // BLOCK_SIZE) for n in LENGTHS]
     last = NUM_BLOCKS - 1 - torch.randperm(sum(blocks) + 2, generator=gen)   # the pool's last blocks
-    tables = torch.zeros(len(LENGTHS), max(blocks), dtype=torch.int32)
-    used = 0
-    for b, nb in enumerate(blocks):
-        tables[b, :nb] = last[used:used + nb].int()
-        used += nb
+    tables = assign_blocks(last, blocks)
     tokens = sum(LENGTHS)
     slots = torch.cat([tables[b].long().repeat_interleave(BLOCK_SIZE)[:n] * BLOCK_SIZE
                        + torch.arange(n) % BLOCK_SIZE for b, n in enumerate(LENGTHS)])

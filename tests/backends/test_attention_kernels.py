@@ -14,6 +14,7 @@ import torch
 
 from hf_paged.backends import kernel_registry as reg
 from hf_paged.backends import torch_backend as ta
+from hf_paged.backends.synthetic import assign_blocks, random_paged_kv
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 TOL = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float32: 2e-5}
@@ -36,28 +37,19 @@ def cache_tables(lengths, block_size, gen, spare_blocks=3):
     """Shuffled block tables holding ``lengths`` stored tokens per row; (num_blocks, tables, lens)."""
     blocks = [-(-n // block_size) for n in lengths]
     num_blocks = sum(blocks) + spare_blocks
-    order = torch.randperm(num_blocks, generator=gen)
-    tables = torch.zeros(len(lengths), max(1, max(blocks)), dtype=torch.int32)
-    used = 0
-    for b, nb in enumerate(blocks):
-        tables[b, :nb] = order[used:used + nb].int()
-        used += nb
+    tables = assign_blocks(torch.randperm(num_blocks, generator=gen), blocks)
     return num_blocks, tables, torch.tensor(lengths, dtype=torch.int32)
 
 
 def make_cache(lengths, block_size, num_kv_heads, head_dim, dtype, seed=0, spare_blocks=3):
     """Random pools and shuffled block tables holding `lengths` stored tokens per row."""
     gen = torch.Generator().manual_seed(seed)
-    num_blocks = sum(-(-n // block_size) for n in lengths) + spare_blocks
-    k_pool = torch.randn(num_kv_heads, num_blocks, block_size, head_dim, generator=gen).to(dtype)
-    v_pool = torch.randn(num_kv_heads, num_blocks, block_size, head_dim, generator=gen).to(dtype)
-    _, tables, lens = cache_tables(lengths, block_size, gen, spare_blocks)
-    return k_pool, v_pool, tables, lens, gen
+    return (*random_paged_kv(lengths, block_size, num_kv_heads, head_dim, dtype, gen, spare_blocks), gen)
 
 
 def packed_case(spec, block_size, num_q_heads, num_kv_heads, head_dim, dtype, seed):
     """An engine step: ``spec`` = (tokens computed before, tokens this step) per sequence, one-token
-    entries first; (PackedPlan, k_pool, v_pool, query [1, Hq, N, D]) over shuffled blocks."""
+    entries first; (StepPlan, k_pool, v_pool, query [N, Hq, D]) over shuffled blocks."""
     from hf_paged.blocks import BlockTable
     from hf_paged.plan import packed_plan
     gen = torch.Generator().manual_seed(seed)
@@ -71,7 +63,7 @@ def packed_case(spec, block_size, num_q_heads, num_kv_heads, head_dim, dtype, se
     plan = packed_plan(entries, block_size, torch.device("cpu"))
     k_pool = torch.randn(num_kv_heads, num_blocks, block_size, head_dim, generator=gen).to(dtype)
     v_pool = torch.randn(num_kv_heads, num_blocks, block_size, head_dim, generator=gen).to(dtype)
-    query = torch.randn(1, num_q_heads, sum(n for _, n in spec), head_dim, generator=gen).to(dtype)
+    query = torch.randn(sum(n for _, n in spec), num_q_heads, head_dim, generator=gen).to(dtype)
     return plan, k_pool, v_pool, query
 
 

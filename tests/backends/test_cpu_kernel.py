@@ -11,7 +11,7 @@ import pytest
 import torch
 from test_attention_kernels import DTYPES, assert_close, make_cache, packed_case
 
-from hf_paged.backends import PreparedStep, cpu_backend, select_backend
+from hf_paged.backends import BackendRegistry, backend_kind, cpu_backend, select_backend
 from hf_paged.backends import torch_backend as ta
 
 HEADS = [(3, 3), (9, 3), (8, 2), (14, 2), (16, 1), (32, 1)]      # GQA 1, 3, 4, 7, 16 (MQA), 32
@@ -66,7 +66,7 @@ def test_packed_step_matches_torch(backend, dtype, window):
     spec = [(5, 1), (16, 1), (30, 1), (0, 13), (9, 20)]   # three decodes, a fresh prompt, a chunk after a prefix
     plan, k_pool, v_pool, query = packed_case(spec, 8, 6, 2, 64, dtype, seed=11)
     out = backend.prepare(plan).attend(query, k_pool, v_pool, 0.125, window)
-    ref = PreparedStep(ta, plan).attend(query, k_pool, v_pool, 0.125, window)
+    ref = ta.TorchBackend().prepare(plan).attend(query, k_pool, v_pool, 0.125, window)
     assert_close(out, ref, dtype)
 
 
@@ -107,16 +107,18 @@ def test_mixed_dtypes_use_the_torch_path(backend):
 
 
 def test_select_backend_picks_the_kernel_and_falls_back(monkeypatch, caplog):
-    assert isinstance(select_backend(torch.device("cpu")), cpu_backend.CpuKernelBackend)
+    cpu = torch.device("cpu")
+    assert isinstance(select_backend(cpu), cpu_backend.CpuKernelBackend)
+    assert select_backend(cpu) is select_backend(cpu)           # one per device and process
     monkeypatch.setenv(cpu_backend.KERNEL_ENV, "0")
-    assert select_backend(torch.device("cpu")) is ta
+    assert isinstance(select_backend(cpu), ta.TorchBackend)
     monkeypatch.setenv(cpu_backend.KERNEL_ENV, "1")
 
     def broken():
         raise RuntimeError("could not build the CPU paged-attention kernel (paged_attention_cpu.cpp): no g++")
     monkeypatch.setattr(cpu_backend, "make_backend", broken)
     with caplog.at_level(logging.WARNING, logger="hf_paged.backends"):
-        assert select_backend(torch.device("cpu")) is ta
+        assert isinstance(BackendRegistry().get(cpu, backend_kind(cpu)), ta.TorchBackend)   # a fresh process
     assert "no g++" in caplog.text and cpu_backend.KERNEL_ENV in caplog.text
 
 

@@ -19,7 +19,6 @@ from test_attention_kernels import assert_close, make_cache, packed_case
 
 from hf_paged.backends import kernel_registry as reg
 from hf_paged.backends import torch_backend as ta
-from hf_paged.backends.step import PreparedStep
 
 FAST = [torch.float16, torch.bfloat16]
 GROUPS = [(4, 4), (8, 2), (14, 2), (16, 2), (32, 1), (32, 2), (6, 6)]   # GQA 1, 4, 7, 8, 32, 16, 1
@@ -99,7 +98,7 @@ def test_packed_step_is_one_ragged_launch(shim_libraries, dtype):
     step = backend.prepare(plan)
     for window in (0, 4):   # two "layers": the second reuses the step's ragged plan and chunks
         out = step.attend(query, k_pool, v_pool, 0.125, window)
-        assert_close(out, PreparedStep(ta, plan).attend(query, k_pool, v_pool, 0.125, window), dtype)
+        assert_close(out, ta.TorchBackend().prepare(plan).attend(query, k_pool, v_pool, 0.125, window), dtype)
     assert backend.launcher.launches == [reg.ragged_kernel(reg.DTYPE_TAGS[dtype], 64).name] * 2
 
 

@@ -60,7 +60,7 @@ def test_generate_through_shim_kernels(shim_libraries, mode):
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "int4"])
 def test_quantised_generate_through_shim_kernels_matches_the_torch_path(shim_libraries, kv_cache_dtype):
-    """The wiring above the kernels (rotation in KVPools.write and PreparedStep, f32 rotated writes,
+    """The wiring above the kernels (rotation in KVPools.write and Step.attend, f32 rotated writes,
     per-group copy_blocks) with the quantised kernels: the same logits as the quantised PyTorch path."""
     model = tiny_llama(torch.float32)
     ids, mask = left_padded([9, 1, 17])

@@ -10,7 +10,7 @@ import torch
 
 import harness
 from hf_paged.backends import kernel_registry as reg
-from hf_paged.backends.cuda_backend import CupyLauncher, KernelBackend
+from hf_paged.backends.cuda_backend import CupyLauncher, CudaBackend
 
 
 def test_shim_libraries_export_exactly_the_registry(shim_libraries):
@@ -46,7 +46,7 @@ def test_import_does_not_import_cupy():
 
 @pytest.mark.skipif(importlib.util.find_spec("cupy") is not None, reason="cupy is installed here")
 def test_missing_cupy_names_the_install_command():
-    backend = KernelBackend(CupyLauncher())
+    backend = CudaBackend(CupyLauncher())
     backend.launcher.sm_count = lambda device: 132
     with pytest.raises(ImportError, match=r'pip install "hf-paged\[cuda(13)?\]"'):
         backend.launcher.launch(reg.COPY_BLOCKS, torch.device("cuda", 0), (1, 1, 1), (128, 1, 1), (), 0)

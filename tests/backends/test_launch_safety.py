@@ -1,4 +1,4 @@
-"""Every launch KernelBackend makes fits an sm_90 device (grid, block, shared memory, arguments), fuzzed
+"""Every launch CudaBackend makes fits an sm_90 device (grid, block, shared memory, arguments), fuzzed
 over GQA group 1-32, KV heads 1-8, batch 1-300, q_len up to 300k, context up to 128k, block sizes,
 head dims, dtypes, sliding windows and split-K partitions. Nothing runs: RecordingLauncher checks and
 records each launch (tests/backends/recording_launcher.py).
@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from recording_launcher import RecordingLauncher, untouched_tensor
 
 from hf_paged.backends import kernel_registry as reg
-from hf_paged.backends.cuda_backend import KernelBackend
+from hf_paged.backends.cuda_backend import CudaBackend
 from hf_paged.backends.launch_checks import DeviceLimits
 
 LIMITS = DeviceLimits.for_arch("sm_90", sm_count=132)
@@ -77,7 +77,7 @@ def test_decode_launches_fit_the_device(geo, batch, context, partition, window, 
     query = untouched_tensor((batch, num_q_heads, head_dim), dtype)
     tables = untouched_tensor((batch, -(-context // block_size)), torch.int32)
     launcher = RecordingLauncher(LIMITS)
-    out = KernelBackend(launcher, partition_size=partition).decode_attention(
+    out = CudaBackend(launcher, partition_size=partition).decode_attention(
         query, k_pool, v_pool, tables, lengths(batch, context, gen), head_dim ** -0.5, sliding_window=window,
         max_context=context)
     assert out.shape == query.shape and out.dtype == dtype
@@ -113,7 +113,7 @@ def test_extend_launches_fit_the_device(geo, batch, q_len, before, partition, wi
     query_pos = (starts.view(-1, 1) + torch.arange(q_len, dtype=torch.int32)).to(torch.int32)
     tables = untouched_tensor((batch, -(-context // block_size)), torch.int32)
     launcher = RecordingLauncher(LIMITS)
-    out = KernelBackend(launcher, partition_size=partition).extend_attention(
+    out = CudaBackend(launcher, partition_size=partition).extend_attention(
         query, k_pool, v_pool, tables, starts + q_len, query_pos, head_dim ** -0.5, sliding_window=window,
         max_context=context)
     assert out.shape == query.shape and out.dtype == dtype

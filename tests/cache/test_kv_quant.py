@@ -6,7 +6,6 @@ import torch
 import hf_paged
 from hf_paged.backends import quantized_torch, torch_backend
 from hf_paged.cache import KVPools, kv_bytes_per_token
-from hf_paged.backends.step import PreparedStep
 from hf_paged.kv_formats import (FORMATS, KV_CACHE_DTYPES, QuantizedPool, dequantize, kv_format, quantize,
                                  rotation_matrix)
 from hf_paged.plan import StepPlan
@@ -176,17 +175,19 @@ def test_rotation_is_orthogonal_and_fixed(head_dim):
 
 @pytest.mark.parametrize("name", QUANTISED)
 def test_a_step_over_rotated_pools_attends_to_the_unrotated_values(name):
-    """PreparedStep rotates the query and un-rotates the output: the result is attention over the
+    """A step rotates the query and un-rotates the output: the result is attention over the
     stored values taken back to the model's basis (dequantised, times R^T)."""
     pools = _filled_pools(name, blocks=6, block_size=4)
     k_pool, v_pool = pools.key_pools[0], pools.value_pools[0]
     back = [_reference_pool(p) @ p.rotation.T for p in (k_pool, v_pool)]
     tables = torch.tensor([[3, 1, 0, 5], [2, 4, 0, 0]], dtype=torch.int32)
     lens = torch.tensor([15, 6], dtype=torch.int32)
-    plan = StepPlan(slot_mapping=None, block_tables=tables, context_lens=lens, query_pos=(lens - 1).view(2, 1),
-                    decode_lens=lens, max_context=15)
-    step = PreparedStep(torch_backend, plan)
-    q = torch.randn(2, 4, 1, 64)
-    got = step.attend(q, k_pool, v_pool, 0.125, 0)                                  # [B, Q, Hq, D]
-    want = torch_backend.decode_attention(q[:, :, 0], *back, tables, lens, 0.125).unsqueeze(1)
+    plan = StepPlan(slot_mapping=torch.full((2,), -1), token_row=torch.arange(2, dtype=torch.int32),
+                    token_pos=lens - 1, query_start=torch.arange(3, dtype=torch.int32), block_tables=tables,
+                    context_lens=lens, decode_lens=lens, num_decode=2, max_context=15, max_query_len=1,
+                    decode_context=15, batch_shape=(2, 1))
+    step = torch_backend.TorchBackend().prepare(plan)
+    q = torch.randn(2, 4, 64)
+    got = step.attend(q, k_pool, v_pool, 0.125, 0)                                  # [T, Hq, D]
+    want = torch_backend.decode_attention(q, *back, tables, lens, 0.125)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)

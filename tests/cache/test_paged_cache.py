@@ -200,12 +200,9 @@ def test_paged_cache_without_patch_is_explained():
                        past_key_values=hf_paged.PagedCache(model.config))
 
 
-class BidirectionalPrefill:
+class BidirectionalPrefill(torch_attention.TorchBackend):
     """A deliberately wrong backend: prompt tokens see the whole prompt (no causal mask), as a
     paged path that forgot per-sequence causality would."""
-    write_kv = staticmethod(torch_attention.write_kv)
-    copy_blocks = staticmethod(torch_attention.copy_blocks)
-    decode_attention = staticmethod(torch_attention.decode_attention)
 
     @staticmethod
     def extend_attention(query, k_pool, v_pool, block_tables, context_lens, query_pos, *args, **kwargs):
@@ -226,7 +223,7 @@ def test_negative_control_wrong_backend_fails_the_comparison():
                                past_key_values=hf_paged.PagedCache(model.config))
         wrong = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
                                return_dict_in_generate=True, output_logits=True,
-                               past_key_values=hf_paged.PagedCache(model.config, backend=BidirectionalPrefill))
+                               past_key_values=hf_paged.PagedCache(model.config, backend=BidirectionalPrefill()))
     assert torch.equal(right.sequences, reference.sequences)
     assert (wrong.logits[0] - reference.logits[0]).abs().max() > 1e-3
     assert not torch.equal(wrong.sequences, reference.sequences)

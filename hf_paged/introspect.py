@@ -1,0 +1,70 @@
+"""What a loaded model instance holds, read from its modules: the KV heads this process has (a
+tensor-parallel rank holds a share), and the device each layer's attention runs on (a device_map).
+The declared, config-level facts are in ``hf_paged.families``."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from .families import KVGeometry, UnsupportedModelError, config_geometry
+
+
+def model_geometry(model) -> KVGeometry:
+    """The KV geometry of ``model`` as this process holds it.
+
+    Under transformers' tensor parallelism (``from_pretrained(..., tp_plan="auto")``) each rank's
+    ``k_proj`` holds ``num_kv_heads / tp_size`` heads, and its KV pools must hold only those; the local
+    count is read from the sharded module, not the config. Layers spread over devices by a
+    ``device_map`` give each layer's device (its accelerate hook's execution device where its weights are
+    offloaded).
+    """
+    geometry = config_geometry(model.config)
+    attention = attention_modules(model, geometry.num_layers)
+    tp_size = tensor_parallel_size(model)
+    if tp_size > 1 and geometry.num_kv_heads % tp_size:
+        raise UnsupportedModelError(
+            f"tensor parallelism over {tp_size} ranks needs num_key_value_heads ({geometry.num_kv_heads}) to be a "
+            f"multiple of {tp_size} (transformers' tp_plan shards whole KV heads; it cannot run this model either). "
+            f"Use a tp_size that divides {geometry.num_kv_heads}.")
+    local = {_local_kv_heads(module, geometry.head_dim) for module in attention}
+    if len(local) != 1:
+        raise UnsupportedModelError(f"layers hold different numbers of KV heads {sorted(local)}; hf_paged needs one")
+    devices = tuple(_execution_device(module, i) for i, module in enumerate(attention))
+    return replace(geometry, num_kv_heads=local.pop(),
+                   layer_devices=devices if len(set(devices)) > 1 else None)
+
+
+def tensor_parallel_size(model) -> int:
+    """The number of ranks ``model`` is sharded over by transformers' ``tp_plan`` (1 when it is not)."""
+    return getattr(model, "tp_size", None) or getattr(model, "_tp_size", None) or 1
+
+
+def attention_modules(model, num_layers: int) -> list:
+    """The model's attention modules in layer order (every supported family names them ``self_attn``
+    with a ``layer_idx`` and a ``k_proj``)."""
+    found = {m.layer_idx: m for m in model.modules() if hasattr(m, "k_proj") and hasattr(m, "layer_idx")}
+    if sorted(found) != list(range(num_layers)):
+        raise UnsupportedModelError(f"found attention modules for layers {sorted(found)} but the config has "
+                                    f"{num_layers} layers; hf_paged cannot tell where each layer's KV lives")
+    return [found[i] for i in range(num_layers)]
+
+
+def _local_kv_heads(attention, head_dim: int) -> int:
+    weight = attention.k_proj.weight
+    if hasattr(weight, "to_local"):         # a DTensor shard of transformers' tensor parallelism
+        weight = weight.to_local()
+    return weight.shape[0] // head_dim
+
+
+def _execution_device(attention, layer: int) -> torch.device:
+    device = attention.k_proj.weight.device
+    if device.type != "meta":
+        return device
+    hook = getattr(attention, "_hf_hook", None) or getattr(attention.k_proj, "_hf_hook", None)
+    device = getattr(hook, "execution_device", None)
+    if device is None:
+        raise UnsupportedModelError(
+            f"layer {layer}'s weights are on the meta device and no accelerate hook says where it runs; load the "
+            "model with a device_map (accelerate) or materialise its weights before using hf_paged")
+    return torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
