@@ -178,80 +178,60 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:8.2f} MiB"
 
 
-def main(argv=None) -> int:
-    """Run the demo; returns the exit status (1: a difference that a near-tie does not explain)."""
-    args = parse_args(argv)
-    import hf_paged  # noqa: PLC0415
-    from transformers import DynamicCache  # noqa: PLC0415
-
+def _load(args):
+    """(model, tokenizer, prompts, chat inputs) for the demo's settings."""
     from hf_paged.integrations.smollm2 import chat_inputs, load_smollm2  # noqa: PLC0415
 
     prompts = DEFAULT_PROMPTS
     if args.prompts:
         prompts = [line.strip() for line in args.prompts.read_text().splitlines() if line.strip()]
-    dtype = getattr(torch, args.dtype)
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     t0 = time.perf_counter()
-    model, tokenizer = load_smollm2(dtype=dtype)
+    model, tokenizer = load_smollm2(dtype=getattr(torch, args.dtype))
     print(f"SmolLM2-135M-Instruct loaded in {time.perf_counter() - t0:.1f} s; {len(prompts)} prompts, "
           f"max_new_tokens={args.max_new_tokens}, greedy, {args.dtype}, {torch.get_num_threads()} threads")
-    inputs = chat_inputs(tokenizer, prompts)
-    width = inputs["input_ids"].shape[1]
-    prompt_lens = inputs["attention_mask"].sum(1).tolist()
-    eos = model.generation_config.eos_token_id
-    eos = eos[0] if isinstance(eos, list) else eos
-    bpt = kv_bytes_per_token(model.config, dtype)
+    return model, tokenizer, prompts, chat_inputs(tokenizer, prompts)
 
-    # Warm-up (first-call costs: kernels, allocator) so tokens/s compare like with like.
+
+def _run_both(model, inputs, args):
+    """Greedy generate with DynamicCache, then with PagedCache (after a warm-up of each, so first-call
+    costs do not count). Returns (DynamicCache output, its cache, PagedCache output, its cache, the
+    PagedCache's stats at every step)."""
+    import hf_paged  # noqa: PLC0415
+    from transformers import DynamicCache  # noqa: PLC0415
+
     _generate(model, inputs, DynamicCache(config=model.config), 2)
-
     dyn_cache = DynamicCache(config=model.config)
-    ref_out, dyn_s = _generate(model, inputs, dyn_cache, args.max_new_tokens, logits=True)
-    ref = ref_out.sequences
-    gen = generated_lengths(ref, width, eos)
-    dyn_reserved = dynamic_cache_bytes(dyn_cache)
-    dyn_real = (sum(prompt_lens) + sum(gen)) * bpt
-
+    ref_out, _ = _generate(model, inputs, dyn_cache, args.max_new_tokens, logits=True)
     hf_paged.patch(model)
     try:
         _generate(model, inputs, hf_paged.PagedCache(model.config, block_size=args.block_size), 2)
         cache = hf_paged.PagedCache(model.config, block_size=args.block_size)
         probe = _StatsProbe(cache)
-        paged_out, paged_s = _generate(model, inputs, cache, args.max_new_tokens, [probe], logits=True)
-        out = paged_out.sequences
+        paged_out, _ = _generate(model, inputs, cache, args.max_new_tokens, [probe], logits=True)
     finally:
         hf_paged.unpatch(model)
-    # stats(): kv_bytes_reserved = blocks in use, kv_bytes_used = real tokens stored (shared blocks once);
-    # the pool tensors themselves (blocks_total) may be larger: the pool grows on demand.
-    dyn_s, paged_s = _best_times(model, inputs, args)
-    samples = probe.samples or [cache.stats()]
-    peak = max(samples, key=lambda s: s["kv_bytes_reserved"])
-    pool_bytes = sum(t.nbytes for t in cache.key_pools + cache.value_pools)
-    paged_in_use, paged_real = peak["kv_bytes_reserved"], peak["kv_bytes_used"]
+    return ref_out, dyn_cache, paged_out, cache, probe.samples or [cache.stats()]
 
-    texts_ref = tokenizer.batch_decode(ref[:, width:], skip_special_tokens=True)
-    texts_paged = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
-    identical = out.shape == ref.shape and torch.equal(out, ref)
-    if not args.quiet:
+
+def _print_texts(prompts, prompt_lens, gen, texts_ref, texts_paged, identical: bool, quiet: bool) -> None:
+    if not quiet:
         for i, (prompt, a, b) in enumerate(zip(prompts, texts_ref, texts_paged)):
             print(f"\n[{i}] ({prompt_lens[i]} prompt tokens, {gen[i]} generated) {prompt}")
             print(f"  DynamicCache: {a.strip()!r}")
             print(f"  PagedCache  : {'(same)' if a == b else repr(b.strip())}")
     print(f"\nAll {len(prompts)} outputs identical: {'YES' if identical else 'NO'}"
           + ("" if identical else f" ({sum(a != b for a, b in zip(texts_ref, texts_paged))} texts differ)"))
-    why, explained = explain_differences(ref_out, paged_out, width, eos, dtype)
-    for line in why:
-        print(f"  {line}")
-    if not identical or why:
-        print(f"  {'Explained' if explained else 'NOT explained'}: near-tie = top-2 gap of DynamicCache's logits "
-              f"below {NEAR_TIE[dtype]:g} eps x max|logit| at that step, logit tolerance {LOGIT_TOL[dtype]:g} eps "
-              f"x max|logit| (eps of {args.dtype}: {torch.finfo(dtype).eps:.3g}); rounding differs between the "
-              f"paths, so a near-tied argmax may flip" + ("." if explained else "; a difference elsewhere is a bug."))
 
-    tokens = sum(gen)
-    print(f"\nKV cache, {bpt} bytes/token; batch {len(prompts)}, padded width {width}, "
+
+def _print_memory(args, bpt: int, width: int, batch: int, tokens: int, dyn: tuple, paged: tuple, samples) -> None:
+    """The KV table: dyn = (bytes reserved, real-token bytes, seconds); paged = (pool bytes, bytes of
+    blocks in use at the peak, real-token bytes at the peak, seconds)."""
+    dyn_reserved, dyn_real, dyn_s = dyn
+    pool_bytes, paged_in_use, paged_real, paged_s = paged
+    print(f"\nKV cache, {bpt} bytes/token; batch {batch}, padded width {width}, "
           f"{tokens} generated tokens (EOS included)")
     header = f"{'':13}|{'KV reserved (peak)':>20} |{'KV in use (peak)':>18} |{'real tokens':>14} |{'util.':>7} |{'tokens/s':>9}"
     print(header + "\n" + "-" * len(header))
@@ -265,6 +245,41 @@ def main(argv=None) -> int:
           f"DynamicCache holds pad columns and finished rows until generate returns.")
     print(f"Peak KV in use: PagedCache {paged_in_use / dyn_reserved:.0%} of DynamicCache's; "
           f"speed {dyn_s / paged_s:.2f}x DynamicCache's tokens/s (best of 2 alternating runs each).")
+
+
+def main(argv=None) -> int:
+    """Run the demo; returns the exit status (1: a difference that a near-tie does not explain)."""
+    args = parse_args(argv)
+    dtype = getattr(torch, args.dtype)
+    model, tokenizer, prompts, inputs = _load(args)
+    width = inputs["input_ids"].shape[1]
+    prompt_lens = inputs["attention_mask"].sum(1).tolist()
+    eos = model.generation_config.eos_token_id
+    eos = eos[0] if isinstance(eos, list) else eos
+    bpt = kv_bytes_per_token(model.config, dtype)
+    ref_out, dyn_cache, paged_out, cache, samples = _run_both(model, inputs, args)
+    ref, out = ref_out.sequences, paged_out.sequences
+    gen = generated_lengths(ref, width, eos)
+    dyn_s, paged_s = _best_times(model, inputs, args)
+    # stats(): kv_bytes_reserved = blocks in use, kv_bytes_used = real tokens stored (shared blocks once);
+    # the pool tensors themselves (blocks_total) may be larger: the pool grows on demand.
+    peak = max(samples, key=lambda s: s["kv_bytes_reserved"])
+    texts_ref = tokenizer.batch_decode(ref[:, width:], skip_special_tokens=True)
+    texts_paged = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
+    identical = out.shape == ref.shape and torch.equal(out, ref)
+    _print_texts(prompts, prompt_lens, gen, texts_ref, texts_paged, identical, args.quiet)
+    why, explained = explain_differences(ref_out, paged_out, width, eos, dtype)
+    for line in why:
+        print(f"  {line}")
+    if not identical or why:
+        print(f"  {'Explained' if explained else 'NOT explained'}: near-tie = top-2 gap of DynamicCache's logits "
+              f"below {NEAR_TIE[dtype]:g} eps x max|logit| at that step, logit tolerance {LOGIT_TOL[dtype]:g} eps "
+              f"x max|logit| (eps of {args.dtype}: {torch.finfo(dtype).eps:.3g}); rounding differs between the "
+              f"paths, so a near-tied argmax may flip" + ("." if explained else "; a difference elsewhere is a bug."))
+    dyn_reserved = dynamic_cache_bytes(dyn_cache)
+    pool_bytes = sum(t.nbytes for t in cache.pool_tensors())
+    _print_memory(args, bpt, width, len(prompts), sum(gen), (dyn_reserved, (sum(prompt_lens) + sum(gen)) * bpt, dyn_s),
+                  (pool_bytes, peak["kv_bytes_reserved"], peak["kv_bytes_used"], paged_s), samples)
     return 0 if explained else 1
 
 

@@ -50,7 +50,8 @@ class BackendRegistry:
     first-use checks live on the backend objects, so keeping one per device is what makes a second
     cache, ``generate`` call or engine on that device load nothing and check nothing again."""
 
-    def __init__(self):
+    def __init__(self, build=None):
+        self._build = build or build_backend      # kind -> a new backend
         self._lock = threading.Lock()
         self._backends: dict[tuple[torch.device, str], object] = {}
 
@@ -58,7 +59,7 @@ class BackendRegistry:
         with self._lock:
             key = (device, kind)
             if key not in self._backends:
-                self._backends[key] = _build(kind)
+                self._backends[key] = self._build(kind)
             return self._backends[key]
 
 
@@ -69,7 +70,9 @@ def _process_backends() -> BackendRegistry:
     return BackendRegistry()
 
 
-def _build(kind: str):
+def build_backend(kind: str):
+    """A new backend of ``kind`` ("cuda", "cpu_kernel", "torch"); a CPU kernel that cannot be built
+    gives the PyTorch path, with a warning."""
     if kind == "cuda":
         from . import cuda_backend  # noqa: PLC0415  (optional dependency, imported on demand)
         return cuda_backend.make_backend()
@@ -83,4 +86,4 @@ def _build(kind: str):
 
 
 __all__ = ["FORCE_TORCH_ENV", "BackendRegistry", "Step", "TorchBackend", "Workspace", "backend_kind",
-           "select_backend"]
+           "build_backend", "select_backend"]

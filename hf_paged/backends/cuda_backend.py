@@ -155,7 +155,7 @@ class CudaBackend:
         """One launch for pools of one shape and dtype size."""
         tile_bytes = int(np.prod(shape[2:])) * itemsize                 # one (head, block) tile
         word = copy_word(tile_bytes, pools)
-        table = torch.tensor([p.dataptr() for p in pools], dtype=torch.int64).to(pairs.device, non_blocking=True)
+        table = torch.tensor([p.data_ptr() for p in pools], dtype=torch.int64).to(pairs.device, non_blocking=True)
         args = (ptr(table), ptr(pairs), np.int32(shape[0]), np.int64(shape[1] * tile_bytes // word),
                 np.int64(tile_bytes // word))
         self.launch(reg.COPY_BLOCKS_BY_WORD[word], pairs.device, (pairs.shape[0], len(pools), 1),

@@ -64,7 +64,7 @@ def _merge(backend, tag: str, head_dim: int, out, part_out, part_lse, splits: in
 def _aligned_tokens(query: torch.Tensor) -> torch.Tensor:
     """[T, Hq, D] with unit stride on D and 16-byte aligned token and head rows (copied otherwise)."""
     elem = query.element_size()
-    ok = (query.stride(2) == 1 and query.dataptr() % 16 == 0
+    ok = (query.stride(2) == 1 and query.data_ptr() % 16 == 0
           and all(query.stride(i) * elem % 16 == 0 or query.shape[i] == 1 for i in (0, 1)))
     return query if ok else query.contiguous()
 

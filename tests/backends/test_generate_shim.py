@@ -123,3 +123,36 @@ def test_fp16_generate_through_the_fast_kernels(shim_libraries):
             assert torch.equal(kernel_paged, torch_paged), mode
     finally:
         unpatch(model)
+
+
+def test_a_second_generate_loads_nothing_and_checks_nothing_again(shim_libraries, monkeypatch):
+    """One backend per device and process: the caches of two paged generate calls share it, so its
+    kernel modules load and the fast kernels' first-use self-check runs once (here the shim's kernels
+    stand in for the GPU's, with the self-check enabled on the CPU)."""
+    from hf_paged import backends
+    from hf_paged.backends import cuda_fast
+    shim = harness.shim_backend(shim_libraries, schedule="warp_ahead")
+    shim.self_check_devices = ("cpu",)
+    built, checks = [], []
+    registry = backends.BackendRegistry(build=lambda kind: built.append(kind) or shim)
+    monkeypatch.setattr(backends, "_process_backends", lambda: registry)
+    real_check = cuda_fast.self_check
+    monkeypatch.setattr(cuda_fast, "self_check", lambda *a: checks.append(a[1:]) or real_check(*a))
+    model = tiny_llama(torch.float16)
+    ids, mask = left_padded([9, 1, 17])
+    caches = [hf_paged.PagedCache(model.config, block_size=8) for _ in range(2)]
+    patch(model, block_size=8)
+    try:
+        outputs = [model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
+                                  **{cache_keyword(model): cache}) for cache in caches]
+        launches_after_first = len(shim.launcher.launches)
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
+                       cache_implementation="paged")
+    finally:
+        unpatch(model)
+    assert caches[0].backend is caches[1].backend is shim
+    assert built == [backends.backend_kind(torch.device("cpu"))]                 # built once
+    assert checks == [(torch.device("cpu"), torch.float16, 64)]                  # checked once
+    assert shim.checked == {(torch.device("cpu"), torch.float16, 64): True}
+    assert len(shim.launcher.launches) > launches_after_first                    # the third call ran on it too
+    assert torch.equal(outputs[0], outputs[1])

@@ -253,12 +253,16 @@ def test_fresh_seed_mixed_modes(family):
     model = make_model(family, seed=seed)
     lengths = [rng.randint(1, 40) for _ in range(rng.randint(2, 6))] + [1]
     ids, mask = make_batch(lengths, seed=seed)
-    ref, out = generate_both(model, seed=seed, input_ids=ids, attention_mask=mask, max_new_tokens=10,
-                             do_sample=False, return_dict_in_generate=True, output_logits=True)
-    assert_same(ref, out, logits=True, rows_running=running_rows(ref.sequences, ids.shape[1]))
-    ref, out = generate_both(model, seed=seed, input_ids=ids, attention_mask=mask, max_new_tokens=6,
-                             num_beams=3, do_sample=rng.random() < 0.5)
-    assert_same(ref, out)
+    try:
+        ref, out = generate_both(model, seed=seed, input_ids=ids, attention_mask=mask, max_new_tokens=10,
+                                 do_sample=False, return_dict_in_generate=True, output_logits=True)
+        assert_same(ref, out, logits=True, rows_running=running_rows(ref.sequences, ids.shape[1]))
+        ref, out = generate_both(model, seed=seed, input_ids=ids, attention_mask=mask, max_new_tokens=6,
+                                 num_beams=3, do_sample=rng.random() < 0.5)
+        assert_same(ref, out)
+    except AssertionError as err:
+        err.add_note(f"replay this case with HF_PAGED_SEED={seed}")
+        raise
 
 
 def test_hidden_states_keep_every_row_after_eos():
