@@ -21,7 +21,9 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList, StaticCache, StoppingCriteria
 
-from .models import kv_bytes_per_token
+from hf_paged.cache.pools import kv_bytes_per_token
+from hf_paged.demo import dynamic_cache_bytes
+
 from .workloads import Workload
 
 PADDED_APPROACHES = ("dynamic", "static", "paged")
@@ -89,11 +91,6 @@ def padded_batch(wl: Workload, pad_id: int) -> dict:
     return {"input_ids": ids, "attention_mask": mask}
 
 
-def tensor_cache_bytes(cache) -> int:
-    return sum(t.nbytes for layer in cache.layers for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
-               if isinstance(t, torch.Tensor))
-
-
 def _rows_per_request(wl: Workload) -> int:
     return wl.num_return_sequences if wl.num_beams == 1 else wl.num_beams
 
@@ -132,7 +129,7 @@ def run_generate(model, wl: Workload, approach: str, block_size: int = 16, probe
             s = cache.stats()  # "in_use" = blocks in use; "reserved" = the pool's tensors (it grows by half)
             pool = sum(t.nbytes for t in cache.key_pools + cache.value_pools)
             return {"reserved": pool, "in_use": s["kv_bytes_reserved"], "real": s["kv_bytes_used"]}
-        size = tensor_cache_bytes(cache)
+        size = dynamic_cache_bytes(cache)
         return {"reserved": size, "in_use": size, "real": real_bytes(input_ids)}
 
     kv_probe = KVProbe(measure)
@@ -165,7 +162,7 @@ def run_generate(model, wl: Workload, approach: str, block_size: int = 16, probe
                                       sum(t.nbytes for t in cache.key_pools + cache.value_pools))
         memory["in_use_peak_allocator"] = final["peak_kv_bytes_reserved"]
     else:
-        memory.setdefault("reserved_peak", tensor_cache_bytes(cache))
+        memory.setdefault("reserved_peak", dynamic_cache_bytes(cache))
     return RunResult(approach, seconds, wl.generated_tokens, memory, new.tolist(), steps=new.shape[1])
 
 

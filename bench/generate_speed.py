@@ -100,7 +100,3 @@ def main(argv=None, prog: str = "python -m bench generate-speed") -> None:
         print(f"{name:8s} tokens/s median {statistics.median(values):.1f} (min {min(values):.1f}, max {max(values):.1f})")
     print(f"paged/dynamic ratio median {statistics.median(ratios):.2f} (min {min(ratios):.2f}, max {max(ratios):.2f})"
           f"; identical tokens: {same}; paged KV stats: {hf_paged.last_stats(model)}")
-
-
-if __name__ == "__main__":
-    main(prog="python -m bench.generate_speed")

@@ -1,13 +1,13 @@
 """The prepared check for a GPU machine, built so that one try cannot be lost (<= 6 minutes on an H200):
 
-    python bench/gpu_check.py --out $OUT          (or: python -m bench gpu --out $OUT)
-    python bench/gpu_check.py --list              the sections and their deadlines
-    python bench/gpu_check.py --sections correctness,decode_bandwidth --out $OUT
-    python bench/gpu_check.py --dry-run --out /tmp/x   the machinery on the CPU, with fake sections
+    python -m bench gpu --out $OUT                  (from the repository root)
+    python -m bench gpu --list                      the sections and their deadlines
+    python -m bench gpu --sections correctness,decode_bandwidth --out $OUT
+    python -m bench gpu --dry-run --out /tmp/x      the machinery on the CPU, with fake sections
 
 First ``pip install --no-deps --no-build-isolation --no-index -e .`` (offline; when it fails, each section
 loads hf_paged straight from this checkout's folders, and says so). Then every section runs in its own
-subprocess (``python bench/gpu_check.py --section NAME``) under its own deadline: a CUDA fault (sticky for
+subprocess (``python -m bench gpu --section NAME``) under its own deadline: a CUDA fault (sticky for
 the process) or a timeout loses only that section, and what the section recorded before it died is kept.
 Each section's result is appended, as one JSON line, to ``$OUT/gpu_check.jsonl`` (or ``--out``) the moment
 it finishes; a compact summary of whatever finished is printed last. Sections:
@@ -51,12 +51,8 @@ import time
 import traceback
 from pathlib import Path
 
-if __package__:                 # python -m bench gpu
-    from .gpu_sections import SECTIONS
-    from .gpu_timing import SKIP_NO_CUDA, SectionContext, _jsonable
-else:                           # python bench/gpu_check.py (also every section's process): bench/ is sys.path[0]
-    from gpu_sections import SECTIONS
-    from gpu_timing import SKIP_NO_CUDA, SectionContext, _jsonable
+from .gpu_sections import SECTIONS
+from .gpu_timing import SKIP_NO_CUDA, SectionContext, _jsonable
 
 REPO = Path(__file__).resolve().parent.parent
 TOTAL_BUDGET_S = 360.0        # the whole run, install included
@@ -108,7 +104,7 @@ def import_package() -> str:
         import hf_paged.cuda  # noqa: F401
         import hf_paged.integrations  # noqa: F401
         if Path(hf_paged.__file__).resolve().is_relative_to(REPO):
-            return "installed (this checkout)"
+            return "imported from this checkout"
         found = f"installed elsewhere ({hf_paged.__file__})"
     except ImportError as exc:
         found = f"not importable ({exc})"
@@ -201,7 +197,7 @@ def install(budget_s: float) -> dict:
 def spawn(name: str, deadline: float, workdir: Path, smoke: bool, graphs: bool) -> dict:
     """Run one section in its own process group under ``deadline``; its output is echoed with a prefix."""
     result_file = workdir / f"{name}.jsonl"
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--section", name, "--result-file", str(result_file),
+    cmd = [sys.executable, "-m", "bench", "gpu", "--section", name, "--result-file", str(result_file),
            "--deadline", f"{deadline:.0f}"] + (["--cpu-smoke"] if smoke else []) + ([] if graphs else ["--no-graphs"])
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     t0 = time.monotonic()
@@ -327,8 +323,6 @@ def main(argv=None, prog: str = "python -m bench gpu"):
     args = parser.parse_args(argv)
 
     if args.section:                    # the child
-        if sys.path and Path(sys.path[0] or ".").resolve() == Path(__file__).resolve().parent:
-            sys.path.pop(0)             # bench/'s modules must not shadow top-level ones
         _die_with_parent(args.deadline + 15)
         sys.exit(run_section(args.section, Path(args.result_file), args.deadline, args.cpu_smoke,
                              not args.no_graphs))
@@ -396,7 +390,3 @@ def _run_sections(names, table, args, left, finish) -> None:
             record["device"] = record["device"] or device
             record["seconds"] = record.get("seconds") or round(time.monotonic() - t0, 2)
             finish(record)
-
-
-if __name__ == "__main__":
-    main(prog="python bench/gpu_check.py")

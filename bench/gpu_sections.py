@@ -11,15 +11,8 @@ import subprocess
 import sys
 import time
 
-if __package__:                 # imported as bench.gpu_sections (python -m bench gpu)
-    from . import gpu_timing as _timing
-else:                           # python bench/gpu_check.py: bench/ is on sys.path
-    import gpu_timing as _timing
-(SKIP_NO_CUDA, SectionContext, _compare, _tolerance, contiguous_kv, device_and_backend, guarded, heat_up,
- kernel_choice, l2_bytes, measure, paged_kv, sdpa_runner, split_backend) = (
-    _timing.SKIP_NO_CUDA, _timing.SectionContext, _timing._compare, _timing._tolerance, _timing.contiguous_kv,
-    _timing.device_and_backend, _timing.guarded, _timing.heat_up, _timing.kernel_choice, _timing.l2_bytes,
-    _timing.measure, _timing.paged_kv, _timing.sdpa_runner, _timing.split_backend)
+from .gpu_timing import (SKIP_NO_CUDA, SectionContext, _compare, _tolerance, contiguous_kv, device_and_backend,
+                         guarded, heat_up, kernel_choice, l2_bytes, measure, paged_kv, sdpa_runner, split_backend)
 
 GROUPS = (1, 4, 8, 16, 32)
 

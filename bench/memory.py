@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from hf_paged.cache.pools import kv_bytes_per_token
+
 from . import engines
 from .workloads import SHAREGPT_MAX_TOTAL, Workload, sharegpt_lengths
 
@@ -25,7 +27,7 @@ def measure(model, wl: Workload, approaches: list[str], block_size: int = 16, cb
         try:
             if approach == "generate_batch":
                 run = engines.run_generate_batch(model, wl, page_size=cb_page_size)
-                bpt = _bpt(model)
+                bpt = kv_bytes_per_token(model.config, model.dtype)
                 policy = sum(-(-(p + o) // cb_page_size) * cb_page_size for p, o in zip(wl.prompt_lens, wl.output_lens))
                 real = sum(p + o for p, o in zip(wl.prompt_lens, wl.output_lens)) * wl.num_return_sequences
                 run.memory.update(in_use_peak=policy * bpt * wl.num_return_sequences, real_at_peak=real * bpt,
@@ -49,11 +51,6 @@ def _same_rows(ref: list[list[int]], other: list[list[int]], wl: Workload) -> st
     lens = [o for o in wl.output_lens for _ in range(len(ref) // len(wl.requests))]
     same = sum(a[:n - 1] == b[:n - 1] for a, b, n in zip(ref, other, lens))
     return f"{same}/{len(ref)}"
-
-
-def _bpt(model) -> int:
-    from .models import kv_bytes_per_token  # noqa: PLC0415
-    return kv_bytes_per_token(model.config, model.dtype)
 
 
 def _fit_count(costs: np.ndarray, budget_tokens: float) -> int:

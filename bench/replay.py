@@ -14,7 +14,7 @@ Schedules replayed:
 - beam search (``num_beams`` rows of one prompt, ``early_stopping=True``, ``min_new_tokens`` =
   ``max_new_tokens``): the plan/reorder call sequence recorded from real SmolLM2-135M-Instruct beam
   searches on English text prompts (``bench/data/beam_idx_smollm2.json``, made by
-  ``python -m bench.replay --record-beams``), and the fully diverged bound (beam i always continues
+  ``python -m bench record-beams``), and the fully diverged bound (beam i always continues
   beam i after the first step).
 
 DynamicCache / StaticCache memory for the same batch is exact arithmetic: rows × columns × bytes/token
@@ -33,25 +33,21 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from hf_paged.cache.pools import kv_bytes_per_token
+
+from .models import SMOLLM2_SHAPE
 from .workloads import sharegpt_lengths
 
 DATA = Path(__file__).resolve().parent / "data"
 BEAM_DATA = DATA / "beam_idx_smollm2.json"
-# SmolLM2-135M(-Instruct)'s shape; the config is built offline, no weights.
-SMOLLM2_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                     num_key_value_heads=3, head_dim=64, vocab_size=49152, max_position_embeddings=8192)
 PAD, EOS, PLAIN = 0, 2, 100  # token ids used by the replay (PLAIN + row: distinct prompt rows)
 META = torch.device("meta")
 
 
 def smollm2_config():
+    """SmolLM2-135M's config, built offline (no weights)."""
     from transformers import LlamaConfig  # noqa: PLC0415
-    return LlamaConfig(**SMOLLM2_SHAPE, pad_token_id=PAD, eos_token_id=EOS, bos_token_id=1, tie_word_embeddings=True)
-
-
-def bytes_per_token(config, dtype=torch.float32) -> int:
-    from .models import kv_bytes_per_token  # noqa: PLC0415
-    return kv_bytes_per_token(config, dtype)
+    return LlamaConfig(**SMOLLM2_SHAPE, pad_token_id=PAD, eos_token_id=EOS, bos_token_id=1)
 
 
 def _cache(config, block_size: int, dtype=torch.float32, **kwargs):
@@ -177,7 +173,7 @@ def sharegpt_batches(config, batch: int = 16, seeds: int = 10, block_size: int =
         idx = np.random.default_rng(seed).choice(len(prompts), size=batch, replace=False)
         p, o = prompts[idx].tolist(), outputs[idx].tolist()
         s = summarise(replay_padded(config, p, o, block_size))
-        bpt = bytes_per_token(config)
+        bpt = kv_bytes_per_token(config, torch.float32)
         s["gb_policy_bytes"] = sum(-(-(a + b) // cb_page_size) * cb_page_size for a, b in zip(p, o)) * bpt
         s["paged_over_dynamic"] = s["paged_peak_bytes"] / s["dynamic_bytes"]
         s["paged_over_static"] = s["paged_peak_bytes"] / s["static_bytes"]
@@ -207,7 +203,7 @@ def concurrency(config, budget_bytes: int, draws: int = 10, block_size: int = 16
     from hf_paged import PoolExhaustedError  # noqa: PLC0415
 
     prompts, outputs = sharegpt_lengths()
-    bpt = bytes_per_token(config)
+    bpt = kv_bytes_per_token(config, torch.float32)
     tokens = budget_bytes / bpt
     rng = np.random.default_rng(seed)
     counts: dict[str, list[int]] = {k: [] for k in ("dynamic", "static", "static_2048", "generate_batch",
@@ -275,7 +271,7 @@ def beams(config, block_size: int = 16, path: Path = BEAM_DATA, prompt_lens=(200
     """Beam 4/8 at realistic lengths: recorded SmolLM2 beam_idx sequences (as recorded, and behind
     prompts of 200/400/600 tokens), and the fully diverged bound for each."""
     if not path.exists():
-        return {"error": f"{path.name} missing: run python -m bench.replay --record-beams"}
+        return {"error": f"{path.name} missing: run python -m bench record-beams"}
     data = json.loads(path.read_text())
     runs = []
     for rec in data["runs"]:
@@ -309,7 +305,7 @@ def measure(budget_mib: int = 256, block_size: int = 16, seeds: int = 10, draws:
     config = smollm2_config()
     start = time.perf_counter()
     out = {"model_shape": "SmolLM2-135M (30 layers, 3 KV heads, head_dim 64, fp32; LlamaConfig, no weights)",
-           "bytes_per_token": bytes_per_token(config), "block_size": block_size}
+           "bytes_per_token": kv_bytes_per_token(config, torch.float32), "block_size": block_size}
     out["sharegpt"] = sharegpt_batches(config, batch, seeds, block_size, cb_page_size)
     out["concurrency"] = concurrency(config, budget_mib * 2**20, draws, block_size)
     out["beams"] = beams(config, block_size)
@@ -382,18 +378,12 @@ def record_beams(path: Path = BEAM_DATA, configs=((4, 200, 64), (8, 200, 64), (4
                                     "runs": runs}) + "\n")
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m bench.replay", description=__doc__.split("\n")[0])
-    p.add_argument("--record-beams", action="store_true", help="record beam_idx sequences from SmolLM2 (slow)")
-    p.add_argument("--configs", nargs="+", default=None, help="BEAMS:PROMPT:NEW triples for --record-beams")
+def main(argv=None, prog: str = "python -m bench record-beams") -> None:
+    """``python -m bench record-beams``: remake the recorded beam searches (the replay itself runs as the
+    ``replay`` section of ``python -m bench quick``)."""
+    p = argparse.ArgumentParser(prog=prog, description=record_beams.__doc__.split("\n")[0])
+    p.add_argument("--configs", nargs="+", default=None, help="BEAMS:PROMPT:NEW triples (default: the four recorded)")
     p.add_argument("--threads", type=int, default=None)
     args = p.parse_args(argv)
-    if args.record_beams:
-        kw = {"configs": [tuple(int(x) for x in c.split(":")) for c in args.configs]} if args.configs else {}
-        record_beams(threads=args.threads, **kw)
-    else:
-        print(json.dumps({k: v for k, v in measure().items()}, indent=1, default=str)[:4000])
-
-
-if __name__ == "__main__":
-    main()
+    kw = {"configs": [tuple(int(x) for x in c.split(":")) for c in args.configs]} if args.configs else {}
+    record_beams(threads=args.threads, **kw)

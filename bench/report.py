@@ -445,7 +445,3 @@ def main(argv=None, prog: str = "python -m bench report") -> None:
     out_dir = args.out or path.parent
     out_dir.mkdir(parents=True, exist_ok=True)
     print(write(json.loads(path.read_text()), out_dir, path.name))
-
-
-if __name__ == "__main__":  # last, so that every function above is defined when it runs
-    main(prog="python -m bench.report")

@@ -1,6 +1,6 @@
 """Static roofline of the attention kernels at the benchmark shapes of issue 11: PREDICTED, NOT MEASURED.
 
-    python bench/roofline.py [--json out.json] [--copy-bw 4.2e12] [--latency-ns 700] ...
+    python -m bench roofline [--json out.json] [--copy-bw 4.2e12] [--latency-ns 700] ...
 
 Per SM of an H200 (sm_90), every inner loop is reduced to what it costs per 32 KB of K+V (64 keys at
 head dim 128, bf16): shared-memory wavefronts, shuffles, FP32 / integer / MUFU lane operations,
@@ -438,8 +438,8 @@ def markdown(decode: list[DecodeRow], extend: list[ExtendRow], m: Machine) -> st
     return "\n".join(lines)
 
 
-def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=f"Static roofline of the attention kernels ({LABEL}).")
+def main(argv=None, prog: str = "python -m bench roofline") -> dict:
+    parser = argparse.ArgumentParser(prog=prog, description=f"Static roofline of the attention kernels ({LABEL}).")
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--markdown", action="store_true", help="print the markdown snippet only")
     for name, value in asdict(Machine()).items():
@@ -465,7 +465,3 @@ def main(argv=None) -> dict:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
     return report
-
-
-if __name__ == "__main__":
-    main()

@@ -677,7 +677,3 @@ def plot(summary: dict, rates: list[float], path: Path, model_desc: str, threads
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
-
-
-if __name__ == "__main__":
-    main()

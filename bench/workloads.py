@@ -53,6 +53,29 @@ def sharegpt_lengths() -> tuple[np.ndarray, np.ndarray]:
     return data["prompt"], data["output"]
 
 
+def sharegpt_pick(rng: np.random.Generator, n: int, max_prompt: int, min_output: int = 1, max_output: int = 2048,
+                  min_prompt: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """``n`` distinct ShareGPT (prompt, output) length pairs drawn with ``rng`` among those with
+    min_prompt <= prompt <= max_prompt and min_output <= output <= max_output (lengths not scaled)."""
+    prompts, outputs = sharegpt_lengths()
+    keep = np.flatnonzero((prompts >= min_prompt) & (prompts <= max_prompt) & (outputs >= min_output)
+                          & (outputs <= max_output))
+    if len(keep) < n:
+        raise SystemExit(f"only {len(keep)} ShareGPT pairs have prompt {min_prompt}-{max_prompt} and output "
+                         f"{min_output}-{max_output}; asked for {n}: raise --max-prompt / --max-output or ask for fewer")
+    idx = rng.choice(keep, size=n, replace=False)
+    return prompts[idx], outputs[idx]
+
+
+def sharegpt_short(n: int, seed: int, vocab: int, max_prompt: int = 192, min_out: int = 4,
+                   max_out: int = 64) -> Workload:
+    """``n`` unscaled ShareGPT pairs with prompt <= max_prompt and min_out <= output <= max_out, random prompt ids."""
+    rng = np.random.default_rng(seed)
+    prompts, outputs = sharegpt_pick(rng, n, max_prompt, min_out, max_out)
+    reqs = [Request(_random_prompt(rng, int(p), vocab), int(o)) for p, o in zip(prompts, outputs)]
+    return Workload("sharegpt-short", reqs, note=f"{n} ShareGPT pairs, prompt<={max_prompt}, output {min_out}-{max_out}")
+
+
 def _random_prompt(rng: np.random.Generator, length: int, vocab: int) -> list[int]:
     return rng.integers(FIRST_PLAIN_TOKEN, vocab, size=length).tolist()
 
