@@ -21,14 +21,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from .common import RESULTS, machine, pyplot, spread, stamp
+
 TP_SHAPE = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=16, num_attention_heads=8,
                 num_key_value_heads=4, vocab_size=49152, max_position_embeddings=2048, tie_word_embeddings=False)
 
@@ -101,7 +101,7 @@ def ray_part(rounds: int, n: int, batch_size: int) -> dict:
         torch.set_num_threads(os.cpu_count() or 1)
     return {"model": "SmolLM2-135M fp32", "requests": n, "batch_size": batch_size,
             "generated_tokens": sum(o for _, o in requests),
-            "runs": runs, "summary": {k: _stats([x["tokens_per_s"] for x in v]) for k, v in runs.items()}}
+            "runs": runs, "summary": {k: spread([x["tokens_per_s"] for x in v]) for k, v in runs.items()}}
 
 
 # ----------------------------------------------------------------------------- tensor parallelism
@@ -161,20 +161,15 @@ def tp_part(rounds: int, n: int) -> dict:
                 print(f"[tp {r + 1}/{rounds}] {name}: step {result['step_ms']:.1f} ms, "
                       f"{result['tokens_per_s']:.1f} tok/s", flush=True)
     return {"model": f"random Llama {TP_SHAPE}", "requests": n, "runs": runs,
-            "summary": {k: {"step_ms": _stats([x["step_ms"] for x in v]),
-                            "tokens_per_s": _stats([x["tokens_per_s"] for x in v])} for k, v in runs.items()}}
+            "summary": {k: {"step_ms": spread([x["step_ms"] for x in v]),
+                            "tokens_per_s": spread([x["tokens_per_s"] for x in v])} for k, v in runs.items()}}
 
 
 # ----------------------------------------------------------------------------- report
-def _stats(values: list[float]) -> dict:
-    return {"min": min(values), "median": statistics.median(values), "max": max(values), "n": len(values)}
-
-
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
+    if plt is None:
+        return
 
     panels = []
     if "ray" in result:
@@ -204,14 +199,14 @@ def main(argv=None, prog: str = "python -m bench distributed") -> None:
                         help="rows per Ray batch, the same for 1 and 2 actors (an actor runs a batch to its end)")
     args = parser.parse_args(argv)
     result = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": f"{os.cpu_count()} CPUs, no GPU",
-              "rounds": args.rounds}
+              "rounds": args.rounds, "host": machine()}
     parts = args.parts.split(",")
     if "ray" in parts:
         result["ray"] = ray_part(args.rounds, args.requests, args.batch_size)
     if "tp" in parts:
         result["tp"] = tp_part(args.rounds, args.requests // 2)
     RESULTS.mkdir(exist_ok=True)
-    stem = RESULTS / f"distributed-{time.strftime('%Y%m%d-%H%M%S')}"
+    stem = RESULTS / f"distributed-{stamp()}"
     stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
     plot(result, stem.with_suffix(".png"))
     print(json.dumps({k: result[k]["summary"] for k in ("ray", "tp") if k in result}, indent=1))

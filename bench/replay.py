@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -35,6 +34,7 @@ import torch
 
 from hf_paged.cache.pools import kv_bytes_per_token
 
+from .common import spread
 from .models import SMOLLM2_SHAPE
 from .workloads import sharegpt_lengths
 
@@ -157,10 +157,6 @@ def summarise(run: dict) -> dict:
     }
 
 
-def _stat(values: list[float]) -> dict:
-    return {"median": float(statistics.median(values)), "min": float(min(values)), "max": float(max(values))}
-
-
 # ------------------------------------------------------------------ sections
 def sharegpt_batches(config, batch: int = 16, seeds: int = 10, block_size: int = 16, cb_page_size: int = 32) -> dict:
     """Padded batches of ``batch`` unscaled ShareGPT requests (seed s draws as ``sharegpt_mix(batch, 2048, seed=s)``)."""
@@ -182,7 +178,7 @@ def sharegpt_batches(config, batch: int = 16, seeds: int = 10, block_size: int =
         s.update(seed=seed, max_prompt=max(p), max_output=max(o), sum_prompt=sum(p), sum_output=sum(o))
         per_seed.append(s)
     return {"batch": batch, "seeds": seeds, "block_size": block_size, "cb_page_size": cb_page_size,
-            "summary": {k: _stat([s[k] for s in per_seed]) for k in keys}, "per_seed": per_seed}
+            "summary": {k: spread([s[k] for s in per_seed]) for k in keys}, "per_seed": per_seed}
 
 
 def concurrency(config, budget_bytes: int, draws: int = 10, block_size: int = 16, seed: int = 0,
@@ -239,7 +235,7 @@ def concurrency(config, budget_bytes: int, draws: int = 10, block_size: int = 16
             counts["paged"].append(n)
         else:
             raise AssertionError(f"allocator replay disagrees with block arithmetic at {n} requests")
-    out = {k: _stat(v) | {"all": v} for k, v in counts.items()}
+    out = {k: spread(v) | {"all": v} for k, v in counts.items()}
     return out | {"_budget_bytes": budget_bytes, "_bytes_per_token": bpt, "_draws": draws, "_block_size": block_size,
                   "_cb_page_size": cb_page_size}
 
@@ -285,7 +281,7 @@ def beams(config, block_size: int = 16, path: Path = BEAM_DATA, prompt_lens=(200
     summary = {}
     for nb in sorted({r["num_beams"] for r in runs}):
         sel = [r for r in runs if r["num_beams"] == nb]
-        summary[f"beam{nb}"] = {k: _stat([r[k] for r in sel]) for k in ("paged_over_dynamic", "diverged_over_dynamic")}
+        summary[f"beam{nb}"] = {k: spread([r[k] for r in sel]) for k in ("paged_over_dynamic", "diverged_over_dynamic")}
         summary[f"beam{nb}"]["runs"] = len(sel)
     return {"source": data.get("source", ""), "runs": runs, "summary": summary}
 

@@ -7,17 +7,12 @@ its venv exists, takes part in the same rotation from its own process (``vllm_pe
 """
 from __future__ import annotations
 
-import statistics
-
 import torch
 from tqdm import tqdm
 
 from . import engines, vllm_peer
+from .common import spread
 from .workloads import Workload
-
-
-def _summary(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
 def _run(model, wl: Workload, approach: str, block_size: int, cb_page_size: int) -> engines.RunResult:
@@ -78,10 +73,10 @@ def measure(model, wl: Workload, warmup: Workload, approaches: list[str], repeat
     for approach, rs in runs.items():
         if not rs:
             continue
-        entry = {"tokens_per_s": _summary([r.tokens_per_s for r in rs]), "seconds": [r.seconds for r in rs],
+        entry = {"tokens_per_s": spread([r.tokens_per_s for r in rs]), "seconds": [r.seconds for r in rs],
                  "generated_tokens": rs[0].generated_tokens}
         if runs.get("dynamic") and len(runs["dynamic"]) == len(rs):
-            entry["ratio_to_dynamic"] = _summary([r.tokens_per_s / d.tokens_per_s for r, d in zip(rs, runs["dynamic"])])
+            entry["ratio_to_dynamic"] = spread([r.tokens_per_s / d.tokens_per_s for r, d in zip(rs, runs["dynamic"])])
         out[approach] = entry
     if "vllm" in out:
         out["vllm"].update(engine_start_s=vllm_info.get("engine_start_s"), versions=vllm_info.get("versions"),
