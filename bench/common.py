@@ -28,7 +28,8 @@ def fmt_spread(s: dict | None, fmt: str = "{:.1f}") -> str:
     """'median (min–max)', or '–' for no figure."""
     if not s:
         return "–"
-    return f"{fmt.format(s['median'])} ({fmt.format(s['min'])}–{fmt.format(s['max'])})"
+    med = s["median"]
+    return f"{fmt.format(med)} ({fmt.format(s.get('min', med))}–{fmt.format(s.get('max', med))})"
 
 
 def stamp() -> str:
@@ -99,3 +100,9 @@ def pyplot():
         print("[bench] no plots: matplotlib is not installed (pip install matplotlib)")
         return None
     return plt
+
+
+def md_table(header: list[str], rows) -> list[str]:
+    """Markdown table lines: the header, its rule, one line per row (cells as given, str() applied)."""
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+            *("| " + " | ".join(str(c) for c in row) + " |" for row in rows)]
