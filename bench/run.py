@@ -1,9 +1,9 @@
 """The quick/full runner: ``python -m bench quick`` (< 10 min on 2 cores) or ``python -m bench full``.
 
 Writes bench/results/<timestamp>.json and regenerates bench/results/report.md with its plots.
-Sections: memory (probed runs), concurrency at a fixed KV budget (computed), throughput
-(interleaved repeats), host overhead (bench/host.py), beam search, replay (the real allocator at full
-ShareGPT lengths, no model run; see bench/replay.py). ``--only`` picks sections.
+Sections: memory (probed runs), throughput (interleaved repeats), host overhead (bench/host.py), beam
+search, replay (the real allocator at full ShareGPT lengths, no model run: KV memory, requests held at a
+fixed budget, beam search; see bench/replay.py). ``--only`` picks sections.
 """
 from __future__ import annotations
 
@@ -15,25 +15,21 @@ from pathlib import Path
 
 import torch
 
-from hf_paged.cache.pools import kv_bytes_per_token
-
 from . import beam, host, memory, models, replay, report, throughput, vllm_peer
 from . import workloads as W
 from .common import RESULTS, machine, now, stamp, versions
 
-SECTIONS = ("memory", "concurrency", "throughput", "host", "beam", "replay")
+SECTIONS = ("memory", "throughput", "host", "beam", "replay")
 PADDED = ["dynamic", "static", "paged"]
 
 # Sizes per mode. ShareGPT lengths are scaled so that prompt + output <= max_total.
 MODES = {
     "quick": dict(mem_n=12, mem_total=192, tp={"smollm2": (12, 192), "tiny": (24, 384)}, repeats=2,
                   uniform=(12, 48, 24, 0.5), prefix=(12, 96, (8, 24), 12), parallel=(4, 24, 12, 4),
-                  beam=dict(beams=[4, 8], n_prompts=2, prompt_len=32, output_len=12, repeats=2), draws=20,
-                  replay=dict(seeds=20, draws=20), host_rounds=50),
+                  beam=dict(beams=[4, 8], n_prompts=2, prompt_len=32, output_len=12, repeats=2), replay=dict(seeds=20, draws=20), host_rounds=50),
     "full": dict(mem_n=64, mem_total=1024, tp={"smollm2": (32, 512), "tiny": (64, 1024)}, repeats=5,
                  uniform=(32, 256, 128, 0.5), prefix=(32, 512, (16, 64), 64), parallel=(8, 64, 64, 4),
-                 beam=dict(beams=[4, 8], n_prompts=4, prompt_len=128, output_len=64, repeats=3), draws=100,
-                 replay=dict(seeds=100, draws=100), host_rounds=200),
+                 beam=dict(beams=[4, 8], n_prompts=4, prompt_len=128, output_len=64, repeats=3), replay=dict(seeds=100, draws=100), host_rounds=200),
 }
 
 
@@ -41,7 +37,7 @@ def parse_args(argv, prog: str, mode: str):
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     p.add_argument("--only", nargs="+", choices=SECTIONS, help="run only these sections")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    p.add_argument("--budget-mib", type=int, default=256, help="KV budget for the concurrency section")
+    p.add_argument("--budget-mib", type=int, default=256, help="KV budget of the replay's requests held")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--cb-page-size", type=int, default=32, help="generate_batch page size")
     p.add_argument("--no-smollm2", action="store_true", help="tiny random model only")
@@ -87,12 +83,8 @@ def _throughput(args, cfg, loaded, vllm_reason) -> dict:
 def _sections(args, cfg, loaded, main_name, vllm_reason) -> dict:
     """section name -> (key in the results, a function computing it), in run order."""
     model = loaded[main_name]
-    policies = {"static": -1, "dynamic": 0, "generate_batch": 256, "paged": args.block_size, "vllm": 16, "ideal": 1}
-    bpt = kv_bytes_per_token(model.config, model.dtype)
     return {
         "memory": ("memory", lambda: _memory(args, cfg, model, main_name)),
-        "concurrency": ("concurrency", lambda: memory.concurrency_at_budget(
-            args.budget_mib * 2**20, bpt, policies, draws=cfg["draws"])),
         "throughput": ("throughput", lambda: _throughput(args, cfg, loaded, vllm_reason)),
         "host": ("host_overhead", lambda: host.measure(cfg["host_rounds"])),
         "beam": ("beam", lambda: beam.measure(model, block_size=args.block_size, **cfg["beam"])),
@@ -136,11 +128,6 @@ def main(argv=None, prog: str = "python -m bench quick", mode: str = "quick") ->
         start = time.perf_counter()
         res[key] = fn()
         res["runtimes"][name] = time.perf_counter() - start
-    if "concurrency" in sections:
-        res["concurrency_model"] = main_name
-        res["concurrency_note"] = ("generate_batch at its default page of 256 tokens; vLLM at block 16 "
-                                   "(the same policy as hf_paged); measured bytes/token from the model config, "
-                                   "checked against PagedCache.stats() in the memory runs.")
     if "beam" in sections:
         res["beam_model"] = main_name
     res["runtimes"]["total"] = time.perf_counter() - start_all
