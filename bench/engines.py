@@ -95,8 +95,35 @@ def _rows_per_request(wl: Workload) -> int:
     return wl.num_return_sequences if wl.num_beams == 1 else wl.num_beams
 
 
-def run_generate(model, wl: Workload, approach: str, block_size: int = 16, probe: bool = True,
-                 paged_kwargs: dict | None = None) -> RunResult:
+def _new_cache(model, approach: str, max_cache_len: int, block_size: int):
+    import hf_paged  # noqa: PLC0415
+
+    if approach == "dynamic":
+        return DynamicCache(config=model.config)
+    if approach == "static":
+        return StaticCache(config=model.config, max_cache_len=max_cache_len)
+    if approach == "paged":
+        return hf_paged.PagedCache(model.config, block_size=block_size)
+    raise ValueError(f"unknown approach {approach!r}; expected one of {PADDED_APPROACHES}")
+
+
+def _kv_bytes(cache, paged: bool, width: int, prompt_lens: list[int], out_lens: list[int], bpt: int):
+    """The probe's measure(input_ids): reserved / in use / real KV bytes after a step (see the module doc)."""
+    if paged:                           # "reserved" = the pool's tensors (it grows by half)
+        def paged(input_ids):
+            s = cache.stats()
+            return {"reserved": s["kv_bytes_allocated"], "in_use": s["kv_bytes_reserved"], "real": s["kv_bytes_used"]}
+        return paged
+
+    def tensors(input_ids):
+        cached_new = input_ids.shape[1] - width - 1  # the last sampled token is not in the cache yet
+        size = dynamic_cache_bytes(cache)
+        return {"reserved": size, "in_use": size,
+                "real": bpt * sum(p + min(cached_new, o) for p, o in zip(prompt_lens, out_lens))}
+    return tensors
+
+
+def run_generate(model, wl: Workload, approach: str, block_size: int = 16, probe: bool = True) -> RunResult:
     """``model.generate`` on the left-padded batch with the given cache ("dynamic", "static", "paged")."""
     import hf_paged  # noqa: PLC0415
 
@@ -107,32 +134,9 @@ def run_generate(model, wl: Workload, approach: str, block_size: int = 16, probe
     width, max_new = inputs["input_ids"].shape[1], max(wl.output_lens)
     rows = _rows_per_request(wl)
     out_lens = [o for o in wl.output_lens for _ in range(rows)]
-    prompt_lens = [p for p in wl.prompt_lens for _ in range(rows)]
-    bpt = kv_bytes_per_token(model.config, model.dtype)
-
-    if approach == "dynamic":
-        cache = DynamicCache(config=model.config)
-    elif approach == "static":
-        cache = StaticCache(config=model.config, max_cache_len=width + max_new)
-    elif approach == "paged":
-        hf_paged.patch(model)
-        cache = hf_paged.PagedCache(model.config, block_size=block_size, **(paged_kwargs or {}))
-    else:
-        raise ValueError(f"unknown approach {approach!r}; expected one of {PADDED_APPROACHES}")
-
-    def real_bytes(input_ids):
-        cached_new = input_ids.shape[1] - width - 1  # the last sampled token is not in the cache yet
-        return bpt * sum(p + min(cached_new, o) for p, o in zip(prompt_lens, out_lens))
-
-    def measure(input_ids):
-        if approach == "paged":
-            s = cache.stats()  # "in_use" = blocks in use; "reserved" = the pool's tensors (it grows by half)
-            pool = sum(t.nbytes for t in cache.key_pools + cache.value_pools)
-            return {"reserved": pool, "in_use": s["kv_bytes_reserved"], "real": s["kv_bytes_used"]}
-        size = dynamic_cache_bytes(cache)
-        return {"reserved": size, "in_use": size, "real": real_bytes(input_ids)}
-
-    kv_probe = KVProbe(measure)
+    cache = _new_cache(model, approach, width + max_new, block_size)
+    kv_probe = KVProbe(_kv_bytes(cache, approach == "paged", width, [p for p in wl.prompt_lens for _ in range(rows)], out_lens,
+                                 kv_bytes_per_token(model.config, model.dtype)))
     kwargs = dict(max_new_tokens=max_new, do_sample=wl.do_sample, num_beams=wl.num_beams,
                   num_return_sequences=wl.num_return_sequences, pad_token_id=pad, eos_token_id=eos)
     if wl.num_beams > 1:  # beams: one length for all, as min_new_tokens; early_stopping keeps steps exact
@@ -141,6 +145,8 @@ def run_generate(model, wl: Workload, approach: str, block_size: int = 16, probe
         kwargs["logits_processor"] = LogitsProcessorList([ForceLengths(out_lens, width, eos)])
     if probe:
         kwargs["stopping_criteria"] = [kv_probe]
+    if approach == "paged":
+        hf_paged.patch(model)
     try:
         if wl.do_sample:
             torch.manual_seed(0)
@@ -157,10 +163,8 @@ def run_generate(model, wl: Workload, approach: str, block_size: int = 16, probe
     memory = kv_probe.summary()
     if approach == "paged":
         final = cache.stats()
-        memory["final_stats"] = final
-        memory["reserved_peak"] = max(memory.get("reserved_peak", 0),
-                                      sum(t.nbytes for t in cache.key_pools + cache.value_pools))
-        memory["in_use_peak_allocator"] = final["peak_kv_bytes_reserved"]
+        memory.update(final_stats=final, in_use_peak_allocator=final["peak_kv_bytes_reserved"],
+                      reserved_peak=max(memory.get("reserved_peak", 0), final["kv_bytes_allocated"]))
     else:
         memory.setdefault("reserved_peak", dynamic_cache_bytes(cache))
     return RunResult(approach, seconds, wl.generated_tokens, memory, new.tolist(), steps=new.shape[1])

@@ -304,7 +304,7 @@ def summarize(records: list[dict], path: Path) -> None:
     print(f"wrote {path}", flush=True)
 
 
-def main(argv=None, prog: str = "python -m bench gpu"):
+def build_parser(prog: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", help="JSON-lines file, or a folder for gpu_check.jsonl (default $OUT/gpu_check.jsonl)")
@@ -320,6 +320,11 @@ def main(argv=None, prog: str = "python -m bench gpu"):
     parser.add_argument("--section", help=argparse.SUPPRESS)
     parser.add_argument("--result-file", help=argparse.SUPPRESS)
     parser.add_argument("--deadline", type=float, default=60.0, help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv=None, prog: str = "python -m bench gpu"):
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
 
     if args.section:                    # the child

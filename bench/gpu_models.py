@@ -3,6 +3,7 @@ DynamicCache against the paged cache, and ``hf_paged.LLM`` against padded genera
 real layer size. torch, transformers and hf_paged are imported inside functions only (see gpu_sections)."""
 from __future__ import annotations
 
+import functools
 import time
 
 from .gpu_timing import SectionContext, guarded
@@ -83,6 +84,31 @@ def section_generate(ctx: SectionContext) -> dict:
     return {"summary": summary, "model": "random Llama, 8 layers, hidden 4096, 32/8 heads, vocab 32000, bf16"}
 
 
+def _engine(case, model, prompts, new: int, padded_tokens, device) -> None:
+    """hf_paged.LLM on the prompts, its KV pool sized by gpu_memory_utilization; token agreement with padded
+    generate's."""
+    import torch
+
+    import hf_paged
+    llm = hf_paged.LLM(model, gpu_memory_utilization=0.85, max_num_seqs=len(prompts), max_num_batched_tokens=4096,
+                       enable_prefix_caching=False)
+    llm.generate(prompts[:4], max_new_tokens=4, ignore_eos=True, do_sample=False, use_tqdm=False)   # warm-up
+    _sync(torch, device)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, max_new_tokens=new, ignore_eos=True, do_sample=False, use_tqdm=False)
+    _sync(torch, device)
+    case["seconds_timed"] = time.perf_counter() - t0
+    case["tokens_per_s"] = sum(len(o.outputs[0].token_ids) for o in outs) / case["seconds_timed"]
+    try:
+        stats = llm.stats()
+        case.update(kv_blocks_total=stats["blocks_total"], block_size=stats["block_size"])
+    except Exception as exc:  # noqa: BLE001 - the timing stands
+        case["stats_error"] = repr(exc)[:300]
+    if padded_tokens is not None:
+        agree = [a == b for o, ref in zip(outs, padded_tokens) for a, b in zip(o.outputs[0].token_ids, ref)]
+        case["tokens_agreeing_with_padded"] = sum(agree) / max(1, len(agree))
+
+
 def section_engine(ctx: SectionContext) -> dict:
     import torch
 
@@ -117,25 +143,8 @@ def section_engine(ctx: SectionContext) -> dict:
     if device.type == "cuda":
         torch.cuda.empty_cache()
     engine_case = {"case": "engine", "requests": requests, "new_tokens": new, "gpu_memory_utilization": 0.85}
-
-    def engine(case):
-        llm = hf_paged.LLM(model, gpu_memory_utilization=0.85, max_num_seqs=requests, max_num_batched_tokens=4096,
-                           enable_prefix_caching=False)
-        llm.generate(prompts[:4], max_new_tokens=4, ignore_eos=True, do_sample=False, use_tqdm=False)   # warm-up
-        _sync(torch, device)
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, max_new_tokens=new, ignore_eos=True, do_sample=False, use_tqdm=False)
-        _sync(torch, device)
-        case["seconds_timed"] = time.perf_counter() - t0
-        case["tokens_per_s"] = sum(len(o.outputs[0].token_ids) for o in outs) / case["seconds_timed"]
-        try:
-            stats = llm.stats()
-            case.update(kv_blocks_total=stats.blocks_total, block_size=stats.block_size)
-        except Exception as exc:  # noqa: BLE001 - the timing stands
-            case["stats_error"] = repr(exc)[:300]
-        if padded_tokens is not None:
-            agree = [a == b for o, ref in zip(outs, padded_tokens) for a, b in zip(o.outputs[0].token_ids, ref)]
-            case["tokens_agreeing_with_padded"] = sum(agree) / max(1, len(agree))
+    engine = functools.partial(_engine, model=model, prompts=prompts, new=new, padded_tokens=padded_tokens,
+                               device=device)
     guarded(ctx, engine_case, engine)
     summary = []
     if "tokens_per_s" in case and "tokens_per_s" in engine_case:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import importlib.util
 import json
 import os
@@ -296,32 +297,24 @@ def main(argv=None, prog: str = "python -m bench kv-quant") -> None:
     sections = args.sections.split(",")
     from hf_paged.integrations.smollm2 import load_smollm2  # noqa: PLC0415
 
-    def progress(message):
-        print(message, flush=True)
-
+    progress = functools.partial(print, flush=True)
     result = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": f"{os.cpu_count()} CPUs, no GPU",
               "threads": args.threads, "torch": torch.__version__, "host": machine()}
-    model, tokenizer = load_smollm2(dtype=torch.float32, verbose=False)
-    hf_paged.patch(model)
-    every = NAMES + list(VARIANTS)
-    if "quality" in sections:
-        progress("quality, fp32 model")
-        result["quality_fp32"] = quality(model, tokenizer, every, progress)
-    if "speed" in sections:
-        progress("engine speed, fp32 model")
-        result["speed"] = speed(model, NAMES, progress)
-    if "quantized-cache" in sections:
-        progress("beside transformers' QuantizedCache, fp32 model")
-        result["quantized_cache"] = quantized_cache(model, tokenizer, progress)
-    if "quality" in sections or "capacity" in sections:
-        model_bf16, _ = load_smollm2(dtype=torch.bfloat16, verbose=False)
-        hf_paged.patch(model_bf16)
-        if "quality" in sections:
-            progress("quality, bf16 model")
-            result["quality_bf16"] = quality(model_bf16, tokenizer, NAMES, progress)
-        if "capacity" in sections:
-            progress("requests held at a fixed budget, bf16 model")
-            result["capacity"] = capacity(model_bf16, NAMES, progress)
+    runs = [  # section, model dtype, result key, what it runs; fp32 first, the bf16 model loaded when needed
+        ("quality", torch.float32, "quality_fp32", lambda m, tok: quality(m, tok, NAMES + list(VARIANTS), progress)),
+        ("speed", torch.float32, "speed", lambda m, tok: speed(m, NAMES, progress)),
+        ("quantized-cache", torch.float32, "quantized_cache", lambda m, tok: quantized_cache(m, tok, progress)),
+        ("quality", torch.bfloat16, "quality_bf16", lambda m, tok: quality(m, tok, NAMES, progress)),
+        ("capacity", torch.bfloat16, "capacity", lambda m, tok: capacity(m, NAMES, progress))]
+    loaded = {}
+    for section, dtype, key, run in runs:
+        if section not in sections:
+            continue
+        if dtype not in loaded:
+            loaded[dtype] = load_smollm2(dtype=dtype, verbose=False)
+            hf_paged.patch(loaded[dtype][0])
+        progress(f"{key.replace('_', ' ')}, {str(dtype).removeprefix('torch.')} model")
+        result[key] = run(*loaded[dtype])
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"kv-quant-{stamp()}"
     stem.with_suffix(".json").write_text(json.dumps(result, indent=1))

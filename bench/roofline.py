@@ -103,7 +103,16 @@ class Load:
 
 
 @dataclass(frozen=True)
-class DecodeFast:
+class Kernel:
+    """What every design shares: head dim 128, 2-byte elements (bf16), 128 threads per CTA."""
+
+    head_dim: int = 128
+    elem_bytes: int = 2
+    threads: int = 128
+
+
+@dataclass(frozen=True)
+class DecodeFast(Kernel):
     """hfp_decode_fast (CUDA cores, G <= 4): 128 threads, one CTA per (sequence, KV head, split).
     head_dim split over ``bdx`` lanes (16 bytes each); the 128 / bdx slots are rows (one per query
     head) x key groups; K and V tiles of ``tile_keys`` keys by 16-byte cp.async into rings of
@@ -111,9 +120,6 @@ class DecodeFast:
     through shared memory. Counts per (key, query row), per lane of the row's bdx lanes."""
 
     name: str = "hfp_decode_fast"
-    head_dim: int = 128
-    elem_bytes: int = 2
-    threads: int = 128
     bdx: int = 16
     tile_keys: int = 32
     stages: int = 3              # per ring (K and V)
@@ -149,7 +155,7 @@ class DecodeFast:
 
 
 @dataclass(frozen=True)
-class Ragged:
+class Ragged(Kernel):
     """hfp_ragged (tensor cores, mma.sync m16n8k16, fp32 accumulate, FlashAttention-2 style): 4 warps x
     16 query rows (query heads of the group x tokens); K/V tiles of 64 keys (head dim 128) by cp.async,
     double-buffered; K by ldmatrix.x4, V by ldmatrix.x4.trans, Q by ldmatrix from shared memory each
@@ -157,9 +163,6 @@ class Ragged:
     the 4 warps take a quarter of each tile each (merged at the end) instead of padding rows."""
 
     name: str = "hfp_ragged"
-    head_dim: int = 128
-    elem_bytes: int = 2
-    threads: int = 128
     warps: int = 4
     rows_per_warp: int = 16
     tile_keys: int = 64
