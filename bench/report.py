@@ -66,8 +66,9 @@ def summary_table(res: dict) -> list[str]:
     if not rows:
         return []
     return md_table(["approach", "KV reserved peak (MiB)", "KV in use peak (MiB)", "real tokens (MiB)",
-                     "utilisation (real / in use)", f"requests held in {conc.get('_budget_bytes', 0) / 2**20:.0f} MiB",
-                     f"tokens/s ({model})", "ratio to DynamicCache"], rows) + [
+                     "utilisation (real / in use)", f"requests held in {conc.get('_budget_bytes', 0) / 2**20:.0f} MiB"
+                     if conc.get("_budget_bytes") else "requests held", f"tokens/s ({model or '–'})",
+                     "ratio to DynamicCache"], rows) + [
         "", "Utilisation = bytes of real tokens / bytes of blocks or columns in use, at the step where in-use KV "
         "peaks. Requests held: the allocator replay's, at full ShareGPT lengths (section 6). "
         "tokens/s: generated tokens (each request's exact output length) / wall time of the generate call.", ""]
