@@ -40,8 +40,11 @@ import time
 import traceback
 from pathlib import Path
 
-from .gpu_sections import SECTIONS
-from .gpu_timing import SKIP_NO_CUDA, SectionContext, _jsonable
+if __name__ == "__main__" and not __package__:   # the old `python bench/gpu_check.py`: say where it went
+    sys.exit("the GPU check is `python -m bench gpu [ARGS]`, from the repository root")
+
+from .gpu_sections import SECTIONS  # noqa: E402
+from .gpu_timing import SKIP_NO_CUDA, SectionContext, _jsonable  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 TOTAL_BUDGET_S = 360.0        # the whole run, install included
