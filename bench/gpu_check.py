@@ -1,29 +1,17 @@
 """The prepared check for a GPU machine, built so that one try cannot be lost (<= 6 minutes on an H200):
 
-    python bench/gpu_check.py --out $OUT          (or: python -m bench gpu --out $OUT)
-    python bench/gpu_check.py --list              the sections and their deadlines
-    python bench/gpu_check.py --sections correctness,decode_bandwidth --out $OUT
-    python bench/gpu_check.py --dry-run --out /tmp/x   the machinery on the CPU, with fake sections
+    python -m bench gpu --out $OUT                  (from the repository root)
+    python -m bench gpu --list                      the sections and their deadlines
+    python -m bench gpu --sections correctness,decode_bandwidth --out $OUT
+    python -m bench gpu --dry-run --out /tmp/x      the machinery on the CPU, with fake sections
 
 First ``pip install --no-deps --no-build-isolation --no-index -e .`` (offline; when it fails, each section
 loads hf_paged straight from this checkout's folders, and says so). Then every section runs in its own
-subprocess (``python bench/gpu_check.py --section NAME``) under its own deadline: a CUDA fault (sticky for
+subprocess (``python -m bench gpu --section NAME``) under its own deadline: a CUDA fault (sticky for
 the process) or a timeout loses only that section, and what the section recorded before it died is kept.
 Each section's result is appended, as one JSON line, to ``$OUT/gpu_check.jsonl`` (or ``--out``) the moment
-it finishes; a compact summary of whatever finished is printed last. Sections:
-
-  env               driver, CUDA, cupy, NVRTC, torch, transformers versions; the device; the CuPy loader's verdict
-  correctness       the kernels through the public backend API against torch_backend on the same GPU tensors:
-                    fp16/bf16/fp32, head dims 64/128/256, block sizes 8/16/32, GQA groups 1-32, windows, forced
-                    split-K, long prompts (8k tokens; 70k at group 32, past the old grid limit), 128k decode
-  decode_bandwidth  GB/s of decode vs a device-to-device copy of the same bytes and vs SDPA (flash) on contiguous
-                    K/V: 1x4k, 16x4k, 64x4k, 256x2k tokens x GQA 1/4/8/16 (32 query heads, d128, bf16, block 16)
-  extend            prefill TFLOPS vs SDPA flash (causal) at 512/2k/4k/8k tokens (32 heads / 8 KV heads, d128, bf16)
-  generate          model.generate tokens/s, DynamicCache vs cache_implementation="paged", random Llama (8 layers,
-                    hidden 4096, 32/8 heads, bf16); whether greedy tokens agree
-  engine            hf_paged.LLM (KV pool sized by gpu_memory_utilization) vs padded generate on 64 requests
-  quantised         quantised KV formats: decode vs the PyTorch path, write-kernel codes, time per format (last:
-                    runs only when the budget has room)
+it finishes; a compact summary of whatever finished is printed last. Sections (``--list``; the table is
+gpu_sections.SECTIONS): env, correctness, decode_bandwidth, extend, generate, engine, quantised.
 
 Timing: N back-to-back calls between one pair of CUDA events, after a warm-up that runs until two batches
 agree within 3%; the same N calls replayed from a CUDA graph too (the kernels' time without the host's), unless
@@ -32,7 +20,8 @@ are distinct tensors for every baseline; bandwidth counts the bytes actually rea
 context token, q and out).
 
 Files: this runner (command line, install, one process per section, JSON lines, summary, the --dry-run fake
-sections); gpu_sections.py (the sections and their cases); gpu_timing.py (timing, tensors, tolerances).
+sections); gpu_sections.py, gpu_kernels.py, gpu_models.py (the sections and their cases); gpu_timing.py
+(timing, tensors, tolerances).
 """
 from __future__ import annotations
 
@@ -51,12 +40,11 @@ import time
 import traceback
 from pathlib import Path
 
-if __package__:                 # python -m bench gpu
-    from .gpu_sections import SECTIONS
-    from .gpu_timing import SKIP_NO_CUDA, SectionContext, _jsonable
-else:                           # python bench/gpu_check.py (also every section's process): bench/ is sys.path[0]
-    from gpu_sections import SECTIONS
-    from gpu_timing import SKIP_NO_CUDA, SectionContext, _jsonable
+if __name__ == "__main__" and not __package__:   # the old `python bench/gpu_check.py`: say where it went
+    sys.exit("the GPU check is `python -m bench gpu [ARGS]`, from the repository root")
+
+from .gpu_sections import SECTIONS  # noqa: E402
+from .gpu_timing import SKIP_NO_CUDA, SectionContext, _jsonable  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 TOTAL_BUDGET_S = 360.0        # the whole run, install included
@@ -108,7 +96,7 @@ def import_package() -> str:
         import hf_paged.cuda  # noqa: F401
         import hf_paged.integrations  # noqa: F401
         if Path(hf_paged.__file__).resolve().is_relative_to(REPO):
-            return "installed (this checkout)"
+            return "imported from this checkout"
         found = f"installed elsewhere ({hf_paged.__file__})"
     except ImportError as exc:
         found = f"not importable ({exc})"
@@ -201,7 +189,7 @@ def install(budget_s: float) -> dict:
 def spawn(name: str, deadline: float, workdir: Path, smoke: bool, graphs: bool) -> dict:
     """Run one section in its own process group under ``deadline``; its output is echoed with a prefix."""
     result_file = workdir / f"{name}.jsonl"
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--section", name, "--result-file", str(result_file),
+    cmd = [sys.executable, "-m", "bench", "gpu", "--section", name, "--result-file", str(result_file),
            "--deadline", f"{deadline:.0f}"] + (["--cpu-smoke"] if smoke else []) + ([] if graphs else ["--no-graphs"])
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     t0 = time.monotonic()
@@ -308,7 +296,7 @@ def summarize(records: list[dict], path: Path) -> None:
     print(f"wrote {path}", flush=True)
 
 
-def main(argv=None, prog: str = "python -m bench gpu"):
+def build_parser(prog: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", help="JSON-lines file, or a folder for gpu_check.jsonl (default $OUT/gpu_check.jsonl)")
@@ -324,11 +312,14 @@ def main(argv=None, prog: str = "python -m bench gpu"):
     parser.add_argument("--section", help=argparse.SUPPRESS)
     parser.add_argument("--result-file", help=argparse.SUPPRESS)
     parser.add_argument("--deadline", type=float, default=60.0, help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv=None, prog: str = "python -m bench gpu"):
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
 
     if args.section:                    # the child
-        if sys.path and Path(sys.path[0] or ".").resolve() == Path(__file__).resolve().parent:
-            sys.path.pop(0)             # bench/'s modules must not shadow top-level ones
         _die_with_parent(args.deadline + 15)
         sys.exit(run_section(args.section, Path(args.result_file), args.deadline, args.cpu_smoke,
                              not args.no_graphs))
@@ -396,7 +387,3 @@ def _run_sections(names, table, args, left, finish) -> None:
             record["device"] = record["device"] or device
             record["seconds"] = record.get("seconds") or round(time.monotonic() - t0, 2)
             finish(record)
-
-
-if __name__ == "__main__":
-    main(prog="python bench/gpu_check.py")

@@ -37,9 +37,8 @@ class SectionContext:
         return self.deadline_s - (time.monotonic() - self.started)
 
 
-def _jsonable(value):
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
+def _jsonable(value) -> str:
+    """json.dumps' default: what JSON cannot hold (NaN and inf included) as text."""
     return str(value)
 
 

@@ -7,9 +7,8 @@ quality  fp32 and bf16 model: teacher-forced perplexity of real text (the Python
          against the model-dtype KV; the mean KL divergence of next-token distributions; greedy agreement
          (new tokens until the first that differs from the model-dtype run, 64 at most). One forward per
          passage reads every position's keys from the quantised pool, as decoding token by token would
-         (scales are per token, so the stored codes do not depend on the order of writes).
-         Also (fp32) int4 with groups of 32 and 64 and every format without the rotation: what the
-         defaults were chosen against.
+         (scales are per token, so the stored codes do not depend on the order of writes). (The study of
+         int4 groups of 32/64 and of no rotation that chose the defaults is in results/kv-quant-20261201-*.)
 capacity bf16 model, the engine with a fixed 24 MiB KV budget and 96 requests of 64 + 16 tokens (more than
          any format holds): blocks, bytes per token (scales included), requests that fit whole, and the
          most requests running at once, per format.
@@ -24,27 +23,20 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
+import functools
 import importlib.util
 import json
 import os
-import statistics
 import time
 from pathlib import Path
 
 import torch
 
 import hf_paged
-from hf_paged.kv_formats import FORMATS
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from .common import RESULTS, machine, pyplot, spread, stamp
+
 NAMES = ["auto", "fp8_e4m3", "fp8_e5m2", "int8", "int4"]
-# What the defaults were chosen against (fp32 quality only): larger int4 groups, and no rotation.
-VARIANTS = {"int4_g32": dataclasses.replace(FORMATS["int4"], name="int4_g32", group=32),
-            "int4_g64": dataclasses.replace(FORMATS["int4"], name="int4_g64", group=64),
-            **{f"{n}_norot": dataclasses.replace(FORMATS[n], name=f"{n}_norot", rotate=False)
-               for n in ("fp8_e4m3", "fp8_e5m2", "int8", "int4")}}
-
 
 def passages(tokenizer, count: int = 8, tokens: int = 512) -> list[torch.Tensor]:
     """The first ``count`` reference-manual topics (sorted by name) with at least ``tokens`` tokens."""
@@ -60,10 +52,6 @@ def passages(tokenizer, count: int = 8, tokens: int = 512) -> list[torch.Tensor]
 
 
 def paged_cache(model, name: str) -> hf_paged.PagedCache:
-    if name in VARIANTS:
-        cache = hf_paged.PagedCache(model.config, dtype=model.dtype)
-        cache.kv_format, cache.kv_cache_dtype = VARIANTS[name], name     # pools are built on the first forward
-        return cache
     return hf_paged.PagedCache(model.config, kv_cache_dtype=name, dtype=model.dtype)
 
 
@@ -154,7 +142,7 @@ def speed(model, names: list[str], progress, rounds: int = 3) -> dict:
             rates[name].append(useful / (time.perf_counter() - t0))
         progress(f"  round {r + 1}: " + ", ".join(f"{n} {rates[n][-1]:.1f}" for n in names))
     return {"threads": torch.get_num_threads(), "useful_tokens": useful, "requests": len(prompts),
-            **{n: {"min": min(v), "median": statistics.median(v), "max": max(v)} for n, v in rates.items()}}
+            **{n: spread(v) for n, v in rates.items()}}
 
 
 def quantized_cache(model, tokenizer, progress, count: int = 2, tokens: int = 256, prefill: int = 32) -> dict:
@@ -214,66 +202,57 @@ def _quantized_cache_bytes(cache) -> int:
     return total
 
 
+def _table(title: str, header: list[str], section: dict, row) -> list[str]:
+    """A markdown table: one row per format (the dict entries of ``section``), cells from ``row(entry)``."""
+    names = [n for n in section if isinstance(section[n], dict)]
+    return [title, "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+            *(f"| {n} | " + " | ".join(row(section[n])) + " |" for n in names), ""]
+
+
 def report(result: dict) -> str:
     lines = [f"# Quantised KV on SmolLM2-135M ({result['date']}, {result['machine']})", ""]
     for dtype in ("fp32", "bf16"):
         q = result.get(f"quality_{dtype}")
-        if not q:
-            continue
-        auto_bytes = q["auto"]["bytes_per_token"]
-        lines += [f"## Quality, {dtype} model ({q['tokens']} teacher-forced tokens of the Python reference manual; "
-                  f"perplexity {q['ppl_model_dtype_kv']:.4f} with model-dtype KV)", "",
-                  "| kv_cache_dtype | bytes/token | vs model dtype | perplexity | change | KL mean | KL p99 | "
-                  "greedy agreement (of 64) mean / min |", "|---|---|---|---|---|---|---|---|"]
-        for name in [n for n in q if isinstance(q[n], dict)]:
-            r = q[name]
-            lines.append(f"| {name} | {r['bytes_per_token']} | {r['bytes_per_token'] / auto_bytes:.3f} | {r['ppl']:.4f} | "
-                         f"{r['ppl_delta_pct']:+.2f}% | {r['kl_mean']:.2e} | {r['kl_p99']:.2e} | "
-                         f"{r['greedy_agree_mean']:.1f} / {r['greedy_agree_min']} |")
-        lines.append("")
+        if q:
+            lines += _table(
+                f"## Quality, {dtype} model ({q['tokens']} teacher-forced tokens of the Python reference manual; "
+                f"perplexity {q['ppl_model_dtype_kv']:.4f} with model-dtype KV)",
+                ["kv_cache_dtype", "bytes/token", "vs model dtype", "perplexity", "change", "KL mean", "KL p99",
+                 "greedy agreement (of 64) mean / min"], q,
+                lambda r, q=q: [str(r["bytes_per_token"]), f"{r['bytes_per_token'] / q['auto']['bytes_per_token']:.3f}",
+                                f"{r['ppl']:.4f}", f"{r['ppl_delta_pct']:+.2f}%", f"{r['kl_mean']:.2e}",
+                                f"{r['kl_p99']:.2e}", f"{r['greedy_agree_mean']:.1f} / {r['greedy_agree_min']}"])
     c = result.get("capacity")
     if c:
-        lines += [f"## Requests held, bf16 model, {c['budget_bytes'] / 2**20:.0f} MiB KV budget, {c['requests']} "
-                  f"requests of {c['prompt']} + {c['output']} tokens", "",
-                  "| kv_cache_dtype | blocks | bytes/token | requests that fit | vs auto | peak running | preemptions |",
-                  "|---|---|---|---|---|---|---|"]
-        for name in [n for n in c if isinstance(c[n], dict)]:
-            r = c[name]
-            lines.append(f"| {name} | {r['blocks']} | {r['bytes_per_token']} | {r['fit_without_preemption']} | "
-                         f"{r['fit_without_preemption'] / c['auto']['fit_without_preemption']:.2f}x | "
-                         f"{r['peak_running']} | {r['preemptions']} |")
-        lines.append("")
+        lines += _table(
+            f"## Requests held, bf16 model, {c['budget_bytes'] / 2**20:.0f} MiB KV budget, {c['requests']} "
+            f"requests of {c['prompt']} + {c['output']} tokens",
+            ["kv_cache_dtype", "blocks", "bytes/token", "requests that fit", "vs auto", "peak running", "preemptions"], c,
+            lambda r: [str(r["blocks"]), str(r["bytes_per_token"]), str(r["fit_without_preemption"]),
+                       f"{r['fit_without_preemption'] / c['auto']['fit_without_preemption']:.2f}x",
+                       str(r["peak_running"]), str(r["preemptions"])])
     sp = result.get("speed")
     if sp:
-        lines += [f"## Engine speed, fp32 model, {sp['threads']} thread(s), {sp['requests']} requests "
-                  f"({sp['useful_tokens']} useful tokens), useful tokens/s min / median / max", "",
-                  "| kv_cache_dtype | tokens/s | vs auto (median) |", "|---|---|---|"]
-        for name in [n for n in sp if isinstance(sp[n], dict)]:
-            r = sp[name]
-            lines.append(f"| {name} | {r['min']:.1f} / {r['median']:.1f} / {r['max']:.1f} | "
-                         f"{r['median'] / sp['auto']['median']:.2f}x |")
-        lines.append("")
+        lines += _table(
+            f"## Engine speed, fp32 model, {sp['threads']} thread(s), {sp['requests']} requests "
+            f"({sp['useful_tokens']} useful tokens), useful tokens/s min / median / max",
+            ["kv_cache_dtype", "tokens/s", "vs auto (median)"], sp,
+            lambda r: [f"{r['min']:.1f} / {r['median']:.1f} / {r['max']:.1f}", f"{r['median'] / sp['auto']['median']:.2f}x"])
     qc = result.get("quantized_cache")
-    if qc:
-        lines += ["## Beside transformers' QuantizedCache (token-by-token teacher forcing, fp32 model)", ""]
-        if "skipped" in qc:
-            lines.append(qc["skipped"])
-        else:
-            lines += [f"{qc['passages']} passages x {qc['tokens']} tokens, prefill {qc['prefill']}.", "",
-                      "| cache | perplexity | seconds | KV bytes at the end of a passage |", "|---|---|---|---|"]
-            for label in [n for n in qc if isinstance(qc[n], dict)]:
-                r = qc[label]
-                lines.append(f"| {label} | {r['ppl']:.4f} | {r['seconds']:.1f} | {r['kv_bytes_last'] / 2**10:.0f} KiB |")
-        lines.append("")
+    if qc and "skipped" in qc:
+        lines += ["## Beside transformers' QuantizedCache", "", qc["skipped"], ""]
+    elif qc:
+        lines += _table(
+            "## Beside transformers' QuantizedCache (token-by-token teacher forcing, fp32 model): "
+            f"{qc['passages']} passages x {qc['tokens']} tokens, prefill {qc['prefill']}",
+            ["cache", "perplexity", "seconds", "KV bytes at the end of a passage"], qc,
+            lambda r: [f"{r['ppl']:.4f}", f"{r['seconds']:.1f}", f"{r['kv_bytes_last'] / 2**10:.0f} KiB"])
     return "\n".join(lines)
 
 
 def plot(result: dict, path: Path) -> None:
-    try:
-        import matplotlib  # noqa: PLC0415
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # noqa: PLC0415
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(6, 4))
     for dtype, marker in (("fp32", "o"), ("bf16", "s")):
@@ -305,34 +284,26 @@ def main(argv=None, prog: str = "python -m bench kv-quant") -> None:
     sections = args.sections.split(",")
     from hf_paged.integrations.smollm2 import load_smollm2  # noqa: PLC0415
 
-    def progress(message):
-        print(message, flush=True)
-
+    progress = functools.partial(print, flush=True)
     result = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": f"{os.cpu_count()} CPUs, no GPU",
-              "threads": args.threads, "torch": torch.__version__}
-    model, tokenizer = load_smollm2(dtype=torch.float32, verbose=False)
-    hf_paged.patch(model)
-    every = NAMES + list(VARIANTS)
-    if "quality" in sections:
-        progress("quality, fp32 model")
-        result["quality_fp32"] = quality(model, tokenizer, every, progress)
-    if "speed" in sections:
-        progress("engine speed, fp32 model")
-        result["speed"] = speed(model, NAMES, progress)
-    if "quantized-cache" in sections:
-        progress("beside transformers' QuantizedCache, fp32 model")
-        result["quantized_cache"] = quantized_cache(model, tokenizer, progress)
-    if "quality" in sections or "capacity" in sections:
-        model_bf16, _ = load_smollm2(dtype=torch.bfloat16, verbose=False)
-        hf_paged.patch(model_bf16)
-        if "quality" in sections:
-            progress("quality, bf16 model")
-            result["quality_bf16"] = quality(model_bf16, tokenizer, NAMES, progress)
-        if "capacity" in sections:
-            progress("requests held at a fixed budget, bf16 model")
-            result["capacity"] = capacity(model_bf16, NAMES, progress)
+              "threads": args.threads, "torch": torch.__version__, "host": machine()}
+    runs = [  # section, model dtype, result key, what it runs; fp32 first, the bf16 model loaded when needed
+        ("quality", torch.float32, "quality_fp32", lambda m, tok: quality(m, tok, NAMES, progress)),
+        ("speed", torch.float32, "speed", lambda m, tok: speed(m, NAMES, progress)),
+        ("quantized-cache", torch.float32, "quantized_cache", lambda m, tok: quantized_cache(m, tok, progress)),
+        ("quality", torch.bfloat16, "quality_bf16", lambda m, tok: quality(m, tok, NAMES, progress)),
+        ("capacity", torch.bfloat16, "capacity", lambda m, tok: capacity(m, NAMES, progress))]
+    loaded = {}
+    for section, dtype, key, run in runs:
+        if section not in sections:
+            continue
+        if dtype not in loaded:
+            loaded[dtype] = load_smollm2(dtype=dtype, verbose=False)
+            hf_paged.patch(loaded[dtype][0])
+        progress(f"{key.replace('_', ' ')}, {str(dtype).removeprefix('torch.')} model")
+        result[key] = run(*loaded[dtype])
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"kv-quant-{time.strftime('%Y%m%d-%H%M%S')}"
+    stem = args.out / f"kv-quant-{stamp()}"
     stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
     stem.with_suffix(".md").write_text(report(result))
     plot(result, stem.with_suffix(".png"))

@@ -14,7 +14,7 @@ Schedules replayed:
 - beam search (``num_beams`` rows of one prompt, ``early_stopping=True``, ``min_new_tokens`` =
   ``max_new_tokens``): the plan/reorder call sequence recorded from real SmolLM2-135M-Instruct beam
   searches on English text prompts (``bench/data/beam_idx_smollm2.json``, made by
-  ``python -m bench.replay --record-beams``), and the fully diverged bound (beam i always continues
+  ``python -m bench record-beams``), and the fully diverged bound (beam i always continues
   beam i after the first step).
 
 DynamicCache / StaticCache memory for the same batch is exact arithmetic: rows × columns × bytes/token
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -33,25 +32,22 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from hf_paged.cache.pools import kv_bytes_per_token
+
+from .common import spread
+from .models import SMOLLM2_SHAPE
 from .workloads import sharegpt_lengths
 
 DATA = Path(__file__).resolve().parent / "data"
 BEAM_DATA = DATA / "beam_idx_smollm2.json"
-# SmolLM2-135M(-Instruct)'s shape; the config is built offline, no weights.
-SMOLLM2_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                     num_key_value_heads=3, head_dim=64, vocab_size=49152, max_position_embeddings=8192)
 PAD, EOS, PLAIN = 0, 2, 100  # token ids used by the replay (PLAIN + row: distinct prompt rows)
 META = torch.device("meta")
 
 
 def smollm2_config():
+    """SmolLM2-135M's config, built offline (no weights)."""
     from transformers import LlamaConfig  # noqa: PLC0415
-    return LlamaConfig(**SMOLLM2_SHAPE, pad_token_id=PAD, eos_token_id=EOS, bos_token_id=1, tie_word_embeddings=True)
-
-
-def bytes_per_token(config, dtype=torch.float32) -> int:
-    from .models import kv_bytes_per_token  # noqa: PLC0415
-    return kv_bytes_per_token(config, dtype)
+    return LlamaConfig(**SMOLLM2_SHAPE, pad_token_id=PAD, eos_token_id=EOS, bos_token_id=1)
 
 
 def _cache(config, block_size: int, dtype=torch.float32, **kwargs):
@@ -161,10 +157,6 @@ def summarise(run: dict) -> dict:
     }
 
 
-def _stat(values: list[float]) -> dict:
-    return {"median": float(statistics.median(values)), "min": float(min(values)), "max": float(max(values))}
-
-
 # ------------------------------------------------------------------ sections
 def sharegpt_batches(config, batch: int = 16, seeds: int = 10, block_size: int = 16, cb_page_size: int = 32) -> dict:
     """Padded batches of ``batch`` unscaled ShareGPT requests (seed s draws as ``sharegpt_mix(batch, 2048, seed=s)``)."""
@@ -177,7 +169,7 @@ def sharegpt_batches(config, batch: int = 16, seeds: int = 10, block_size: int =
         idx = np.random.default_rng(seed).choice(len(prompts), size=batch, replace=False)
         p, o = prompts[idx].tolist(), outputs[idx].tolist()
         s = summarise(replay_padded(config, p, o, block_size))
-        bpt = bytes_per_token(config)
+        bpt = kv_bytes_per_token(config, torch.float32)
         s["gb_policy_bytes"] = sum(-(-(a + b) // cb_page_size) * cb_page_size for a, b in zip(p, o)) * bpt
         s["paged_over_dynamic"] = s["paged_peak_bytes"] / s["dynamic_bytes"]
         s["paged_over_static"] = s["paged_peak_bytes"] / s["static_bytes"]
@@ -186,13 +178,13 @@ def sharegpt_batches(config, batch: int = 16, seeds: int = 10, block_size: int =
         s.update(seed=seed, max_prompt=max(p), max_output=max(o), sum_prompt=sum(p), sum_output=sum(o))
         per_seed.append(s)
     return {"batch": batch, "seeds": seeds, "block_size": block_size, "cb_page_size": cb_page_size,
-            "summary": {k: _stat([s[k] for s in per_seed]) for k in keys}, "per_seed": per_seed}
+            "summary": {k: spread([s[k] for s in per_seed]) for k in keys}, "per_seed": per_seed}
 
 
 def concurrency(config, budget_bytes: int, draws: int = 10, block_size: int = 16, seed: int = 0,
                 max_len: int = 2048, cb_page_size: int = 256) -> dict:
     """ShareGPT requests held at once in ``budget_bytes`` of KV, per allocation policy, over ``draws``
-    arrival orders (the same orders as ``bench.memory.concurrency_at_budget``): the largest n such that
+    arrival orders: the largest n such that
     the first n requests, as one batch, never need more than the budget.
     - dynamic: padded DynamicCache batch, n × (max prompt + max output − 1) columns at its last step;
     - static: StaticCache with max_cache_len = max prompt + max output (oracle; n × that);
@@ -207,7 +199,7 @@ def concurrency(config, budget_bytes: int, draws: int = 10, block_size: int = 16
     from hf_paged import PoolExhaustedError  # noqa: PLC0415
 
     prompts, outputs = sharegpt_lengths()
-    bpt = bytes_per_token(config)
+    bpt = kv_bytes_per_token(config, torch.float32)
     tokens = budget_bytes / bpt
     rng = np.random.default_rng(seed)
     counts: dict[str, list[int]] = {k: [] for k in ("dynamic", "static", "static_2048", "generate_batch",
@@ -243,7 +235,7 @@ def concurrency(config, budget_bytes: int, draws: int = 10, block_size: int = 16
             counts["paged"].append(n)
         else:
             raise AssertionError(f"allocator replay disagrees with block arithmetic at {n} requests")
-    out = {k: _stat(v) | {"all": v} for k, v in counts.items()}
+    out = {k: spread(v) | {"all": v} for k, v in counts.items()}
     return out | {"_budget_bytes": budget_bytes, "_bytes_per_token": bpt, "_draws": draws, "_block_size": block_size,
                   "_cb_page_size": cb_page_size}
 
@@ -275,7 +267,7 @@ def beams(config, block_size: int = 16, path: Path = BEAM_DATA, prompt_lens=(200
     """Beam 4/8 at realistic lengths: recorded SmolLM2 beam_idx sequences (as recorded, and behind
     prompts of 200/400/600 tokens), and the fully diverged bound for each."""
     if not path.exists():
-        return {"error": f"{path.name} missing: run python -m bench.replay --record-beams"}
+        return {"error": f"{path.name} missing: run python -m bench record-beams"}
     data = json.loads(path.read_text())
     runs = []
     for rec in data["runs"]:
@@ -289,31 +281,21 @@ def beams(config, block_size: int = 16, path: Path = BEAM_DATA, prompt_lens=(200
     summary = {}
     for nb in sorted({r["num_beams"] for r in runs}):
         sel = [r for r in runs if r["num_beams"] == nb]
-        summary[f"beam{nb}"] = {k: _stat([r[k] for r in sel]) for k in ("paged_over_dynamic", "diverged_over_dynamic")}
+        summary[f"beam{nb}"] = {k: spread([r[k] for r in sel]) for k in ("paged_over_dynamic", "diverged_over_dynamic")}
         summary[f"beam{nb}"]["runs"] = len(sel)
     return {"source": data.get("source", ""), "runs": runs, "summary": summary}
 
 
-def block_sweep(config, batch: int = 16, seeds: int = 5, block_sizes=(8, 16, 32)) -> dict:
-    """Utilisation and peak / DynamicCache of the ShareGPT batch for other block sizes."""
-    out = {}
-    for bs in block_sizes:
-        r = sharegpt_batches(config, batch, seeds, bs)["summary"]
-        out[str(bs)] = {k: r[k] for k in ("utilisation_at_peak", "utilisation_mean", "paged_over_dynamic")}
-    return out
-
-
 def measure(budget_mib: int = 256, block_size: int = 16, seeds: int = 10, draws: int = 10, cb_page_size: int = 32,
             batch: int = 16) -> dict:
-    """The whole section (what ``python -m bench.run --only replay`` stores under ``replay``)."""
+    """The whole section (what ``python -m bench quick --only replay`` stores under ``replay``)."""
     config = smollm2_config()
     start = time.perf_counter()
     out = {"model_shape": "SmolLM2-135M (30 layers, 3 KV heads, head_dim 64, fp32; LlamaConfig, no weights)",
-           "bytes_per_token": bytes_per_token(config), "block_size": block_size}
+           "bytes_per_token": kv_bytes_per_token(config, torch.float32), "block_size": block_size}
     out["sharegpt"] = sharegpt_batches(config, batch, seeds, block_size, cb_page_size)
     out["concurrency"] = concurrency(config, budget_mib * 2**20, draws, block_size)
     out["beams"] = beams(config, block_size)
-    out["block_sweep"] = block_sweep(config, batch, min(seeds, 5))
     out["seconds"] = time.perf_counter() - start
     return out
 
@@ -382,18 +364,12 @@ def record_beams(path: Path = BEAM_DATA, configs=((4, 200, 64), (8, 200, 64), (4
                                     "runs": runs}) + "\n")
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m bench.replay", description=__doc__.split("\n")[0])
-    p.add_argument("--record-beams", action="store_true", help="record beam_idx sequences from SmolLM2 (slow)")
-    p.add_argument("--configs", nargs="+", default=None, help="BEAMS:PROMPT:NEW triples for --record-beams")
+def main(argv=None, prog: str = "python -m bench record-beams") -> None:
+    """``python -m bench record-beams``: remake the recorded beam searches (the replay itself runs as the
+    ``replay`` section of ``python -m bench quick``)."""
+    p = argparse.ArgumentParser(prog=prog, description=record_beams.__doc__.split("\n")[0])
+    p.add_argument("--configs", nargs="+", default=None, help="BEAMS:PROMPT:NEW triples (default: the four recorded)")
     p.add_argument("--threads", type=int, default=None)
     args = p.parse_args(argv)
-    if args.record_beams:
-        kw = {"configs": [tuple(int(x) for x in c.split(":")) for c in args.configs]} if args.configs else {}
-        record_beams(threads=args.threads, **kw)
-    else:
-        print(json.dumps({k: v for k, v in measure().items()}, indent=1, default=str)[:4000])
-
-
-if __name__ == "__main__":
-    main()
+    kw = {"configs": [tuple(int(x) for x in c.split(":")) for c in args.configs]} if args.configs else {}
+    record_beams(threads=args.threads, **kw)

@@ -1,6 +1,7 @@
 """Static roofline of the attention kernels at the benchmark shapes of issue 11: PREDICTED, NOT MEASURED.
 
-    python bench/roofline.py [--json out.json] [--copy-bw 4.2e12] [--latency-ns 700] ...
+    python -m bench roofline [--json out.json] [--copy-bw 4.2e12] [--latency-ns 700] ...   (prints the markdown;
+    every row, with each pipe's clocks, goes to the JSON; the findings and markdown: bench/roofline_report.py)
 
 Per SM of an H200 (sm_90), every inner loop is reduced to what it costs per 32 KB of K+V (64 keys at
 head dim 128, bf16): shared-memory wavefronts, shuffles, FP32 / integer / MUFU lane operations,
@@ -102,7 +103,16 @@ class Load:
 
 
 @dataclass(frozen=True)
-class DecodeFast:
+class Kernel:
+    """What every design shares: head dim 128, 2-byte elements (bf16), 128 threads per CTA."""
+
+    head_dim: int = 128
+    elem_bytes: int = 2
+    threads: int = 128
+
+
+@dataclass(frozen=True)
+class DecodeFast(Kernel):
     """hfp_decode_fast (CUDA cores, G <= 4): 128 threads, one CTA per (sequence, KV head, split).
     head_dim split over ``bdx`` lanes (16 bytes each); the 128 / bdx slots are rows (one per query
     head) x key groups; K and V tiles of ``tile_keys`` keys by 16-byte cp.async into rings of
@@ -110,9 +120,6 @@ class DecodeFast:
     through shared memory. Counts per (key, query row), per lane of the row's bdx lanes."""
 
     name: str = "hfp_decode_fast"
-    head_dim: int = 128
-    elem_bytes: int = 2
-    threads: int = 128
     bdx: int = 16
     tile_keys: int = 32
     stages: int = 3              # per ring (K and V)
@@ -148,7 +155,7 @@ class DecodeFast:
 
 
 @dataclass(frozen=True)
-class Ragged:
+class Ragged(Kernel):
     """hfp_ragged (tensor cores, mma.sync m16n8k16, fp32 accumulate, FlashAttention-2 style): 4 warps x
     16 query rows (query heads of the group x tokens); K/V tiles of 64 keys (head dim 128) by cp.async,
     double-buffered; K by ldmatrix.x4, V by ldmatrix.x4.trans, Q by ldmatrix from shared memory each
@@ -156,9 +163,6 @@ class Ragged:
     the 4 warps take a quarter of each tile each (merged at the end) instead of padding rows."""
 
     name: str = "hfp_ragged"
-    head_dim: int = 128
-    elem_bytes: int = 2
-    threads: int = 128
     warps: int = 4
     rows_per_warp: int = 16
     tile_keys: int = 64
@@ -348,116 +352,18 @@ def extend_row(design: Ragged, tokens: int, m: Machine) -> ExtendRow:
                      tflops, m.sdpa_flash_tflops, fraction, verdict)
 
 
-# --- report -------------------------------------------------------------------------------------------
-
-PIPES = ("memory", "shared", "fp32", "alu", "mufu", "tensor", "issue", "l2")
-
-
-def format_decode(rows: list[DecodeRow]) -> str:
-    head = (f"{'design':<40}{'B x ctx':>10}{'G':>3}{'CTAs':>6}{'split':>6}{'CTA/SM':>7}{'flight/need KB':>15}"
-            + "".join(f"{p:>8}" for p in PIPES) + f"{'bound':>10}{'room':>6}{'steady':>7}{'us':>8}{'of copy':>8}  target")
-    lines = [head]
-    for r in rows:
-        target = f"{r.target:.0%} {r.verdict}" if r.target is not None else ""
-        lines.append(f"{r.design:<40}{f'{r.batch}x{r.context // 1024}k':>10}{r.group:>3}{r.ctas:>6}{r.splits:>6}"
-                     f"{r.resident:>7.1f}{f'{r.in_flight_kb:.0f}/{r.needed_kb:.0f}':>15}"
-                     + "".join(f"{r.clocks[p]:>8}" for p in PIPES)
-                     + f"{r.bound:>10}{headroom(r.clocks):>6.2f}{r.steady:>7.0%}{r.time_us:>8.1f}{r.fraction:>8.0%}  {target}")
-    return "\n".join(lines)
-
-
-def format_extend(rows: list[ExtendRow]) -> str:
-    head = (f"{'design':<16}{'tokens':>7}{'CTAs':>6}{'CTA/SM':>7}" + "".join(f"{p:>8}" for p in PIPES[1:])
-            + f"{'bound':>8}{'TFLOPS':>8}{'of SDPA':>8}  target 50% (2k-8k)")
-    lines = [head]
-    for r in rows:
-        lines.append(f"{r.design:<16}{r.tokens:>7}{r.ctas:>6}{r.resident:>7}" + "".join(f"{r.clocks[p]:>8}" for p in PIPES[1:])
-                     + f"{r.bound:>8}{r.tflops:>8.0f}{r.fraction_of_baseline:>8.0%}  {r.verdict}")
-    return "\n".join(lines)
-
-
-def headroom(clocks: dict) -> float:
-    """Memory clocks over the busiest other pipe: how much worse the kernel may get before that pipe,
-    not HBM, binds (above 1: memory-bound)."""
-    return clocks["memory"] / max(v for k, v in clocks.items() if k != "memory")
-
-
-def findings(decode: list[DecodeRow], extend: list[ExtendRow], m: Machine) -> list[str]:
-    """Plain sentences on the targets, each a prediction."""
-    out = []
-    for r in decode:
-        if r.target is not None:
-            out.append(f"{r.design} at {r.batch}x{r.context // 1024}k GQA {r.group}: {r.fraction:.0%} of copy bandwidth "
-                       f"against the {r.target:.0%} target: {r.verdict.lower()} ({r.bound}-bound; the busiest other "
-                       f"pipe is at {1 / headroom(r.clocks):.0%} of the memory time).")
-    fast = DecodeFast()
-    limit = memory_bound_limit(fast, m)
-    over = fast.load(limit + 1).clocks(m)
-    at_7 = decode_row(fast, 64, 4096, 7, m)
-    ragged = decode_row(Ragged(), 64, 4096, 7, m)
-    routing = ("matches" if fast.max_group <= limit else "should be lowered to") + f" {limit}"
-    out.append(f"hfp_decode_fast stays memory-bound up to GQA group {limit}; from {limit + 1} the "
-               f"{max(over, key=over.get)} pipe binds (shared-memory reads grow with the group: every row re-reads "
-               f"each K/V chunk, plus log2(bdx) shuffles per key and row). At 64x4k GQA 7 it would predict "
-               f"{at_7.fraction:.0%} against hfp_ragged's {ragged.fraction:.0%}; FAST_DECODE_MAX_GROUP = "
-               f"{fast.max_group} {routing}.")
-    batch1 = [r for r in decode if r.batch == 1 and r.design == fast.name]
-    out.append("Batch 1 x 4k is latency-bound: " + ", ".join(f"GQA {r.group} {r.time_us:.1f} us ({r.fraction:.0%})"
-                                                             for r in batch1)
-               + f" with {m.launch_us:g} us per launch and one {m.latency_ns:.0f} ns pipeline fill per wave.")
-    for r in extend:
-        if r.verdict:
-            out.append(f"hfp_ragged extend at {r.tokens} tokens: at most {r.tflops:.0f} TFLOPS, {r.fraction_of_baseline:.0%} "
-                       f"of the assumed SDPA-flash {r.baseline_tflops:.0f}: the model {r.verdict.lower()} the 50% target "
-                       f"({r.bound}-bound).")
-    if extend:
-        c = extend[-1].clocks
-        out.append(f"Extend is an upper bound: pipes shared {c['shared']}, L2 {c['l2']}, tensor {c['tensor']} clocks per "
-                   f"tile; all 4 warps re-read the whole K/V tile from shared memory and 64-row CTAs re-read K/V "
-                   f"from L2 twice as often as 128-row ones. Two 16-row m-tiles per warp (128 rows per CTA, as "
-                   f"FlashAttention-2 at head dim 128) would halve both.")
-    return [f"{s} ({LABEL})" for s in out]
-
-
-def markdown(decode: list[DecodeRow], extend: list[ExtendRow], m: Machine) -> str:
-    lines = [f"### Static roofline ({LABEL})", "",
-             (f"{m.name}, copy bandwidth {m.copy_bw / 1e12:.1f} TB/s, latency {m.latency_ns:.0f} ns, "
-              f"{m.clock_ghz} GHz; Llama-3-8B heads (32 q, d128, bf16). Model: `bench/roofline.py`."), "",
-             "| design | batch x context | GQA | bound | predicted fraction of copy bandwidth | target |",
-             "|---|---|---|---|---|---|"]
-    for r in decode:    # the kernel each group goes to (decode_fast up to 4), and ragged from group 8
-        if r.design not in ("hfp_decode_fast", "hfp_ragged") or (r.design == "hfp_ragged" and r.group < 8):
-            continue
-        target = f"{r.target:.0%}: {r.verdict}" if r.target is not None else ""
-        lines.append(f"| {r.design} | {r.batch}x{r.context // 1024}k | {r.group} | {r.bound} | {r.fraction:.0%} | {target} |")
-    lines += ["", "| design | tokens (causal) | bound | predicted TFLOPS | of assumed SDPA-flash | target 50% |",
-              "|---|---|---|---|---|---|"]
-    for r in extend:
-        lines.append(f"| {r.design} | {r.tokens} | {r.bound} | {r.tflops:.0f} | {r.fraction_of_baseline:.0%} | {r.verdict} |")
-    lines += ["", *(f"- {s}" for s in findings(decode, extend, m))]
-    return "\n".join(lines)
-
-
-def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=f"Static roofline of the attention kernels ({LABEL}).")
+def main(argv=None, prog: str = "python -m bench roofline") -> dict:
+    parser = argparse.ArgumentParser(prog=prog, description=f"Static roofline of the attention kernels ({LABEL}).")
     parser.add_argument("--json", help="write the rows here")
-    parser.add_argument("--markdown", action="store_true", help="print the markdown snippet only")
     for name, value in asdict(Machine()).items():
         if isinstance(value, float):
             parser.add_argument(f"--{name.replace('_', '-')}", type=float, default=value)
     args = parser.parse_args(argv)
+    from .roofline_report import findings, markdown
     m = replace(Machine(), **{k: getattr(args, k) for k, v in asdict(Machine()).items() if isinstance(v, float)})
     decode = decode_table(m)
     extend = [extend_row(Ragged(), n, m) for n in EXTEND_TOKENS]
-    if args.markdown:
-        print(markdown(decode, extend, m))
-    else:
-        print(f"Decode, {m.name}: clocks per SM per 32 KB of K+V ({LABEL})")
-        print(format_decode(decode))
-        print(f"\nExtend (causal prefill, one sequence, GQA {EXTEND_GROUP}): clocks per SM per 64x64 tile ({LABEL})")
-        print(format_extend(extend))
-        print("\n" + "\n".join(findings(decode, extend, m)))
-        print("\n" + markdown(decode, extend, m))
+    print(markdown(decode, extend, m))
     report = {"label": LABEL, "machine": asdict(m), "designs": [asdict(d) for d in decode_designs()],
               "decode": [asdict(r) | {"verdict": r.verdict} for r in decode], "extend": [asdict(r) for r in extend],
               "findings": findings(decode, extend, m), "markdown": markdown(decode, extend, m)}
@@ -465,7 +371,3 @@ def main(argv=None) -> dict:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
     return report
-
-
-if __name__ == "__main__":
-    main()

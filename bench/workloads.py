@@ -25,10 +25,9 @@ class Request:
 
 @dataclass
 class Workload:
-    """``num_beams`` / ``num_return_sequences`` / ``do_sample`` go straight to ``generate``."""
+    """``num_return_sequences`` / ``do_sample`` go straight to ``generate``."""
     name: str
     requests: list[Request]
-    num_beams: int = 1
     num_return_sequences: int = 1
     do_sample: bool = False
     note: str = ""
@@ -51,6 +50,29 @@ def sharegpt_lengths() -> tuple[np.ndarray, np.ndarray]:
     """(prompt, output) int64 arrays of 15,417 ShareGPT first exchanges (SmolLM2 token counts)."""
     data = np.load(DATA)
     return data["prompt"], data["output"]
+
+
+def sharegpt_pick(rng: np.random.Generator, n: int, max_prompt: int, min_output: int = 1, max_output: int = 2048,
+                  min_prompt: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """``n`` distinct ShareGPT (prompt, output) length pairs drawn with ``rng`` among those with
+    min_prompt <= prompt <= max_prompt and min_output <= output <= max_output (lengths not scaled)."""
+    prompts, outputs = sharegpt_lengths()
+    keep = np.flatnonzero((prompts >= min_prompt) & (prompts <= max_prompt) & (outputs >= min_output)
+                          & (outputs <= max_output))
+    if len(keep) < n:
+        raise SystemExit(f"only {len(keep)} ShareGPT pairs have prompt {min_prompt}-{max_prompt} and output "
+                         f"{min_output}-{max_output}; asked for {n}: raise --max-prompt / --max-output or ask for fewer")
+    idx = rng.choice(keep, size=n, replace=False)
+    return prompts[idx], outputs[idx]
+
+
+def sharegpt_short(n: int, seed: int, vocab: int, max_prompt: int = 192, min_out: int = 4,
+                   max_out: int = 64) -> Workload:
+    """``n`` unscaled ShareGPT pairs with prompt <= max_prompt and min_out <= output <= max_out, random prompt ids."""
+    rng = np.random.default_rng(seed)
+    prompts, outputs = sharegpt_pick(rng, n, max_prompt, min_out, max_out)
+    reqs = [Request(_random_prompt(rng, int(p), vocab), int(o)) for p, o in zip(prompts, outputs)]
+    return Workload("sharegpt-short", reqs, note=f"{n} ShareGPT pairs, prompt<={max_prompt}, output {min_out}-{max_out}")
 
 
 def _random_prompt(rng: np.random.Generator, length: int, vocab: int) -> list[int]:
@@ -94,13 +116,6 @@ def shared_prefix(n: int, prefix_len: int, suffix_lens: tuple[int, int], output_
                     output_len) for _ in range(n)]
     return Workload("shared_prefix", reqs, note=f"{prefix_len}-token system prompt + {n} requests of "
                     f"{suffix_lens[0]}-{suffix_lens[1]} tokens, {output_len} new each")
-
-
-def beam_search(n: int, prompt_len: int, output_len: int, num_beams: int, vocab: int, seed: int = 0) -> Workload:
-    rng = np.random.default_rng(seed)
-    reqs = [Request(_random_prompt(rng, prompt_len, vocab), output_len) for _ in range(n)]
-    return Workload(f"beam{num_beams}", reqs, num_beams=num_beams,
-                    note=f"{n} prompts of {prompt_len} tokens, {num_beams} beams, {output_len} new")
 
 
 def parallel_sampling(n: int, prompt_len: int, output_len: int, num_seqs: int, vocab: int, seed: int = 0) -> Workload:

@@ -1,4 +1,4 @@
-"""bench/gpu_check.py cannot lose its one try: each section runs in its own process under its own deadline,
+"""The GPU check (``python -m bench gpu``, bench/gpu_check.py) cannot lose its one try: each section runs in its own process under its own deadline,
 and its JSON line is appended as soon as it ends. Proved on the CPU with --dry-run's fake sections (one
 raises, one hangs past its deadline, one aborts like a CUDA fault; the one after them still runs), and the
 real sections report "skipped: no CUDA device" quickly where there is no GPU."""
@@ -12,11 +12,12 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "gpu_check.py"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run(*args, timeout=60):
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "bench", "gpu", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
 
 
 def lines(out_dir: Path) -> dict:

@@ -1,0 +1,108 @@
+"""What every bench command shares: min / median / max over rounds, the record of the machine (CPU, its
+flags, cores, threads, load), versions, result paths and timestamps, and matplotlib on demand."""
+from __future__ import annotations
+
+import datetime as dt
+import importlib
+import os
+import platform
+import statistics
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+# The /proc/cpuinfo flags that decide which CPU kernels run (oneDNN's bf16 / AMX paths, our C++ kernel).
+CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")
+
+
+def spread(values) -> dict | None:
+    """``{"min", "median", "max", "n"}`` of the values that are numbers (None and NaN left out); None if none."""
+    vals = [v for v in values if v is not None and v == v]
+    if not vals:
+        return None
+    return {"min": min(vals), "median": statistics.median(vals), "max": max(vals), "n": len(vals)}
+
+
+def fmt_spread(s: dict | None, fmt: str = "{:.1f}") -> str:
+    """'median (min–max)', or '–' for no figure."""
+    if not s:
+        return "–"
+    med = s["median"]
+    return f"{fmt.format(med)} ({fmt.format(s.get('min', med))}–{fmt.format(s.get('max', med))})"
+
+
+def stamp() -> str:
+    """Local time as the results' file names carry it: 20261201-225300."""
+    return dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+
+
+def now() -> str:
+    return dt.datetime.now().isoformat(timespec="seconds")
+
+
+def load_avg() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def _cpuinfo() -> tuple[str, set[str]]:
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    model = value.strip()
+                elif key.strip() == "flags":
+                    flags = set(value.split())
+                    break
+    except OSError:
+        pass
+    return model, flags
+
+
+def machine() -> dict:
+    """The CPU, the flags of it that matter here, cores (and those this process may use), torch's thread
+    count, the platform and the load average now."""
+    import torch
+    model, flags = _cpuinfo()
+    allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"cpu": model, "cpu_flags": [f for f in CPU_FLAGS if f in flags], "cores": os.cpu_count(),
+            "cores_allowed": allowed, "torch_threads": torch.get_num_threads(), "platform": platform.platform(),
+            "python": platform.python_version(), "load_avg_start": load_avg()}
+
+
+def versions(*modules: str) -> dict:
+    """``__version__`` of each module (None when it does not import), and this checkout's git commit."""
+    out = {}
+    for name in modules:
+        try:
+            out[name] = importlib.import_module(name).__version__
+        except Exception:  # noqa: BLE001 - an absent peer is recorded as absent
+            out[name] = None
+    git = ["git", "-C", str(ROOT)]
+    head = subprocess.run(git + ["rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(git + ["status", "--porcelain"], capture_output=True, text=True).stdout.strip()
+    out["git"] = head + ("+dirty" if dirty else "")
+    return out
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend, or None (and a line saying so) when matplotlib is absent."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("[bench] no plots: matplotlib is not installed (pip install matplotlib)")
+        return None
+    return plt
+
+
+def md_table(header: list[str], rows) -> list[str]:
+    """Markdown table lines: the header, its rule, one line per row (cells as given, str() applied)."""
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+            *("| " + " | ".join(str(c) for c in row) + " |" for row in rows)]
