@@ -43,7 +43,7 @@ def section_decode_bandwidth(ctx: SectionContext) -> dict:
 
 
 def _decode_case(ctx, case, torch, device, backend, l2):
-    from hf_paged.backends import torch_backend
+    from hf_paged.backends import Workspace, torch_backend
     hq, d, bs, dtype = 32, 128, 16, torch.bfloat16
     batch, context, group = case["batch"], case["context"], case["gqa"]
     hkv, elem = hq // group, 2
@@ -54,7 +54,7 @@ def _decode_case(ctx, case, torch, device, backend, l2):
     k_pool, v_pool, tables, lens = paged_kv([context] * batch, bs, hkv, d, dtype, device, copies=copies)
     qs = [torch.randn(batch, hq, d, device=device, dtype=dtype) for _ in range(copies)]
     scale = d ** -0.5
-    workspaces = [{} for _ in range(copies)]       # one per "step": layers of a step share one
+    workspaces = [Workspace() for _ in range(copies)]       # one per "step": layers of a step share one
 
     def ours(i):
         c = i % copies

@@ -164,20 +164,14 @@ def paged_kv(lengths, block_size: int, num_kv_heads: int, head_dim: int, dtype, 
     import torch
     gen = torch.Generator(device=device).manual_seed(seed)
     per_row = [max(1, -(-n // block_size)) for n in lengths]
-    width, per_copy = max(per_row), sum(per_row)
+    per_copy = sum(per_row)
     num_blocks = copies * per_copy + 1
     shape = (num_kv_heads, num_blocks, block_size, head_dim)
     k_pool = torch.randn(shape, generator=gen, device=device, dtype=dtype)
     v_pool = torch.randn(shape, generator=gen, device=device, dtype=dtype)
-    order = (torch.randperm(num_blocks - 1, generator=gen, device=device) + 1).to(torch.int32)
-    tables = []
-    for c in range(copies):
-        table = torch.zeros(len(lengths), width, dtype=torch.int32, device=device)
-        used = c * per_copy
-        for b, nb in enumerate(per_row):
-            table[b, :nb] = order[used:used + nb]
-            used += nb
-        tables.append(table)
+    from hf_paged.backends.synthetic import assign_blocks
+    order = torch.randperm(num_blocks - 1, generator=gen, device=device) + 1      # block 0 left unused
+    tables = [assign_blocks(order[c * per_copy:], per_row) for c in range(copies)]
     return k_pool, v_pool, tables, torch.tensor(lengths, dtype=torch.int32, device=device)
 
 
@@ -260,7 +254,7 @@ def _compare(case: dict, out, ref, tol: float) -> None:
 def kernel_choice(backend) -> dict:
     """Which kernels served: per (device, dtype, head dim), whether the fp16/bf16 fast kernels passed their
     first-use self-check (False: attention.cu served instead, and its figures are what was measured)."""
-    checked = getattr(backend, "_checked", {})
+    checked = getattr(backend, "checked", {})
     return {"fast_kernels": getattr(backend, "fast_kernels", None),
             "self_check_passed": {f"{dev} {str(dtype).removeprefix('torch.')} d{dim}": ok
                                   for (dev, dtype, dim), ok in checked.items()}}
