@@ -91,7 +91,8 @@ def _add_flag(parser, config_class, name: str, options: dict) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hf-paged", description="hf_paged: paged KV cache and engine for transformers")
+    parser = argparse.ArgumentParser(prog="hf-paged",
+                                     description="hf_paged: paged KV cache and engine for transformers")
     sub = parser.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve", help="OpenAI-compatible server on the continuous-batching engine",
                        description="Serve MODEL with an OpenAI-compatible API (/v1/completions, "

@@ -37,17 +37,18 @@ async def models(request: Request):
 async def completions(request: Request):
     state = state_of(request)
     req = await read_request(request, CompletionRequest, state)
-    return await generate(request, state, req, completion_prompts(state, req), req.max_tokens, COMPLETION)
+    return await answer(request, state, req, completion_prompts(state, req), req.max_tokens, COMPLETION)
 
 
 async def chat_completions(request: Request):
     state = state_of(request)
     req = await read_request(request, ChatCompletionRequest, state)
     max_tokens = req.max_completion_tokens or req.max_tokens
-    return await generate(request, state, req, [chat_prompt(state, req)], max_tokens, CHAT)
+    return await answer(request, state, req, [chat_prompt(state, req)], max_tokens, CHAT)
 
 
-async def generate(request: Request, state: ServerState, req, prompts: list[list[int]], max_tokens, shape):
+async def answer(request: Request, state: ServerState, req, prompts: list[list[int]], max_tokens, shape):
+    """Run ``prompts`` with ``req``'s settings and answer in ``shape`` (whole or streamed)."""
     params = sampling_params(state, req, prompts, max_tokens)
     call = ApiCall(state.worker, state.tokenizer, prompts, params, req.stops(), req.n)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
