@@ -35,9 +35,9 @@ class AppConfig:
 
 @dataclass(frozen=True)
 class ServeConfig(AppConfig):
-    """host: address to bind; 127.0.0.1 accepts this machine only. port: TCP port to listen on. dtype: weights'
-    dtype (auto: the checkpoint's). trust_remote_code: for a ChatGLM directory's tokenizer only.
-    log_level: the server's logging level."""
+    """host: address to bind; 127.0.0.1 accepts this machine only. port: TCP port to listen on.
+    dtype: weights' dtype (auto: the checkpoint's). trust_remote_code: for a ChatGLM directory's
+    tokenizer only. log_level: the server's logging level."""
     host: str = "127.0.0.1"
     port: int = 8000
     dtype: str = "auto"

@@ -65,8 +65,10 @@ def check_ids(state: ServerState, ids: list[int], param: str) -> list[int]:
     if not ids:
         raise ApiError(400, "empty prompt", param=param)
     vocab = state.vocab_size
-    if any(t < 0 or t >= vocab for t in ids):
-        raise ApiError(400, f"token ids must be in [0, {vocab})", param=param)
+    bad = next((t for t in ids if t < 0 or t >= vocab), None)
+    if bad is not None:
+        raise ApiError(400, f"token id {bad} is outside the vocabulary: token ids must be in [0, {vocab})",
+                       param=param)
     return ids
 
 

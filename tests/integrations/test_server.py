@@ -278,6 +278,8 @@ def test_bad_requests_answer_400(server, client):
         assert err.value.body["message"] and "Traceback" not in err.value.body["message"], case
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w3"}], logprobs=True)
+    with pytest.raises(openai.BadRequestError, match="token id 1000000 is outside the vocabulary"):
+        client.completions.create(model=MODEL, prompt=[3, 10**6], max_tokens=2)
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="other", prompt="w3", max_tokens=2)
     r = httpx.post(url + "/v1/completions", content=b"x" * (5 * 2**20))
