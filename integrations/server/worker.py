@@ -128,18 +128,22 @@ class EngineWorker:
                     elif self._stop.is_set() and not self._active and self._commands.empty():
                         break
         except BaseException as exc:       # pragma: no cover - a bug or an OOM: fail every request
-            self.error = exc
-            log.exception("the engine thread failed")
-            with self._lock:
-                self._accepting = False
-            failed = ("error", "the engine failed; see the server log")
-            for handle in list(self._active.values()):
+            self._fail_everything(exc)
+
+    def _fail_everything(self, exc: BaseException) -> None:    # pragma: no cover
+        """The engine raised: accept nothing more; every active or queued request gets an error."""
+        self.error = exc
+        log.error("the engine thread failed", exc_info=exc)
+        with self._lock:
+            self._accepting = False
+        failed = ("error", "the engine failed; see the server log")
+        for handle in list(self._active.values()):
+            handle.deliver(failed)
+        self._active.clear()
+        while not self._commands.empty():
+            kind, handle = self._commands.get_nowait()
+            if kind == "add":
                 handle.deliver(failed)
-            self._active.clear()
-            while not self._commands.empty():
-                kind, handle = self._commands.get_nowait()
-                if kind == "add":
-                    handle.deliver(failed)
 
     def _drain(self, block: bool) -> None:
         try:
@@ -151,10 +155,9 @@ class EngineWorker:
             kind, handle = item
             if kind == "add":
                 self._add(handle)
-                changed = True
             elif kind == "cancel":
                 self._cancel(handle)
-                changed = True
+            changed = changed or kind != "wake"
             try:
                 item = self._commands.get_nowait()
             except queue.Empty:
