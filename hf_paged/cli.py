@@ -5,61 +5,101 @@
 
 MODEL: a transformers checkpoint directory (or a hub id the machine can reach), a ChatGLM2/3
 directory (loaded through hf_paged.integrations.chatglm), or ``smollm2`` (the embedded
-SmolLM2-135M-Instruct). Engine flags are named as vLLM names them.
+SmolLM2-135M-Instruct). Engine flags are named as vLLM names them. Each ``serve`` flag is a field of
+``EngineConfig`` or of the server's ``ServeConfig`` (``--max-num-seqs`` is ``max_num_seqs``): its
+default and help come from there.
 """
 from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import MISSING, fields
 
+from .engine import EngineConfig
+from .integrations.server.config import ServeConfig, field_docs
+from .integrations.server.loading import DTYPES
 from .kv_formats import KV_CACHE_DTYPES
 
+BYTE_UNITS = {"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+LOG_LEVELS = ["critical", "error", "warning", "info", "debug"]
 
-def _bytes(text: str) -> int:
-    units = {"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
-    text = text.strip().lower().removesuffix("ib").removesuffix("b")
-    if text and text[-1] in units:
-        return int(float(text[:-1]) * units[text[-1]])
-    return int(text)
+
+def parse_bytes(text: str) -> int:
+    """A byte count written as ``1048576``, ``512k``, ``256M``, ``2G``, ``1TiB`` (powers of 1024)."""
+    t = text.strip().lower().removesuffix("ib").removesuffix("b")
+    try:
+        return int(float(t[:-1]) * BYTE_UNITS[t[-1]]) if t and t[-1] in BYTE_UNITS else int(t)
+    except ValueError:
+        raise ValueError(f"not a byte size: {text!r} (e.g. 1048576, 256M, 2G)") from None
+
+
+def format_bytes(n: int) -> str:
+    """``n`` as parse_bytes reads it back, in the largest unit that divides it (4194304 -> "4M")."""
+    for unit, size in reversed(BYTE_UNITS.items()):
+        if n and n % size == 0:
+            return f"{n // size}{unit.upper()}"
+    return str(n)
 
 
 def _positive(cast):
     def parse(text):
-        value = cast(text)
+        try:
+            value = cast(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
         if value <= 0:
             raise argparse.ArgumentTypeError(f"must be positive, got {text}")
         return value
     return parse
 
 
+POSITIVE_INT, SIZE = _positive(int), _positive(parse_bytes)
+# ``serve``'s flags in --help order: (the config holding the field, field, argparse keywords); the
+# default is the field's, the help its docstring's text unless given here.
+SERVE_FLAGS = [
+    (ServeConfig, "host", {}),
+    (ServeConfig, "port", dict(type=int)),
+    (ServeConfig, "api_key", {}),
+    (ServeConfig, "served_model_name", dict(help="the model's name in the API (default: MODEL_DIR)")),
+    (ServeConfig, "dtype", dict(choices=list(DTYPES))),
+    (EngineConfig, "gpu_memory_utilization",
+     dict(type=float, help="fraction of the GPU's memory for the weights, a profiled forward and the KV pool")),
+    (EngineConfig, "max_num_batched_tokens", dict(type=POSITIVE_INT)),
+    (EngineConfig, "max_num_seqs", dict(type=POSITIVE_INT)),
+    (EngineConfig, "max_model_len", dict(type=POSITIVE_INT)),
+    (EngineConfig, "block_size", dict(type=POSITIVE_INT)),
+    (EngineConfig, "enable_prefix_caching", dict(action=argparse.BooleanOptionalAction)),
+    (EngineConfig, "kv_cache_dtype", dict(choices=KV_CACHE_DTYPES)),
+    (EngineConfig, "kv_cache_memory_bytes", dict(type=SIZE, help="KV pool size, e.g. 256M, 2G")),
+    (ServeConfig, "max_queue", dict(type=POSITIVE_INT)),
+    (ServeConfig, "shutdown_timeout", dict(type=float)),
+    (ServeConfig, "max_body_bytes", dict(type=SIZE)),
+    (ServeConfig, "trust_remote_code", dict(action="store_true")),
+    (ServeConfig, "log_level", dict(choices=LOG_LEVELS)),
+]
+
+
+def _add_flag(parser, config_class, name: str, options: dict) -> None:
+    field = next(f for f in fields(config_class) if f.name == name)
+    default = field.default if field.default is not MISSING else None
+    help_text = options.pop("help", None) or field_docs(config_class).get(name, "")
+    help_text = help_text.rstrip(".").replace("%", "%%")
+    if default is not None and options.get("action") != "store_true" and "default:" not in help_text:
+        shown = format_bytes(default) if options.get("type") is SIZE else "%(default)s"
+        help_text += f" (default: {shown})"
+    parser.add_argument("--" + name.replace("_", "-"), default=default, help=help_text or None, **options)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hf-paged", description="hf_paged: paged KV cache and engine for transformers")
+    parser = argparse.ArgumentParser(prog="hf-paged",
+                                     description="hf_paged: paged KV cache and engine for transformers")
     sub = parser.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve", help="OpenAI-compatible server on the continuous-batching engine",
                        description="Serve MODEL with an OpenAI-compatible API (/v1/completions, "
                                    "/v1/chat/completions, /v1/models, /health, /metrics).")
     s.add_argument("model", metavar="MODEL_DIR", help="checkpoint directory, hub id, or 'smollm2'")
-    s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every endpoint but /health")
-    s.add_argument("--served-model-name", help="the model name in the API (default: MODEL_DIR)")
-    s.add_argument("--dtype", default="auto", choices=["auto", "float32", "float", "bfloat16", "float16", "half"])
-    s.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    s.add_argument("--max-num-batched-tokens", type=_positive(int), default=512)
-    s.add_argument("--max-num-seqs", type=_positive(int), default=64)
-    s.add_argument("--max-model-len", type=_positive(int), default=None)
-    s.add_argument("--block-size", type=_positive(int), default=16)
-    s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    s.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
-                   help="KV block storage: auto (the model's dtype) or a quantised format (fp8 = fp8_e4m3)")
-    s.add_argument("--kv-cache-memory-bytes", type=_bytes, default=None, help="KV pool size, e.g. 256M, 2G")
-    s.add_argument("--max-queue", type=_positive(int), default=256,
-                   help="waiting requests before answering 503 with Retry-After (default 256)")
-    s.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="seconds to let in-flight requests finish on SIGTERM before cancelling them")
-    s.add_argument("--max-body-bytes", type=_bytes, default=None, help="request body limit (default 4M)")
-    s.add_argument("--trust-remote-code", action="store_true", help="for a ChatGLM directory's tokenizer only")
-    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    for config_class, name, options in SERVE_FLAGS:
+        _add_flag(s, config_class, name, dict(options))
     sub.add_parser("demo", help="python -m hf_paged.demo (its flags follow)", add_help=False)
     return parser
 
@@ -77,15 +117,7 @@ def main(argv=None) -> int:
         print(f"hf-paged serve needs the 'serve' extra ({exc.name} is missing): pip install 'hf-paged[serve]'",
               file=sys.stderr)
         return 2
-    knobs = dict(gpu_memory_utilization=args.gpu_memory_utilization,
-                 max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                 max_model_len=args.max_model_len, block_size=args.block_size,
-                 enable_prefix_caching=args.enable_prefix_caching, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-                 kv_cache_dtype=args.kv_cache_dtype)
-    return serve(args.model, host=args.host, port=args.port, api_key=args.api_key,
-                 served_model_name=args.served_model_name, dtype=args.dtype, max_queue=args.max_queue,
-                 shutdown_timeout=args.shutdown_timeout, max_body_bytes=args.max_body_bytes,
-                 trust_remote_code=args.trust_remote_code, log_level=args.log_level, **knobs)
+    return serve(args.model, **{name: getattr(args, name) for _, name, _ in SERVE_FLAGS})
 
 
 if __name__ == "__main__":

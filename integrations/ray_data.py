@@ -8,12 +8,13 @@
     out = ray_data.generate(ds, "/models/SmolLM2-135M", concurrency=2, num_cpus=1, max_new_tokens=64)
     out.write_json("outputs/")                                    # or out.take_all()
 
-Each actor loads the model once (``from_pretrained(path)`` or a loader you give), keeps one
-``hf_paged.LLM`` (continuous batching, prefix cache) for its life, and runs each batch of prompts
-through it. Output rows are the input rows plus ``generated_text`` (with a tokenizer),
-``generated_token_ids``, ``finish_reason``, ``error`` (a request that fails alone: its message, else
-None) and ``actor`` (host:pid, for per-actor accounting: ``actor_summary``). Ray's own fault tolerance
-applies: an actor that dies is restarted and its batch retried; rows are neither lost nor duplicated. ``generate`` keeps the input order (``preserve_order``).
+Each actor loads the model once (with ``hf-paged serve``'s loader, ``integrations.server.loading``,
+or a loader you give), keeps one ``hf_paged.LLM`` (continuous batching, prefix cache) for its life,
+and runs each batch of prompts through it. Output rows are the input rows plus ``generated_text``
+(with a tokenizer), ``generated_token_ids``, ``finish_reason``, ``error`` (a request that fails alone:
+its message, else None) and ``actor`` (host:pid, for per-actor accounting: ``actor_summary``). Ray's
+own fault tolerance applies: an actor that dies is restarted and its batch retried; rows are neither
+lost nor duplicated. ``generate`` keeps the input order (``preserve_order``).
 Nothing here imports ray until ``generate`` is called; the actor class needs only torch.
 """
 from __future__ import annotations
@@ -22,16 +23,19 @@ import os
 import socket
 from collections import Counter
 
-from hf_paged.engine import LLM
-from hf_paged.engine.llm import split_options
+from hf_paged.engine import LLM, EngineConfig
+
+from .server.config import partition
+from .server.loading import default_device, load_model
 
 
 class PagedGenerator:
     """The actor class for ``ds.map_batches`` (``generate`` wires it; usable on its own too).
 
-    model: a path or hub id for ``AutoModelForCausalLM.from_pretrained``, or a zero-argument callable
-        returning ``(model, tokenizer)`` (it must be importable where the actors run).
-    tokenizer: a path/id for ``AutoTokenizer`` (default: the model's path when it has one); a callable's
+    model: what ``hf-paged serve`` loads (a checkpoint directory or hub id, a ChatGLM directory,
+        ``"smollm2"``: ``integrations.server.loading.load_model``), or a zero-argument callable returning
+        ``(model, tokenizer)`` (it must be importable where the actors run).
+    tokenizer: a path/id for ``AutoTokenizer`` or a tokenizer (default: the model's own); a callable's
         own tokenizer wins. Without a tokenizer, prompts must be token ids.
     threads: torch threads of this actor (default: the CPUs Ray gave it, else torch's default).
     device: where the model runs (default: "cuda" when this actor sees a GPU, else "cpu").
@@ -47,18 +51,13 @@ class PagedGenerator:
 
         if threads:
             torch.set_num_threads(threads)
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         if callable(model):
             model, tokenizer = model()
+            if getattr(model, "hf_device_map", None) is None:      # a dispatched model stays where it is
+                model = model.to(device or default_device())
         else:
-            from transformers import AutoModelForCausalLM, AutoTokenizer
-
-            path, model = model, AutoModelForCausalLM.from_pretrained(model, dtype=dtype)
-            if tokenizer is None or isinstance(tokenizer, str):
-                tokenizer = AutoTokenizer.from_pretrained(tokenizer or path)
-        knobs, self.settings = split_options(options)
-        if getattr(model, "hf_device_map", None) is None:      # a dispatched model stays where it is
-            model = model.to(device)
+            model, tokenizer = load_model(model, dtype=dtype, device=device, tokenizer=tokenizer)
+        knobs, self.settings = partition(options, EngineConfig)
         self.llm = LLM(model.eval(), tokenizer, **knobs)
         self.prompt_column, self.row_settings = prompt_column, tuple(row_settings)
         # Several sequences per prompt: list-valued output columns (the same type in every batch).

@@ -4,11 +4,15 @@
     app = create_app(model, tokenizer, served_model_name="m", api_key=None, max_num_seqs=32)
     # uvicorn.run(app, host="127.0.0.1", port=8000)
 
-Modules: ``detokenize`` (incremental text that never emits a broken character; no web imports),
-``worker`` (the background engine thread; no web imports), ``protocol`` (the request schemas),
-``metrics`` (Prometheus, one registry per app), ``app`` (the FastAPI app), ``loading`` (checkpoints),
-``main`` (``serve``: load, build, run uvicorn). FastAPI, uvicorn and prometheus_client (the ``serve``
-extra) are imported only by the modules that need them, and only when this package is asked for.
+Modules: ``config`` (AppConfig, ServeConfig: the defaults),
+``loading`` (checkpoints; also used by the Ray integrations), ``app`` (``create_app``), ``middleware``
+(the API key), ``routes`` (the endpoints), ``state`` (what the handlers share), ``intake`` (request →
+token ids and sampling settings), ``call`` (one API call's engine requests), ``worker`` (the background
+engine thread; no web imports), ``detokenize`` (incremental text that never emits a broken character;
+no web imports), ``responses`` (whole or streamed answers), ``errors`` (OpenAI-style error bodies),
+``protocol`` (the request schemas), ``metrics`` (Prometheus, one registry per app), ``main``
+(``serve``: load, build, run uvicorn). FastAPI, uvicorn and prometheus_client (the ``serve`` extra) are
+imported only by the modules that need them, and only when this package is asked for.
 """
 from __future__ import annotations
 

@@ -1,6 +1,10 @@
-"""Load what ``hf-paged serve MODEL`` names: ``smollm2`` (the embedded SmolLM2-135M-Instruct), a ChatGLM
-directory (config.json ``model_type: "chatglm"``, through ``load_chatglm``), or any transformers
-checkpoint directory / hub id (AutoModelForCausalLM + AutoTokenizer; a directory loads offline)."""
+"""Load a model for serving: the one loader of ``hf-paged serve``, its Ray Serve deployment and the Ray
+Data actors.
+
+``name``: ``smollm2`` (the embedded SmolLM2-135M-Instruct), a ChatGLM directory (config.json
+``model_type: "chatglm"``, through ``load_chatglm``), or any transformers checkpoint directory / hub id
+(AutoModelForCausalLM + AutoTokenizer; a directory loads offline). No web imports.
+"""
 from __future__ import annotations
 
 import json
@@ -12,34 +16,60 @@ DTYPES = {"auto": None, "float32": torch.float32, "float": torch.float32, "bfloa
           "float16": torch.float16, "half": torch.float16}
 
 
-def load_model(name: str, dtype: str = "auto", device: str | None = None, trust_remote_code: bool = False):
-    """(model in eval mode, tokenizer) for ``name``; ``dtype``: one of DTYPES (auto: the checkpoint's).
-    ``trust_remote_code``: for a ChatGLM directory's tokenizer only (the model never runs remote code)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def torch_dtype(dtype) -> torch.dtype | None:
+    """``dtype`` (a torch.dtype or one of DTYPES' names) as a torch.dtype; None for "auto"."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPES)} (or a torch.dtype)")
+    return DTYPES[dtype]
 
-    torch_dtype = DTYPES[dtype]
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def load_model(name: str, dtype="auto", device: str | None = None, trust_remote_code: bool = False,
+               tokenizer=None):
+    """(model in eval mode on ``device``, tokenizer) for ``name``; ``dtype``: see ``torch_dtype`` (auto:
+    the checkpoint's); ``device``: default ``default_device()`` ("cuda" when there is a GPU). ``tokenizer``: a
+    path / hub id to load it from (default: ``name``), or a tokenizer object, returned as it is.
+    ``trust_remote_code``: for a ChatGLM directory's tokenizer only (the model never runs remote code)."""
+    dtype = torch_dtype(dtype)
+    device = device or default_device()
     if name == "smollm2":
         from ..smollm2 import load_smollm2
 
-        model, tokenizer = load_smollm2(dtype=torch_dtype or torch.float32)
-        return model.to(device), tokenizer
+        model, own = load_smollm2(dtype=dtype or torch.float32)
+        return model.to(device), own if tokenizer is None else _tokenizer(tokenizer)
     path = Path(name).expanduser()
     local = path.is_dir()
     if not local and (path.exists() or name.startswith((".", "/", "~"))):
         raise FileNotFoundError(f"{name}: not a checkpoint directory")
-    model_type = None
-    if local and (path / "config.json").is_file():
-        model_type = json.loads((path / "config.json").read_text()).get("model_type")
-    if model_type == "chatglm":
+    source = str(path) if local else name
+    if local and _model_type(path) == "chatglm":
         from ..chatglm import load_chatglm
 
-        model = load_chatglm(str(path), dtype=torch_dtype, device=device).eval()
-        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True,
-                                                  trust_remote_code=trust_remote_code)
-        return model, tokenizer
-    kwargs = dict(local_files_only=True) if local else {}
-    model = AutoModelForCausalLM.from_pretrained(str(path) if local else name, dtype=torch_dtype or "auto",
-                                                 **kwargs).to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(str(path) if local else name, **kwargs)
-    return model, tokenizer
+        model = load_chatglm(source, dtype=dtype, device=device).eval()
+        return model, _tokenizer(tokenizer, source, local_files_only=True, trust_remote_code=trust_remote_code)
+    from transformers import AutoModelForCausalLM
+
+    options = dict(local_files_only=True) if local else {}
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype or "auto", **options).to(device).eval()
+    return model, _tokenizer(tokenizer, source, **options)
+
+
+def _model_type(path: Path) -> str | None:
+    config = path / "config.json"
+    return json.loads(config.read_text()).get("model_type") if config.is_file() else None
+
+
+def _tokenizer(tokenizer, source: str | None = None, **options):
+    """The given tokenizer object, the one at the given path / hub id, or (None) ``source``'s with ``options``."""
+    if tokenizer is not None and not isinstance(tokenizer, (str, Path)):
+        return tokenizer
+    from transformers import AutoTokenizer
+
+    if tokenizer is not None:
+        return AutoTokenizer.from_pretrained(str(tokenizer))
+    return AutoTokenizer.from_pretrained(source, **options)

@@ -2,35 +2,45 @@
 
 uvicorn handles the signals: it stops accepting, waits up to ``shutdown_timeout`` s for in-flight
 requests (then cancels them, which cancels their engine requests), and the app's lifespan joins the
-engine thread. Returns when everything is stopped.
+engine thread. Returns when everything is stopped. ``serving_app`` (load + build) is shared with the
+Ray Serve deployment (``hf_paged.integrations.ray_serve``).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import signal
 import threading
 
+from .config import AppConfig, ServeConfig, split_options
+
 log = logging.getLogger("hf_paged.server")
 
 
-def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-          served_model_name: str | None = None, dtype: str = "auto", max_queue: int = 256,
-          shutdown_timeout: float = 30.0, max_body_bytes: int | None = None, trust_remote_code: bool = False,
-          log_level: str = "info", **engine_knobs) -> int:
-    import uvicorn
-
-    from .app import DEFAULT_MAX_BODY_BYTES, create_app
+def serving_app(model: str, config: ServeConfig, **engine_knobs):
+    """The app for checkpoint ``model`` (see ``loading.load_model``), served as ``model`` unless
+    ``config.served_model_name`` says otherwise; ``config``'s host, port and log level are not read."""
+    from .app import create_app
     from .loading import load_model
 
-    logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
+    loaded, tokenizer = load_model(model, dtype=config.dtype, trust_remote_code=config.trust_remote_code)
+    app_options = {f.name: getattr(config, f.name) for f in dataclasses.fields(AppConfig)}
+    app_options["served_model_name"] = config.served_model_name or model
+    return create_app(loaded, tokenizer, **app_options, **engine_knobs)
+
+
+def serve(model: str, **options) -> int:
+    """Serve ``model`` until a signal stops it; exit status 0. ``options``: ``ServeConfig`` fields (host,
+    port, api_key, served_model_name, dtype, max_queue, shutdown_timeout, max_body_bytes,
+    trust_remote_code, log_level) and EngineConfig knobs."""
+    import uvicorn
+
+    config, engine_knobs = split_options(options, ServeConfig)
+    logging.basicConfig(level=getattr(logging, config.log_level.upper(), logging.INFO),
                         format="%(levelname)s %(name)s: %(message)s")
-    loaded, tokenizer = load_model(model, dtype=dtype, trust_remote_code=trust_remote_code)
-    app = create_app(loaded, tokenizer, served_model_name=served_model_name or model, api_key=api_key,
-                     max_queue=max_queue, shutdown_timeout=shutdown_timeout,
-                     max_body_bytes=max_body_bytes or DEFAULT_MAX_BODY_BYTES, **engine_knobs)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout,
-                            access_log=False)
-    server = uvicorn.Server(config)
+    app = serving_app(model, config, **engine_knobs)
+    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
+                                           timeout_graceful_shutdown=config.shutdown_timeout, access_log=False))
     # uvicorn re-raises the signal that stopped it once it is done, under the handler found at start;
     # a no-op one there makes a graceful SIGTERM / Ctrl-C end with exit status 0.
     previous = {}

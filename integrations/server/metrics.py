@@ -13,16 +13,20 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the app)
 
+from .protocol import finish_reason
+
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                40.0, 80.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                480.0, 960.0, 1920.0, 7680.0)
-REASONS = {"stop": "stop", "stop_string": "stop", "length": "length", "cancelled": "abort"}
 
 
 class Metrics:
+    """One app's series. ``tokens`` / ``finished`` / ``engine_stats`` are called by the engine thread
+    (prometheus_client is thread-safe); ``render`` by the /metrics handler."""
+
     def __init__(self, model_name: str):
         self.registry = registry = CollectorRegistry(auto_describe=True)
         label = dict(labelnames=["model_name"], registry=registry)
@@ -58,8 +62,11 @@ class Metrics:
                               ITL_BUCKETS)
         self.e2e = histogram("vllm:e2e_request_latency_seconds", "Request latency, arrival to last token.",
                              E2E_BUCKETS)
+        # EngineStats counters mirrored by a Counter (which only goes up by increments)
+        self._mirrors = {"preemptions": self.preemptions, "prefix_query_tokens": self.prefix_queries,
+                         "prefix_hit_tokens": self.prefix_hits}
+        self._seen = dict.fromkeys(self._mirrors, 0)          # the EngineStats values counted so far
 
-    # called from the engine thread (prometheus_client is thread-safe)
     def tokens(self, handle, events, now: float) -> None:
         self.generation_tokens.inc(len(events))
         if handle.first_token is None:
@@ -74,10 +81,10 @@ class Metrics:
 
     def finished(self, handle, output, now: float) -> None:
         self.e2e.observe(now - handle.arrival)
-        reason = output.finish_reason if output is not None else "abort"
-        self._success.labels(self.model_name, REASONS.get(reason, reason or "abort")).inc()
+        reason = output.finish_reason if output is not None else None
+        self._success.labels(self.model_name, finish_reason(reason)).inc()
 
-    def engine_stats(self, stats, seen: dict) -> None:
+    def engine_stats(self, stats) -> None:
         self.running.set(stats.requests_running)
         self.waiting.set(stats.requests_waiting)
         self.kv_usage.set(stats.kv_utilization)
@@ -85,12 +92,11 @@ class Metrics:
         self.blocks_used.set(stats.blocks_used)
         self.blocks_total.set(stats.blocks_total)
         self.prefix_hit_rate.set(stats.prefix_hit_rate)
-        for name, metric in (("preemptions", self.preemptions), ("prefix_query_tokens", self.prefix_queries),
-                             ("prefix_hit_tokens", self.prefix_hits)):
+        for name, counter in self._mirrors.items():
             value = stats[name]
-            if value > seen[name]:
-                metric.inc(value - seen[name])
-            seen[name] = value
+            if value > self._seen[name]:
+                counter.inc(value - self._seen[name])
+            self._seen[name] = value
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -12,6 +12,13 @@ from pydantic import BaseModel, ConfigDict, Field
 
 MAX_N = 64
 MAX_SEED = 2**63 - 1
+# The engine's finish reasons as OpenAI (and vLLM's metrics) name them.
+FINISH_REASONS = {"stop": "stop", "stop_string": "stop", "length": "length", "cancelled": "abort"}
+
+
+def finish_reason(engine_reason: str | None) -> str:
+    """OpenAI's ``finish_reason`` for the engine's (none at all: the request was cancelled, "abort")."""
+    return FINISH_REASONS.get(engine_reason, engine_reason or "abort")
 
 
 class _Strict(BaseModel):

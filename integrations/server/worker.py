@@ -8,14 +8,15 @@ lets in-flight requests finish within a timeout, cancels the rest and joins the 
 """
 from __future__ import annotations
 
-import itertools
 import logging
 import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
 
-from hf_paged.engine import Engine
+if TYPE_CHECKING:
+    from hf_paged.engine import Engine, SamplingParams
 
 log = logging.getLogger("hf_paged.server")
 
@@ -34,10 +35,9 @@ class Handle:
     ``item`` to the asyncio side: a list of TokenEvents, or ``("done", RequestOutput)`` /
     ``("error", message)`` as the last item."""
     prompt_ids: list[int]
-    params: object                       # SamplingParams
-    deliver: object                      # callable(item)
+    params: SamplingParams
+    deliver: Callable[[object], None]
     arrival: float = field(default_factory=time.perf_counter)
-    key: int | None = None
     request_id: int | None = None
     first_token: float | None = None
     last_token: dict = field(default_factory=dict)     # sequence index -> time of its last token
@@ -46,22 +46,21 @@ class Handle:
 
 
 class EngineWorker:
-    def __init__(self, engine: Engine, max_queue: int = 256, metrics=None):
-        if max_queue < 1:
-            raise ValueError(f"max_queue must be >= 1, got {max_queue}")
+    """Runs ``engine`` in a thread of its own. max_queue: waiting requests before ``submit`` raises
+    QueueFull. metrics: a Metrics to update (or None)."""
+
+    def __init__(self, engine: Engine, max_queue: int, metrics=None):
         self.engine, self.max_queue, self.metrics = engine, max_queue, metrics
         self._commands: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._pending = 0                 # submitted, not yet handed to the engine
         self._engine_waiting = 0          # the engine's waiting requests, as of the last look
         self._active: dict[int, Handle] = {}      # engine request id -> handle (engine thread only)
-        self._keys = itertools.count()
         self._accepting = True
         self._stop = threading.Event()    # leave the loop once nothing is active
         self._abort = threading.Event()   # cancel everything still active, then leave
         self._thread: threading.Thread | None = None
         self._stats = engine.stats()
-        self._seen = {"preemptions": 0, "prefix_query_tokens": 0, "prefix_hit_tokens": 0}
         self.error: BaseException | None = None
 
     # ------------------------------------------------------------ any thread
@@ -82,9 +81,8 @@ class EngineWorker:
             if not self._accepting or not self.alive:
                 raise ShuttingDown("the server is shutting down")
             if self._pending + self._engine_waiting >= self.max_queue:
-                raise QueueFull(f"the waiting queue is full ({self.max_queue} requests); retry later")
+                raise QueueFull(f"the waiting queue is full ({self.max_queue} requests, max_queue); retry later")
             self._pending += 1
-            handle.key = next(self._keys)
         self._commands.put(("add", handle))
         return handle
 
@@ -94,7 +92,7 @@ class EngineWorker:
             handle.cancelled = True
             self._commands.put(("cancel", handle))
 
-    def shutdown(self, timeout: float = 30.0) -> bool:
+    def shutdown(self, timeout: float) -> bool:
         """Stop accepting, let in-flight requests finish for ``timeout`` s, cancel the rest, join.
         Returns True when the thread is gone."""
         with self._lock:
@@ -130,17 +128,22 @@ class EngineWorker:
                     elif self._stop.is_set() and not self._active and self._commands.empty():
                         break
         except BaseException as exc:       # pragma: no cover - a bug or an OOM: fail every request
-            self.error = exc
-            log.exception("the engine thread failed")
-            with self._lock:
-                self._accepting = False
-            for handle in list(self._active.values()):
-                handle.deliver(("error", "the engine failed; see the server log"))
-            self._active.clear()
-            while not self._commands.empty():
-                kind, handle = self._commands.get_nowait()
-                if kind == "add":
-                    handle.deliver(("error", "the engine failed; see the server log"))
+            self._fail_everything(exc)
+
+    def _fail_everything(self, exc: BaseException) -> None:    # pragma: no cover
+        """The engine raised: accept nothing more; every active or queued request gets an error."""
+        self.error = exc
+        log.error("the engine thread failed", exc_info=exc)
+        with self._lock:
+            self._accepting = False
+        failed = ("error", "the engine failed; see the server log")
+        for handle in list(self._active.values()):
+            handle.deliver(failed)
+        self._active.clear()
+        while not self._commands.empty():
+            kind, handle = self._commands.get_nowait()
+            if kind == "add":
+                handle.deliver(failed)
 
     def _drain(self, block: bool) -> None:
         try:
@@ -152,10 +155,9 @@ class EngineWorker:
             kind, handle = item
             if kind == "add":
                 self._add(handle)
-                changed = True
             elif kind == "cancel":
                 self._cancel(handle)
-                changed = True
+            changed = changed or kind != "wake"
             try:
                 item = self._commands.get_nowait()
             except queue.Empty:
@@ -167,21 +169,15 @@ class EngineWorker:
         with self._lock:
             self._pending -= 1
         if handle.cancelled:
-            handle.done = True
-            handle.deliver(("done", None))
-            return
+            return self._last(handle, ("done", None))
         try:
             rid = self.engine.add_request(handle.prompt_ids, params=handle.params)
         except ValueError as exc:
-            handle.done = True
-            handle.deliver(("error", str(exc)))
-            return
+            return self._last(handle, ("error", str(exc)))
         output = self.engine.output(rid)
         if output.error is not None:               # can never fit: fails alone
             self.engine.forget(rid)
-            handle.done = True
-            handle.deliver(("error", output.error))
-            return
+            return self._last(handle, ("error", output.error))
         handle.request_id = rid
         self._active[rid] = handle
         if self.metrics is not None:
@@ -200,8 +196,13 @@ class EngineWorker:
         output = self.engine.forget(rid)                # the server keeps no finished request
         if self.metrics is not None:
             self.metrics.finished(handle, output, time.perf_counter())
+        self._last(handle, ("done", output))
+
+    @staticmethod
+    def _last(handle: Handle, item) -> None:
+        """Hand over a request's last item; the request is done for ``cancel`` from then on."""
         handle.done = True
-        handle.deliver(("done", output))
+        handle.deliver(item)
 
     def _dispatch(self, events) -> None:
         now = time.perf_counter()
@@ -224,4 +225,4 @@ class EngineWorker:
             self._engine_waiting = stats.requests_waiting
         self._stats = stats
         if self.metrics is not None:
-            self.metrics.engine_stats(stats, self._seen)
+            self.metrics.engine_stats(stats)

@@ -58,3 +58,8 @@ def test_bad_request_is_an_openai_error(deployed):
     _, client = deployed
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         client.completions.create(model="tiny", prompt="w5", max_tokens=-3)
+
+
+def test_ray_serve_owns_the_address_and_logging():
+    with pytest.raises(ValueError, match=r"port=9000: on Ray Serve, set it with serve.start\(http_options"):
+        ray_serve.application("unused", port=9000)

@@ -1,12 +1,16 @@
 """``hf-paged serve``: the OpenAI-compatible server, driven by the official ``openai`` client on 127.0.0.1.
 
 Most tests share one in-process server (tiny random llama + word tokenizer, uvicorn in a thread); the
-last one starts the real ``python -m hf_paged serve smollm2`` and stops it with SIGTERM.
+last one starts the real ``python -m hf_paged serve smollm2`` and stops it with SIGTERM. No assertion is
+on how fast anything was: the timeouts below only turn a hang into a failure that says so. Sampling
+uses fixed seeds (the ``seed`` field).
 """
 from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
+import json
 import signal
 import socket
 import subprocess
@@ -23,7 +27,10 @@ uvicorn = pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
 import hf_paged  # noqa: E402
+from hf_paged.cli import build_parser, format_bytes, parse_bytes  # noqa: E402
+from hf_paged.engine import EngineConfig  # noqa: E402
 from hf_paged.integrations.server import create_app  # noqa: E402
+from hf_paged.integrations.server.config import AppConfig, ServeConfig  # noqa: E402
 from hf_paged.integrations.server.detokenize import TextStream  # noqa: E402
 from tiny_models import make_model, word_tokenizer  # noqa: E402
 
@@ -31,6 +38,18 @@ HOST = "127.0.0.1"
 MODEL = "tiny"
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}w9{% endif %}"
 KNOBS = dict(num_blocks=32, max_num_seqs=6, max_num_batched_tokens=64, block_size=16)
+HANG_S = 60          # generous: only a hang takes this long
+
+
+def wait_for(condition, what, timeout: float = HANG_S):
+    """Poll ``condition()`` until it is truthy (returned); after ``timeout`` s fail saying what hung
+    (``what``: a text, or a callable giving one then)."""
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        if time.monotonic() > deadline:
+            pytest.fail(f"hung: {what() if callable(what) else what} (not within {timeout:.0f} s)")
+        time.sleep(0.02)
+    return value
 
 
 def tokenizer():
@@ -48,15 +67,13 @@ def running(app):
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=10))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    deadline = time.time() + 30
-    while not server.started:
-        assert thread.is_alive() and time.time() < deadline, "the server did not start"
-        time.sleep(0.02)
+    wait_for(lambda: server.started or not thread.is_alive(), "uvicorn starting")
+    assert thread.is_alive(), "uvicorn stopped while starting"
     try:
         yield f"http://{HOST}:{port}"
     finally:
         server.should_exit = True
-        thread.join(30)
+        thread.join(HANG_S)
         sock.close()
         assert not thread.is_alive(), "uvicorn did not stop"
         assert not app.state.worker.alive, "the engine thread was left behind"
@@ -74,14 +91,16 @@ def client(server):
     return openai.OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
-def wait_idle(app, timeout=20.0):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
+def wait_idle(app):
+    def idle():
         stats = app.state.worker.stats()
-        if stats.requests_running == 0 and stats.requests_waiting == 0 and stats.blocks_used == 0:
-            return stats
-        time.sleep(0.05)
-    raise AssertionError(f"engine not idle: {app.state.worker.stats()}")
+        return stats if stats.requests_running == stats.requests_waiting == stats.blocks_used == 0 else None
+
+    return wait_for(idle, lambda: f"the engine going idle (stats now: {app.state.worker.stats()})")
+
+
+def wait_cancelled(app, count: int, what: str) -> None:
+    wait_for(lambda: app.state.worker.stats().requests_cancelled >= count, f"{what} being cancelled")
 
 
 PROMPTS = [" ".join(f"w{3 + (7 * i + 5 * k) % 250}" for k in range(2 + i % 5)) for i in range(12)]
@@ -210,23 +229,18 @@ def test_disconnect_cancels_and_frees_blocks(server, monkeypatch):
     url, app = server
     engine = app.state.engine
     step = engine.step
-    monkeypatch.setattr(engine, "step", lambda: (time.sleep(0.02), step())[1])       # slow enough to leave
+    # Each step takes at least 20 ms, so a 300-token request outlives the clients below on any machine.
+    monkeypatch.setattr(engine, "step", lambda: (time.sleep(0.02), step())[1])
     before = app.state.worker.stats().requests_cancelled
     body = {"model": MODEL, "prompt": "w3 w4 w5", "max_tokens": 300, "temperature": 0, "ignore_eos": True}
     with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=30) as r:
         lines = r.iter_lines()
         got = [next(lines) for _ in range(4)]
         assert any(line.startswith("data: {") for line in got)
-    deadline = time.time() + 20
-    while app.state.worker.stats().requests_cancelled < before + 1:
-        assert time.time() < deadline, "the streamed request was not cancelled"
-        time.sleep(0.05)
+    wait_cancelled(app, before + 1, "the streamed request")
     with pytest.raises(httpx.ReadTimeout):                  # a non-streamed request whose client gives up
         httpx.post(url + "/v1/completions", json=body, timeout=1.0)
-    deadline = time.time() + 20
-    while app.state.worker.stats().requests_cancelled < before + 2:
-        assert time.time() < deadline, "the non-streamed request was not cancelled"
-        time.sleep(0.05)
+    wait_cancelled(app, before + 2, "the non-streamed request")
     stats = wait_idle(app)
     assert stats.blocks_used == 0
     app.state.engine.check_invariants()
@@ -237,16 +251,14 @@ def test_queue_full_answers_503(server, monkeypatch):
     engine, worker = app.state.engine, app.state.worker
     gate = threading.Event()
     step = engine.step
-    monkeypatch.setattr(engine, "step", lambda: (gate.wait(30), step())[1])
+    monkeypatch.setattr(engine, "step", lambda: (gate.wait(HANG_S), step())[1])
     monkeypatch.setattr(worker, "max_queue", 1)
     body = {"model": MODEL, "prompt": "w3 w4", "max_tokens": 4, "temperature": 0}
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        first = pool.submit(httpx.post, url + "/v1/completions", json=body, timeout=30)
-        deadline = time.time() + 10
-        while worker.stats().requests_waiting + worker.stats().requests_running < 1:
-            assert time.time() < deadline
-            time.sleep(0.02)
-        r = httpx.post(url + "/v1/completions", json=body, timeout=30)
+        first = pool.submit(httpx.post, url + "/v1/completions", json=body, timeout=HANG_S)
+        wait_for(lambda: worker.stats().requests_waiting + worker.stats().requests_running >= 1,
+                 "the first request reaching the engine")
+        r = httpx.post(url + "/v1/completions", json=body, timeout=HANG_S)
         assert r.status_code == 503 and r.headers["retry-after"] == "1"
         assert r.json()["error"]["code"] == "queue_full"
         gate.set()
@@ -266,6 +278,8 @@ def test_bad_requests_answer_400(server, client):
         assert err.value.body["message"] and "Traceback" not in err.value.body["message"], case
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w3"}], logprobs=True)
+    with pytest.raises(openai.BadRequestError, match="token id 1000000 is outside the vocabulary"):
+        client.completions.create(model=MODEL, prompt=[3, 10**6], max_tokens=2)
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="other", prompt="w3", max_tokens=2)
     r = httpx.post(url + "/v1/completions", content=b"x" * (5 * 2**20))
@@ -303,6 +317,41 @@ def test_api_key():
         assert good.completions.create(model=MODEL, prompt="w3", max_tokens=2).choices[0].text
 
 
+SERVE_FLAGS = {"host", "port", "api_key", "served_model_name", "dtype", "gpu_memory_utilization",
+               "max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size", "enable_prefix_caching",
+               "kv_cache_dtype", "kv_cache_memory_bytes", "max_queue", "shutdown_timeout", "max_body_bytes",
+               "trust_remote_code", "log_level"}
+
+
+def test_cli_flags_take_names_and_defaults_from_the_configs():
+    """Each ``serve`` flag is --<field> of EngineConfig or ServeConfig (vLLM's names) with its default."""
+    parser = build_parser()
+    args = vars(parser.parse_args(["serve", "m"]))
+    assert set(args) == SERVE_FLAGS | {"command", "model"}
+    defaults = {f.name: f.default for cls in (EngineConfig, ServeConfig) for f in dataclasses.fields(cls)}
+    assert {name: args[name] for name in SERVE_FLAGS} == {name: defaults[name] for name in SERVE_FLAGS}
+    given = vars(parser.parse_args(["serve", "m", "--no-enable-prefix-caching", "--kv-cache-memory-bytes", "256M",
+                                    "--max-body-bytes", "1GiB", "--max-num-seqs", "3", "--dtype", "half"]))
+    assert (given["enable_prefix_caching"], given["kv_cache_memory_bytes"], given["max_body_bytes"],
+            given["max_num_seqs"], given["dtype"]) == (False, 256 * 2**20, 2**30, 3, "half")
+    for bad in (["--max-num-seqs", "0"], ["--kv-cache-memory-bytes", "lots"], ["--dtype", "int3"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["serve", "m", *bad])
+
+
+@pytest.mark.parametrize("text, value", [("1048576", 2**20), ("512k", 2**19), ("256M", 256 * 2**20),
+                                         ("2GiB", 2 * 2**30), ("1.5gb", 3 * 2**29), ("1T", 2**40)])
+def test_parse_bytes(text, value):
+    assert parse_bytes(text) == value
+    assert parse_bytes(format_bytes(value)) == value
+
+
+def test_parse_bytes_names_the_bad_value():
+    assert format_bytes(AppConfig.max_body_bytes) == "4M"
+    with pytest.raises(ValueError, match="not a byte size: '12x'"):
+        parse_bytes("12x")
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind((HOST, 0))
@@ -322,37 +371,50 @@ def test_real_server_chat_and_sigterm(tmp_path):
         pytest.skip(str(exc))
     port = _free_port()
     log = open(tmp_path / "server.log", "w+")
+    # 256 MiB hold ~5,800 tokens of SmolLM2's fp32 KV: the 4,000-token request below fits (one that
+    # cannot fit fails at once, and nothing would be in flight at SIGTERM).
     proc = subprocess.Popen([sys.executable, "-m", "hf_paged", "serve", "smollm2", "--port", str(port),
-                             "--shutdown-timeout", "3", "--kv-cache-memory-bytes", "64M", "--log-level", "warning"],
+                             "--shutdown-timeout", "3", "--kv-cache-memory-bytes", "256M", "--log-level", "warning"],
                             stdout=log, stderr=subprocess.STDOUT)
     url = f"http://{HOST}:{port}"
+
+    def up() -> bool:
+        assert proc.poll() is None, open(tmp_path / "server.log").read()
+        with contextlib.suppress(httpx.HTTPError):
+            return httpx.get(url + "/health", timeout=1).status_code == 200
+        return False
+
     try:
-        deadline = time.time() + 240                       # first use converts the GGUF (~30-60 s)
-        while True:
-            assert proc.poll() is None, open(tmp_path / "server.log").read()
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            assert time.time() < deadline, "server did not come up"
-            time.sleep(0.5)
-        c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
+        wait_for(up, "the server coming up (its first use converts the GGUF)", timeout=600)
+        c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=HANG_S)
         messages = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
         whole = c.chat.completions.create(model="smollm2", messages=messages, max_tokens=12, temperature=0)
         assert "Paris" in whole.choices[0].message.content
         streamed = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
             model="smollm2", messages=messages, max_tokens=12, temperature=0, stream=True) if ch.choices)
         assert streamed == whole.choices[0].message.content
-        body = {"model": "smollm2", "prompt": "Once upon a time", "max_tokens": 2000, "stream": True,
+        body = {"model": "smollm2", "prompt": "Once upon a time", "max_tokens": 4000, "stream": True,
                 "ignore_eos": True, "temperature": 0}
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=HANG_S) as r:
             lines = r.iter_lines()
-            next(lines)
-            start = time.time()
+            first = json.loads(next(lines).removeprefix("data: "))
+            assert first["choices"][0]["finish_reason"] is None          # it runs
             proc.send_signal(signal.SIGTERM)
-            rest = list(lines)                             # ends when the server cancels it
-        assert proc.wait(timeout=30) == 0
-        assert time.time() - start < 3 + 15
-        assert rest[-1] == "data: [DONE]" or rest == [] or rest[-1] == ""
+            rest, cut = [], False
+            try:
+                rest.extend(lines)                         # ends when the server cancels the request
+            except httpx.RemoteProtocolError:              # uvicorn ended the response mid-body
+                cut = True
+        try:
+            status = proc.wait(timeout=HANG_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"hung: the server did not exit within {HANG_S} s of SIGTERM (--shutdown-timeout 3)")
+        assert status == 0, open(tmp_path / "server.log").read()
+        events = [json.loads(line.removeprefix("data: ")) for line in rest if line.startswith("data: {")]
+        assert not any("error" in e for e in events), events
+        reasons = {choice["finish_reason"] for e in events for choice in e["choices"]}
+        assert reasons <= {None, "abort"}, reasons         # cancelled by the shutdown, not run to its end
+        assert cut or "data: [DONE]" in rest               # a stream that ends cleanly ends with [DONE]
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -1,0 +1,74 @@
+"""The server's settings beside the engine's: each default stated once, here or in ``EngineConfig``.
+
+``AppConfig`` is what ``create_app`` takes besides the model and the EngineConfig knobs; ``ServeConfig``
+adds what ``serve`` needs to load the model and bind a socket. ``hf-paged serve`` has one flag per
+field (``hf_paged.cli`` reads the defaults and the help below). No web imports.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, fields
+
+MiB = 2**20
+
+
+@dataclass(frozen=True)
+class AppConfig:
+    """served_model_name: the model's name in the API (default: the checkpoint's name). api_key: require
+    ``Authorization: Bearer KEY`` on every endpoint but /health. max_queue: waiting requests before
+    answering 503 with Retry-After. shutdown_timeout: seconds to let in-flight requests finish on SIGTERM
+    before cancelling them. max_body_bytes: request body limit (413 above it)."""
+    served_model_name: str | None = None
+    api_key: str | None = None
+    max_queue: int = 256
+    shutdown_timeout: float = 30.0
+    max_body_bytes: int = 4 * MiB
+
+    def validate(self) -> None:
+        if not isinstance(self.max_queue, int) or self.max_queue < 1:
+            raise ValueError(f"max_queue must be a positive int, got {self.max_queue!r}")
+        if not isinstance(self.max_body_bytes, int) or self.max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be a positive int, got {self.max_body_bytes!r}")
+        if self.shutdown_timeout < 0:
+            raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {self.shutdown_timeout!r}")
+
+
+@dataclass(frozen=True)
+class ServeConfig(AppConfig):
+    """host: address to bind; 127.0.0.1 accepts this machine only. port: TCP port to listen on.
+    dtype: weights' dtype (auto: the checkpoint's). trust_remote_code: for a ChatGLM directory's
+    tokenizer only. log_level: the server's logging level."""
+    host: str = "127.0.0.1"
+    port: int = 8000
+    dtype: str = "auto"
+    trust_remote_code: bool = False
+    log_level: str = "info"
+
+
+def partition(options: dict, config_class: type) -> tuple[dict, dict]:
+    """(the options named after ``config_class``'s dataclass fields, the others)."""
+    names = {f.name for f in fields(config_class)}
+    return ({k: v for k, v in options.items() if k in names},
+            {k: v for k, v in options.items() if k not in names})
+
+
+def split_options(options: dict, config_class: type[AppConfig]) -> tuple[AppConfig, dict]:
+    """(``config_class`` built and validated from its fields among ``options``, the rest: EngineConfig
+    knobs, which ``Engine`` checks)."""
+    mine, rest = partition(options, config_class)
+    config = config_class(**mine)
+    config.validate()
+    return config, rest
+
+
+def field_docs(config_class: type) -> dict[str, str]:
+    """Each documented field's text in the docstrings of ``config_class`` and its bases, written as
+    ``name: text. name: text.``; text before the first name is not any field's."""
+    names = "|".join(re.escape(f.name) for f in fields(config_class))
+    docs: dict[str, str] = {}
+    for cls in reversed(config_class.__mro__):
+        doc = " ".join((cls.__dict__.get("__doc__") or "").split())
+        marks = list(re.finditer(rf"\b({names}): ", doc))
+        ends = [m.start() for m in marks[1:]] + [len(doc)]
+        docs.update({m.group(1): doc[m.end():end].strip().replace("``", "") for m, end in zip(marks, ends)})
+    return docs

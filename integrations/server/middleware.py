@@ -1,0 +1,28 @@
+"""The API key check, as pure ASGI middleware (it also guards streamed responses and /metrics)."""
+from __future__ import annotations
+
+import hmac
+
+from .errors import error_response
+
+OPEN_PATHS = ("/health",)
+
+
+class ApiKeyMiddleware:
+    """Every path but /health needs ``Authorization: Bearer <key>`` (constant-time compare); else 401."""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.key = app, api_key.encode()
+
+    def _authorized(self, scope) -> bool:
+        auth = dict(scope.get("headers") or []).get(b"authorization", b"")
+        scheme, _, token = auth.partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope.get("path") not in OPEN_PATHS and not self._authorized(scope):
+            response = error_response(401, "invalid or missing API key (Authorization: Bearer ...)",
+                                      code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)

@@ -1,0 +1,134 @@
+"""The answers of /v1/completions and /v1/chat/completions: one JSON body, or server-sent events.
+
+A ``Shape`` says how one endpoint's choices look (``COMPLETION``, ``CHAT``); ``respond`` runs an
+``ApiCall`` to its end and answers either way. A client that leaves cancels its requests: a stream
+when Starlette stops iterating it, a whole answer when ``http.disconnect`` arrives (then 499).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from .call import ApiCall
+from .errors import sse_error
+
+STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+DONE = "data: [DONE]\n\n"
+
+
+class CompletionShape:
+    """/v1/completions: choices carry ``text``."""
+    object = chunk_object = "text_completion"
+    id_prefix = "cmpl-"
+
+    def choice(self, index: int, text: str, reason: str | None) -> dict:
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
+
+    delta = choice
+
+    def opening(self, choices: int) -> list[dict]:
+        return []
+
+
+class ChatShape:
+    """/v1/chat/completions: choices carry an assistant ``message``; a stream opens with the role."""
+    object, chunk_object = "chat.completion", "chat.completion.chunk"
+    id_prefix = "chatcmpl-"
+
+    def choice(self, index: int, text: str, reason: str | None) -> dict:
+        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                "finish_reason": reason}
+
+    def delta(self, index: int, delta: str, reason: str | None) -> dict:
+        return {"index": index, "delta": {"content": delta} if delta or not reason else {}, "logprobs": None,
+                "finish_reason": reason}
+
+    def opening(self, choices: int) -> list[dict]:
+        return [{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                 "finish_reason": None} for k in range(choices)]
+
+
+COMPLETION, CHAT = CompletionShape(), ChatShape()
+
+
+class Reply:
+    """The envelope every body and chunk of one answer shares (id, object, created, model)."""
+
+    def __init__(self, shape, model: str):
+        self.shape, self.model = shape, model
+        self.id = shape.id_prefix + uuid.uuid4().hex
+        self.created = int(time.time())
+
+    def body(self, obj: str, choices: list[dict], **extra) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices,
+                **extra}
+
+    def chunk(self, choices: list[dict], include_usage: bool, usage: dict | None = None) -> str:
+        body = self.body(self.shape.chunk_object, choices, **({"usage": usage} if include_usage else {}))
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+async def respond(request: Request, call: ApiCall, reply: Reply, stream: bool, include_usage: bool) -> Response:
+    """Submit ``call``'s requests (503 when the queue is full) and answer with their text."""
+    call.submit()
+    if stream:
+        return StreamingResponse(events(call, reply, include_usage), media_type="text/event-stream",
+                                 headers=STREAM_HEADERS)
+    return await whole(request, call, reply)
+
+
+async def events(call: ApiCall, reply: Reply, include_usage: bool):
+    """The stream's events: a chunk per delta, the usage chunk if asked, ``[DONE]``; an error mid-way is
+    an event with the error body."""
+    try:
+        opening = reply.shape.opening(call.choices)
+        if opening:
+            yield reply.chunk(opening, include_usage)
+        async for index, delta, reason in call.deltas():
+            yield reply.chunk([reply.shape.delta(index, delta, reason)], include_usage)
+        if include_usage:
+            yield reply.chunk([], include_usage, call.usage())
+    except Exception as exc:
+        yield sse_error(exc)
+    finally:
+        call.cancel()
+    yield DONE
+
+
+async def whole(request: Request, call: ApiCall, reply: Reply) -> Response:
+    """The whole text of every choice in one body, or 499 when the client left first."""
+    texts, reasons = [""] * call.choices, [None] * call.choices
+
+    async def collect():
+        async for index, delta, reason in call.deltas():
+            texts[index] += delta
+            if reason:
+                reasons[index] = reason
+
+    collecting = asyncio.ensure_future(collect())
+    watching = asyncio.ensure_future(disconnected(request))
+    try:
+        await asyncio.wait({collecting, watching}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watching.cancel()
+        if not collecting.done():          # the client left (or this task was cancelled)
+            collecting.cancel()
+        call.cancel()                      # no-op for finished requests; frees a disconnected one's
+    if not collecting.done() or collecting.cancelled():
+        return Response(status_code=499)   # nobody reads it
+    collecting.result()                    # re-raises an ApiError from the engine side
+    choices = [reply.shape.choice(k, texts[k], reasons[k]) for k in range(call.choices)]
+    return JSONResponse(reply.body(reply.shape.object, choices, usage=call.usage()))
+
+
+async def disconnected(request: Request) -> None:
+    """Return when the client closes the connection (the body has been read already)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return

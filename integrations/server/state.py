@@ -1,0 +1,64 @@
+"""What the handlers of one app share: the engine, its thread, the metrics and the served model's facts.
+
+One ``ServerState`` per app (``app.state.server``); nothing module-global. Its ``lifespan`` starts the
+engine thread with the app and joins it when the app stops.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from hf_paged.engine import Engine
+
+from .config import AppConfig
+from .metrics import Metrics
+from .worker import EngineWorker
+
+log = logging.getLogger("hf_paged.server")
+
+
+@dataclass
+class ServerState:
+    """config: the app's settings. name: the model's name in the API. engine: the Engine (touched only by
+    ``worker``'s thread). created: when the app was built (``/v1/models``' ``created``)."""
+    config: AppConfig
+    name: str
+    model: object
+    tokenizer: object
+    engine: Engine
+    worker: EngineWorker
+    metrics: Metrics
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @classmethod
+    def build(cls, model, tokenizer, config: AppConfig, **engine_knobs) -> ServerState:
+        """The engine is built now (``engine_knobs``: EngineConfig fields); its thread starts with the app."""
+        if tokenizer is None:
+            raise ValueError("the server needs a tokenizer (pass one to create_app)")
+        name = config.served_model_name or getattr(model.config, "_name_or_path", None) or "model"
+        engine = Engine(model, tokenizer, **engine_knobs)
+        metrics = Metrics(name)
+        worker = EngineWorker(engine, max_queue=config.max_queue, metrics=metrics)
+        return cls(config, name, model, tokenizer, engine, worker, metrics)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.get_input_embeddings().weight.shape[0]
+
+    @asynccontextmanager
+    async def lifespan(self, app):
+        self.worker.start()
+        try:
+            yield
+        finally:
+            gone = await asyncio.to_thread(self.worker.shutdown, self.config.shutdown_timeout)
+            if not gone:                                    # pragma: no cover
+                log.error("the engine thread did not stop within %.1f s (shutdown_timeout) + 30 s",
+                          self.config.shutdown_timeout)
