@@ -19,6 +19,22 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                40.0, 80.0)
+# (series, help, EngineStats field): gauges set from the engine's stats after each step
+STAT_GAUGES = (
+    ("vllm:num_requests_running", "Requests running on the engine.", "requests_running"),
+    ("vllm:num_requests_waiting", "Requests waiting to be scheduled.", "requests_waiting"),
+    ("vllm:kv_cache_usage_perc", "KV-cache usage: fraction of blocks in use (0-1).", "kv_utilization"),
+    ("vllm:gpu_cache_usage_perc", "KV-cache usage (vLLM's older name; 0-1).", "kv_utilization"),
+    ("hf_paged:kv_blocks_used", "KV blocks in use.", "blocks_used"),
+    ("hf_paged:kv_blocks_total", "KV blocks in the pool.", "blocks_total"),
+    ("hf_paged:prefix_cache_hit_rate", "Prefix-cache hit tokens / queried tokens.", "prefix_hit_rate"),
+)
+# counters that mirror an EngineStats total (a Counter only goes up by increments)
+STAT_COUNTERS = (
+    ("vllm:num_preemptions", "Preemptions (sequences evicted and recomputed).", "preemptions"),
+    ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prefix_query_tokens"),
+    ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_hit_tokens"),
+)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                480.0, 960.0, 1920.0, 7680.0)
 
@@ -40,18 +56,11 @@ class Metrics:
         def histogram(name, doc, buckets):
             return Histogram(name, doc, buckets=buckets, **label).labels(model_name)
 
-        self.running = gauge("vllm:num_requests_running", "Requests running on the engine.")
-        self.waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.")
-        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage: fraction of blocks in use (0-1).")
-        self.gpu_usage = gauge("vllm:gpu_cache_usage_perc", "KV-cache usage (vLLM's older name; 0-1).")
-        self.blocks_used = gauge("hf_paged:kv_blocks_used", "KV blocks in use.")
-        self.blocks_total = gauge("hf_paged:kv_blocks_total", "KV blocks in the pool.")
-        self.prefix_hit_rate = gauge("hf_paged:prefix_cache_hit_rate", "Prefix-cache hit tokens / queried tokens.")
+        self._gauges = [(gauge(name, doc), field) for name, doc, field in STAT_GAUGES]
+        self._mirrors = {field: counter(name, doc) for name, doc, field in STAT_COUNTERS}
+        self._seen = dict.fromkeys(self._mirrors, 0)          # the EngineStats values counted so far
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prefill tokens of admitted requests.")
         self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens.")
-        self.preemptions = counter("vllm:num_preemptions", "Preemptions (sequences evicted and recomputed).")
-        self.prefix_queries = counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
-        self.prefix_hits = counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self._success = Counter("vllm:request_success", "Finished requests by reason.",
                                 labelnames=["model_name", "finished_reason"], registry=registry)
         self.model_name = model_name
@@ -62,10 +71,6 @@ class Metrics:
                               ITL_BUCKETS)
         self.e2e = histogram("vllm:e2e_request_latency_seconds", "Request latency, arrival to last token.",
                              E2E_BUCKETS)
-        # EngineStats counters mirrored by a Counter (which only goes up by increments)
-        self._mirrors = {"preemptions": self.preemptions, "prefix_query_tokens": self.prefix_queries,
-                         "prefix_hit_tokens": self.prefix_hits}
-        self._seen = dict.fromkeys(self._mirrors, 0)          # the EngineStats values counted so far
 
     def tokens(self, handle, events, now: float) -> None:
         self.generation_tokens.inc(len(events))
@@ -85,13 +90,8 @@ class Metrics:
         self._success.labels(self.model_name, finish_reason(reason)).inc()
 
     def engine_stats(self, stats) -> None:
-        self.running.set(stats.requests_running)
-        self.waiting.set(stats.requests_waiting)
-        self.kv_usage.set(stats.kv_utilization)
-        self.gpu_usage.set(stats.kv_utilization)
-        self.blocks_used.set(stats.blocks_used)
-        self.blocks_total.set(stats.blocks_total)
-        self.prefix_hit_rate.set(stats.prefix_hit_rate)
+        for gauge, field in self._gauges:
+            gauge.set(stats[field])
         for name, counter in self._mirrors.items():
             value = stats[name]
             if value > self._seen[name]:

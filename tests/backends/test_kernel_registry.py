@@ -10,7 +10,8 @@ import torch
 
 import harness
 from hf_paged.backends import kernel_registry as reg
-from hf_paged.backends.cuda_backend import CupyLauncher, CudaBackend
+from hf_paged.backends.cuda_backend import CudaBackend
+from hf_paged.backends.cupy_launcher import CupyLauncher
 
 
 def test_shim_libraries_export_exactly_the_registry(shim_libraries):

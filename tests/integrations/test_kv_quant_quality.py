@@ -8,7 +8,7 @@ forcing with the default attention and no cache):
 - the engine (greedy, a prefix-cache hit forced): the regret of each chosen token (best log-prob minus
   the chosen one's), i.e. how far the token is from the unquantised argmax.
 Bounds: ~3-10x what these tiny random models show (their distributions are flat; 7B-class models are
-measured on SmolLM2 in bench/kv_quality.py); "auto" must stay at float noise. A negative control proves
+measured on SmolLM2 by `python -m bench kv-quant`); "auto" must stay at float noise. A negative control proves
 the checks fail on a dequantisation that is off by a quarter step.
 """
 import pytest
