@@ -26,7 +26,7 @@ from ..attention_interface import use_paged_attention
 from ..blocks import BlockPool, PrefixCache
 from ..families import model_geometry
 from ..kv_formats import kv_format
-from ..parallel import replicas_of
+from ..parallel import tensor_parallel_ranks
 from .config import EngineConfig, kv_pool_blocks
 from .prepack import PrepackedLinears
 from .request import CompletionOutput, Request, RequestOutput, SamplingParams, Sequence, Status
@@ -69,12 +69,12 @@ class Engine:
         weight = model.get_input_embeddings().weight
         dtype, device = weight.dtype, weight.device
         # Ranks of a tensor-parallel model must hold identical pools and schedules (see hf_paged.parallel).
-        self.replicas = replicas_of(model)
+        self.tp_ranks = tensor_parallel_ranks(model)
         fmt = kv_format(config.kv_cache_dtype)
         per_token = geometry.bytes_per_token(dtype, fmt)
         # Each device holding layers (a device_map) must fit its layers' share of every block.
         layers_on = Counter(geometry.layer_devices or (device,) * geometry.num_layers)
-        blocks = self.replicas.smallest(min(
+        blocks = self.tp_ranks.smallest(min(
             kv_pool_blocks(config, per_token * layers // geometry.num_layers, self.max_model_len, on,
                            profile=self._profile) for on, layers in layers_on.items()))
         self.bytes_per_token = per_token
@@ -249,7 +249,7 @@ class Engine:
                     samplers.append(child)
                     rows.append(row)
         tokens = sample(logits[rows] if len(rows) != logits.shape[0] else logits, samplers)
-        tokens = self.replicas.share_tokens(tokens)       # tensor-parallel ranks: the first rank's draw
+        tokens = self.tp_ranks.share_tokens(tokens)       # tensor-parallel ranks: the first rank's draw
         # An on_token callback may cancel a request mid-loop: its sequences get no further token.
         events = [self._append(seq, token) for seq, token in zip(samplers, tokens) if seq.status is Status.RUNNING]
         self.scheduler.drop_finished()
