@@ -74,6 +74,9 @@ class Scheduler:
     def finish(self, seq: Sequence, reason: str) -> None:
         """Running ``seq`` is done (``reason``: its finish_reason): its blocks go back now (hashed full
         blocks stay kept for prefix hits) and it leaves ``running``."""
+        if seq.status is not Status.RUNNING:
+            raise ValueError(f"sequence {seq.seq_id} of request {seq.request.request_id} is {seq.status.value}: "
+                             "only a running sequence can finish (a waiting one is cancelled: cancel(request))")
         seq.block_table.release(self.pool)
         seq.status, seq.finish_reason = Status.FINISHED, reason
         self.running.remove(seq)

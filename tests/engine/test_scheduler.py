@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 import random
 
+import pytest
+
 from hf_paged.blocks import BlockPool, PrefixCache
 from hf_paged.engine.request import Request, SamplingParams, Status
 from hf_paged.engine.scheduler import Scheduler
@@ -218,6 +220,8 @@ def test_cancel_running_waiting_and_unforked():
         (0, 1, Status.FINISHED, "cancelled"), (1, 3, Status.FINISHED, "cancelled"),
         (2, 4, Status.FINISHED, "cancelled")]
     assert list(sched.waiting) == [r0, b0] and sched.requests_waiting() == 1      # r0 leaves at the front
+    with pytest.raises(ValueError, match="is finished: only a running sequence can finish"):
+        sched.finish(r0, "length")
     out = sched.schedule()
     assert out.batch == [(b0, 2)] and not sched.waiting and sched.running == [b0]
     check(sched)
