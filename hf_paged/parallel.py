@@ -1,4 +1,4 @@
-"""Tensor-parallel replicas: what ranks of a ``tp_plan`` model must agree on.
+"""Tensor-parallel ranks: what the ranks of a ``tp_plan`` model must agree on.
 
 Under transformers' tensor parallelism every rank runs the same program (SPMD) on its share of the
 heads, and every rank's hf_paged state — block pool, block tables, schedule — must stay identical, or
@@ -6,7 +6,8 @@ the ranks would write and read different slots and the all-reduces would mix dif
 bookkeeping is deterministic given the same calls, so the ranks agree by construction; two things are
 not, and are made so here: a KV budget measured per device (free memory differs between ranks, so
 all take the smallest), and sampled tokens (drawn once, on the group's first rank, and broadcast).
-A model that is not tensor-parallel gets a ``Replicas`` of size 1, whose methods do nothing.
+A model that is not tensor-parallel gets a ``TensorParallelRanks`` of size 1, whose methods do nothing.
+Each rank holds a shard of the model (its share of the heads), not a replica of it.
 """
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ import torch
 from .introspect import tensor_parallel_size
 
 
-class Replicas:
-    """The tensor-parallel group of a model (size 1 when there is none)."""
+class TensorParallelRanks:
+    """The tensor-parallel group of a model, seen from one rank (size 1 when there is none)."""
 
     def __init__(self, group=None):
         self.group = group
@@ -61,15 +62,15 @@ class Replicas:
         return out
 
 
-def replicas_of(model) -> Replicas:
+def tensor_parallel_ranks(model) -> TensorParallelRanks:
     """The tensor-parallel group ``model`` was loaded with (``from_pretrained(..., tp_plan=...)``), if any."""
     tp_size = tensor_parallel_size(model)
     if tp_size <= 1:
-        return Replicas()
+        return TensorParallelRanks()
     mesh = getattr(model, "_device_mesh", None)
     if mesh is None:
         raise RuntimeError(f"model has tp_size={tp_size} but no device mesh; load it with "
                            "from_pretrained(..., tp_plan='auto') under torchrun")
     if mesh.ndim > 1:
         mesh = mesh["tp"]
-    return Replicas(mesh.get_group())
+    return TensorParallelRanks(mesh.get_group())

@@ -1,14 +1,18 @@
 """Continuous batching over the paged KV pool: request → scheduler → runner → sampler.
 
-Module map: ``request`` (settings, requests, sequences, outputs) · ``scheduler`` (token budget,
-admission, preemption, over ``hf_paged.blocks``: pool, tables, prefix cache) · ``runner`` (packed
-forward, EngineCache) · ``sampler`` · ``config`` (vLLM-named knobs, pool sizing) · ``stats``
+Module map, in the order of a step: ``intake`` (prompt → token ids; requests that can never fit) ·
+``settings`` (generation settings resolved as ``generate`` resolves them) · ``request`` (settings,
+requests, sequences) · ``scheduler`` (token budget, admission, prefix matching and commits,
+preemption, forks, cancels: every sequence's lifecycle, over ``hf_paged.blocks``) · ``runner`` (packed
+forward, EngineCache) · ``sampler`` · ``stop_strings`` (shared with the server's text streams) ·
+``outputs`` (token events, output records) · ``config`` (vLLM-named knobs, pool sizing) · ``stats``
 (counters and the read-only snapshot) · ``engine`` (one step) · ``llm`` (lists of prompts, streams).
 """
 from .config import EngineConfig
-from .engine import Engine, RequestTooLongError, TokenEvent
+from .engine import Engine
 from .llm import LLM, generate_many
-from .request import CompletionOutput, RequestOutput, SamplingParams
+from .outputs import CompletionOutput, RequestOutput, TokenEvent
+from .request import SamplingParams
 
-__all__ = ["CompletionOutput", "Engine", "EngineConfig", "LLM", "RequestOutput", "RequestTooLongError",
-           "SamplingParams", "TokenEvent", "generate_many"]
+__all__ = ["CompletionOutput", "Engine", "EngineConfig", "LLM", "RequestOutput", "SamplingParams", "TokenEvent",
+           "generate_many"]

@@ -6,19 +6,25 @@
         for event in engine.step(): ...                  # TokenEvent(request_id, index, token, finished)
     engine.output(rid), engine.stats()
 
-A step: schedule (running sequences first, then waiting ones; preempt the newest when blocks run
-out), apply copy-on-write, run the model on the packed tokens, commit full blocks to the prefix
-cache, sample the sequences that reached their last token, finish those that stop (their blocks go
-back at once), fork the extra sequences of ``num_return_sequences`` requests.
+A step: the scheduler schedules (running sequences first, then waiting ones; it preempts the newest
+when blocks run out), the cache applies its copy-on-write pairs, the runner runs the model on the
+packed tokens, the scheduler's ``postprocess`` does the bookkeeping (computed tokens, prefix-cache
+commits, forks of ``num_return_sequences`` requests), the sampler draws a token for each sequence
+that reached its last token, and the engine appends it and decides whether the sequence stops (the
+scheduler then finishes it: its blocks go back at once).
+
+The engine owns intake (``intake``), the forward, sampling, finish decisions (EOS, stop strings,
+length), output records (``outputs``) and stats (``stats``); the scheduler owns every sequence's
+lifecycle (``scheduler``).
 """
 from __future__ import annotations
 
 import contextlib
 import itertools
-from collections import Counter
 import logging
 import time
-from dataclasses import dataclass, fields
+from collections import Counter
+from dataclasses import fields
 
 import torch
 
@@ -26,30 +32,20 @@ from ..attention_interface import use_paged_attention
 from ..blocks import BlockPool, PrefixCache
 from ..introspect import model_geometry
 from ..kv_formats import kv_format
-from ..parallel import replicas_of
+from ..parallel import tensor_parallel_ranks
 from .config import EngineConfig, kv_pool_blocks
+from .intake import never_fits, token_ids
+from .outputs import RequestOutput, TokenEvent, write_record
 from .prepack import PrepackedLinears
-from .request import CompletionOutput, Request, RequestOutput, SamplingParams, Sequence, Status
+from .request import Request, SamplingParams, Sequence, Status
 from .runner import EngineCache, ModelRunner
 from .sampler import sample
 from .scheduler import Scheduler
 from .settings import resolve_generation
-from .stats import EngineCounters, EngineStats
+from .stats import EngineCounters, EngineStats, snapshot, stats_line
+from .stop_strings import StopStrings
 
 log = logging.getLogger("hf_paged.engine")
-
-
-class RequestTooLongError(ValueError):
-    """A request that can never fit: prompt + max new tokens over the model's context or the whole pool."""
-
-
-@dataclass(frozen=True)
-class TokenEvent:
-    """A new token of sequence ``index`` of request ``request_id``; ``finished`` names why it ended, if it did."""
-    request_id: int
-    index: int
-    token: int
-    finished: str | None
 
 
 class Engine:
@@ -69,15 +65,10 @@ class Engine:
         weight = model.get_input_embeddings().weight
         dtype, device = weight.dtype, weight.device
         # Ranks of a tensor-parallel model must hold identical pools and schedules (see hf_paged.parallel).
-        self.replicas = replicas_of(model)
+        self.tp_ranks = tensor_parallel_ranks(model)
         fmt = kv_format(config.kv_cache_dtype)
-        per_token = geometry.bytes_per_token(dtype, fmt)
-        # Each device holding layers (a device_map) must fit its layers' share of every block.
-        layers_on = Counter(geometry.layer_devices or (device,) * geometry.num_layers)
-        blocks = self.replicas.smallest(min(
-            kv_pool_blocks(config, per_token * layers // geometry.num_layers, self.max_model_len, on,
-                           profile=self._profile) for on, layers in layers_on.items()))
-        self.bytes_per_token = per_token
+        self.bytes_per_token = geometry.bytes_per_token(dtype, fmt)
+        blocks = self._num_blocks(geometry, device)
         self.cache = EngineCache(model.config, blocks, config.block_size, dtype, device, geometry, fmt)
         self.pool = BlockPool(blocks, config.block_size)
         self.prefix_cache = PrefixCache(self.pool) if config.enable_prefix_caching else None
@@ -88,7 +79,14 @@ class Engine:
         self.prepacked = None if config.enforce_eager or device.type != "cpu" else PrepackedLinears(model)
         self.requests: dict[int, Request] = {}
         self._ids = itertools.count()
-        self._seq_ids = itertools.count()
+
+    def _num_blocks(self, geometry, device: torch.device) -> int:
+        """Blocks in the pool: each device holding layers (a device_map) must fit its layers' share of
+        every block, and every tensor-parallel rank gets the smallest count any rank allows."""
+        layers_on = Counter(geometry.layer_devices or (device,) * geometry.num_layers)
+        return self.tp_ranks.smallest(min(
+            kv_pool_blocks(self.config, self.bytes_per_token * layers // geometry.num_layers, self.max_model_len,
+                           on, profile=self._profile) for on, layers in layers_on.items()))
 
     # ------------------------------------------------------------ requests
     def add_request(self, prompt, prompt_index: int | None = None, on_token=None, params: SamplingParams | None = None,
@@ -104,7 +102,7 @@ class Engine:
         an explicit ``max_length`` leaves no room after) is not raised: its output carries the error
         (``output.error``, ``finish_reason == "error"``) and the other requests run.
         """
-        ids = self._token_ids(prompt)
+        ids = token_ids(prompt, self.tokenizer)
         if params is None:
             params = resolve_generation(self.model.generation_config, **settings)
         if params.stop_strings and self.tokenizer is None:
@@ -113,75 +111,25 @@ class Engine:
         request = Request(request_id, request_id if prompt_index is None else prompt_index, ids, params, on_token,
                           max_position_embeddings=getattr(self.model.config, "max_position_embeddings", None))
         self.requests[request_id] = request
-        error = self._never_fits(request)
+        error = never_fits(len(ids), request.max_new_tokens, params.num_return_sequences,
+                           max_model_len=self.max_model_len, max_num_seqs=self.config.max_num_seqs,
+                           block_size=self.config.block_size, num_blocks=self.pool.num_blocks)
         if error:
             request.output.error = error
             self.counters.failed += 1
             log.warning("request %d fails alone: %s", request.prompt_index, error)
             return request_id
-        self._spawn(request, 0, list(ids))
+        self.scheduler.add(request)
         return request_id
-
-    def _token_ids(self, prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("a text prompt needs a tokenizer: Engine(model, tokenizer=...) or pass token ids")
-            prompt = self.tokenizer(prompt)["input_ids"]
-        if isinstance(prompt, torch.Tensor):
-            if prompt.dim() == 2 and prompt.shape[0] == 1:
-                prompt = prompt[0]
-            prompt = prompt.tolist()
-        ids = [int(t) for t in prompt]
-        if not ids:
-            raise ValueError("empty prompt: a request needs at least one token (add a BOS token or some text)")
-        return ids
-
-    def _never_fits(self, request: Request) -> str | None:
-        if request.max_new_tokens < 1:       # generate raises "Input length of input_ids is ..." for these
-            limit = len(request.prompt) + request.max_new_tokens
-            return (f"input length of {len(request.prompt)} tokens is >= max_length={limit} (prompt + new tokens, "
-                    "as model.generate counts it, which raises for this prompt): set max_new_tokens, or a larger "
-                    "max_length.")
-        total = len(request.prompt) + request.max_new_tokens
-        if total > self.max_model_len:
-            return (f"prompt of {len(request.prompt)} tokens + max_new_tokens={request.max_new_tokens} = {total} "
-                    f"tokens exceeds the model's context of {self.max_model_len} (max_model_len). Shorten the "
-                    "prompt or lower max_new_tokens.")
-        n = request.params.num_return_sequences
-        if n > self.config.max_num_seqs:
-            return (f"num_return_sequences={n} sequences must run together but max_num_seqs="
-                    f"{self.config.max_num_seqs}. Raise max_num_seqs or lower num_return_sequences.")
-        blocks = -(-total // self.config.block_size)
-        if blocks > self.pool.num_blocks:
-            return (f"prompt + max_new_tokens = {total} tokens need {blocks} blocks but the whole KV pool holds "
-                    f"{self.pool.num_blocks}. Raise kv_cache_memory_bytes / num_blocks / "
-                    "gpu_memory_utilization, or lower max_new_tokens.")
-        return None
-
-    def _spawn(self, request: Request, index: int, token_ids: list[int]) -> Sequence:
-        seq = Sequence(next(self._seq_ids), request, index, token_ids)
-        request.sequences.append(seq)
-        self.scheduler.add(seq)
-        return seq
 
     def cancel(self, request_id: int) -> None:
         """Stop a request now: its sequences end with finish_reason 'cancelled' and their blocks go back."""
         request = self.requests[request_id]
         if request.finished:
             return
-        request.forked = True
-        for seq in request.sequences:
-            if seq.status is Status.RUNNING:
-                self.scheduler.finish(seq, "cancelled")
-            elif seq.status is Status.WAITING:
-                seq.status, seq.finish_reason = Status.FINISHED, "cancelled"
-        while len(request.sequences) < request.params.num_return_sequences:
-            seq = Sequence(next(self._seq_ids), request, len(request.sequences), list(request.prompt))
-            seq.status, seq.finish_reason = Status.FINISHED, "cancelled"
-            request.sequences.append(seq)
-        self.scheduler.drop_finished()
+        self.scheduler.cancel(request)
         self.counters.cancelled += 1
-        self._record_finished(request)
+        self._record(request)
 
     @property
     def has_work(self) -> bool:
@@ -234,80 +182,45 @@ class Engine:
         forward_start = time.perf_counter()
         logits, samplers, prepare_s = self.runner.execute(scheduled.batch)
         forward_end = time.perf_counter()
-        for seq, n in scheduled.batch:
-            seq.num_computed += n
-            seq.high_water = max(seq.high_water, seq.num_computed)
-            if self.prefix_cache is not None:
-                self.prefix_cache.commit(seq.block_table, seq.token_ids, seq.block_hashes)
-        rows = list(range(len(samplers)))
-        for row, seq in enumerate(list(samplers)):     # extra sequences of num_return_sequences
-            request = seq.request
-            if not request.forked and seq.index == 0:
-                request.forked = True
-                for i in range(1, request.params.num_return_sequences):
-                    child = self._fork(seq, i)
-                    samplers.append(child)
-                    rows.append(row)
+        samplers, rows = self.scheduler.postprocess(scheduled.batch, samplers)
         tokens = sample(logits[rows] if len(rows) != logits.shape[0] else logits, samplers)
-        tokens = self.replicas.share_tokens(tokens)       # tensor-parallel ranks: the first rank's draw
+        tokens = self.tp_ranks.share_tokens(tokens)       # tensor-parallel ranks: the first rank's draw
         # An on_token callback may cancel a request mid-loop: its sequences get no further token.
         events = [self._append(seq, token) for seq, token in zip(samplers, tokens) if seq.status is Status.RUNNING]
-        self.scheduler.drop_finished()
-        c = self.counters
-        c.steps += 1
-        c.computed_tokens += scheduled.num_tokens
-        c.forward_s += forward_end - forward_start - prepare_s
-        c.host_s += (forward_start - start) + prepare_s + (time.perf_counter() - forward_end)
+        host_s = (forward_start - start) + prepare_s + (time.perf_counter() - forward_end)
+        self.counters.add_step(scheduled.num_tokens, host_s=host_s, forward_s=forward_end - forward_start - prepare_s)
         return events
 
-    def _fork(self, parent: Sequence, index: int) -> Sequence:
-        request = parent.request
-        child = Sequence(next(self._seq_ids), request, index, list(parent.token_ids))
-        child.num_computed = child.high_water = parent.num_computed
-        child.block_table = parent.block_table.fork(self.pool)
-        child.block_hashes = list(parent.block_hashes)
-        child.status = Status.RUNNING
-        request.sequences.append(child)
-        self.scheduler.running.append(child)
-        return child
-
     def _append(self, seq: Sequence, token: int) -> TokenEvent:
-        request, params = seq.request, seq.request.params
+        """``token`` joins running ``seq``; the sequence finishes if it stops here. Calls ``on_token``."""
+        request = seq.request
         seq.token_ids.append(token)
         self.counters.generated_tokens += 1
-        reason = None
-        if token in params.eos_token_ids:
-            reason = "stop"
-        elif params.stop_strings and self._hits_stop_string(seq):
-            reason = "stop_string"
-        elif seq.num_output >= request.max_new_tokens:
-            reason = "length"
+        reason = self._finish_reason(seq, token)
         if reason:
             self.scheduler.finish(seq, reason)
         event = TokenEvent(request.request_id, seq.index, token, reason)
         if request.on_token is not None:
             request.on_token(event)
         if reason and request.finished:
-            self._record_finished(request)
+            self._record(request)
         return event
 
-    def _hits_stop_string(self, seq: Sequence) -> bool:
-        stops = seq.request.params.stop_strings
-        window = max(len(s) for s in stops) + 2
-        text = self.tokenizer.decode(seq.output_ids[-window:])
-        return any(s in text for s in stops)
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        """Why ``seq`` stops at its new last token ``token``: "stop" (EOS), "stop_string", "length", or None."""
+        request, params = seq.request, seq.request.params
+        if token in params.eos_token_ids:
+            return "stop"
+        if params.stop_strings and StopStrings(params.stop_strings).in_tail(self.tokenizer, seq.output_ids):
+            return "stop_string"
+        if seq.num_output >= request.max_new_tokens:
+            return "length"
+        return None
 
-    def _record_finished(self, request: Request) -> None:
-        """Write the request's output record, once."""
-        if request.recorded:
-            return
-        request.recorded = True
-        out = request.output
-        out.completions = []
-        for seq in sorted(request.sequences, key=lambda s: s.index):
-            text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True) if self.tokenizer else None
-            out.completions.append(CompletionOutput(seq.index, seq.output_ids, text, seq.finish_reason))
-        self.counters.finished += 1
+    def _record(self, request: Request) -> None:
+        """Write the request's output record, once (it finished or was cancelled)."""
+        if write_record(request, self.tokenizer):
+            self.counters.finished += 1
 
     # ------------------------------------------------------------ whole runs
     def run(self, progress=None) -> None:
@@ -323,27 +236,13 @@ class Engine:
 
     def log_stats(self) -> None:
         """Log ``stats()`` on one line (logger ``hf_paged.engine``, level INFO)."""
-        log.info("hf_paged engine: %s", ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
-                                                 for k, v in self.stats().as_dict().items()))
+        log.info("hf_paged engine: %s", stats_line(self.stats()))
 
     def stats(self) -> EngineStats:
         """A read-only snapshot (see README): requests, blocks, KV utilisation, prefix hits, preemptions, speed."""
-        pool, sched, c = self.pool, self.scheduler, self.counters
-        return EngineStats(
-            requests_running=len({s.request.request_id for s in sched.running}),
-            requests_waiting=len({s.request.request_id for s in sched.waiting if s.status is Status.WAITING}),
-            requests_finished=c.finished, requests_failed=c.failed, requests_cancelled=c.cancelled,
-            blocks_total=pool.num_blocks, blocks_used=pool.num_used, blocks_free=pool.num_free,
-            blocks_cached=self.prefix_cache.num_hashed if self.prefix_cache is not None else 0,
-            kv_utilization=pool.num_used / pool.num_blocks, block_size=pool.block_size,
-            bytes_per_token=self.bytes_per_token,
-            prefix_query_tokens=c.prefix_query_tokens, prefix_hit_tokens=c.prefix_hit_tokens,
-            prefix_hit_rate=c.prefix_hit_tokens / c.prefix_query_tokens if c.prefix_query_tokens else 0.0,
-            prefix_evictions=pool.evictions, preemptions=c.preemptions, recomputed_tokens=c.recomputed_tokens,
-            steps=c.steps, computed_tokens=c.computed_tokens, generated_tokens=c.generated_tokens,
-            forward_s=c.forward_s, host_s=c.host_s, wall_s=c.wall_s,
-            tokens_per_s=c.generated_tokens / c.wall_s if c.wall_s else 0.0,
-        )
+        sched = self.scheduler
+        return snapshot(self.counters, self.pool, self.prefix_cache.num_hashed if self.prefix_cache is not None else 0,
+                        sched.requests_running(), sched.requests_waiting(), self.bytes_per_token)
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the block bookkeeping is inconsistent (leaks, refcounts, stale hashes)."""
@@ -364,4 +263,3 @@ class Engine:
         with torch.inference_mode():
             self.model(input_ids=torch.zeros(1, n, dtype=torch.long, device=device), use_cache=False,
                        logits_to_keep=min(n, self.config.max_num_seqs))
-

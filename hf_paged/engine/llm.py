@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import fields
 
 from .config import EngineConfig
-from .engine import Engine, TokenEvent
-from .request import RequestOutput
+from .engine import Engine
+from .outputs import RequestOutput, TokenEvent
 from .settings import resolve_generation
 
 _KNOBS = frozenset(f.name for f in fields(EngineConfig))

@@ -1,18 +1,23 @@
-"""Requests, their sequences, their settings and their outputs.
+"""Requests, their sequences and their settings (their outputs: ``outputs``).
 
 A request is one prompt with its generation settings; it runs as ``num_return_sequences`` sequences
 (the first prefills the prompt, the others fork its blocks when it samples its first token). Each
 sequence owns its token ids, its block table and its own ``torch.Generator``, so seeded sampling
 gives the same tokens whatever else runs beside it, and after preemption.
+
+Who writes what: the scheduler owns a sequence's status, block table, ``block_hashes``,
+``num_computed`` and ``high_water``, and a request's ``forked`` and ``cancelled``; the engine appends
+tokens and decides when a sequence finishes (the scheduler carries it out).
 """
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from ..blocks import BlockTable
+from .outputs import RequestOutput
 
 
 @dataclass(frozen=True)
@@ -63,75 +68,6 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
-class CompletionOutput:
-    """One returned sequence: new token ids (EOS included when it ended there) and their text."""
-    index: int
-    token_ids: list[int]
-    text: str | None = None
-    finish_reason: str | None = None     # "stop" (EOS), "stop_string", "length", "cancelled", "error"
-
-
-class FailedOutputs(list):
-    """``RequestOutput.outputs`` of a failed request: empty (iterating it yields nothing, ``len`` is 0), but
-    indexing it raises a RuntimeError that carries the failure instead of a bare IndexError."""
-
-    def __init__(self, index: int, error: str):
-        super().__init__()
-        self.message = f"request {index} failed: {error}"
-
-    def __getitem__(self, item):
-        raise RuntimeError(f"{self.message} (it has no outputs; see RequestOutput.error)")
-
-
-@dataclass
-class RequestOutput:
-    """What one request produced, in input order. ``sequences``: LongTensor [n, prompt + longest output]
-    (prompt then new tokens, right-padded with ``pad_token_id``), the shape ``model.generate`` returns
-    for one prompt with ``num_return_sequences=n``. A request that could not run has ``error`` set
-    (the message) and ``finish_reason == "error"``; its ``outputs`` is empty and ``outputs[0]`` /
-    ``sequences`` raise RuntimeError with that message. ``prompt_index``: the prompt's position in the
-    input list (``index`` names a sequence within a request: CompletionOutput, TokenEvent)."""
-    prompt_index: int
-    prompt_token_ids: list[int]
-    completions: list[CompletionOutput] = field(default_factory=list)
-    error: str | None = None
-    num_cached_tokens: int = 0
-    pad_token_id: int = 0
-
-    @property
-    def outputs(self) -> list[CompletionOutput]:
-        """One CompletionOutput per returned sequence (set when the request finishes)."""
-        if self.error is not None:
-            return FailedOutputs(self.prompt_index, self.error)
-        return self.completions
-
-    @outputs.setter
-    def outputs(self, value: list[CompletionOutput]) -> None:
-        self.completions = value
-
-    @property
-    def finished(self) -> bool:
-        return self.error is not None or (bool(self.completions) and all(o.finish_reason for o in self.completions))
-
-    @property
-    def finish_reason(self) -> str | None:
-        """"error" when the request failed; else the first sequence's reason ("stop", "stop_string",
-        "length", "cancelled"; each sequence's own is in ``outputs[i].finish_reason``); None while running."""
-        if self.error is not None:
-            return "error"
-        return self.completions[0].finish_reason if self.finished else None
-
-    @property
-    def sequences(self) -> torch.Tensor:
-        if self.error is not None:
-            raise RuntimeError(f"request {self.prompt_index} failed: {self.error}")
-        width = max(len(o.token_ids) for o in self.completions)
-        rows = [self.prompt_token_ids + o.token_ids + [self.pad_token_id] * (width - len(o.token_ids))
-                for o in self.completions]
-        return torch.tensor(rows, dtype=torch.long)
-
-
 class Request:
     """One prompt: its settings, its sequences and its output record."""
 
@@ -141,8 +77,9 @@ class Request:
         self.max_new_tokens, self.min_new_tokens = params.new_tokens_for(len(prompt), max_position_embeddings)
         self.on_token = on_token
         self.output = RequestOutput(prompt_index, list(prompt), pad_token_id=params.pad_token_id or 0)
-        self.sequences: list[Sequence] = []
-        self.forked = False
+        self.sequences: list[Sequence] = []      # index order; all num_return_sequences once forked or cancelled
+        self.forked = False         # its extra sequences (num_return_sequences > 1) were forked from sequence 0
+        self.cancelled = False      # Engine.cancel: every sequence ended with finish_reason "cancelled"
         self.recorded = False       # the output record is written once (finish or cancel)
 
     @property
@@ -155,7 +92,9 @@ class Request:
 class Sequence:
     """One sequence being generated. ``token_ids`` = prompt + new tokens; the first ``num_computed``
     have their KV stored in the blocks of ``block_table``; ``block_hashes`` are the chain hashes of
-    its full computed blocks."""
+    its full computed blocks. Invariants: ``num_computed <= block_table.num_tokens <= num_tokens``
+    (the table reserves the slots of a scheduled chunk before the forward fills them) and
+    ``num_computed <= high_water``; a WAITING or FINISHED sequence holds no block."""
 
     __slots__ = ("seq_id", "request", "index", "token_ids", "num_computed", "block_table", "block_hashes",
                  "status", "generator", "high_water", "finish_reason")

@@ -1,4 +1,5 @@
-"""The engine's counters (mutated only by the engine) and the read-only snapshot ``Engine.stats()`` returns."""
+"""The engine's counters (written by the engine and its scheduler only) and the read-only snapshot
+``Engine.stats()`` returns (``snapshot``), with its one-line log form (``stats_line``)."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -20,6 +21,13 @@ class EngineCounters:
     forward_s: float = 0.0      # model forwards, plan building excluded
     host_s: float = 0.0         # scheduling, plan building, sampling, bookkeeping
     wall_s: float = 0.0         # inside Engine.session() (run, LLM.generate / stream)
+
+    def add_step(self, num_tokens: int, host_s: float, forward_s: float) -> None:
+        """One step that computed ``num_tokens`` tokens (seconds: host work, model forward)."""
+        self.steps += 1
+        self.computed_tokens += num_tokens
+        self.forward_s += forward_s
+        self.host_s += host_s
 
 
 @dataclass(frozen=True)
@@ -56,3 +64,26 @@ class EngineStats:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def snapshot(c: EngineCounters, pool, blocks_cached: int, requests_running: int, requests_waiting: int,
+             bytes_per_token: int) -> EngineStats:
+    """The EngineStats of counters ``c`` over the block pool ``pool`` (``blocks_cached``: its hashed blocks)."""
+    return EngineStats(
+        requests_running=requests_running, requests_waiting=requests_waiting,
+        requests_finished=c.finished, requests_failed=c.failed, requests_cancelled=c.cancelled,
+        blocks_total=pool.num_blocks, blocks_used=pool.num_used, blocks_free=pool.num_free,
+        blocks_cached=blocks_cached, kv_utilization=pool.num_used / pool.num_blocks, block_size=pool.block_size,
+        bytes_per_token=bytes_per_token,
+        prefix_query_tokens=c.prefix_query_tokens, prefix_hit_tokens=c.prefix_hit_tokens,
+        prefix_hit_rate=c.prefix_hit_tokens / c.prefix_query_tokens if c.prefix_query_tokens else 0.0,
+        prefix_evictions=pool.evictions, preemptions=c.preemptions, recomputed_tokens=c.recomputed_tokens,
+        steps=c.steps, computed_tokens=c.computed_tokens, generated_tokens=c.generated_tokens,
+        forward_s=c.forward_s, host_s=c.host_s, wall_s=c.wall_s,
+        tokens_per_s=c.generated_tokens / c.wall_s if c.wall_s else 0.0,
+    )
+
+
+def stats_line(stats: EngineStats) -> str:
+    """``name=value, ...`` for every field (floats to 3 significant digits)."""
+    return ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in stats.as_dict().items())

@@ -8,11 +8,14 @@ character and the concatenation of the deltas is the whole text (checked again a
 ``finish()`` emits whatever the full decode adds).
 
 ``TextStream`` adds OpenAI's stop sequences: the text is cut before the first stop string, and while
-the sequence runs the last ``len(longest stop) - 1`` characters are held back, since they may begin one.
+the sequence runs the last ``len(longest stop) - 1`` characters are held back, since they may begin one
+(the rule lives in ``hf_paged.engine.stop_strings``, which the engine's stop strings use too).
 """
 from __future__ import annotations
 
 import logging
+
+from hf_paged.engine.stop_strings import StopStrings
 
 log = logging.getLogger("hf_paged.server")
 REPLACEMENT = "\ufffd"
@@ -57,24 +60,21 @@ class TextStream:
 
     def __init__(self, tokenizer, stop: tuple[str, ...] = (), skip_special_tokens: bool = True):
         self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens)
-        self.stop = tuple(s for s in stop if s)
-        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.stop = StopStrings(s for s in stop if s)
         self.text = ""          # decoded so far (final characters)
         self.sent = 0           # characters of self.text already emitted
         self.stopped = False    # a stop string was found: the text ends before it
 
     def _cut(self) -> None:
         if self.stop and not self.stopped:
-            hits = [i for i in (self.text.find(s) for s in self.stop) if i >= 0]
-            if hits:
-                self.text, self.stopped = self.text[:min(hits)], True
+            self.text, self.stopped = self.stop.cut(self.text)
 
     def add(self, token: int) -> str:
         if self.stopped:
             return ""
         self.text += self.detok.add(token)
         self._cut()
-        end = len(self.text) if self.stopped else max(self.sent, len(self.text) - self.hold)
+        end = len(self.text) if self.stopped else max(self.sent, len(self.text) - self.stop.hold)
         delta, self.sent = self.text[self.sent:end], end
         return delta
 

@@ -14,6 +14,7 @@ forked sequences (shared blocks, copy-on-write) must each equal greedy generate.
 
 A fixed seed by default; ``HF_PAGED_SEED=<int>`` runs another one (the seed is printed, use -s to see
 it, and is in every failure message). ``HF_PAGED_SOAK_REQUESTS`` changes the count (default 2000).
+The elapsed time is printed for information and never asserted on.
 """
 from __future__ import annotations
 

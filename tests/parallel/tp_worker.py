@@ -16,7 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import hf_paged
-from hf_paged.parallel import replicas_of
+from hf_paged.parallel import tensor_parallel_ranks
 from tiny_models import make_batch, sequences
 
 
@@ -36,7 +36,7 @@ def generate_checks(family: str, solo, tp) -> None:
                                        f"process {want.tolist()}"
 
 
-def engine_run(model, replicas=None) -> tuple[list, list]:
+def engine_run(model, ranks=None) -> tuple[list, list]:
     """Outputs of a small engine workload (tight pool: preemptions), and the allocator state per step."""
     engine = hf_paged.Engine(model, num_blocks=10, block_size=4, max_num_seqs=4)
     gen = torch.Generator().manual_seed(3)
@@ -52,8 +52,8 @@ def engine_run(model, replicas=None) -> tuple[list, list]:
             engine.step()
             engine.check_invariants()
             states.append(engine.allocator_state())
-            if replicas is not None:
-                mine, *others = replicas.gather(states[-1])
+            if ranks is not None:
+                mine, *others = ranks.gather(states[-1])
                 assert all(o == mine for o in others), f"allocator states differ between ranks at step {len(states)}"
     outputs = [[c.token_ids for c in engine.output(r).outputs] for r in range(len(prompts))]
     return outputs, engine.stats()["preemptions"]
@@ -65,15 +65,15 @@ def main(root: str) -> None:
         path = os.path.join(root, family)
         tp = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto").eval()
         solo = AutoModelForCausalLM.from_pretrained(path).eval()
-        replicas = replicas_of(tp)
-        assert replicas.size == 2, replicas.size
+        ranks = tensor_parallel_ranks(tp)
+        assert ranks.size == 2, ranks.size
         geometry = hf_paged.model_geometry(tp)
         assert geometry.num_kv_heads * 2 == solo.config.num_key_value_heads, geometry
         with torch.inference_mode():
             hf_paged.patch(tp)
             generate_checks(family, solo, tp)
             want, _ = engine_run(solo)
-            got, preemptions = engine_run(tp, replicas)
+            got, preemptions = engine_run(tp, ranks)
             hf_paged.unpatch(tp)
         assert got == want, f"{family} engine: tensor-parallel {got} != one process {want}"
         assert preemptions > 0, f"{family}: the tight pool was meant to force preemptions"

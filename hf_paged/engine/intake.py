@@ -1,0 +1,48 @@
+"""Intake of a request: its prompt as token ids, and whether it can ever run.
+
+Two kinds of bad input, two outcomes: a malformed call (an empty prompt, text without a tokenizer, an
+unknown setting) raises ValueError at once; a well-formed request that can never fit (``never_fits``)
+is accepted and fails alone — its output carries the message and the other requests run.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def token_ids(prompt, tokenizer) -> list[int]:
+    """``prompt`` (a str, a list of ids, or a LongTensor [T] or [1, T]) as a non-empty list of ints."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("a text prompt needs a tokenizer: Engine(model, tokenizer=...) or pass token ids")
+        prompt = tokenizer(prompt)["input_ids"]
+    if isinstance(prompt, torch.Tensor):
+        if prompt.dim() == 2 and prompt.shape[0] == 1:
+            prompt = prompt[0]
+        prompt = prompt.tolist()
+    ids = [int(t) for t in prompt]
+    if not ids:
+        raise ValueError("empty prompt: a request needs at least one token (add a BOS token or some text)")
+    return ids
+
+
+def never_fits(prompt_len: int, max_new_tokens: int, num_return_sequences: int, *, max_model_len: int,
+               max_num_seqs: int, block_size: int, num_blocks: int) -> str | None:
+    """Why a request of ``prompt_len`` tokens, ``max_new_tokens`` new ones and ``num_return_sequences``
+    sequences can never run on this engine (the message names the value, the limit and the knob), or None."""
+    if max_new_tokens < 1:       # generate raises "Input length of input_ids is ..." for these
+        return (f"input length of {prompt_len} tokens is >= max_length={prompt_len + max_new_tokens} (prompt + "
+                "new tokens, as model.generate counts it, which raises for this prompt): set max_new_tokens, "
+                "or a larger max_length.")
+    total = prompt_len + max_new_tokens
+    if total > max_model_len:
+        return (f"prompt of {prompt_len} tokens + max_new_tokens={max_new_tokens} = {total} tokens exceeds the "
+                f"model's context of {max_model_len} (max_model_len). Shorten the prompt or lower max_new_tokens.")
+    if num_return_sequences > max_num_seqs:
+        return (f"num_return_sequences={num_return_sequences} sequences must run together but max_num_seqs="
+                f"{max_num_seqs}. Raise max_num_seqs or lower num_return_sequences.")
+    blocks = -(-total // block_size)
+    if blocks > num_blocks:
+        return (f"prompt + max_new_tokens = {total} tokens need {blocks} blocks but the whole KV pool holds "
+                f"{num_blocks}. Raise kv_cache_memory_bytes / num_blocks / gpu_memory_utilization, or lower "
+                "max_new_tokens.")
+    return None

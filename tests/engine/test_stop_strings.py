@@ -1,0 +1,30 @@
+"""``StopStrings``: the one rule the engine (finish on a stop string) and the server (cut before it,
+hold back a possible beginning while streaming) share."""
+from __future__ import annotations
+
+from hf_paged.engine.stop_strings import StopStrings
+
+
+class Letters:
+    """A tokenizer whose token t is the letter chr(ord('a') + t)."""
+
+    def decode(self, ids, **_):
+        return "".join(chr(ord("a") + t) for t in ids)
+
+
+def test_first_cut_and_hold():
+    stops = StopStrings(("cd", "bcx", "z"))
+    assert stops and stops.hold == 2 and stops.window == 5
+    assert stops.first("abcdz") == 2 and stops.first("abc") is None
+    assert stops.cut("abcdz") == ("ab", True) and stops.cut("abc") == ("abc", False)
+    none = StopStrings()
+    assert not none and none.hold == 0 and none.cut("abc") == ("abc", False)
+
+
+def test_in_tail_reads_only_the_last_window_of_tokens():
+    stops = StopStrings(("cd",))                     # window: 2 + 2 = 4 tokens
+    tok = Letters()
+    assert stops.in_tail(tok, [0, 1, 2, 3])           # "abcd"
+    assert not stops.in_tail(tok, [0, 1, 2, 4])
+    assert not stops.in_tail(tok, [2, 3, 0, 0, 0, 0])  # "cd" fell out of the window
+    assert stops.in_tail(tok, [0, 0, 2, 3, 0, 0])
