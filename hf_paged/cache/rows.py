@@ -145,3 +145,18 @@ class RowBook:
         for block, rows in self._parked_rows.items():
             assert rows and all(self._parked.get(r) is not None and block in self._parked[r].blocks for r in rows)
             assert self.pool.refcounts[block] > 0 or self.pool.is_kept(block), f"parked block {block} is plain free"
+
+
+def duplicate_leaders(input_ids, attention_mask, batch_size: int) -> list[int]:
+    """At the first prefill, rows equal to the row before them (``repeat_interleave``d prompts for
+    beams or num_return_sequences) share that row's blocks. Returns each row's leader row."""
+    leaders = list(range(batch_size))
+    if input_ids is None or batch_size < 2:
+        return leaders
+    same = (input_ids[1:] == input_ids[:-1]).all(1)
+    if attention_mask is not None:
+        same &= (attention_mask[1:] == attention_mask[:-1]).all(1)
+    for row, dup in enumerate(same.tolist(), start=1):
+        if dup:
+            leaders[row] = leaders[row - 1]
+    return leaders

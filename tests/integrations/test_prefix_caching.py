@@ -1,0 +1,155 @@
+"""Prefix caching across generate calls (``hf_paged.patch(model, enable_prefix_caching=True)``): every
+call's tokens equal transformers' default path on the same call, hits or not, in fp32 on the tiny models
+— greedy, sampling, beams, num_return_sequences, chunked prefill, continuation — over random shared
+prefixes that end on block boundaries and one token either side, with evictions forced by a small
+budget; the store never holds more than its budget and its bookkeeping stays consistent."""
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+import hf_paged
+from tiny_models import PAD, VOCAB, make_batch, make_model, patched
+
+BLOCK = 8
+
+
+def prompts_with_prefix(prefix: list[int], tails: list[int], rng: random.Random) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded rows ``prefix + random tail`` (tail lengths ``tails``): (input_ids, attention_mask)."""
+    rows = [prefix + [rng.randrange(3, VOCAB) for _ in range(n)] for n in tails]
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), PAD, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row):] = torch.tensor(row)
+        mask[i, width - len(row):] = 1
+    return ids, mask
+
+
+def reference_and_cached(model, calls, **kw):
+    """Each call's default-path output, and the patched model's with prefix caching on (calls run in order
+    on one store); returns (references, outputs, stats of each call)."""
+    options = kw.pop("patch", {})
+    refs = []
+    for ids, mask in calls:
+        torch.manual_seed(11)
+        refs.append(model.generate(input_ids=ids, attention_mask=mask, **kw))
+    outs, stats = [], []
+    with patched(model, block_size=BLOCK, enable_prefix_caching=True, **options):
+        for ids, mask in calls:
+            torch.manual_seed(11)
+            outs.append(model.generate(input_ids=ids, attention_mask=mask, cache_implementation="paged", **kw))
+            stats.append(hf_paged.last_stats(model))
+        model._hf_paged.prefix_store.check_invariants()
+    return refs, outs, stats
+
+
+def seq(out):
+    return out if isinstance(out, torch.Tensor) else out.sequences
+
+
+@pytest.mark.parametrize("offset", [-1, 0, 1])
+def test_greedy_hits_give_the_default_paths_tokens(family, offset):
+    seed = int(os.environ.get("HF_PAGED_SEED", 20261202))
+    rng = random.Random(seed + offset)
+    model = make_model(family, seed=3)
+    prefix = [rng.randrange(3, VOCAB) for _ in range(3 * BLOCK + offset)]
+    calls = [prompts_with_prefix(prefix, [rng.randint(1, 9) for _ in range(3)], rng) for _ in range(3)]
+    refs, outs, stats = reference_and_cached(model, calls, max_new_tokens=6, do_sample=False,
+                                             return_dict_in_generate=True, output_logits=True)
+    for i, (ref, out) in enumerate(zip(refs, outs)):
+        assert torch.equal(ref.sequences, out.sequences), f"call {i} (HF_PAGED_SEED={seed})"
+        for a, b in zip(ref.logits, out.logits):
+            torch.testing.assert_close(b, a, atol=1e-5, rtol=0)
+    assert stats[0]["prefix_hit_tokens"] == 0
+    whole_blocks = (len(prefix) // BLOCK) * BLOCK
+    for s in stats[1:]:            # later calls reuse every whole block of the shared prefix, in each row
+        assert s["prefix_hits"] == 3 and s["prefix_hit_tokens"] >= 3 * whole_blocks - 3 * BLOCK
+        assert s["prefix_hit_tokens"] > 0
+
+
+@pytest.mark.parametrize("mode", [dict(do_sample=True, temperature=0.9, top_p=0.9),
+                                  dict(do_sample=False, num_beams=3, num_return_sequences=2),
+                                  dict(do_sample=True, num_return_sequences=3),
+                                  dict(do_sample=False, prefill_chunk_size=5)],
+                         ids=["sample", "beams", "num_return_sequences", "chunked_prefill"])
+def test_other_modes_with_hits(mode):
+    rng = random.Random(7)
+    model = make_model("llama", seed=4)
+    prefix = [rng.randrange(3, VOCAB) for _ in range(2 * BLOCK + 3)]
+    calls = [prompts_with_prefix(prefix, [rng.randint(1, 6) for _ in range(2)], rng) for _ in range(2)]
+    refs, outs, stats = reference_and_cached(model, calls, max_new_tokens=5, **mode)
+    for ref, out in zip(refs, outs):
+        assert torch.equal(seq(ref), seq(out))
+    assert stats[1]["prefix_hit_tokens"] > 0
+
+
+def test_evictions_under_a_small_budget_keep_tokens_and_the_budget():
+    """A budget of 4 blocks: each new prefix evicts the last one's blocks; tokens never change."""
+    rng = random.Random(3)
+    model = make_model("qwen2", seed=5)
+    per_block = hf_paged.PagedCache(model.config, block_size=BLOCK).bytes_per_token * BLOCK
+    budget = 4 * per_block
+    prefixes = [[rng.randrange(3, VOCAB) for _ in range(3 * BLOCK)] for _ in range(3)]
+    calls = [prompts_with_prefix(prefixes[i % 3], [2, 5], rng) for i in range(6)]
+    refs, outs, stats = reference_and_cached(model, calls, max_new_tokens=4, do_sample=False,
+                                             patch=dict(prefix_cache_bytes=budget))
+    for ref, out in zip(refs, outs):
+        assert torch.equal(ref, out)
+    with patched(model, block_size=BLOCK, enable_prefix_caching=True, prefix_cache_bytes=budget):
+        model.generate(input_ids=calls[0][0], attention_mask=calls[0][1], cache_implementation="paged",
+                       max_new_tokens=2, do_sample=False)
+        store = model._hf_paged.prefix_store
+        assert store.pool_bytes <= budget and store.pool.num_blocks == 4
+        assert store.pool.evictions == 0 and store.index.num_hashed == 3
+    assert all(s["prefix_hit_tokens"] == 0 for s in stats)       # 3 prefixes x 3 blocks never fit in 4
+
+
+def test_off_by_default():
+    model = make_model("glm", seed=6)
+    ids, mask = prompts_with_prefix([5] * (2 * BLOCK), [3, 4], random.Random(0))
+    with patched(model, block_size=BLOCK):
+        for _ in range(2):
+            model.generate(input_ids=ids, attention_mask=mask, cache_implementation="paged", max_new_tokens=2)
+        assert model._hf_paged.prefix_store is None
+        assert hf_paged.last_stats(model)["prefix_query_tokens"] == 0
+
+
+def test_continuation_from_a_cache_that_started_with_hits():
+    """A call that started from cached columns returns a cache that continues like DynamicCache (new
+    left-padded text appended after the first answer: pads in the middle)."""
+    from transformers import DynamicCache
+
+    rng = random.Random(5)
+    model = make_model("glm", seed=6)
+    ids, mask = prompts_with_prefix([rng.randrange(3, VOCAB) for _ in range(2 * BLOCK)], [3, 4], rng)
+    turn2, mask2 = make_batch([3, 1], seed=25)
+    kw = dict(do_sample=False, eos_token_id=None)
+
+    def two_turns(**first_kw):
+        first = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, return_dict_in_generate=True,
+                               **first_kw, **kw)
+        full_ids = torch.cat([first.sequences, turn2], dim=1)
+        full_mask = torch.cat([mask, torch.ones(2, 5, dtype=mask.dtype), mask2], dim=1)
+        second = model.generate(input_ids=full_ids, attention_mask=full_mask, max_new_tokens=6,
+                                past_key_values=first.past_key_values, **kw)
+        return first.past_key_values, second
+
+    _, reference = two_turns(past_key_values=DynamicCache(config=model.config))
+    with patched(model, block_size=BLOCK, enable_prefix_caching=True):
+        model.generate(input_ids=ids, attention_mask=mask, cache_implementation="paged", max_new_tokens=1)
+        cache, second = two_turns(cache_implementation="paged")
+        # the common cached columns C = 16: row 0 (1 pad) reuses 15 tokens, row 1 all 16
+        assert cache.stats()["prefix_hit_tokens"] == 31
+    assert torch.equal(reference, second)
+
+
+def test_prefix_cache_options_are_checked():
+    model = make_model("llama")
+    with pytest.raises(ValueError, match="enable_prefix_caching=True"):
+        hf_paged.patch(model, prefix_cache_bytes=2**20)
+    with pytest.raises(ValueError, match="prefix_cache_bytes"):
+        hf_paged.patch(model, enable_prefix_caching=True, prefix_cache_bytes=10)
