@@ -6,7 +6,7 @@
   are the same.
 * ``chat``: a chat loop of 8 turns with one system prompt, each turn's history sent again.
 
-``python -m bench prefix [--rounds 3] [--limit 48] [--threads 2]`` writes
+``python -m bench prefix [--rounds 3] [--limit 96] [--threads 2]`` writes
 bench/results/prefix-<stamp>.json and prints a markdown table (min/median/max over the rounds).
 """
 from __future__ import annotations
@@ -70,13 +70,15 @@ class PrefillCounter:
 
     def __init__(self, model):
         import hf_paged
-        self.model, self.calls, self.query, self.hit = model, 0, 0, 0
+        self.model, self.calls, self.query, self.hit, self.seconds = model, 0, 0, 0, 0.0
         inner = model.generate
 
         def generate(*args, **kwargs):
+            start = time.perf_counter()
             try:
                 return inner(*args, **kwargs)
             finally:
+                self.seconds += time.perf_counter() - start
                 stats = hf_paged.last_stats(model)
                 self.calls += 1
                 self.query += stats["prefix_query_tokens"]
@@ -87,25 +89,26 @@ class PrefillCounter:
         return real_prompt_tokens - self.hit
 
 
-def _fewshot_round(model, tokenizer, task_dir: Path, limit: int, batch: int, caching: bool) -> dict:
+def _fewshot_round(model, tokenizer, tasks, limit: int, batch: int, caching: bool) -> dict:
+    """One lm-eval run of the task (``tasks``: an lm_eval TaskManager that knows it, built once)."""
     import hf_paged
     import lm_eval
     from lm_eval.models.huggingface import HFLM
-    from lm_eval.tasks import TaskManager
 
     hf_paged.patch(model, default=True, enable_prefix_caching=caching)
     try:
         counter = PrefillCounter(model)
         lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch)
         start = time.perf_counter()
-        out = lm_eval.simple_evaluate(model=lm, tasks=["hfp_fewshot"], task_manager=TaskManager(include_path=str(task_dir)),
+        out = lm_eval.simple_evaluate(model=lm, tasks=["hfp_fewshot"], task_manager=tasks,
                                       limit=limit, log_samples=True, verbosity="ERROR")
         wall = time.perf_counter() - start
     finally:
         hf_paged.unpatch(model)
         model.__dict__.pop("generate", None)
     samples = out["samples"]["hfp_fewshot"]
-    return {"wall_s": wall, "generations": [s["resps"][0][0] for s in samples], "calls": counter.calls,
+    return {"wall_s": wall, "generate_s": counter.seconds, "generations": [s["resps"][0][0] for s in samples],
+            "calls": counter.calls,
             "prompt_tokens": counter.query, "hit_tokens": counter.hit,
             "exact_match": out["results"]["hfp_fewshot"].get("exact_match,none")}
 
@@ -140,6 +143,7 @@ def _summary(rounds: dict) -> list:
             same = all(r["generations"] == off[0]["generations"] for r in runs)
             prompt = runs[0]["prompt_tokens"] or sum(r["prompt_tokens"] for r in off) // max(len(off), 1)
             rows.append([workload, setting, fmt_spread(spread([r["wall_s"] for r in runs]), "{:.2f}"),
+                         fmt_spread(spread([r.get("generate_s", r["wall_s"]) for r in runs]), "{:.2f}"),
                          f"{prompt - runs[0]['hit_tokens']} of {prompt}", "yes" if same else "NO"])
     return rows
 
@@ -147,7 +151,7 @@ def _summary(rounds: dict) -> list:
 def main(argv=None, prog: str = "python -m bench prefix") -> None:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--limit", type=int, default=48, help="few-shot questions per round")
+    parser.add_argument("--limit", type=int, default=96, help="few-shot questions per round")
     parser.add_argument("--batch-size", type=int, default=8, help="HFLM's batch size")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--only", nargs="*", default=["fewshot", "chat"], choices=["fewshot", "chat"])
@@ -157,12 +161,14 @@ def main(argv=None, prog: str = "python -m bench prefix") -> None:
     from hf_paged.integrations.smollm2 import load_smollm2
     torch.set_num_threads(args.threads)
     model, tokenizer = load_smollm2(torch.float32)
-    task_dir = _task_dir(args.limit)
+    from lm_eval.tasks import TaskManager
+    tasks = TaskManager(include_path=str(_task_dir(args.limit)))
     rounds = {w: {"off": [], "on": []} for w in args.only}
+    _fewshot_round(model, tokenizer, tasks, min(args.limit, args.batch_size), args.batch_size, True)  # warm-up
     for r in range(args.rounds):               # interleaved: off, on, off, on, ...
         for setting in ("off", "on"):
             if "fewshot" in rounds:
-                rounds["fewshot"][setting].append(_fewshot_round(model, tokenizer, task_dir, args.limit,
+                rounds["fewshot"][setting].append(_fewshot_round(model, tokenizer, tasks, args.limit,
                                                                  args.batch_size, setting == "on"))
             if "chat" in rounds:
                 rounds["chat"][setting].append(_chat_round(model, tokenizer, setting == "on"))
@@ -173,7 +179,7 @@ def main(argv=None, prog: str = "python -m bench prefix") -> None:
         for runs in by_setting.values():
             for run in runs:
                 run["prompt_tokens"] = run["prompt_tokens"] or by_setting["on"][0]["prompt_tokens"]
-    table = md_table(["workload", "prefix caching", "wall s, median (min–max)", "prompt tokens prefilled",
+    table = md_table(["workload", "prefix caching", "wall s, median (min–max)", "in generate s", "prompt tokens prefilled",
                       "same generations as off"], _summary(rounds))
     path = RESULTS / f"prefix-{stamp()}.json"
     path.write_text(json.dumps({"machine": machine(), "versions": versions("torch", "transformers", "lm_eval"),
