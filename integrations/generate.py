@@ -86,12 +86,18 @@ def paged_generate(model, generate, args: tuple, kwargs: dict, cache_options: di
             on_cache(cache)
 
 
+_NO_PREFIX_SETTINGS = ("output_hidden_states", "output_attentions", "assistant_model", "prompt_lookup_num_tokens",
+                       "assistant_early_exit", "candidate_generator")
+
+
 def _attach_prefix(store, cache, args: tuple, kwargs: dict, generation_config, model) -> None:
     """Give a fresh cache the prompt columns the model's prefix store holds (see cache.prefix_store).
     Not for calls whose outputs would show the skipped columns (per-layer outputs of the prefill), that
-    start from embeddings, or whose padding generate would infer from pad tokens."""
+    start from embeddings, whose padding generate would infer from pad tokens, or that decode with a
+    candidate generator (assisted, prompt-lookup): their first forward feeds the whole prompt whatever
+    the cache holds."""
     if kwargs.get("inputs_embeds") is not None or any(
-            _setting(name, kwargs, generation_config, model) for name in ("output_hidden_states", "output_attentions")):
+            _setting(name, kwargs, generation_config, model) for name in _NO_PREFIX_SETTINGS):
         return
     input_ids = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
     mask = kwargs.get("attention_mask")

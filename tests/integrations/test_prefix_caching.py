@@ -87,6 +87,31 @@ def test_other_modes_with_hits(mode):
     assert stats[1]["prefix_hit_tokens"] > 0
 
 
+@pytest.mark.parametrize("mode", ["assistant", "prompt_lookup"])
+def test_assisted_and_prompt_lookup_decoding_keep_working(mode):
+    """Candidate generators feed their first forward the whole prompt whatever the cache holds, so these
+    calls take no hits (nor do they lose any token); other calls still commit and hit."""
+    rng = random.Random(9)
+    model = make_model("qwen3", seed=14)
+    prefix = [rng.randrange(3, VOCAB) for _ in range(2 * BLOCK + 1)] + [5, 6, 7, 8, 5, 6, 7]
+    if mode == "assistant":
+        assistant = make_model("qwen3", seed=15, num_hidden_layers=1)
+        assistant.generation_config.num_assistant_tokens_schedule = "constant"    # no state across calls
+        extra = dict(assistant_model=assistant)
+    else:
+        extra = dict(prompt_lookup_num_tokens=3)
+    for call in [prompts_with_prefix(prefix, [n], rng) for n in (2, 3)]:                  # one reference each, with a fresh assistant state
+        torch.manual_seed(0)
+        ref = model.generate(input_ids=call[0], attention_mask=call[1], max_new_tokens=10, do_sample=False, **extra)
+        with patched(model, block_size=BLOCK, enable_prefix_caching=True):
+            model.generate(input_ids=call[0], attention_mask=call[1], max_new_tokens=2, cache_implementation="paged")
+            torch.manual_seed(0)
+            out = model.generate(input_ids=call[0], attention_mask=call[1], max_new_tokens=10, do_sample=False,
+                                 cache_implementation="paged", **extra)
+            assert hf_paged.last_stats(model)["prefix_hit_tokens"] == 0
+        assert torch.equal(ref, out)
+
+
 def test_evictions_under_a_small_budget_keep_tokens_and_the_budget():
     """A budget of 4 blocks: each new prefix evicts the last one's blocks; tokens never change."""
     rng = random.Random(3)
