@@ -86,6 +86,14 @@ def paged_generate(model, generate, args: tuple, kwargs: dict, cache_options: di
             on_cache(cache)
 
 
+def chunked_prefill_continues() -> bool:
+    """Whether this transformers' chunked prefill starts after the columns a cache already holds (5.24
+    does; 5.17 chunks the whole prompt from column 0)."""
+    import transformers  # noqa: PLC0415
+    from packaging.version import Version  # noqa: PLC0415  (a dependency of transformers)
+    return Version(transformers.__version__) >= Version("5.24")
+
+
 _NO_PREFIX_SETTINGS = ("output_hidden_states", "output_attentions", "assistant_model", "prompt_lookup_num_tokens",
                        "assistant_early_exit", "candidate_generator")
 
@@ -93,11 +101,13 @@ _NO_PREFIX_SETTINGS = ("output_hidden_states", "output_attentions", "assistant_m
 def _attach_prefix(store, cache, args: tuple, kwargs: dict, generation_config, model) -> None:
     """Give a fresh cache the prompt columns the model's prefix store holds (see cache.prefix_store).
     Not for calls whose outputs would show the skipped columns (per-layer outputs of the prefill), that
-    start from embeddings, whose padding generate would infer from pad tokens, or that decode with a
-    candidate generator (assisted, prompt-lookup): their first forward feeds the whole prompt whatever
-    the cache holds."""
+    start from embeddings, whose padding generate would infer from pad tokens, that decode with a
+    candidate generator (assisted, prompt-lookup: their first forward feeds the whole prompt whatever
+    the cache holds), or that chunk their prefill on a transformers whose chunks start at column 0."""
     if kwargs.get("inputs_embeds") is not None or any(
             _setting(name, kwargs, generation_config, model) for name in _NO_PREFIX_SETTINGS):
+        return
+    if _setting("prefill_chunk_size", kwargs, generation_config, model) and not chunked_prefill_continues():
         return
     input_ids = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
     mask = kwargs.get("attention_mask")

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import hf_paged
+from hf_paged.integrations.generate import chunked_prefill_continues
 from tiny_models import PAD, VOCAB, make_batch, make_model, patched
 
 BLOCK = 8
@@ -84,7 +85,10 @@ def test_other_modes_with_hits(mode):
     refs, outs, stats = reference_and_cached(model, calls, max_new_tokens=5, **mode)
     for ref, out in zip(refs, outs):
         assert torch.equal(seq(ref), seq(out))
-    assert stats[1]["prefix_hit_tokens"] > 0
+    if "prefill_chunk_size" in mode and not chunked_prefill_continues():     # transformers 5.17: no hits
+        assert stats[1]["prefix_hit_tokens"] == 0
+    else:
+        assert stats[1]["prefix_hit_tokens"] > 0
 
 
 @pytest.mark.parametrize("mode", ["assistant", "prompt_lookup"])
