@@ -58,22 +58,21 @@ class ModelRunner:
         Returns (input_ids [1, N], position_ids [1, N], the step's plan, sample_index [S]: packed index of
         each sampling sequence's last token, sampling sequences).
         """
-        ids, positions, sample_at, samplers = [], [], [], []
+        ids, sample_at, samplers = [], [], []
         for seq, n in batch:
             c = seq.num_computed
             ids.extend(seq.token_ids[c:c + n])
-            positions.extend(range(c, c + n))
             if c + n == seq.num_tokens:
                 sample_at.append(len(ids) - 1)
                 samplers.append(seq)
         plan = packed_plan([(seq.block_table, seq.num_computed, n) for seq, n in batch], self.cache.block_size,
                            self.device)
-        dev = self.device
 
         def t(x):
-            return torch.as_tensor(x, dtype=torch.long).to(dev, non_blocking=True)
+            return torch.as_tensor(x, dtype=torch.long).to(self.device, non_blocking=True)
 
-        return t(ids).view(1, -1), t(positions).view(1, -1), plan, t(sample_at), samplers
+        # a token's position id is its stored index: the plan's token_pos
+        return t(ids).view(1, -1), plan.token_pos.view(1, -1).long(), plan, t(sample_at), samplers
 
     @torch.inference_mode()
     def execute(self, batch: list[tuple[object, int]]) -> tuple[torch.Tensor, list, float]:
