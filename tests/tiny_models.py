@@ -53,6 +53,17 @@ def make_batch(lengths, seed: int = 0, width: int | None = None):
     return ids, mask
 
 
+def left_padded(prompts: list[list[int]], pad: int = PAD) -> tuple[torch.Tensor, torch.Tensor]:
+    """input_ids and attention_mask [B, max_len] of the given token lists, right-aligned."""
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    return ids, mask
+
+
 @contextlib.contextmanager
 def patched(model, **options):
     hf_paged.patch(model, **options)

@@ -24,6 +24,7 @@ from hf_paged.integrations.chatglm import (
     chatglm_config_to_glm,
     load_chatglm,
 )
+from tiny_models import left_padded
 
 FIXTURE = Path(__file__).parent.parent / "fixtures" / "chatglm3-tiny"
 NEW_TOKENS = 24
@@ -85,17 +86,6 @@ def _greedy_alone(model, prompts: list[list[int]], **kwargs) -> list[list[int]]:
     return outs
 
 
-def _left_padded(prompts: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """input_ids and attention_mask [B, max_len], prompts right-aligned."""
-    width = max(map(len, prompts))
-    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
-    return ids, mask
-
-
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread():
     """Run this file's tiny models on one intra-op thread, then restore the setting.
@@ -146,7 +136,7 @@ def test_golden_teacher_forced_argmax(model):
 
 def test_golden_left_padded_batch(model):
     prompts, golden = _golden()
-    ids, mask = _left_padded(prompts)
+    ids, mask = left_padded(prompts)
     out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
                          do_sample=False)
     assert out[:, ids.shape[1]:].tolist() == golden
@@ -165,7 +155,7 @@ def test_golden_through_paged_cache():
     hf_paged.patch(model)
     prompts, golden = _golden()
     assert _greedy_alone(model, prompts, cache_implementation="paged") == golden
-    ids, mask = _left_padded(prompts)
+    ids, mask = left_padded(prompts)
     out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
                          do_sample=False, cache_implementation="paged")
     assert out[:, ids.shape[1]:].tolist() == golden

@@ -13,21 +13,14 @@ import torch
 
 import hf_paged
 from hf_paged.integrations.generate import chunked_prefill_continues
-from tiny_models import PAD, VOCAB, make_batch, make_model, patched
+from tiny_models import VOCAB, left_padded, make_batch, make_model, patched
 
 BLOCK = 8
 
 
 def prompts_with_prefix(prefix: list[int], tails: list[int], rng: random.Random) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-padded rows ``prefix + random tail`` (tail lengths ``tails``): (input_ids, attention_mask)."""
-    rows = [prefix + [rng.randrange(3, VOCAB) for _ in range(n)] for n in tails]
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), PAD, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, row in enumerate(rows):
-        ids[i, width - len(row):] = torch.tensor(row)
-        mask[i, width - len(row):] = 1
-    return ids, mask
+    return left_padded([prefix + [rng.randrange(3, VOCAB) for _ in range(n)] for n in tails])
 
 
 def reference_and_cached(model, calls, **kw):
