@@ -319,12 +319,8 @@ class CudaStep(Step):
             return super()._attend(query, k_pool, v_pool, scale, window)
         group = query.shape[1] // k_pool.shape[0]
         if plan.is_decode and reg.uses_decode_fast(group, query.shape[-1]):
-            length = plan.decode_context
-            if length == 0:
-                return torch.zeros_like(query, dtype=k_pool.dtype)
-            span = min(length, window) if window > 0 else length
-            return cuda_fast.decode_fast(backend, query, k_pool, v_pool, plan.block_tables, plan.decode_lens,
-                                         scale, window, span, self.workspace)
+            return backend.decode_attention(query, k_pool, v_pool, plan.block_tables, plan.decode_lens, scale, window,
+                                            plan.decode_context, self.workspace)
         return backend.ragged_attention(query, k_pool, v_pool, plan.block_tables, plan.token_row, plan.token_pos,
                                         scale, window, plan.max_context, self.workspace)
 

@@ -32,14 +32,12 @@ class Workspace:
     decode_bias : (keys, window) -> (float32 [D, keys] additive mask, bool [D, 1] rows with keys)
     chunks      : tokens per chunk -> int32 [C, 2] ragged work chunks (CUDA)
     splits      : (kernel family, rows, heads, head_dim, splits) -> fp32 split-K scratch (CUDA)
-    tokens      : decode rows as a ragged list (row int32 [D], pos int32 [D]) for the tensor-core kernel
     devices     : device -> this step on that device (a device_map's other devices)
     """
     padded: PaddedView | None = None
     decode_bias: dict = field(default_factory=dict)
     chunks: dict = field(default_factory=dict)
     splits: dict = field(default_factory=dict)
-    tokens: tuple | None = None
     devices: dict = field(default_factory=dict)
 
 
