@@ -1,0 +1,26 @@
+"""How one API call's answer is rendered, beside the engine's settings (which ``intake`` resolves)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class CallOptions:
+    """n: sequences per prompt. stops: OpenAI's ``stop`` strings (the text is cut before the first).
+    include_stop_str_in_output: keep the stop string (vLLM's extension). skip_special_tokens: leave
+    special tokens out of the text. logprobs: top-k log-probabilities per generated token (completions'
+    ``logprobs``; chat's ``top_logprobs`` when ``logprobs`` is true), None for none. echo: completions
+    answer the prompt's text (and, with ``logprobs``, its log-probabilities) before the completion.
+    max_tokens_zero: ``max_tokens`` was 0 (echo only): the one token the engine makes is dropped.
+    prompt_logprobs: vLLM's ``prompt_logprobs`` extension (top-k per prompt token). chat: the call is a
+    chat completion. return_tokens_as_token_ids: tokens written "token_id:N" (vLLM's extension)."""
+    n: int = 1
+    stops: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    logprobs: int | None = None
+    echo: bool = False
+    max_tokens_zero: bool = False
+    prompt_logprobs: int | None = None
+    chat: bool = False
+    return_tokens_as_token_ids: bool = False
