@@ -71,6 +71,7 @@ SERVE_FLAGS = [
     (EngineConfig, "enable_prefix_caching", dict(action=argparse.BooleanOptionalAction)),
     (EngineConfig, "kv_cache_dtype", dict(choices=KV_CACHE_DTYPES)),
     (EngineConfig, "kv_cache_memory_bytes", dict(type=SIZE, help="KV pool size, e.g. 256M, 2G")),
+    (EngineConfig, "max_logprobs", dict(type=int)),
     (ServeConfig, "max_queue", dict(type=POSITIVE_INT)),
     (ServeConfig, "shutdown_timeout", dict(type=float)),
     (ServeConfig, "max_body_bytes", dict(type=SIZE)),

@@ -29,7 +29,8 @@ class EngineConfig:
     kv_cache_dtype: how blocks store K/V ("auto" = the model's dtype; "fp8", "fp8_e4m3", "fp8_e5m2", "int8",
     "int4" quantise them, see hf_paged.kv_formats): a quantised pool holds ~2x (8-bit) or ~2.7x (int4) the
     tokens in the same memory. enforce_eager: run the model's forward as it is; by default the engine
-    prepacks the linear weights of a CPU model for oneDNN (``hf_paged.engine.prepack``)."""
+    prepacks the linear weights of a CPU model for oneDNN (``hf_paged.engine.prepack``). max_logprobs: the
+    most top tokens a request may ask per log-probability entry (``logprobs``, ``prompt_logprobs``), as vLLM's."""
     block_size: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
@@ -40,11 +41,14 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"
     enforce_eager: bool = False
+    max_logprobs: int = 20
 
     def validate(self) -> None:
         kv_format(self.kv_cache_dtype)          # raises with the known values
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be True or False, got {self.enforce_eager!r}")
+        if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be an int >= 0, got {self.max_logprobs!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

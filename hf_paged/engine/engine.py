@@ -24,7 +24,7 @@ import itertools
 import logging
 import time
 from collections import Counter
-from dataclasses import fields
+from dataclasses import fields, replace
 
 import torch
 
@@ -35,6 +35,7 @@ from ..kv_formats import kv_format
 from ..parallel import tensor_parallel_ranks
 from .config import EngineConfig, kv_pool_blocks
 from .intake import never_fits, token_ids
+from .logprobs import TokenTexts, logprob_entries
 from .outputs import RequestOutput, TokenEvent, write_record
 from .prepack import PrepackedLinears
 from .request import Request, SamplingParams, Sequence, Status
@@ -79,6 +80,8 @@ class Engine:
         self.prepacked = None if config.enforce_eager or device.type != "cpu" else PrepackedLinears(model)
         self.requests: dict[int, Request] = {}
         self._ids = itertools.count()
+        self.token_texts = TokenTexts(tokenizer)       # decoded tokens of log-probability entries
+        self._grammars = None                          # a GrammarCompiler, built at first use
 
     def _num_blocks(self, geometry, device: torch.device) -> int:
         """Blocks in the pool: each device holding layers (a device_map) must fit its layers' share of
@@ -105,6 +108,7 @@ class Engine:
         ids = token_ids(prompt, self.tokenizer)
         if params is None:
             params = resolve_generation(self.model.generation_config, **settings)
+        params = self._checked(params)
         if params.stop_strings and self.tokenizer is None:
             raise ValueError(f"stop_strings={list(params.stop_strings)} need a tokenizer: Engine(model, tokenizer=...)")
         request_id = next(self._ids)
@@ -121,6 +125,37 @@ class Engine:
             return request_id
         self.scheduler.add(request)
         return request_id
+
+    def _checked(self, params: SamplingParams) -> SamplingParams:
+        """``params`` within this engine's limits, with a structured-output spec compiled."""
+        most = self.config.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > most:
+                raise ValueError(f"{name}={k} is over this engine's max_logprobs={most}: ask for fewer, or raise "
+                                 "max_logprobs (hf-paged serve --max-logprobs)")
+        vocab = self.model.get_input_embeddings().weight.shape[0]
+        ids = [t for t, _ in params.logit_bias] + sorted(params.allowed_token_ids or ()) + sorted(params.stop_token_ids)
+        if any(t >= vocab for t in ids):
+            raise ValueError(f"token id {max(ids)} is outside the vocabulary of {vocab} (logit_bias / "
+                             "allowed_token_ids / stop_token_ids)")
+        spec = params.structured_output
+        if spec is not None and not hasattr(spec, "matcher"):
+            params = replace(params, structured_output=self.compile_grammar(spec))
+        return params
+
+    def compile_grammar(self, spec):
+        """``spec`` (a StructuredOutput) compiled for this engine's tokenizer and vocabulary; ValueError
+        when it cannot compile. Safe to call from another thread (the server compiles off the engine thread)."""
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise ValueError("structured output needs a tokenizer: Engine(model, tokenizer=...)")
+            from .structured import GrammarCompiler
+            vocab = self.model.get_input_embeddings().weight.shape[0]
+            eos = self.model.generation_config.eos_token_id
+            eos = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
+            self._grammars = GrammarCompiler(self.tokenizer, vocab, eos)
+        return self._grammars.compile(spec)
 
     def cancel(self, request_id: int) -> None:
         """Stop a request now: its sequences end with finish_reason 'cancelled' and their blocks go back."""
@@ -180,26 +215,46 @@ class Engine:
             return []
         self.cache.copy_blocks(scheduled.copies)
         forward_start = time.perf_counter()
-        logits, samplers, prepare_s = self.runner.execute(scheduled.batch)
+        logits, samplers, spans, prepare_s = self.runner.execute(scheduled.batch)
         forward_end = time.perf_counter()
+        self._prompt_logprobs(logits[len(samplers):], spans)
         samplers, rows = self.scheduler.postprocess(scheduled.batch, samplers)
-        tokens = sample(logits[rows] if len(rows) != logits.shape[0] else logits, samplers)
+        tokens, entries = sample(logits[rows] if len(rows) != logits.shape[0] else logits, samplers, self.token_texts)
         tokens = self.tp_ranks.share_tokens(tokens)       # tensor-parallel ranks: the first rank's draw
         # An on_token callback may cancel a request mid-loop: its sequences get no further token.
-        events = [self._append(seq, token) for seq, token in zip(samplers, tokens) if seq.status is Status.RUNNING]
+        events = [self._append(seq, token, entry) for seq, token, entry in zip(samplers, tokens, entries)
+                  if seq.status is Status.RUNNING]
         host_s = (forward_start - start) + prepare_s + (time.perf_counter() - forward_end)
         self.counters.add_step(scheduled.num_tokens, host_s=host_s, forward_s=forward_end - forward_start - prepare_s)
         return events
 
-    def _append(self, seq: Sequence, token: int) -> TokenEvent:
-        """``token`` joins running ``seq``; the sequence finishes if it stops here. Calls ``on_token``."""
+    def _prompt_logprobs(self, logits, spans) -> None:
+        """Record the prompt log-probabilities of this step's spans (rows of ``logits`` in span order)."""
+        if not spans:
+            return
+        chosen, ks = [], []
+        for seq, first, count in spans:
+            chosen.extend(seq.request.prompt[first + 1:first + 1 + count])
+            ks.extend([seq.request.params.prompt_logprobs] * count)
+        entries = iter(logprob_entries(logits[:len(chosen)], chosen, ks, self.token_texts))
+        for seq, first, count in spans:
+            seq.request.prompt_logprobs.extend(next(entries) for _ in range(count))
+
+    def _append(self, seq: Sequence, token: int, entry: dict | None = None) -> TokenEvent:
+        """``token`` joins running ``seq`` (``entry``: its log-probabilities, when asked); the sequence
+        finishes if it stops here. Calls ``on_token``."""
         request = seq.request
         seq.token_ids.append(token)
+        if entry is not None:
+            seq.logprobs.append(entry)
+            seq.cumulative_logprob += entry[token].logprob
+        if seq.matcher is not None:
+            seq.matcher.accept(token)
         self.counters.generated_tokens += 1
         reason = self._finish_reason(seq, token)
         if reason:
             self.scheduler.finish(seq, reason)
-        event = TokenEvent(request.request_id, seq.index, token, reason)
+        event = TokenEvent(request.request_id, seq.index, token, reason, entry)
         if request.on_token is not None:
             request.on_token(event)
         if reason and request.finished:
@@ -209,7 +264,7 @@ class Engine:
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         """Why ``seq`` stops at its new last token ``token``: "stop" (EOS), "stop_string", "length", or None."""
         request, params = seq.request, seq.request.params
-        if token in params.eos_token_ids:
+        if token in params.stops_on or (seq.matcher is not None and seq.matcher.is_finished):
             return "stop"
         if params.stop_strings and StopStrings(params.stop_strings).in_tail(self.tokenizer, seq.output_ids):
             return "stop_string"

@@ -18,6 +18,7 @@ class TokenEvent:
     index: int
     token: int
     finished: str | None
+    logprobs: dict | None = None         # {token id: Logprob}, when the request asks (see engine.logprobs)
 
 
 @dataclass
@@ -27,6 +28,8 @@ class CompletionOutput:
     token_ids: list[int]
     text: str | None = None
     finish_reason: str | None = None     # "stop" (EOS), "stop_string", "length", "cancelled", "error"
+    logprobs: list | None = None         # one {token id: Logprob} per token, when asked (vLLM's shape)
+    cumulative_logprob: float | None = None
 
 
 class FailedOutputs(list):
@@ -55,6 +58,7 @@ class RequestOutput:
     error: str | None = None
     num_cached_tokens: int = 0
     pad_token_id: int = 0
+    prompt_logprobs: list | None = None  # None, then {token id: Logprob} per prompt token, when asked
 
     @property
     def outputs(self) -> list[CompletionOutput]:
@@ -98,6 +102,9 @@ def write_record(request, tokenizer) -> bool:
     completions = []
     for seq in sorted(request.sequences, key=lambda s: s.index):
         text = tokenizer.decode(seq.output_ids, skip_special_tokens=True) if tokenizer else None
-        completions.append(CompletionOutput(seq.index, seq.output_ids, text, seq.finish_reason))
+        cumulative = seq.cumulative_logprob if seq.logprobs is not None else None
+        completions.append(CompletionOutput(seq.index, seq.output_ids, text, seq.finish_reason, seq.logprobs,
+                                            cumulative))
     request.output.completions = completions
+    request.output.prompt_logprobs = request.prompt_logprobs
     return True

@@ -18,6 +18,7 @@ import torch
 
 from ..blocks import BlockTable
 from .outputs import RequestOutput
+from .processors import generate_processors
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,32 @@ class SamplingParams:
     num_return_sequences: int
     seed: int | None
     default_max_length: bool = False
+    # generate's logits processors (transformers' own classes apply them, in generate's order)
+    repetition_penalty: float = 1.0
+    min_p: float | None = None
+    bad_words_ids: tuple | None = None          # tuple of token-id tuples
+    sequence_bias: object = None                # generate's sequence_bias, as passed
+    # vLLM's settings that generate does not have (see hf_paged.engine.processors)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple = ()                      # (token id, bias) pairs
+    allowed_token_ids: frozenset | None = None
+    stop_token_ids: frozenset = frozenset()     # end the sequence like EOS ("stop"), token kept
+    logprobs: int | None = None                 # top-k log-probabilities per new token (0: the chosen one only)
+    prompt_logprobs: int | None = None          # the same for every prompt token (the first has none)
+    structured_output: object = None            # a compiled hf_paged.engine.structured.Grammar
+
+    @property
+    def stops_on(self) -> frozenset:
+        """Token ids that end a sequence ("stop"): EOS and ``stop_token_ids``."""
+        return self.eos_token_ids | self.stop_token_ids
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether anything but temperature / top-k / top-p / min-new-tokens changes the logits."""
+        return (self.repetition_penalty != 1.0 or bool(self.bad_words_ids) or bool(self.sequence_bias)
+                or bool(self.presence_penalty) or bool(self.frequency_penalty) or bool(self.logit_bias)
+                or self.allowed_token_ids is not None or self.structured_output is not None)
 
     def new_tokens_for(self, prompt_len: int, max_position_embeddings: int | None = None) -> tuple[int, int]:
         """(max, min) new tokens for a prompt of ``prompt_len`` tokens, as generate's
@@ -76,11 +103,20 @@ class Request:
         self.request_id, self.prompt_index, self.prompt, self.params = request_id, prompt_index, prompt, params
         self.max_new_tokens, self.min_new_tokens = params.new_tokens_for(len(prompt), max_position_embeddings)
         self.on_token = on_token
+        self.processors = generate_processors(params)      # transformers' own, built once
         self.output = RequestOutput(prompt_index, list(prompt), pad_token_id=params.pad_token_id or 0)
         self.sequences: list[Sequence] = []      # index order; all num_return_sequences once forked or cancelled
         self.forked = False         # its extra sequences (num_return_sequences > 1) were forked from sequence 0
         self.cancelled = False      # Engine.cancel: every sequence ended with finish_reason "cancelled"
         self.recorded = False       # the output record is written once (finish or cancel)
+        # prompt log-probabilities, filled by the engine as the prompt's chunks are computed: entry p
+        # belongs to prompt token p (entry 0 is None); complete when len == len(prompt)
+        self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None else None
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt log-probabilities are asked and not all computed yet (prefix hits would skip them)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt)
 
     @property
     def finished(self) -> bool:
@@ -97,7 +133,7 @@ class Sequence:
     ``num_computed <= high_water``; a WAITING or FINISHED sequence holds no block."""
 
     __slots__ = ("seq_id", "request", "index", "token_ids", "num_computed", "block_table", "block_hashes",
-                 "status", "generator", "high_water", "finish_reason")
+                 "status", "generator", "high_water", "finish_reason", "logprobs", "cumulative_logprob", "matcher")
 
     def __init__(self, seq_id: int, request: Request, index: int, token_ids: list[int]):
         self.seq_id, self.request, self.index, self.token_ids = seq_id, request, index, token_ids
@@ -109,6 +145,10 @@ class Sequence:
         self.generator = None if seed is None else torch.Generator().manual_seed(seed + index)
         self.high_water = 0                  # most tokens ever computed (recomputation after preemption)
         self.finish_reason: str | None = None
+        self.logprobs: list | None = [] if request.params.logprobs is not None else None   # one dict per new token
+        self.cumulative_logprob = 0.0
+        grammar = request.params.structured_output
+        self.matcher = grammar.matcher() if grammar is not None else None    # its own grammar state
 
     @property
     def num_tokens(self) -> int:

@@ -55,16 +55,24 @@ class ModelRunner:
     def prepare(self, batch: list[tuple[object, int]]):
         """batch: (sequence, number of its tokens to compute), decode entries (1 token) first.
 
-        Returns (input_ids [1, N], position_ids [1, N], the step's plan, sample_index [S]: packed index of
-        each sampling sequence's last token, sampling sequences).
+        Returns (input_ids [1, N], position_ids [1, N], the step's plan, keep [K]: packed indices whose
+        logits the LM head makes — each sampling sequence's last token, then the prompt positions whose
+        log-probabilities are asked —, sampling sequences, prompt spans (sequence, first prompt position,
+        count), in the order of their rows after the samplers').
         """
-        ids, sample_at, samplers = [], [], []
+        ids, sample_at, samplers, prompt_at, spans = [], [], [], [], []
         for seq, n in batch:
             c = seq.num_computed
+            start = len(ids)
             ids.extend(seq.token_ids[c:c + n])
             if c + n == seq.num_tokens:
                 sample_at.append(len(ids) - 1)
                 samplers.append(seq)
+            span = prompt_span(seq, c, n)
+            if span:
+                first, count = span
+                prompt_at.extend(range(start + first - c, start + first - c + count))
+                spans.append((seq, first, count))
         plan = packed_plan([(seq.block_table, seq.num_computed, n) for seq, n in batch], self.cache.block_size,
                            self.device)
 
@@ -72,19 +80,32 @@ class ModelRunner:
             return torch.as_tensor(x, dtype=torch.long).to(self.device, non_blocking=True)
 
         # a token's position id is its stored index: the plan's token_pos
-        return t(ids).view(1, -1), plan.token_pos.view(1, -1).long(), plan, t(sample_at), samplers
+        return t(ids).view(1, -1), plan.token_pos.view(1, -1).long(), plan, t(sample_at + prompt_at), samplers, spans
 
     @torch.inference_mode()
-    def execute(self, batch: list[tuple[object, int]]) -> tuple[torch.Tensor, list, float]:
-        """Run one packed forward. Returns (float32 logits [S, V] of the sampling sequences, those
-        sequences, seconds spent building the inputs and the plan)."""
+    def execute(self, batch: list[tuple[object, int]]) -> tuple[torch.Tensor, list, list, float]:
+        """Run one packed forward. Returns (float32 logits [K, V]: the sampling sequences' rows, then the
+        asked prompt positions', those sequences, the prompt spans, seconds spent building the inputs
+        and the plan)."""
         start = time.perf_counter()
-        input_ids, position_ids, plan, sample_at, samplers = self.prepare(batch)
+        input_ids, position_ids, plan, keep, samplers, spans = self.prepare(batch)
         self.cache.prepare(plan)
         prepare_s = time.perf_counter() - start
         try:
             out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=True,
-                             logits_to_keep=sample_at, **{self.cache_kw: self.cache})
+                             logits_to_keep=keep, **{self.cache_kw: self.cache})
         finally:
             self.cache.end_step()
-        return out.logits[0].float(), samplers, prepare_s
+        return out.logits[0].float(), samplers, spans, prepare_s
+
+
+def prompt_span(seq, computed: int, n: int) -> tuple[int, int] | None:
+    """(first position, count) of the positions in ``[computed, computed + n)`` whose logits give prompt
+    log-probabilities still missing for ``seq``'s request (position p scores prompt token p + 1), or None.
+    Only sequence 0 computes its request's prompt."""
+    request = seq.request
+    if seq.index != 0 or not request.needs_prompt_logprobs:
+        return None
+    first = max(computed, len(request.prompt_logprobs) - 1)
+    end = min(computed + n, len(request.prompt) - 1)
+    return (first, end - first) if end > first else None

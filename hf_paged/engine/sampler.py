@@ -1,14 +1,20 @@
 """Next-token choice, as ``model.generate`` makes it for one prompt.
 
-Greedy: argmax of the float32 logits. Sampling: min-new-tokens EOS suppression, then transformers'
-own temperature, top-k and top-p warpers (generate's order), softmax and ``torch.multinomial`` with
-the sequence's own generator — so a request seeded with ``s`` draws what ``torch.manual_seed(s)``
-followed by ``generate`` on that prompt alone draws.
+Per sampling sequence: the raw float32 logits give the log-probabilities (when asked, batched:
+``logprobs``); the request's logits processors run (``processors``: generate's, then vLLM's, then the
+grammar masks of the step, one batched bitmask); then greedy takes the argmax, and sampling runs
+transformers' own temperature, top-k, top-p and min-p warpers (generate's order), softmax and
+``torch.multinomial`` with the sequence's own generator — so a request seeded with ``s`` draws what
+``torch.manual_seed(s)`` followed by ``generate`` on that prompt alone draws.
 """
 from __future__ import annotations
 
 import torch
-from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers.generation.logits_process import (MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper,
+                                                    TopPLogitsWarper)
+
+from .logprobs import logprob_entries
+from .processors import process_row
 
 
 def warpers(params) -> list:
@@ -21,28 +27,58 @@ def warpers(params) -> list:
         chain.append(TopKLogitsWarper(top_k=params.top_k, min_tokens_to_keep=1))
     if params.top_p < 1.0:
         chain.append(TopPLogitsWarper(top_p=params.top_p, min_tokens_to_keep=1))
+    if params.min_p is not None:
+        chain.append(MinPLogitsWarper(min_p=params.min_p, min_tokens_to_keep=1))
     return chain
 
 
-def sample(logits: torch.Tensor, seqs: list) -> list[int]:
-    """logits: float32 [S, V], one row per sequence in ``seqs``. Returns the next token of each."""
+def _plain(seq) -> bool:
+    """Greedy with nothing that changes the logits: the batch's argmax is the answer."""
+    request, params = seq.request, seq.request.params
+    return (not params.do_sample and seq.num_output >= request.min_new_tokens and not params.processes_logits)
+
+
+def sample(logits: torch.Tensor, seqs: list, texts=None) -> tuple[list[int], list]:
+    """logits: float32 [S, V], one row per sequence in ``seqs``. Returns (the next token of each, its
+    log-probability entry or None: for the sequences whose request asks ``logprobs``)."""
     if not seqs:
-        return []
-    plain = [not s.request.params.do_sample and s.num_output >= s.request.min_new_tokens for s in seqs]
+        return [], []
+    plain = [_plain(s) for s in seqs]
     tokens = logits.argmax(-1).tolist() if any(plain) else [0] * len(seqs)
-    for row, seq in enumerate(seqs):
-        if plain[row]:
-            continue
-        request, params = seq.request, seq.request.params
-        scores = logits[row:row + 1]
-        if seq.num_output < request.min_new_tokens and params.eos_token_ids:
-            scores = scores.clone()
-            scores[:, list(params.eos_token_ids)] = -float("inf")
+    if not all(plain):
+        _choose(logits, seqs, plain, tokens)
+    return tokens, _logprobs(logits, seqs, tokens, texts)
+
+
+def _choose(logits: torch.Tensor, seqs: list, plain: list[bool], tokens: list[int]) -> None:
+    """Tokens of the rows that are not plain argmax, into ``tokens``."""
+    rows = [r for r, p in enumerate(plain) if not p]
+    scores = {r: process_row(logits[r:r + 1].clone(), seqs[r], seqs[r].request.processors) for r in rows}
+    masked = [r for r in rows if seqs[r].matcher is not None]
+    if masked:
+        from .structured import apply_masks
+        block = torch.cat([scores[r] for r in masked])
+        apply_masks(block, [seqs[r].matcher for r in masked])
+        scores.update({r: block[i:i + 1] for i, r in enumerate(masked)})
+    for r in rows:
+        seq, row = seqs[r], scores[r]
+        params = seq.request.params
         if not params.do_sample:
-            tokens[row] = int(scores.argmax(-1))
+            tokens[r] = int(row.argmax(-1))
             continue
         for warper in warpers(params):
-            scores = warper(None, scores)
-        probs = torch.softmax(scores, dim=-1).cpu()      # the sequence's generator lives on the CPU
-        tokens[row] = int(torch.multinomial(probs, num_samples=1, generator=seq.generator))
-    return tokens
+            row = warper(None, row)
+        probs = torch.softmax(row, dim=-1).cpu()      # the sequence's generator lives on the CPU
+        tokens[r] = int(torch.multinomial(probs, num_samples=1, generator=seq.generator))
+
+
+def _logprobs(logits: torch.Tensor, seqs: list, tokens: list[int], texts) -> list:
+    """The raw-distribution entry of each sequence that asks for log-probabilities (else None)."""
+    rows = [r for r, s in enumerate(seqs) if s.request.params.logprobs is not None]
+    out = [None] * len(seqs)
+    if rows:
+        entries = logprob_entries(logits[rows], [tokens[r] for r in rows],
+                                  [seqs[r].request.params.logprobs for r in rows], texts)
+        for r, entry in zip(rows, entries):
+            out[r] = entry
+    return out

@@ -187,8 +187,8 @@ class Scheduler:
 
     def _match(self, seq: Sequence) -> tuple[list[int], list[int]]:
         """Cached blocks for ``seq``'s first tokens; its last token is always computed (it samples)."""
-        if self.prefix_cache is None:
-            return [], []
+        if self.prefix_cache is None or seq.request.needs_prompt_logprobs:
+            return [], []          # prompt log-probabilities need the logits of every prompt position
         return self.prefix_cache.match(seq.token_ids, seq.num_tokens - 1)
 
     def _start(self, seq: Sequence, hits: list[int], hashes: list[int]) -> None:

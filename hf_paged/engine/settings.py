@@ -18,16 +18,19 @@ import torch
 from transformers import GenerationConfig
 
 from .request import SamplingParams
+from .processors import generate_processors
 from .sampler import warpers
 
 # Settings generate knows that the engine does not implement (non-default values are refused).
-UNSUPPORTED = dict(num_beams=1, num_beam_groups=1, repetition_penalty=1.0, no_repeat_ngram_size=0,
-                   penalty_alpha=None, typical_p=1.0, min_p=None, top_h=None, epsilon_cutoff=0.0, eta_cutoff=0.0,
-                   bad_words_ids=None, force_words_ids=None, suppress_tokens=None, begin_suppress_tokens=None,
-                   forced_bos_token_id=None, forced_eos_token_id=None, sequence_bias=None, guidance_scale=None,
+UNSUPPORTED = dict(num_beams=1, num_beam_groups=1, no_repeat_ngram_size=0,
+                   penalty_alpha=None, typical_p=1.0, top_h=None, epsilon_cutoff=0.0, eta_cutoff=0.0,
+                   force_words_ids=None, suppress_tokens=None, begin_suppress_tokens=None,
+                   forced_bos_token_id=None, forced_eos_token_id=None, guidance_scale=None,
                    prompt_lookup_num_tokens=None, encoder_repetition_penalty=1.0,
                    exponential_decay_length_penalty=None, watermarking_config=None)
-ENGINE_ONLY = ("seed", "ignore_eos")
+# vLLM's settings that GenerationConfig does not have (hf_paged.engine.processors, .logprobs, .structured).
+ENGINE_ONLY = ("seed", "ignore_eos", "presence_penalty", "frequency_penalty", "logit_bias", "allowed_token_ids",
+               "stop_token_ids", "logprobs", "prompt_logprobs", "structured_output")
 
 
 def merged_generation_config(model_generation_config, generation_config=None, **kwargs):
@@ -56,8 +59,9 @@ def resolve_generation(model_generation_config, **kwargs) -> SamplingParams:
     config, unknown, default_max_length = merged_generation_config(model_generation_config, passed, **kwargs)
     if unknown:
         raise ValueError(f"unknown generation argument(s) {sorted(unknown)}: the engine accepts "
-                         "GenerationConfig fields (max_new_tokens, do_sample, temperature, top_k, top_p, "
-                         "stop_strings, num_return_sequences, ...) plus seed and ignore_eos")
+                         "GenerationConfig fields (max_new_tokens, do_sample, temperature, top_k, top_p, min_p, "
+                         "repetition_penalty, bad_words_ids, sequence_bias, stop_strings, num_return_sequences, ...) "
+                         f"plus {', '.join(ENGINE_ONLY)}")
     for name, default in UNSUPPORTED.items():
         value = getattr(config, name, default)
         if value is not None and value != default:
@@ -80,10 +84,53 @@ def resolve_generation(model_generation_config, **kwargs) -> SamplingParams:
         min_new_tokens=config.min_new_tokens, min_length=config.min_length or 0,
         do_sample=bool(config.do_sample), temperature=float(config.temperature), top_k=config.top_k,
         top_p=float(config.top_p), eos_token_ids=eos_ids, pad_token_id=config.pad_token_id, stop_strings=stops,
-        num_return_sequences=n, seed=seed, default_max_length=default_max_length)
+        num_return_sequences=n, seed=seed, default_max_length=default_max_length,
+        repetition_penalty=float(config.repetition_penalty if config.repetition_penalty is not None else 1.0),
+        min_p=None if config.min_p is None else float(config.min_p),
+        bad_words_ids=tuple(tuple(w) for w in config.bad_words_ids) if config.bad_words_ids else None,
+        sequence_bias=config.sequence_bias or None, **vllm_settings(engine_only))
     if params.do_sample:
         warpers(params)            # transformers' own warpers refuse bad temperature / top_k / top_p now
+    generate_processors(params)    # and its processors bad penalties / bad words
     return params
+
+
+def _token_set(name: str, ids) -> frozenset | None:
+    if ids is None:
+        return None
+    ids = [ids] if isinstance(ids, int) else list(ids)
+    if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in ids):
+        raise ValueError(f"{name} must be non-negative token ids, got {ids!r}")
+    return frozenset(ids)
+
+
+def _count(name: str, value) -> int | None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+        raise ValueError(f"{name} must be an int >= 0 (the number of top tokens to return), got {value!r}")
+    return value
+
+
+def vllm_settings(given: dict) -> dict:
+    """SamplingParams fields of vLLM's settings (``ENGINE_ONLY`` but seed / ignore_eos), checked."""
+    out = {}
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = float(given.get(name) or 0.0)
+        if not -2.0 <= value <= 2.0:
+            raise ValueError(f"{name} must be in [-2, 2] (OpenAI's range), got {value!r}")
+        out[name] = value
+    bias = given.get("logit_bias") or {}
+    out["logit_bias"] = tuple(sorted((int(t), float(b)) for t, b in dict(bias).items()))
+    if any(t < 0 for t, _ in out["logit_bias"]):
+        raise ValueError(f"logit_bias keys must be token ids >= 0, got {dict(bias)!r}")
+    allowed = _token_set("allowed_token_ids", given.get("allowed_token_ids"))
+    if allowed is not None and not allowed:
+        raise ValueError("allowed_token_ids is empty: no token could be generated")
+    out["allowed_token_ids"] = allowed
+    out["stop_token_ids"] = _token_set("stop_token_ids", given.get("stop_token_ids")) or frozenset()
+    out["logprobs"] = _count("logprobs", given.get("logprobs"))
+    out["prompt_logprobs"] = _count("prompt_logprobs", given.get("prompt_logprobs"))
+    out["structured_output"] = given.get("structured_output")
+    return out
 
 
 __all__ = ["merged_generation_config", "resolve_generation"]
