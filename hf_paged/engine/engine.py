@@ -135,10 +135,11 @@ class Engine:
                 raise ValueError(f"{name}={k} is over this engine's max_logprobs={most}: ask for fewer, or raise "
                                  "max_logprobs (hf-paged serve --max-logprobs)")
         vocab = self.model.get_input_embeddings().weight.shape[0]
-        ids = [t for t, _ in params.logit_bias] + sorted(params.allowed_token_ids or ()) + sorted(params.stop_token_ids)
+        ids = ([t for t, _ in params.logit_bias] + sorted(params.allowed_token_ids or ()) + sorted(params.stop_token_ids)
+               + [t for word in params.bad_words_ids or () for t in word])
         if any(t >= vocab for t in ids):
             raise ValueError(f"token id {max(ids)} is outside the vocabulary of {vocab} (logit_bias / "
-                             "allowed_token_ids / stop_token_ids)")
+                             "allowed_token_ids / stop_token_ids / bad_words_ids)")
         spec = params.structured_output
         if spec is not None and not hasattr(spec, "matcher"):
             params = replace(params, structured_output=self.compile_grammar(spec))

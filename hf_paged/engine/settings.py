@@ -91,6 +91,9 @@ def resolve_generation(model_generation_config, **kwargs) -> SamplingParams:
         sequence_bias=config.sequence_bias or None, **vllm_settings(engine_only))
     if params.do_sample:
         warpers(params)            # transformers' own warpers refuse bad temperature / top_k / top_p now
+    if params.bad_words_ids and any(not w or any(not isinstance(t, int) or t < 0 for t in w)
+                                    for w in params.bad_words_ids):
+        raise ValueError(f"bad_words_ids must be non-empty lists of token ids >= 0, got {config.bad_words_ids!r}")
     generate_processors(params)    # and its processors bad penalties / bad words
     return params
 

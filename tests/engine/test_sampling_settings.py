@@ -1,0 +1,122 @@
+"""vLLM's sampling settings on the engine. Where transformers has the setting (repetition_penalty, min_p,
+min_new_tokens, bad_words_ids, sequence_bias) the engine's tokens equal ``generate``'s with it on that
+prompt alone; OpenAI's presence / frequency penalties, logit_bias, allowed_token_ids and stop_token_ids
+are checked against a plain greedy loop written here from their definitions."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tiny_models import EOS, VOCAB, make_model
+from hf_paged.engine import LLM
+
+
+def reference(model, prompt, seed=None, **settings):
+    ids = torch.tensor([prompt])
+    if seed is not None:
+        torch.manual_seed(seed)
+    return model.generate(ids, attention_mask=torch.ones_like(ids), **settings)[0, len(prompt):].tolist()
+
+
+def plain_greedy(model, prompt, steps, bias=None, presence=0.0, frequency=0.0, allowed=None, stop=()):
+    """Greedy decoding by full forwards, with OpenAI's definitions applied by hand."""
+    ids, out = list(prompt), []
+    for _ in range(steps):
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0, -1].float().clone()
+        for token, value in (bias or {}).items():
+            logits[token] += value
+        for token in set(out):
+            logits[token] -= out.count(token) * frequency + presence
+        if allowed is not None:
+            masked = torch.full_like(logits, -float("inf"))
+            masked[list(allowed)] = logits[list(allowed)]
+            logits = masked
+        token = int(logits.argmax())
+        out.append(token)
+        ids.append(token)
+        if token in stop:
+            break
+    return out
+
+
+def prompts(count, seed, longest=24):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (int(torch.randint(1, longest, (), generator=gen)),), generator=gen).tolist()
+            for _ in range(count)]
+
+
+TRANSFORMERS_SETTINGS = [
+    dict(repetition_penalty=1.3, do_sample=False),
+    dict(repetition_penalty=0.8, do_sample=True, temperature=0.9),
+    dict(min_p=0.05, do_sample=True, temperature=1.2),
+    dict(min_p=0.2, top_k=0, do_sample=True),
+    dict(min_new_tokens=5, eos_token_id=[EOS, 7], do_sample=False),
+    dict(sequence_bias={(9,): 4.0, (11,): -10.0}, do_sample=False),
+    dict(repetition_penalty=1.1, min_p=0.1, do_sample=True, top_p=0.9),
+]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "glm"])
+def test_transformers_settings_equal_generate(family):
+    model = make_model(family, seed=11)
+    seed = int(torch.randint(0, 10**6, ()))
+    ps = prompts(len(TRANSFORMERS_SETTINGS) + 1, seed)
+    free = reference(model, ps[-1], max_new_tokens=4, do_sample=False)
+    settings = [dict(s, max_new_tokens=10) for s in TRANSFORMERS_SETTINGS] + [
+        dict(bad_words_ids=[[free[1]], free[2:4]], max_new_tokens=10, do_sample=False)]
+    for i, s in enumerate(settings):
+        if s.get("do_sample"):
+            s["seed"] = seed + i
+    outs = LLM(model, block_size=4, max_num_batched_tokens=16).generate(ps, settings)
+    for prompt, s, out in zip(ps, settings, outs):
+        s = dict(s)
+        expected = reference(model, prompt, seed=s.pop("seed", None), **s)
+        assert out.outputs[0].token_ids == expected, f"seed {seed}: {s}"
+    assert free[1] not in outs[-1].outputs[0].token_ids
+
+
+def test_openai_penalties_bias_and_masks_equal_a_plain_reference():
+    model = make_model("qwen3", seed=12)
+    seed = int(torch.randint(0, 10**6, ()))
+    ps = prompts(5, seed)
+    first = plain_greedy(model, ps[3], 3)
+    cases = [
+        dict(presence_penalty=1.5),
+        dict(frequency_penalty=0.7, presence_penalty=-0.3),
+        dict(logit_bias={5: 3.0, 6: -100.0, 40: 1.5}, frequency_penalty=2.0),
+        dict(stop_token_ids=[first[2]]),
+        dict(allowed_token_ids=[3, 4, 5, 8, 13, 21, 34]),
+    ]
+    outs = LLM(model).generate(ps, [dict(c, max_new_tokens=12, do_sample=False, ignore_eos=True) for c in cases])
+    for prompt, c, out in zip(ps, cases, outs):
+        expected = plain_greedy(model, prompt, 12, bias=c.get("logit_bias"), presence=c.get("presence_penalty", 0.0),
+                                frequency=c.get("frequency_penalty", 0.0), allowed=c.get("allowed_token_ids"),
+                                stop=c.get("stop_token_ids", ()))
+        assert out.outputs[0].token_ids == expected, f"seed {seed}: {c}"
+    assert outs[3].outputs[0].finish_reason == "stop" and outs[3].outputs[0].token_ids[-1] == first[2]
+    assert set(outs[4].outputs[0].token_ids) <= {3, 4, 5, 8, 13, 21, 34}
+
+
+def test_min_new_tokens_holds_back_stop_token_ids_too():
+    model = make_model("llama", seed=13)
+    prompt = prompts(1, 3)[0]
+    first = plain_greedy(model, prompt, 1)[0]
+    out = LLM(model).generate([prompt], stop_token_ids=[first], min_new_tokens=3, max_new_tokens=6,
+                              do_sample=False)[0].outputs[0]
+    assert out.token_ids[0] != first and len(out.token_ids) >= 3
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(presence_penalty=2.5), "presence_penalty must be in"),
+    (dict(repetition_penalty=0.0), "penalty"),
+    (dict(min_p=1.5), "min_p"),
+    (dict(allowed_token_ids=[]), "allowed_token_ids is empty"),
+    (dict(stop_token_ids=[-1]), "stop_token_ids"),
+    (dict(logit_bias={VOCAB + 5: 1.0}), "outside the vocabulary"),
+    (dict(bad_words_ids=[[]]), "bad_words_ids"),
+])
+def test_bad_values_are_refused_with_their_name(settings, message):
+    model = make_model("llama", seed=14)
+    with pytest.raises(ValueError, match=message):
+        LLM(model).generate([[4, 5, 6]], max_new_tokens=2, do_sample=True, **settings)
