@@ -29,10 +29,14 @@ class StopStrings:
         hits = [i for i in (text.find(s) for s in self.strings) if i >= 0]
         return min(hits) if hits else None
 
-    def cut(self, text: str) -> tuple[str, bool]:
-        """(``text`` up to the first stop string, whether one was found)."""
+    def cut(self, text: str, keep: bool = False) -> tuple[str, bool]:
+        """(``text`` up to the first stop string — through it when ``keep`` —, whether one was found)."""
         at = self.first(text) if self.strings else None
-        return (text, False) if at is None else (text[:at], True)
+        if at is None:
+            return text, False
+        if keep:
+            at += max(len(s) for s in self.strings if text.startswith(s, at))
+        return text[:at], True
 
     def in_tail(self, tokenizer, output_ids: list[int]) -> bool:
         """Whether the decoded last ``window`` of ``output_ids`` (a sequence's new tokens) contains one."""

@@ -1,29 +1,53 @@
 """One API call seen from the asyncio side: its engine requests (one per prompt, ``n`` sequences each),
-their text streams (stop sequences cut off) and its token usage.
+their text streams (stop sequences cut off), their log-probabilities and its token usage.
 
 The engine thread hands each request's items over with ``loop.call_soon_threadsafe``; ``deltas()``
-turns them into (choice index, text delta, finish reason) in arrival order.
+turns them into ``Delta``s in arrival order. A delta carries the tokens (and their log-probability
+entries) that arrived since its choice's last delta, so that text held back (a stop string's start, a
+broken UTF-8 character) keeps its tokens with it. With ``echo``, each choice's first delta is its
+prompt (``Delta.prompt``), with the prompt's log-probabilities when they are asked.
 """
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass, field
 from functools import partial
 
 from .detokenize import TextStream
 from .errors import ApiError
+from .options import CallOptions
 from .protocol import finish_reason
 from .worker import EngineWorker, Handle, QueueFull, ShuttingDown
+
+
+@dataclass
+class Delta:
+    """Choice ``index`` gains ``text``; ``tokens`` / ``entries``: the token ids it covers and their
+    log-probability entries ({id: Logprob}, None for a prompt's first token; empty without logprobs);
+    ``reason``: the choice's finish reason when this is its last delta; ``prompt``: an echoed prompt."""
+    index: int
+    text: str
+    reason: str | None = None
+    tokens: list[int] = field(default_factory=list)
+    entries: list = field(default_factory=list)
+    prompt: bool = False
 
 
 class ApiCall:
     """Choice ``i * n + j`` is sequence ``j`` of prompt ``i``."""
 
-    def __init__(self, worker: EngineWorker, tokenizer, prompts: list[list[int]], params, stops, n: int):
-        self.worker, self.n = worker, n
+    def __init__(self, worker: EngineWorker, tokenizer, prompts: list[list[int]], params, options: CallOptions):
+        self.worker, self.tokenizer, self.options, self.n = worker, tokenizer, options, options.n
+        self.prompts = prompts
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
-        self.streams = {(i, j): TextStream(tokenizer, stops) for i in range(len(prompts)) for j in range(n)}
+        self.streams = {(i, j): TextStream(tokenizer, options.stops, options.skip_special_tokens,
+                                           options.include_stop_str_in_output)
+                        for i in range(len(prompts)) for j in range(self.n)}
+        self.pending = {key: ([], []) for key in self.streams}     # tokens / entries not sent yet
         self.done: set[tuple[int, int]] = set()          # (prompt, sequence) pairs whose last delta went out
+        self.echoed: set[int] = set()                    # prompts whose echo went out
+        self.prompt_logprobs: dict[int, list] = {}       # prompt -> its entries, as the engine sent them
         self.prompt_tokens = sum(len(p) for p in prompts)
         self.completion_tokens = 0
         self.handles = [Handle(ids, params, partial(self._deliver, i)) for i, ids in enumerate(prompts)]
@@ -53,10 +77,15 @@ class ApiCall:
             self.worker.cancel(handle)
 
     async def deltas(self):
-        """Yield (choice index, text delta, finish reason or None) until every sequence is done."""
+        """Yield ``Delta``s until every sequence is done."""
         pending = len(self.handles)
         while pending:
             i, item = await self.queue.get()
+            if isinstance(item, tuple) and item[0] == "prompt":     # the prompt's log-probabilities
+                self.prompt_logprobs[i] = item[1]
+                continue
+            for delta in self._echo(i):
+                yield delta
             if isinstance(item, tuple):                  # ("done", output) or ("error", message): the last
                 kind, value = item
                 if kind == "error":
@@ -65,27 +94,50 @@ class ApiCall:
                 for j in range(self.n):                  # sequences that ended without an event (cancelled)
                     if (i, j) not in self.done:
                         self.done.add((i, j))
-                        yield i * self.n + j, self.streams[i, j].finish(), "abort"
+                        yield self._delta(i, j, self.streams[i, j].finish(), "abort")
                 continue
             for event in item:
                 out = self._token(i, event)
                 if out is not None:
                     yield out
 
-    def _token(self, i: int, event):
+    def _echo(self, i: int):
+        """The echo deltas of prompt ``i`` (one per choice), once, before anything else of it."""
+        if not self.options.echo or i in self.echoed:
+            return []
+        self.echoed.add(i)
+        ids = self.prompts[i]
+        text = self.tokenizer.decode(ids, skip_special_tokens=False)
+        entries = self.prompt_logprobs.get(i) if self.options.logprobs is not None else None
+        return [Delta(i * self.n + j, text, None, list(ids) if entries else [], list(entries or []), prompt=True)
+                for j in range(self.n)]
+
+    def _delta(self, i: int, j: int, text: str, reason: str | None) -> Delta:
+        tokens, entries = self.pending[i, j]
+        self.pending[i, j] = ([], [])
+        return Delta(i * self.n + j, text, reason, tokens, entries)
+
+    def _token(self, i: int, event) -> Delta | None:
         """The delta one TokenEvent adds to its choice, or None (nothing to send yet, or already done)."""
         key = (i, event.index)
         if key in self.done:
             return None
+        if self.options.max_tokens_zero:                 # echo only: the engine's one token is not answered
+            self.done.add(key)
+            return Delta(i * self.n + event.index, "", "length")
         stream = self.streams[key]
         self.completion_tokens += 1
+        if event.logprobs is not None:
+            tokens, entries = self.pending[key]
+            tokens.append(event.token)
+            entries.append(event.logprobs)
         delta = stream.add(event.token)
         if event.finished or stream.stopped:
             self.done.add(key)
             delta += stream.finish()                     # may find a stop string in the last characters
             reason = "stop" if stream.stopped else finish_reason(event.finished)
-            return i * self.n + event.index, delta, reason
-        return (i * self.n + event.index, delta, None) if delta else None
+            return self._delta(i, event.index, delta, reason)
+        return self._delta(i, event.index, delta, None) if delta else None
 
     def usage(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,

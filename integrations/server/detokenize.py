@@ -7,7 +7,8 @@ difference is emitted only when it grows and does not end in U+FFFD, so a client
 character and the concatenation of the deltas is the whole text (checked again at the end:
 ``finish()`` emits whatever the full decode adds).
 
-``TextStream`` adds OpenAI's stop sequences: the text is cut before the first stop string, and while
+``TextStream`` adds OpenAI's stop sequences: the text is cut before the first stop string (after it
+with vLLM's ``include_stop_str_in_output``), and while
 the sequence runs the last ``len(longest stop) - 1`` characters are held back, since they may begin one
 (the rule lives in ``hf_paged.engine.stop_strings``, which the engine's stop strings use too).
 """
@@ -58,16 +59,18 @@ class IncrementalDetokenizer:
 class TextStream:
     """One sequence's streamed text with stop sequences cut off (OpenAI's ``stop``)."""
 
-    def __init__(self, tokenizer, stop: tuple[str, ...] = (), skip_special_tokens: bool = True):
+    def __init__(self, tokenizer, stop: tuple[str, ...] = (), skip_special_tokens: bool = True,
+                 include_stop: bool = False):
         self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens)
         self.stop = StopStrings(s for s in stop if s)
+        self.include_stop = include_stop       # vLLM's include_stop_str_in_output: the text keeps it
         self.text = ""          # decoded so far (final characters)
         self.sent = 0           # characters of self.text already emitted
         self.stopped = False    # a stop string was found: the text ends before it
 
     def _cut(self) -> None:
         if self.stop and not self.stopped:
-            self.text, self.stopped = self.stop.cut(self.text)
+            self.text, self.stopped = self.stop.cut(self.text, keep=self.include_stop)
 
     def add(self, token: int) -> str:
         if self.stopped:

@@ -16,18 +16,20 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from .call import ApiCall
 from .errors import sse_error
+from .logprob_format import LogprobFormat, prompt_logprobs
 
 STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 DONE = "data: [DONE]\n\n"
 
 
 class CompletionShape:
-    """/v1/completions: choices carry ``text``."""
+    """/v1/completions: choices carry ``text`` and, when asked, the completions ``logprobs`` object."""
     object = chunk_object = "text_completion"
     id_prefix = "cmpl-"
 
-    def choice(self, index: int, text: str, reason: str | None) -> dict:
-        return {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
+    def choice(self, index: int, text: str, reason: str | None, fmt, tokens, entries, offset: int = 0) -> dict:
+        logprobs = fmt.completion(tokens, entries, offset) if fmt.k is not None else None
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
 
     delta = choice
 
@@ -40,13 +42,16 @@ class ChatShape:
     object, chunk_object = "chat.completion", "chat.completion.chunk"
     id_prefix = "chatcmpl-"
 
-    def choice(self, index: int, text: str, reason: str | None) -> dict:
-        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                "finish_reason": reason}
+    def _logprobs(self, fmt, tokens, entries):
+        return {"content": fmt.chat(tokens, entries)} if fmt.k is not None else None
 
-    def delta(self, index: int, delta: str, reason: str | None) -> dict:
-        return {"index": index, "delta": {"content": delta} if delta or not reason else {}, "logprobs": None,
-                "finish_reason": reason}
+    def choice(self, index: int, text: str, reason: str | None, fmt, tokens, entries, offset: int = 0) -> dict:
+        return {"index": index, "message": {"role": "assistant", "content": text},
+                "logprobs": self._logprobs(fmt, tokens, entries), "finish_reason": reason}
+
+    def delta(self, index: int, delta: str, reason: str | None, fmt, tokens, entries, offset: int = 0) -> dict:
+        return {"index": index, "delta": {"content": delta} if delta or not reason else {},
+                "logprobs": self._logprobs(fmt, tokens, entries), "finish_reason": reason}
 
     def opening(self, choices: int) -> list[dict]:
         return [{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -54,6 +59,19 @@ class ChatShape:
 
 
 COMPLETION, CHAT = CompletionShape(), ChatShape()
+
+
+def formatter(call: ApiCall) -> LogprobFormat:
+    options = call.options
+    return LogprobFormat(call.tokenizer, options.logprobs, options.return_tokens_as_token_ids)
+
+
+def with_prompt_logprobs(choice: dict, call: ApiCall, index: int) -> dict:
+    """vLLM's ``prompt_logprobs`` on a choice, when the request asks it (completions)."""
+    k = call.options.prompt_logprobs
+    if k is not None:
+        choice["prompt_logprobs"] = prompt_logprobs(call.prompt_logprobs.get(index // call.n), k)
+    return choice
 
 
 class Reply:
@@ -89,8 +107,14 @@ async def events(call: ApiCall, reply: Reply, include_usage: bool):
         opening = reply.shape.opening(call.choices)
         if opening:
             yield reply.chunk(opening, include_usage)
-        async for index, delta, reason in call.deltas():
-            yield reply.chunk([reply.shape.delta(index, delta, reason)], include_usage)
+        fmt, sent, first = formatter(call), [0] * call.choices, set()
+        async for d in call.deltas():
+            choice = reply.shape.delta(d.index, d.text, d.reason, fmt, d.tokens, d.entries, sent[d.index])
+            if d.index not in first and reply.shape is COMPLETION:
+                first.add(d.index)
+                with_prompt_logprobs(choice, call, d.index)
+            sent[d.index] += len(d.text)
+            yield reply.chunk([choice], include_usage)
         if include_usage:
             yield reply.chunk([], include_usage, call.usage())
     except Exception as exc:
@@ -103,12 +127,15 @@ async def events(call: ApiCall, reply: Reply, include_usage: bool):
 async def whole(request: Request, call: ApiCall, reply: Reply) -> Response:
     """The whole text of every choice in one body, or 499 when the client left first."""
     texts, reasons = [""] * call.choices, [None] * call.choices
+    tokens, entries = [[] for _ in texts], [[] for _ in texts]
 
     async def collect():
-        async for index, delta, reason in call.deltas():
-            texts[index] += delta
-            if reason:
-                reasons[index] = reason
+        async for d in call.deltas():
+            texts[d.index] += d.text
+            tokens[d.index] += d.tokens
+            entries[d.index] += d.entries
+            if d.reason:
+                reasons[d.index] = d.reason
 
     collecting = asyncio.ensure_future(collect())
     watching = asyncio.ensure_future(disconnected(request))
@@ -122,8 +149,14 @@ async def whole(request: Request, call: ApiCall, reply: Reply) -> Response:
     if not collecting.done() or collecting.cancelled():
         return Response(status_code=499)   # nobody reads it
     collecting.result()                    # re-raises an ApiError from the engine side
-    choices = [reply.shape.choice(k, texts[k], reasons[k]) for k in range(call.choices)]
-    return JSONResponse(reply.body(reply.shape.object, choices, usage=call.usage()))
+    fmt = formatter(call)
+    choices = [reply.shape.choice(k, texts[k], reasons[k], fmt, tokens[k], entries[k]) for k in range(call.choices)]
+    extra = {}
+    if reply.shape is COMPLETION:
+        choices = [with_prompt_logprobs(c, call, k) for k, c in enumerate(choices)]
+    elif call.options.prompt_logprobs is not None:        # chat: vLLM puts them beside the choices
+        extra["prompt_logprobs"] = prompt_logprobs(call.prompt_logprobs.get(0), call.options.prompt_logprobs)
+    return JSONResponse(reply.body(reply.shape.object, choices, usage=call.usage(), **extra))
 
 
 async def disconnected(request: Request) -> None:

@@ -5,6 +5,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from .call import ApiCall
+from .options import CallOptions
 from .errors import error_response
 from .intake import chat_prompt, completion_prompts, read_request, sampling_params
 from .metrics import CONTENT_TYPE_LATEST
@@ -50,7 +51,7 @@ async def chat_completions(request: Request):
 async def answer(request: Request, state: ServerState, req, prompts: list[list[int]], max_tokens, shape):
     """Run ``prompts`` with ``req``'s settings and answer in ``shape`` (whole or streamed)."""
     params = sampling_params(state, req, prompts, max_tokens)
-    call = ApiCall(state.worker, state.tokenizer, prompts, params, req.stops(), req.n)
+    call = ApiCall(state.worker, state.tokenizer, prompts, params, CallOptions(n=req.n, stops=req.stops()))
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     return await respond(request, call, Reply(shape, state.name), req.stream, include_usage)
 

@@ -32,7 +32,8 @@ class ShuttingDown(RuntimeError):
 @dataclass
 class Handle:
     """One request as the server sees it. ``deliver(item)`` runs in the engine thread and must hand
-    ``item`` to the asyncio side: a list of TokenEvents, or ``("done", RequestOutput)`` /
+    ``item`` to the asyncio side: ``("prompt", entries)`` once before the first tokens when the request
+    asks prompt log-probabilities, lists of TokenEvents, and ``("done", RequestOutput)`` /
     ``("error", message)`` as the last item."""
     prompt_ids: list[int]
     params: SamplingParams
@@ -43,6 +44,7 @@ class Handle:
     last_token: dict = field(default_factory=dict)     # sequence index -> time of its last token
     cancelled: bool = False
     done: bool = False                   # set by the engine thread when the last item went out
+    prompt_sent: bool = False            # its prompt log-probabilities (when asked) went out
 
 
 class EngineWorker:
@@ -215,6 +217,11 @@ class EngineWorker:
                 continue
             if self.metrics is not None:
                 self.metrics.tokens(handle, evs, now)
+            if not handle.prompt_sent:               # prompt log-probabilities come before any token
+                handle.prompt_sent = True
+                asked = self.engine.requests[rid].prompt_logprobs
+                if asked is not None:
+                    handle.deliver(("prompt", asked))
             handle.deliver(evs)
             if self.engine.output(rid).finished:
                 self._finish(handle)
