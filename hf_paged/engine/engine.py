@@ -40,7 +40,7 @@ from .outputs import RequestOutput, TokenEvent, write_record
 from .prepack import PrepackedLinears
 from .request import Request, SamplingParams, Sequence, Status
 from .runner import EngineCache, ModelRunner
-from .sampler import sample
+from .sampler import sample, sampled_logprobs
 from .scheduler import Scheduler
 from .settings import resolve_generation
 from .stats import EngineCounters, EngineStats, snapshot, stats_line
@@ -220,8 +220,9 @@ class Engine:
         forward_end = time.perf_counter()
         self._prompt_logprobs(logits[len(samplers):], spans)
         samplers, rows = self.scheduler.postprocess(scheduled.batch, samplers)
-        tokens, entries = sample(logits[rows] if len(rows) != logits.shape[0] else logits, samplers, self.token_texts)
-        tokens = self.tp_ranks.share_tokens(tokens)       # tensor-parallel ranks: the first rank's draw
+        logits = logits[rows] if len(rows) != logits.shape[0] else logits
+        tokens = self.tp_ranks.share_tokens(sample(logits, samplers))   # tensor-parallel ranks: the first rank's draw
+        entries = sampled_logprobs(logits, samplers, tokens, self.token_texts)
         # An on_token callback may cancel a request mid-loop: its sequences get no further token.
         events = [self._append(seq, token, entry) for seq, token, entry in zip(samplers, tokens, entries)
                   if seq.status is Status.RUNNING]

@@ -1,7 +1,7 @@
 """Next-token choice, as ``model.generate`` makes it for one prompt.
 
 Per sampling sequence: the raw float32 logits give the log-probabilities (when asked, batched:
-``logprobs``); the request's logits processors run (``processors``: generate's, then vLLM's, then the
+``sampled_logprobs``); the request's logits processors run (``processors``: generate's, then vLLM's, then the
 grammar masks of the step, one batched bitmask); then greedy takes the argmax, and sampling runs
 transformers' own temperature, top-k, top-p and min-p warpers (generate's order), softmax and
 ``torch.multinomial`` with the sequence's own generator — so a request seeded with ``s`` draws what
@@ -38,16 +38,15 @@ def _plain(seq) -> bool:
     return (not params.do_sample and seq.num_output >= request.min_new_tokens and not params.processes_logits)
 
 
-def sample(logits: torch.Tensor, seqs: list, texts=None) -> tuple[list[int], list]:
-    """logits: float32 [S, V], one row per sequence in ``seqs``. Returns (the next token of each, its
-    log-probability entry or None: for the sequences whose request asks ``logprobs``)."""
+def sample(logits: torch.Tensor, seqs: list) -> list[int]:
+    """logits: float32 [S, V], one row per sequence in ``seqs``. Returns the next token of each."""
     if not seqs:
-        return [], []
+        return []
     plain = [_plain(s) for s in seqs]
     tokens = logits.argmax(-1).tolist() if any(plain) else [0] * len(seqs)
     if not all(plain):
         _choose(logits, seqs, plain, tokens)
-    return tokens, _logprobs(logits, seqs, tokens, texts)
+    return tokens
 
 
 def _choose(logits: torch.Tensor, seqs: list, plain: list[bool], tokens: list[int]) -> None:
@@ -72,8 +71,9 @@ def _choose(logits: torch.Tensor, seqs: list, plain: list[bool], tokens: list[in
         tokens[r] = int(torch.multinomial(probs, num_samples=1, generator=seq.generator))
 
 
-def _logprobs(logits: torch.Tensor, seqs: list, tokens: list[int], texts) -> list:
-    """The raw-distribution entry of each sequence that asks for log-probabilities (else None)."""
+def sampled_logprobs(logits: torch.Tensor, seqs: list, tokens: list[int], texts) -> list:
+    """The raw-distribution entry of each sequence's ``tokens`` when its request asks ``logprobs`` (else
+    None); ``logits``: the rows ``sample`` drew from."""
     rows = [r for r, s in enumerate(seqs) if s.request.params.logprobs is not None]
     out = [None] * len(seqs)
     if rows:
