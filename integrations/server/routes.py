@@ -1,16 +1,25 @@
 """The endpoints (``add_routes``). Each reads the app's ``ServerState`` from ``request.app.state.server``."""
 from __future__ import annotations
 
+import inspect
+
 from fastapi import Request
 from fastapi.responses import Response
 
 from .call import ApiCall
 from .errors import error_response
-from .intake import chat_prompt, completion_prompts, read_request, sampling_params
+from .intake import (call_options, chat_prompt, completion_prompts, read_request, requested_max_tokens,
+                     sampling_params)
 from .metrics import CONTENT_TYPE_LATEST
+from .options import CallOptions
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .responses import CHAT, COMPLETION, Reply, respond
 from .state import ServerState
+from .tokenization import detokenize_endpoint, tokenize_endpoint, version
+
+# ApiCall's constructor takes (worker, tokenizer, prompts, params, options: CallOptions); until call.py
+# has that signature (its owners change it), it takes (..., params, stops, n) and gets those.
+_CALL_TAKES_OPTIONS = "options" in inspect.signature(ApiCall.__init__).parameters
 
 
 def state_of(request: Request) -> ServerState:
@@ -37,26 +46,33 @@ async def models(request: Request):
 async def completions(request: Request):
     state = state_of(request)
     req = await read_request(request, CompletionRequest, state)
-    return await answer(request, state, req, completion_prompts(state, req), req.max_tokens, COMPLETION)
+    return await answer(request, state, req, completion_prompts(state, req), COMPLETION)
 
 
 async def chat_completions(request: Request):
     state = state_of(request)
     req = await read_request(request, ChatCompletionRequest, state)
-    max_tokens = req.max_completion_tokens or req.max_tokens
-    return await answer(request, state, req, [chat_prompt(state, req)], max_tokens, CHAT)
+    return await answer(request, state, req, [chat_prompt(state, req)], CHAT)
 
 
-async def answer(request: Request, state: ServerState, req, prompts: list[list[int]], max_tokens, shape):
+def api_call(state: ServerState, prompts: list[list[int]], params, options: CallOptions) -> ApiCall:
+    if _CALL_TAKES_OPTIONS:
+        return ApiCall(state.worker, state.tokenizer, prompts, params, options)
+    return ApiCall(state.worker, state.tokenizer, prompts, params, options.stops, options.n)
+
+
+async def answer(request: Request, state: ServerState, req, prompts: list[list[int]], shape):
     """Run ``prompts`` with ``req``'s settings and answer in ``shape`` (whole or streamed)."""
-    params = sampling_params(state, req, prompts, max_tokens)
-    call = ApiCall(state.worker, state.tokenizer, prompts, params, req.stops(), req.n)
+    params = await sampling_params(state, req, prompts, requested_max_tokens(req))
+    call = api_call(state, prompts, params, call_options(req))
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     return await respond(request, call, Reply(shape, state.name), req.stream, include_usage)
 
 
 ROUTES = (("GET", "/health", health), ("GET", "/metrics", prometheus), ("GET", "/v1/models", models),
-          ("POST", "/v1/completions", completions), ("POST", "/v1/chat/completions", chat_completions))
+          ("POST", "/v1/completions", completions), ("POST", "/v1/chat/completions", chat_completions),
+          ("POST", "/tokenize", tokenize_endpoint), ("POST", "/detokenize", detokenize_endpoint),
+          ("GET", "/version", version))
 
 
 def add_routes(app) -> None:
