@@ -26,7 +26,12 @@ from .token_settings import bad_words_ids, generated_logprobs, logit_bias, logpr
 
 async def read_request(request: Request, schema, state: ServerState):
     """The validated request, for this server's model, asking for nothing the engine does not do."""
-    req = await read_json(request, schema, state.config.max_body_bytes)
+    return checked(await read_json(request, schema, state.config.max_body_bytes), state)
+
+
+def checked(req, state):
+    """``req`` when it names this server's model (else 404) and asks for nothing this server does not
+    do (``unsupported``) or that contradicts itself (``conflicts``), else 400."""
     if req.model is not None and req.model != state.name:
         raise ApiError(404, f"the model {req.model!r} does not exist (this server serves {state.name!r})",
                        param="model", code="model_not_found")

@@ -76,7 +76,8 @@ IMPLEMENTED = {
 
 
 def is_neutral(req, name: str) -> bool:
-    """``name``'s value leaves the answer as if it were absent: None, the field's default, empty; for
+    """``name``'s value leaves the answer as if it were absent: None, the field's default, empty, false
+    for a flag whose default is unset; for
     best_of, n; for tool_choice, "none"; for thinking_token_budget, -1 (unlimited)."""
     value = getattr(req, name)
     if value is None or (isinstance(value, (str, list, dict)) and not value):
@@ -89,7 +90,8 @@ def is_neutral(req, name: str) -> bool:
         return value == -1
     if name == "repetition_detection":
         return value.max_pattern_size == 0
-    return value == type(req).model_fields[name].get_default(call_default_factory=True)
+    default = type(req).model_fields[name].get_default(call_default_factory=True)
+    return value == default or (default is None and value is False)       # an unset flag, sent as false
 
 
 def refused_field(req) -> Optional[tuple[str, str]]:
