@@ -15,8 +15,8 @@ pytest.importorskip("fastapi")
 from hf_paged.engine.structured import StructuredOutput  # noqa: E402
 from hf_paged.integrations.server.body import parse  # noqa: E402
 from hf_paged.integrations.server.errors import ApiError  # noqa: E402
-from hf_paged.integrations.server.intake import (call_options, checked, completion_prompts, engine_settings,  # noqa: E402
-                                                 generation_settings, requested_max_tokens)
+from hf_paged.integrations.server.intake import (  # noqa: E402
+    call_options, checked, completion_prompts, engine_settings, generation_settings, requested_max_tokens)
 from hf_paged.integrations.server.options import CallOptions  # noqa: E402
 from hf_paged.integrations.server.protocol import ChatCompletionRequest, CompletionRequest  # noqa: E402
 from hf_paged.integrations.server.token_settings import bad_words_ids  # noqa: E402
@@ -250,7 +250,8 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
     ({"guided_regex": "w3|w4", "guided_decoding_backend": "outlines"}, StructuredOutput(regex="w3|w4")),
     ({"guided_choice": ["w5"]}, StructuredOutput(choice=("w5",))),
     ({"guided_grammar": "root ::= \"w3\""}, StructuredOutput(grammar="root ::= \"w3\"")),
-    ({"guided_json": SCHEMA, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}},
+    ({"guided_json": SCHEMA,
+      "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}},
      StructuredOutput(json=SCHEMA)),                                     # the same constraint twice is one
 ])
 @pytest.mark.parametrize("chat", [False, True])
