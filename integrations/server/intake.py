@@ -90,9 +90,10 @@ def completion_prompts(state: ServerState, req: CompletionRequest) -> list[list[
     return [check_ids(state, truncated(req, ids, state.max_model_len), "prompt") for ids in prompts]
 
 
-def chat_prompt(state: ServerState, req: ChatCompletionRequest) -> list[int]:
-    """The messages through the tokenizer's chat template, with the assistant's turn opened (or the
-    last message continued), vLLM's template options applied."""
+def chat_text(state: ServerState, req) -> str:
+    """``req.messages`` through the tokenizer's chat template, with the assistant's turn opened (or the
+    last message continued) and vLLM's template options applied (``req``: a chat completion or a
+    /tokenize chat request; the options it lacks stay off)."""
     tokenizer = state.tokenizer
     if not getattr(tokenizer, "chat_template", None):
         raise ApiError(400, "this model's tokenizer has no chat template; use /v1/completions",
@@ -100,15 +101,22 @@ def chat_prompt(state: ServerState, req: ChatCompletionRequest) -> list[int]:
     messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
                 for m in req.messages]
     kwargs = dict(req.chat_template_kwargs or {})
-    if req.reasoning_effort is not None:                 # as vLLM passes it to the template
-        kwargs.setdefault("reasoning_effort", req.reasoning_effort)
-        kwargs.setdefault("enable_thinking", req.reasoning_effort != "none")
+    effort = getattr(req, "reasoning_effort", None)
+    if effort is not None:                               # as vLLM passes it to the template
+        kwargs.setdefault("reasoning_effort", effort)
+        kwargs.setdefault("enable_thinking", effort != "none")
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=req.add_generation_prompt,
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=req.add_generation_prompt,
                                              continue_final_message=req.continue_final_message,
-                                             documents=req.documents, **kwargs)
+                                             documents=getattr(req, "documents", None), **kwargs)
     except Exception as exc:              # jinja's TemplateError (e.g. roles must alternate), ValueError
         raise ApiError(400, f"the chat template refused the messages: {exc}", param="messages")
+
+
+def chat_prompt(state: ServerState, req: ChatCompletionRequest) -> list[int]:
+    """The chat completion's prompt: ``chat_text`` tokenized (special tokens only with add_special_tokens:
+    the template writes its own), truncated as asked."""
+    text = chat_text(state, req)
     check_fan_out(state, 1, req.n)
     ids = truncated(req, tokenize(state, text, special=req.add_special_tokens), state.max_model_len)
     return check_ids(state, ids, "messages")

@@ -13,9 +13,10 @@ from pydantic_core import from_json
 
 from .body import parse, read_body
 from .errors import ApiError
-from .intake import check_ids, tokenize
+from .intake import chat_text, check_ids, tokenize
 from .protocol import RESERVED_TEMPLATE_KWARGS, ChatMessage
 from .request_parts import Strict
+from .vllm_fields import TOOLS
 from .state import ServerState
 
 FALLBACK_VERSION = "0.1.0"
@@ -51,26 +52,18 @@ def _model_checked(state: ServerState, req):
     return req
 
 
-def chat_text(state: ServerState, req: TokenizeChatRequest) -> str:
-    """The messages through the chat template, as /v1/chat/completions renders them."""
+def chat_checked(req: TokenizeChatRequest) -> TokenizeChatRequest:
+    """What /v1/chat/completions refuses among these fields, refused alike."""
     if req.tools:
-        raise ApiError(400, "tools are not supported by this server", param="tools", code="unsupported")
+        raise ApiError(400, f"tools are not supported: {TOOLS}", param="tools", code="unsupported")
     if req.continue_final_message and req.add_generation_prompt:
-        raise ApiError(400, "continue_final_message and add_generation_prompt cannot both be true",
-                       param="continue_final_message")
+        raise ApiError(400, "continue_final_message and add_generation_prompt cannot both be true "
+                            "(set add_generation_prompt=false)", param="continue_final_message")
     clash = sorted(RESERVED_TEMPLATE_KWARGS & set(req.chat_template_kwargs or {}))
     if clash:
-        raise ApiError(400, f"chat_template_kwargs may not set {clash}", param="chat_template_kwargs")
-    if not getattr(state.tokenizer, "chat_template", None):
-        raise ApiError(400, "this model's tokenizer has no chat template", param="messages", code="no_chat_template")
-    messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                for m in req.messages]
-    try:
-        return state.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=req.add_generation_prompt,
-            continue_final_message=req.continue_final_message, **(req.chat_template_kwargs or {}))
-    except Exception as exc:              # jinja's TemplateError, ValueError
-        raise ApiError(400, f"the chat template refused the messages: {exc}", param="messages")
+        raise ApiError(400, f"chat_template_kwargs may not set {clash}: the server sets them",
+                       param="chat_template_kwargs")
+    return req
 
 
 def _has_key(raw: bytes, key: str) -> bool:
@@ -89,7 +82,7 @@ async def tokenize_endpoint(request: Request):
     raw = await read_body(request, state.config.max_body_bytes)
     schema = TokenizeChatRequest if _has_key(raw, "messages") else TokenizeCompletionRequest
     req = _model_checked(state, parse(raw, schema))
-    text = chat_text(state, req) if isinstance(req, TokenizeChatRequest) else req.prompt
+    text = chat_text(state, chat_checked(req)) if isinstance(req, TokenizeChatRequest) else req.prompt
     ids = tokenize(state, text, special=req.add_special_tokens)
     strs = list(state.tokenizer.convert_ids_to_tokens(ids)) if req.return_token_strs else None
     return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids, "token_strs": strs}

@@ -16,7 +16,8 @@ from hf_paged.engine.structured import StructuredOutput  # noqa: E402
 from hf_paged.integrations.server.body import parse  # noqa: E402
 from hf_paged.integrations.server.errors import ApiError  # noqa: E402
 from hf_paged.integrations.server.intake import (  # noqa: E402
-    call_options, checked, completion_prompts, engine_settings, generation_settings, requested_max_tokens)
+    call_options, chat_text, checked, completion_prompts, engine_settings, generation_settings,
+    requested_max_tokens)
 from hf_paged.integrations.server.options import CallOptions  # noqa: E402
 from hf_paged.integrations.server.protocol import ChatCompletionRequest, CompletionRequest  # noqa: E402
 from hf_paged.integrations.server.token_settings import bad_words_ids  # noqa: E402
@@ -296,3 +297,23 @@ def test_grammar_that_does_not_compile_is_a_400():
         asyncio.run(engine_settings(fake_state(), request({"guided_regex": "w3"}), 8))
     assert err.value.status == 400
     assert "structured_output" not in asyncio.run(engine_settings(fake_state(), request({}), 8))
+
+
+def test_chat_template_options_reach_the_template():
+    """add_generation_prompt, continue_final_message, documents, chat_template_kwargs and
+    reasoning_effort are the template's to read, as vLLM passes them."""
+    state = fake_state()
+    state.tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if extra %}{{ extra }} {% endif %}"
+        "{% if documents %}{{ documents[0]['text'] }} {% endif %}{% if reasoning_effort %}{{ reasoning_effort }} "
+        "{% endif %}{% if add_generation_prompt %}w9{% endif %}")
+    turns = {"messages": [{"role": "user", "content": "w3"}, {"role": "assistant", "content": "w4"}]}
+    schema = ChatCompletionRequest
+
+    def text(body):
+        return chat_text(state, checked(parse(json.dumps({**turns, **body}).encode(), schema), state))
+
+    assert text({}) == "w3 w4 w9"
+    assert text({"add_generation_prompt": False, "continue_final_message": True}) == "w3 w4"
+    assert text({"chat_template_kwargs": {"extra": "w5"}, "documents": [{"text": "w6"}]}) == "w3 w4 w5 w6 w9"
+    assert text({"reasoning_effort": "low"}) == "w3 w4 low w9"
