@@ -77,7 +77,8 @@ def check_fan_out(state: ServerState, prompts: int, n: int) -> None:
     capacity = state.worker.capacity
     if prompts * n > capacity:
         raise ApiError(400, f"{prompts} prompts x n={n} = {prompts * n} sequences: at most {capacity} per "
-                            "request (max_num_seqs + max_queue; --max-num-seqs, --max-queue)", param="prompt")
+                            "request (max_num_seqs + max_queue; --max-num-seqs, --max-queue)",
+                       param="prompt" if prompts > 1 else "n")
 
 
 def completion_prompts(state: ServerState, req: CompletionRequest) -> list[list[int]]:
