@@ -4,12 +4,15 @@
 EngineConfig knobs) and the app; the engine thread starts and stops with the app's lifespan.
 Endpoints (``routes``): ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``
 (``stream`` as server-sent events ending in ``data: [DONE]``), ``GET /health`` (open even with an API
-key), ``GET /metrics`` (Prometheus). Every error answers an OpenAI-style body
+key), ``GET /metrics`` (Prometheus), vLLM's ``POST /tokenize``, ``POST /detokenize`` and
+``GET /version`` (``tokenization``). Every error answers an OpenAI-style body
 ``{"error": {"message", "type", "param", "code"}}`` (``errors``); no traceback reaches a client.
 
-The pieces: ``state`` (what the handlers share), ``intake`` (request → token ids and sampling
-settings), ``call`` (one API call's engine requests and text streams), ``responses`` (whole or
-streamed answers), ``middleware`` (the API key).
+The pieces: ``state`` (what the handlers share), ``body`` (size-limited, strict JSON), ``protocol`` /
+``vllm_fields`` / ``request_parts`` (the request schemas: OpenAI's and vLLM's fields), ``intake``
+(request → token ids, engine settings and CallOptions; ``token_settings`` and ``guided`` for the
+token-naming fields and structured output), ``call`` (one API call's engine requests and text
+streams), ``responses`` (whole or streamed answers), ``middleware`` (the API key).
 """
 from __future__ import annotations
 

@@ -15,8 +15,9 @@ MiB = 2**20
 @dataclass(frozen=True)
 class AppConfig:
     """served_model_name: the model's name in the API (default: the checkpoint's name). api_key: require
-    ``Authorization: Bearer KEY`` on every endpoint but /health. max_queue: waiting requests before
-    answering 503 with Retry-After. shutdown_timeout: seconds to let in-flight requests finish on SIGTERM
+    ``Authorization: Bearer KEY`` on every endpoint but /health. max_queue: sequences that may wait
+    beyond the max_num_seqs the engine runs before answering 503 with Retry-After (a request of n
+    sequences takes n). shutdown_timeout: seconds to let in-flight requests finish on SIGTERM
     before cancelling them. max_body_bytes: request body limit (413 above it)."""
     served_model_name: str | None = None
     api_key: str | None = None

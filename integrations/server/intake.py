@@ -1,59 +1,46 @@
-"""From an HTTP request to the engine's inputs: the body (size-limited, parsed, validated), the prompts'
-token ids and the sampling settings, resolved as ``generate`` resolves them. Every refusal is an
-``ApiError`` (400, 404 or 413) naming the field and the limit."""
+"""From an HTTP request to the engine's inputs: the validated request (``body``), the prompts' token ids,
+the engine's settings (``engine_settings``: keywords of ``resolve_generation`` / ``Engine.add_request``)
+and how the answer is rendered (``call_options``). Every refusal is an ``ApiError`` (400, 404 or 413)
+naming the field and the limit.
+
+Settings keys: max_new_tokens, num_return_sequences, do_sample, temperature, top_p, top_k, seed,
+stop_strings, ignore_eos, min_new_tokens, repetition_penalty, min_p, presence_penalty,
+frequency_penalty, logit_bias, bad_words_ids, allowed_token_ids, stop_token_ids, logprobs,
+prompt_logprobs, structured_output. A neutral value leaves its key out, so a request carrying vLLM's
+defaults resolves exactly as one without them.
+"""
 from __future__ import annotations
 
-import json
-
 from fastapi import Request
-from pydantic import ValidationError
 
 from hf_paged.engine.settings import resolve_generation
 
+from .body import read_json
 from .errors import ApiError
+from .guided import compile_structured, structured_spec
+from .options import CallOptions
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .state import ServerState
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    too_large = ApiError(413, f"request body over {limit} bytes (max_body_bytes)", code="body_too_large")
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > limit:
-        raise too_large
-    raw = bytearray()
-    async for chunk in request.stream():
-        raw += chunk
-        if len(raw) > limit:
-            raise too_large
-    return bytes(raw)
-
-
-def parse(raw: bytes, schema):
-    """``schema`` validated from a JSON object body."""
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ApiError(400, f"malformed JSON body: {exc}", code="invalid_json")
-    if not isinstance(body, dict):
-        raise ApiError(400, "the JSON body must be an object", code="invalid_json")
-    try:
-        return schema.model_validate(body)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        param = ".".join(str(p) for p in err.get("loc", ())) or None
-        kind = "unknown field" if err.get("type") == "extra_forbidden" else "invalid value"
-        raise ApiError(400, f"{kind} {param!r}: {err.get('msg')}", param=param, code="invalid_request")
+from .token_settings import bad_words_ids, generated_logprobs, logit_bias, logprob_counts, token_list
 
 
 async def read_request(request: Request, schema, state: ServerState):
-    """The validated request, for this server's model, with no field the engine does not implement."""
-    req = parse(await read_body(request, state.config.max_body_bytes), schema)
+    """The validated request, for this server's model, asking for nothing the engine does not do."""
+    return checked(await read_json(request, schema, state.config.max_body_bytes), state)
+
+
+def checked(req, state):
+    """``req`` when it names this server's model (else 404) and asks for nothing this server does not
+    do (``unsupported``) or that contradicts itself (``conflicts``), else 400."""
     if req.model is not None and req.model != state.name:
         raise ApiError(404, f"the model {req.model!r} does not exist (this server serves {state.name!r})",
                        param="model", code="model_not_found")
     refused = req.unsupported()
     if refused:
         raise ApiError(400, refused[1], param=refused[0], code="unsupported")
+    conflict = req.conflicts()
+    if conflict:
+        raise ApiError(400, conflict[1], param=conflict[0], code="invalid_request")
     return req
 
 
@@ -72,35 +59,76 @@ def check_ids(state: ServerState, ids: list[int], param: str) -> list[int]:
     return ids
 
 
+def truncated(req, ids: list[int], max_model_len: int) -> list[int]:
+    """vLLM's truncate_prompt_tokens (-1: the model's context): the last k tokens, or the first k with
+    truncation_side "right"."""
+    k = req.truncate_prompt_tokens
+    if k is None:
+        return ids
+    k = max_model_len if k == -1 else k
+    if len(ids) <= k:
+        return ids
+    return ids[:k] if req.truncation_side == "right" else ids[-k:]
+
+
+def check_fan_out(state: ServerState, prompts: int, n: int) -> None:
+    """A request whose prompts x n sequences exceed what the server holds at once could never be
+    admitted whole (it would be answered 503 forever): 400, naming the limit and the knobs."""
+    capacity = state.worker.capacity
+    if prompts * n > capacity:
+        raise ApiError(400, f"{prompts} prompts x n={n} = {prompts * n} sequences: at most {capacity} per "
+                            "request (max_num_seqs + max_queue; --max-num-seqs, --max-queue)",
+                       param="prompt" if prompts > 1 else "n")
+
+
 def completion_prompts(state: ServerState, req: CompletionRequest) -> list[list[int]]:
     """One token-id list per prompt: ``prompt`` is a text, texts, token ids or lists of token ids."""
     p = req.prompt
-    if isinstance(p, str):
-        prompts = [tokenize(state, p)]
-    elif p and all(isinstance(x, str) for x in p):
-        prompts = [tokenize(state, x) for x in p]
-    elif p and all(isinstance(x, int) for x in p):
-        prompts = [list(p)]
-    elif p:
-        prompts = [list(x) for x in p]
-    else:
-        raise ApiError(400, "empty prompt", param="prompt")
-    return [check_ids(state, ids, "prompt") for ids in prompts]
+    if isinstance(p, str) or isinstance(p[0], int):
+        p = [p]
+    check_fan_out(state, len(p), req.n)              # before tokenizing a million texts
+    prompts = [tokenize(state, x, req.add_special_tokens) if isinstance(x, str) else list(x) for x in p]
+    return [check_ids(state, truncated(req, ids, state.max_model_len), "prompt") for ids in prompts]
 
 
-def chat_prompt(state: ServerState, req: ChatCompletionRequest) -> list[int]:
-    """The messages through the tokenizer's chat template, with the assistant's turn opened."""
+def chat_text(state: ServerState, req) -> str:
+    """``req.messages`` through the tokenizer's chat template, with the assistant's turn opened (or the
+    last message continued) and vLLM's template options applied (``req``: a chat completion or a
+    /tokenize chat request; the options it lacks stay off)."""
     tokenizer = state.tokenizer
     if not getattr(tokenizer, "chat_template", None):
         raise ApiError(400, "this model's tokenizer has no chat template; use /v1/completions",
                        param="messages", code="no_chat_template")
     messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
                 for m in req.messages]
+    kwargs = dict(req.chat_template_kwargs or {})
+    effort = getattr(req, "reasoning_effort", None)
+    if effort is not None:                               # as vLLM passes it to the template
+        kwargs.setdefault("reasoning_effort", effort)
+        kwargs.setdefault("enable_thinking", effort != "none")
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    except Exception as exc:              # jinja's TemplateError (e.g. roles must alternate)
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=req.add_generation_prompt,
+                                             continue_final_message=req.continue_final_message,
+                                             documents=getattr(req, "documents", None), **kwargs)
+    except Exception as exc:              # jinja's TemplateError (e.g. roles must alternate), ValueError
         raise ApiError(400, f"the chat template refused the messages: {exc}", param="messages")
-    return check_ids(state, tokenize(state, text, special=False), "messages")
+
+
+def chat_prompt(state: ServerState, req: ChatCompletionRequest) -> list[int]:
+    """The chat completion's prompt: ``chat_text`` tokenized (special tokens only with add_special_tokens:
+    the template writes its own), truncated as asked."""
+    text = chat_text(state, req)
+    check_fan_out(state, 1, req.n)
+    ids = truncated(req, tokenize(state, text, special=req.add_special_tokens), state.max_model_len)
+    return check_ids(state, ids, "messages")
+
+
+def requested_max_tokens(req) -> int | None:
+    """The new tokens asked for: chat's max_completion_tokens (or max_tokens); completions' max_tokens,
+    where 0 (echo only) makes the engine run one token, which the answer drops."""
+    if isinstance(req, ChatCompletionRequest):
+        return req.max_completion_tokens or req.max_tokens
+    return 1 if req.max_tokens == 0 else req.max_tokens
 
 
 def context_checked(prompts: list[list[int]], max_tokens: int | None, max_model_len: int) -> int:
@@ -116,25 +144,64 @@ def context_checked(prompts: list[list[int]], max_tokens: int | None, max_model_
     return max_tokens
 
 
-def generation_settings(req, max_tokens: int) -> dict:
-    """The request's settings as ``generate`` keywords; unset ones stay unset (the model's own apply)."""
+def _off(value, neutral):
+    """None for a neutral value (the key stays out)."""
+    return None if value is None or value == neutral else value
+
+
+def generation_settings(req, max_tokens: int, state) -> dict:
+    """The request's settings as ``resolve_generation`` keywords, without structured output (see
+    ``engine_settings``); unset and neutral ones stay out (the model's own apply)."""
+    if req.min_tokens > max_tokens:
+        raise ApiError(400, f"min_tokens={req.min_tokens} exceeds max_tokens={max_tokens}", param="min_tokens")
     settings = dict(max_new_tokens=max_tokens, num_return_sequences=req.n)
     if req.temperature is not None:
         settings["do_sample"] = req.temperature > 0
         if req.temperature > 0:
             settings["temperature"] = req.temperature
-    optional = dict(top_p=req.top_p, top_k=None if req.top_k is None else max(req.top_k, 0), seed=req.seed,
-                    stop_strings=list(req.stops()) or None, ignore_eos=req.ignore_eos or None)
+    chat = isinstance(req, ChatCompletionRequest)
+    logprobs, prompt_logprobs = logprob_counts(state, req, chat)
+    optional = dict(
+        top_p=req.top_p, top_k=None if req.top_k is None else max(req.top_k, 0), seed=req.seed,
+        stop_strings=list(req.stops()) or None, ignore_eos=req.ignore_eos or None,
+        min_new_tokens=_off(req.min_tokens, 0), repetition_penalty=_off(req.repetition_penalty, 1.0),
+        min_p=_off(req.min_p, 0.0), presence_penalty=_off(req.presence_penalty, 0.0),
+        frequency_penalty=_off(req.frequency_penalty, 0.0), logit_bias=logit_bias(state, req.logit_bias),
+        bad_words_ids=bad_words_ids(state, req.bad_words),
+        allowed_token_ids=token_list(state, req.allowed_token_ids, "allowed_token_ids"),
+        stop_token_ids=token_list(state, req.stop_token_ids, "stop_token_ids"),
+        logprobs=logprobs, prompt_logprobs=prompt_logprobs)
     settings.update({k: v for k, v in optional.items() if v is not None})
-    if settings.get("do_sample") is False:        # greedy: sampling knobs would only warn
-        settings.pop("top_p", None), settings.pop("top_k", None)
+    if settings.get("do_sample") is False:        # greedy: these only filter what sampling draws from
+        for name in ("top_p", "top_k", "min_p"):
+            settings.pop(name, None)
     return settings
 
 
-def sampling_params(state: ServerState, req, prompts: list[list[int]], max_tokens: int | None):
+async def engine_settings(state, req, max_tokens: int) -> dict:
+    """``generation_settings`` plus ``structured_output``: the request's grammar, compiled."""
+    settings = generation_settings(req, max_tokens, state)
+    asked = structured_spec(req)
+    if asked is not None:
+        settings["structured_output"] = await compile_structured(state.engine, *asked)
+    return settings
+
+
+async def sampling_params(state: ServerState, req, prompts: list[list[int]], max_tokens: int | None):
     """The engine's SamplingParams for every prompt of ``req`` (400 for what ``generate`` refuses)."""
     max_tokens = context_checked(prompts, max_tokens, state.max_model_len)
+    settings = await engine_settings(state, req, max_tokens)
     try:
-        return resolve_generation(state.model.generation_config, **generation_settings(req, max_tokens))
+        return resolve_generation(state.model.generation_config, **settings)
     except ValueError as exc:
         raise ApiError(400, str(exc), code="invalid_sampling")
+
+
+def call_options(req) -> CallOptions:
+    """How ``req``'s answer is rendered (the engine's settings aside)."""
+    chat = isinstance(req, ChatCompletionRequest)
+    return CallOptions(n=req.n, stops=req.stops(), include_stop_str_in_output=req.include_stop_str_in_output,
+                       skip_special_tokens=req.skip_special_tokens, logprobs=generated_logprobs(req, chat)[0],
+                       echo=bool(not chat and req.echo), max_tokens_zero=not chat and req.max_tokens == 0,
+                       prompt_logprobs=req.prompt_logprobs, chat=chat,
+                       return_tokens_as_token_ids=bool(req.return_tokens_as_token_ids))

@@ -1,19 +1,27 @@
-"""Request schemas of the OpenAI API (the fields the official client sends), ``extra="forbid"``.
+"""Request schemas of /v1/completions and /v1/chat/completions: OpenAI's fields and vLLM's (every
+field vLLM's protocol declares, see ``vllm_fields``), strict and ``extra="forbid"``.
 
-Standard fields the engine does not implement are accepted by the schema and refused with a 400 that
-names them (``unsupported()``), unless they carry their neutral value. Extensions (as vLLM's):
-``top_k`` (-1 or 0: off) and ``ignore_eos``.
+Three checks beyond the types, each answering a 400 that names the field: ``unsupported()`` (a field
+asking for what the engine does not implement, or a limit of this server), ``conflicts()`` (fields that
+contradict each other, as vLLM's validators refuse them). Limits that depend on the running engine
+(``max_logprobs``, the vocabulary) are checked by ``intake``.
 """
 from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field, field_validator
+
+from .request_parts import Strict, StreamOptions
+from .vllm_fields import CHAT_ECHO, TOOLS, VllmSampling, is_neutral, refused_field
 
 MAX_N = 64
 MAX_SEED = 2**63 - 1
+MAX_STOPS = 64
 # The engine's finish reasons as OpenAI (and vLLM's metrics) name them.
 FINISH_REASONS = {"stop": "stop", "stop_string": "stop", "length": "length", "cancelled": "abort"}
+PROMPT_SHAPES = ("prompt must be a text, a list of texts, a list of token ids or a list of token-id "
+                 "lists (token ids: integers >= 0)")
 
 
 def finish_reason(engine_reason: str | None) -> str:
@@ -21,74 +29,100 @@ def finish_reason(engine_reason: str | None) -> str:
     return FINISH_REASONS.get(engine_reason, engine_reason or "abort")
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+def _is_token_id(x) -> bool:
+    return type(x) is int and x >= 0          # not bool, not float
 
 
-class StreamOptions(_Strict):
-    include_usage: Optional[bool] = None
-    continuous_usage_stats: Optional[bool] = None
+def prompt_shape(value):
+    """``value`` when it is one of the four prompt shapes; else a ValueError naming the first bad item
+    (a union's own error would name only the first shape it tried)."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"{PROMPT_SHAPES}; got {type(value).__name__ if value != [] else 'an empty list'}")
+    first = value[0]
+    fits = (lambda x: isinstance(x, str)) if isinstance(first, str) else _is_token_id if not isinstance(
+        first, list) else (lambda x: isinstance(x, list) and x != [] and all(map(_is_token_id, x)))
+    bad = next((i for i, x in enumerate(value) if not fits(x)), None)
+    if bad is not None:
+        raise ValueError(f"{PROMPT_SHAPES}; item {bad} is {value[bad]!r:.60}")
+    return value
 
 
-class _Sampling(_Strict):
+class _Sampling(VllmSampling):
+    """OpenAI's fields of both endpoints (vLLM's come from VllmSampling)."""
     model: Optional[str] = None
-    max_tokens: Optional[int] = Field(None, ge=1)
     n: int = Field(1, ge=1, le=MAX_N)
     stop: Optional[Union[str, list[str]]] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     temperature: Optional[float] = Field(None, ge=0.0, le=2.0)
     top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
-    top_k: Optional[int] = Field(None, ge=-1)
     seed: Optional[int] = Field(None, ge=0, le=MAX_SEED)
     frequency_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
     presence_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
     logit_bias: Optional[dict[str, float]] = None
     user: Optional[str] = None
-    ignore_eos: bool = False
+
+    @field_validator("n", "stream", "echo", check_fields=False, mode="before")
+    @classmethod
+    def _null_is_default(cls, value, info):
+        """vLLM's ``Optional`` n / stream / echo: null means the default."""
+        return cls.model_fields[info.field_name].default if value is None else value
 
     def stops(self) -> tuple[str, ...]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return tuple(s for s in stops if s)
 
     def unsupported(self) -> Optional[tuple[str, str]]:
-        """(param, message) of the first set field the engine does not implement, or None."""
-        for name in ("frequency_penalty", "presence_penalty"):
-            if getattr(self, name):
-                return name, f"{name} is not supported by this server (only 0)"
-        if self.logit_bias:
-            return "logit_bias", "logit_bias is not supported by this server"
-        if len(self.stops()) > 4:
-            return "stop", "at most 4 stop sequences"
+        """(param, message) of the first field asking for what this server does not do, or None."""
+        refused = refused_field(self)
+        if refused:
+            return refused
+        if len(self.stops()) > MAX_STOPS:
+            return "stop", f"{len(self.stops())} stop sequences: at most {MAX_STOPS}"
+        return None
+
+    def conflicts(self) -> Optional[tuple[str, str]]:
+        """(param, message) of the first contradiction among the fields, or None."""
+        if self.stream and self.prompt_logprobs not in (None, 0):
+            return "prompt_logprobs", "prompt_logprobs are not available with stream=true (as in vLLM)"
+        if self.truncate_prompt_tokens == 0:
+            return "truncate_prompt_tokens", "truncate_prompt_tokens must be -1 (the model's context) or >= 1"
+        if self.allowed_token_ids == []:
+            return "allowed_token_ids", "allowed_token_ids is empty: no token could be generated"
+        if self.guided_choice == [] or (self.structured_outputs and self.structured_outputs.choice == []):
+            return "guided_choice" if self.guided_choice == [] else "structured_outputs.choice", \
+                "an empty choice list: no text could be generated"
         return None
 
 
 class CompletionRequest(_Sampling):
     prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: Optional[int] = Field(16, ge=1)         # OpenAI's default for completions
-    logprobs: Optional[int] = Field(None, ge=0, le=20)
+    max_tokens: Optional[int] = Field(16, ge=0)         # OpenAI's default for completions; 0: echo only
+    logprobs: Optional[int] = Field(None, ge=-1)
     echo: Optional[bool] = False
     best_of: Optional[int] = Field(None, ge=1)
     suffix: Optional[str] = None
+    add_special_tokens: bool = True
 
-    def unsupported(self):
-        if self.logprobs is not None:
-            return "logprobs", "logprobs are not implemented by this server"
-        if self.echo:
-            return "echo", "echo is not implemented by this server"
-        if self.best_of is not None and self.best_of != self.n:
-            return "best_of", "best_of other than n is not supported by this server"
-        if self.suffix:
-            return "suffix", "suffix is not supported by this server"
-        return super().unsupported()
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, value):
+        return prompt_shape(value)
+
+    def conflicts(self):
+        if self.max_tokens == 0 and not self.echo:
+            return "max_tokens", "max_tokens=0 needs echo=true (the prompt alone comes back); else at least 1"
+        return super().conflicts()
 
 
-class TextPart(_Strict):
+class TextPart(Strict):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(_Strict):
+class ChatMessage(Strict):
     role: Literal["system", "developer", "user", "assistant"]
     content: Optional[Union[str, list[TextPart]]] = None
     name: Optional[str] = None
@@ -99,26 +133,51 @@ class ChatMessage(_Strict):
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
+# chat_template_kwargs the server sets itself (passing them again would clash or change the output type)
+RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tokenize", "add_generation_prompt",
+                                      "continue_final_message", "chat_template", "tools", "documents",
+                                      "return_dict", "return_tensors", "tokenizer_kwargs"})
+
+
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Optional[int] = Field(None, ge=1)
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     logprobs: Optional[bool] = None
-    top_logprobs: Optional[int] = Field(None, ge=0, le=20)
-    response_format: Optional[dict[str, Any]] = None
+    top_logprobs: Optional[int] = Field(None, ge=-1)
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
     parallel_tool_calls: Optional[bool] = None
     service_tier: Optional[str] = None
     store: Optional[bool] = None
     metadata: Optional[dict[str, str]] = None
+    reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]] = None
+    include_reasoning: bool = True
+    echo: bool = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    documents: Optional[list[dict[str, str]]] = None
+    chat_template: Optional[str] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    media_io_kwargs: Optional[dict[str, Any]] = None
+    mm_processor_kwargs: Optional[dict[str, Any]] = None
+    return_prompt_text: Optional[bool] = None
 
     def unsupported(self):
-        if self.logprobs or self.top_logprobs is not None:
-            return "logprobs", "logprobs are not implemented by this server"
-        if self.response_format and self.response_format.get("type") != "text":
-            return "response_format", "only response_format {'type': 'text'} is supported"
-        if self.tools:
-            return "tools", "tools are not supported by this server"
-        if self.tool_choice not in (None, "none"):
-            return "tool_choice", "tool_choice is not supported by this server"
+        if not is_neutral(self, "tools"):                 # named first: a tool_choice comes with them
+            return "tools", f"tools are not supported: {TOOLS}"
+        if self.echo:
+            return "echo", CHAT_ECHO
         return super().unsupported()
+
+    def conflicts(self):
+        if self.top_logprobs not in (None, 0) and not self.logprobs:
+            return "top_logprobs", "top_logprobs needs logprobs=true"
+        if self.continue_final_message and self.add_generation_prompt:
+            return "continue_final_message", ("continue_final_message and add_generation_prompt cannot both "
+                                              "be true (set add_generation_prompt=false)")
+        clash = sorted(RESERVED_TEMPLATE_KWARGS & set(self.chat_template_kwargs or {}))
+        if clash:
+            return "chat_template_kwargs", f"chat_template_kwargs may not set {clash}: the server sets them"
+        return super().conflicts()

@@ -5,14 +5,14 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from .call import ApiCall
-from .options import CallOptions
 from .errors import error_response
-from .intake import chat_prompt, completion_prompts, read_request, sampling_params
+from .intake import (call_options, chat_prompt, completion_prompts, read_request, requested_max_tokens,
+                     sampling_params)
 from .metrics import CONTENT_TYPE_LATEST
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .responses import CHAT, COMPLETION, Reply, respond
 from .state import ServerState
-
+from .tokenization import detokenize_endpoint, tokenize_endpoint, version
 
 def state_of(request: Request) -> ServerState:
     return request.app.state.server
@@ -38,26 +38,27 @@ async def models(request: Request):
 async def completions(request: Request):
     state = state_of(request)
     req = await read_request(request, CompletionRequest, state)
-    return await answer(request, state, req, completion_prompts(state, req), req.max_tokens, COMPLETION)
+    return await answer(request, state, req, completion_prompts(state, req), COMPLETION)
 
 
 async def chat_completions(request: Request):
     state = state_of(request)
     req = await read_request(request, ChatCompletionRequest, state)
-    max_tokens = req.max_completion_tokens or req.max_tokens
-    return await answer(request, state, req, [chat_prompt(state, req)], max_tokens, CHAT)
+    return await answer(request, state, req, [chat_prompt(state, req)], CHAT)
 
 
-async def answer(request: Request, state: ServerState, req, prompts: list[list[int]], max_tokens, shape):
+async def answer(request: Request, state: ServerState, req, prompts: list[list[int]], shape):
     """Run ``prompts`` with ``req``'s settings and answer in ``shape`` (whole or streamed)."""
-    params = sampling_params(state, req, prompts, max_tokens)
-    call = ApiCall(state.worker, state.tokenizer, prompts, params, CallOptions(n=req.n, stops=req.stops()))
+    params = await sampling_params(state, req, prompts, requested_max_tokens(req))
+    call = ApiCall(state.worker, state.tokenizer, prompts, params, call_options(req))
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     return await respond(request, call, Reply(shape, state.name), req.stream, include_usage)
 
 
 ROUTES = (("GET", "/health", health), ("GET", "/metrics", prometheus), ("GET", "/v1/models", models),
-          ("POST", "/v1/completions", completions), ("POST", "/v1/chat/completions", chat_completions))
+          ("POST", "/v1/completions", completions), ("POST", "/v1/chat/completions", chat_completions),
+          ("POST", "/tokenize", tokenize_endpoint), ("POST", "/detokenize", detokenize_endpoint),
+          ("GET", "/version", version))
 
 
 def add_routes(app) -> None:

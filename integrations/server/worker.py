@@ -1,10 +1,15 @@
 """The background engine thread: the only thread that touches the Engine.
 
 Requests join and leave between steps through a thread-safe command queue; each step's tokens go back
-to the asyncio side with ``loop.call_soon_threadsafe`` (one call per request per step). The waiting
-queue is bounded: ``submit`` raises :class:`QueueFull` when ``max_queue`` requests already wait
-(submitted but not yet admitted, plus the engine's own waiting queue). ``shutdown`` stops accepting,
-lets in-flight requests finish within a timeout, cancels the rest and joins the thread.
+to the asyncio side with ``loop.call_soon_threadsafe`` (one call per request per step). The queue is
+bounded beyond what runs: ``submit`` raises :class:`QueueFull` when the sequences in flight (submitted
+and not yet done: waiting for the engine thread, waiting in the engine or running) would exceed
+``max_num_seqs + max_queue``. The count is the worker's own, kept under its lock (``submit`` adds a
+request's sequences, its last item takes them off), so a burst submitted between two engine steps is
+counted exactly: with max_num_seqs 8 and max_queue 16, 24 requests fit and the 25th is refused. A
+request with ``n`` sequences takes ``n`` (the engine's max_num_seqs counts sequences); they are taken
+off when the whole request is done. ``shutdown`` stops accepting, lets in-flight requests finish
+within a timeout, cancels the rest and joins the thread.
 """
 from __future__ import annotations
 
@@ -38,6 +43,7 @@ class Handle:
     prompt_ids: list[int]
     params: SamplingParams
     deliver: Callable[[object], None]
+    slots: int = 0                       # sequences it holds in the worker's count (set by submit)
     arrival: float = field(default_factory=time.perf_counter)
     request_id: int | None = None
     first_token: float | None = None
@@ -48,15 +54,15 @@ class Handle:
 
 
 class EngineWorker:
-    """Runs ``engine`` in a thread of its own. max_queue: waiting requests before ``submit`` raises
-    QueueFull. metrics: a Metrics to update (or None)."""
+    """Runs ``engine`` in a thread of its own. max_queue: sequences that may wait beyond the
+    engine's ``max_num_seqs`` running ones before ``submit`` raises QueueFull. metrics: a Metrics to
+    update (or None)."""
 
     def __init__(self, engine: Engine, max_queue: int, metrics=None):
         self.engine, self.max_queue, self.metrics = engine, max_queue, metrics
         self._commands: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
-        self._pending = 0                 # submitted, not yet handed to the engine
-        self._engine_waiting = 0          # the engine's waiting requests, as of the last look
+        self._in_flight = 0               # sequences submitted and not yet done (see the module doc)
         self._active: dict[int, Handle] = {}      # engine request id -> handle (engine thread only)
         self._accepting = True
         self._stop = threading.Event()    # leave the loop once nothing is active
@@ -78,13 +84,27 @@ class EngineWorker:
         """The engine's EngineStats as of the last step or command (read in the engine thread)."""
         return self._stats
 
+    @property
+    def capacity(self) -> int:
+        """Sequences in flight at most: the engine's running ones plus ``max_queue`` waiting."""
+        return self.engine.config.max_num_seqs + self.max_queue
+
+    @property
+    def in_flight(self) -> int:
+        """Sequences submitted and not yet done."""
+        return self._in_flight
+
     def submit(self, handle: Handle) -> Handle:
+        slots = max(1, int(getattr(handle.params, "num_return_sequences", 1) or 1))
         with self._lock:
             if not self._accepting or not self.alive:
                 raise ShuttingDown("the server is shutting down")
-            if self._pending + self._engine_waiting >= self.max_queue:
-                raise QueueFull(f"the waiting queue is full ({self.max_queue} requests, max_queue); retry later")
-            self._pending += 1
+            if self._in_flight + slots > self.capacity:
+                raise QueueFull(f"the server is full: {self._in_flight} sequences in flight, at most "
+                                f"{self.capacity} (max_num_seqs {self.engine.config.max_num_seqs} running + "
+                                f"max_queue {self.max_queue} waiting); retry later")
+            self._in_flight += slots
+            handle.slots = slots
         self._commands.put(("add", handle))
         return handle
 
@@ -168,8 +188,6 @@ class EngineWorker:
             self._refresh()
 
     def _add(self, handle: Handle) -> None:
-        with self._lock:
-            self._pending -= 1
         if handle.cancelled:
             return self._last(handle, ("done", None))
         try:
@@ -200,9 +218,12 @@ class EngineWorker:
             self.metrics.finished(handle, output, time.perf_counter())
         self._last(handle, ("done", output))
 
-    @staticmethod
-    def _last(handle: Handle, item) -> None:
-        """Hand over a request's last item; the request is done for ``cancel`` from then on."""
+    def _last(self, handle: Handle, item) -> None:
+        """Hand over a request's last item; the request is done for ``cancel`` from then on, and its
+        sequences leave the in-flight count."""
+        with self._lock:
+            self._in_flight -= handle.slots
+            handle.slots = 0
         handle.done = True
         handle.deliver(item)
 
@@ -228,8 +249,6 @@ class EngineWorker:
 
     def _refresh(self) -> None:
         stats = self.engine.stats()
-        with self._lock:
-            self._engine_waiting = stats.requests_waiting
         self._stats = stats
         if self.metrics is not None:
             self.metrics.engine_stats(stats)

@@ -246,38 +246,71 @@ def test_disconnect_cancels_and_frees_blocks(server, monkeypatch):
     app.state.engine.check_invariants()
 
 
-def test_queue_full_answers_503(server, monkeypatch):
-    url, app = server
+def _burst(url: str, bodies: list[dict], gate: threading.Event) -> list[tuple[int, str | None, bytes]]:
+    """POST every body at once, streamed, while the engine's steps wait on ``gate`` (so nothing finishes
+    before all are submitted); once every status line is in, open the gate and read every answer.
+    Returns (status, Retry-After, body) per request."""
+    statuses: list = [None] * len(bodies)
+    read_on = threading.Event()
+
+    def one(i):
+        with httpx.stream("POST", url + "/v1/completions", json=bodies[i], timeout=HANG_S) as r:
+            statuses[i] = r.status_code
+            if r.status_code == 200:
+                read_on.wait(HANG_S)
+            return r.status_code, r.headers.get("retry-after"), r.read()
+
+    with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
+        futures = [pool.submit(one, i) for i in range(len(bodies))]
+        wait_for(lambda: all(s is not None for s in statuses), "every request of the burst being answered")
+        gate.set()
+        read_on.set()
+        return [f.result() for f in futures]
+
+
+def test_max_queue_counts_what_waits_beyond_max_num_seqs():
+    """max_num_seqs 8 + max_queue 16: a burst of 24 streams is served whole, a burst of 25 turns exactly
+    one away (503, Retry-After); a request of n sequences takes n places."""
+    app = create_app(make_model("llama"), tokenizer(), served_model_name=MODEL, num_blocks=96, max_num_seqs=8,
+                     max_num_batched_tokens=64, block_size=16, max_queue=16)
     engine, worker = app.state.engine, app.state.worker
     gate = threading.Event()
     step = engine.step
-    monkeypatch.setattr(engine, "step", lambda: (gate.wait(HANG_S), step())[1])
-    monkeypatch.setattr(worker, "max_queue", 1)
-    body = {"model": MODEL, "prompt": "w3 w4", "max_tokens": 4, "temperature": 0}
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        first = pool.submit(httpx.post, url + "/v1/completions", json=body, timeout=HANG_S)
-        wait_for(lambda: worker.stats().requests_waiting + worker.stats().requests_running >= 1,
-                 "the first request reaching the engine")
-        r = httpx.post(url + "/v1/completions", json=body, timeout=HANG_S)
-        assert r.status_code == 503 and r.headers["retry-after"] == "1"
-        assert r.json()["error"]["code"] == "queue_full"
-        gate.set()
-        assert first.result().status_code == 200
-    wait_idle(app)
+    engine.step = lambda: (gate.wait(HANG_S), step())[1]
+    body = {"model": MODEL, "prompt": "w3 w4", "max_tokens": 3, "temperature": 0, "stream": True}
+    with running(app) as url:
+        for count, refused in ((24, 0), (25, 1)):
+            gate.clear()
+            answers = _burst(url, [body] * count, gate)
+            assert sorted(a[0] for a in answers) == [200] * (count - refused) + [503] * refused
+            assert all(b"data: [DONE]" in a[2] for a in answers if a[0] == 200)
+            for status, retry, text in answers:
+                if status == 503:
+                    assert retry == "1" and json.loads(text)["error"]["code"] == "queue_full"
+            wait_for(lambda: worker.in_flight == 0, "the burst leaving the worker's count")
+        gate.clear()
+        sampled = {**body, "n": 3, "temperature": 1.0, "seed": 1}
+        answers = _burst(url, [sampled] * 8 + [body], gate)        # 8 x 3 sequences fill 24 places
+        assert sorted(a[0] for a in answers) == [200] * 8 + [503]
+        wait_idle(app)
 
 
 def test_bad_requests_answer_400(server, client):
     url, _ = server
     r = httpx.post(url + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
-    cases = [dict(extra_body={"bogus": 1}), dict(max_tokens=10**6), dict(temperature=5.0), dict(logprobs=2),
-             dict(top_p=0.0), dict(n=0), dict(frequency_penalty=0.5)]
+    cases = [dict(extra_body={"bogus": 1}), dict(max_tokens=10**6), dict(temperature=5.0), dict(logprobs=21),
+             dict(top_p=0.0), dict(n=0), dict(frequency_penalty=2.5), dict(extra_body={"use_beam_search": True})]
     for case in cases:
         with pytest.raises(openai.BadRequestError) as err:
             client.completions.create(model=MODEL, prompt="w3 w4", **{"max_tokens": 4, **case})
         assert err.value.body["message"] and "Traceback" not in err.value.body["message"], case
-    with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w3"}], logprobs=True)
+    with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs=true"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w3"}], top_logprobs=2)
+    with pytest.raises(openai.BadRequestError, match="unknown field 'bogus'") as err:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w3"}],
+                                       extra_body={"bogus": 1})
+    assert err.value.body["param"] == "bogus"
     with pytest.raises(openai.BadRequestError, match="token id 1000000 is outside the vocabulary"):
         client.completions.create(model=MODEL, prompt=[3, 10**6], max_tokens=2)
     with pytest.raises(openai.NotFoundError):
@@ -319,7 +352,7 @@ def test_api_key():
 
 SERVE_FLAGS = {"host", "port", "api_key", "served_model_name", "dtype", "gpu_memory_utilization",
                "max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size", "enable_prefix_caching",
-               "kv_cache_dtype", "kv_cache_memory_bytes", "max_queue", "shutdown_timeout", "max_body_bytes",
+               "kv_cache_dtype", "kv_cache_memory_bytes", "max_logprobs", "max_queue", "shutdown_timeout", "max_body_bytes",
                "trust_remote_code", "log_level"}
 
 

@@ -1,0 +1,107 @@
+"""vLLM's utility endpoints: ``POST /tokenize``, ``POST /detokenize`` and ``GET /version``, with the
+bodies and answers of vLLM's serving_tokenization (lm-eval's ``tokenizer_backend=auto`` asks
+/tokenize first). Behind the API key like every endpoint but /health.
+"""
+from __future__ import annotations
+
+from importlib import metadata
+from typing import Any, Optional
+
+from fastapi import Request
+from pydantic import Field
+from pydantic_core import from_json
+
+from .body import parse, read_body
+from .errors import ApiError
+from .intake import chat_text, check_ids, tokenize
+from .protocol import RESERVED_TEMPLATE_KWARGS, ChatMessage
+from .request_parts import Strict
+from .vllm_fields import TOOLS
+from .state import ServerState
+
+FALLBACK_VERSION = "0.1.0"
+
+
+class TokenizeCompletionRequest(Strict):
+    model: Optional[str] = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: Optional[bool] = False
+
+
+class TokenizeChatRequest(Strict):
+    model: Optional[str] = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    return_token_strs: Optional[bool] = False
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    tools: Optional[list[dict[str, Any]]] = None
+
+
+class DetokenizeRequest(Strict):
+    model: Optional[str] = None
+    tokens: list[int]
+
+
+def _model_checked(state: ServerState, req):
+    if req.model is not None and req.model != state.name:
+        raise ApiError(404, f"the model {req.model!r} does not exist (this server serves {state.name!r})",
+                       param="model", code="model_not_found")
+    return req
+
+
+def chat_checked(req: TokenizeChatRequest) -> TokenizeChatRequest:
+    """What /v1/chat/completions refuses among these fields, refused alike."""
+    if req.tools:
+        raise ApiError(400, f"tools are not supported: {TOOLS}", param="tools", code="unsupported")
+    if req.continue_final_message and req.add_generation_prompt:
+        raise ApiError(400, "continue_final_message and add_generation_prompt cannot both be true "
+                            "(set add_generation_prompt=false)", param="continue_final_message")
+    clash = sorted(RESERVED_TEMPLATE_KWARGS & set(req.chat_template_kwargs or {}))
+    if clash:
+        raise ApiError(400, f"chat_template_kwargs may not set {clash}: the server sets them",
+                       param="chat_template_kwargs")
+    return req
+
+
+def _has_key(raw: bytes, key: str) -> bool:
+    """Whether ``raw`` is a JSON object with ``key`` (a body that is no JSON object says no; ``parse``
+    then answers its 400)."""
+    try:
+        body = from_json(raw)
+    except ValueError:
+        return False
+    return isinstance(body, dict) and key in body
+
+
+async def tokenize_endpoint(request: Request):
+    """{"prompt"} or {"messages"} -> {"count", "max_model_len", "tokens", "token_strs"}."""
+    state: ServerState = request.app.state.server
+    raw = await read_body(request, state.config.max_body_bytes)
+    schema = TokenizeChatRequest if _has_key(raw, "messages") else TokenizeCompletionRequest
+    req = _model_checked(state, parse(raw, schema))
+    text = chat_text(state, chat_checked(req)) if isinstance(req, TokenizeChatRequest) else req.prompt
+    ids = tokenize(state, text, special=req.add_special_tokens)
+    strs = list(state.tokenizer.convert_ids_to_tokens(ids)) if req.return_token_strs else None
+    return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids, "token_strs": strs}
+
+
+async def detokenize_endpoint(request: Request):
+    """{"tokens": [ids]} -> {"prompt": their text} (special tokens kept, as vLLM decodes them)."""
+    state: ServerState = request.app.state.server
+    req = _model_checked(state, parse(await read_body(request, state.config.max_body_bytes), DetokenizeRequest))
+    ids = check_ids(state, req.tokens, "tokens") if req.tokens else []
+    return {"prompt": state.tokenizer.decode(ids) if ids else ""}
+
+
+def package_version() -> str:
+    try:
+        return metadata.version("hf-paged")
+    except metadata.PackageNotFoundError:      # pragma: no cover - a source tree not installed
+        return FALLBACK_VERSION
+
+
+async def version(request: Request):
+    return {"version": package_version()}
