@@ -40,14 +40,17 @@ class LogprobFormat:
         others = sorted(((t, lp) for t, lp in entry.items() if t != token), key=lambda x: x[1].rank)
         return [(token, entry[token])] + [(t, lp) for t, lp in others if lp.rank <= (self.k or 0)]
 
-    def completion(self, tokens: list[int], entries: list, offset: int = 0) -> dict:
-        """The completions ``logprobs`` object for ``tokens``; ``offset``: characters before them."""
+    def completion(self, tokens: list[int], entries: list, offset: int = 0, end: int | None = None) -> dict:
+        """The completions ``logprobs`` object for ``tokens``, the tokens of one text delta: ``offset`` is
+        where the delta starts in the choice's text, ``end`` where it ends (a token's offset is the
+        delta's start plus the lengths of the tokens before it in the delta, at most ``end``: a
+        tokenizer's text need not be the concatenation of its tokens' texts)."""
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for token, entry in zip(tokens, entries):
             own = None if entry is None else entry[token]
             text = self.text(token, own)
             out["tokens"].append(text)
-            out["text_offset"].append(offset)
+            out["text_offset"].append(offset if end is None else min(offset, end))
             offset += len(text)
             if entry is None:
                 out["token_logprobs"].append(None)
@@ -60,6 +63,15 @@ class LogprobFormat:
     def _chat_item(self, token: int, logprob) -> dict:
         text = self.text(token, logprob)
         return {"token": text, "logprob": clamp(logprob.logprob), "bytes": list(text.encode("utf-8"))}
+
+    @staticmethod
+    def merged(pieces: list[dict]) -> dict:
+        """One completions ``logprobs`` object from those of consecutive deltas."""
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for piece in pieces:
+            for key in out:
+                out[key] += piece[key]
+        return out
 
     def chat(self, tokens: list[int], entries: list) -> list[dict]:
         """Chat's ``logprobs.content`` items for ``tokens``."""

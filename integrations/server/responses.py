@@ -27,11 +27,14 @@ class CompletionShape:
     object = chunk_object = "text_completion"
     id_prefix = "cmpl-"
 
-    def choice(self, index: int, text: str, reason: str | None, fmt, tokens, entries, offset: int = 0) -> dict:
-        logprobs = fmt.completion(tokens, entries, offset) if fmt.k is not None else None
+    def choice(self, index: int, text: str, reason: str | None, fmt, deltas) -> dict:
+        """``deltas``: (tokens, entries, offset, text length) of the choice's deltas, in order."""
+        logprobs = (fmt.merged([fmt.completion(t, e, offset, offset + n) for t, e, offset, n in deltas])
+                    if fmt.k is not None else None)
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
 
-    delta = choice
+    def delta(self, index: int, text: str, reason: str | None, fmt, tokens, entries, offset: int = 0) -> dict:
+        return self.choice(index, text, reason, fmt, [(tokens, entries, offset, len(text))])
 
     def opening(self, choices: int) -> list[dict]:
         return []
@@ -45,7 +48,9 @@ class ChatShape:
     def _logprobs(self, fmt, tokens, entries):
         return {"content": fmt.chat(tokens, entries)} if fmt.k is not None else None
 
-    def choice(self, index: int, text: str, reason: str | None, fmt, tokens, entries, offset: int = 0) -> dict:
+    def choice(self, index: int, text: str, reason: str | None, fmt, deltas) -> dict:
+        tokens = [t for d in deltas for t in d[0]]
+        entries = [e for d in deltas for e in d[1]]
         return {"index": index, "message": {"role": "assistant", "content": text},
                 "logprobs": self._logprobs(fmt, tokens, entries), "finish_reason": reason}
 
@@ -127,13 +132,12 @@ async def events(call: ApiCall, reply: Reply, include_usage: bool):
 async def whole(request: Request, call: ApiCall, reply: Reply) -> Response:
     """The whole text of every choice in one body, or 499 when the client left first."""
     texts, reasons = [""] * call.choices, [None] * call.choices
-    tokens, entries = [[] for _ in texts], [[] for _ in texts]
+    deltas = [[] for _ in texts]          # (tokens, entries, offset, length) per delta
 
     async def collect():
         async for d in call.deltas():
+            deltas[d.index].append((d.tokens, d.entries, len(texts[d.index]), len(d.text)))
             texts[d.index] += d.text
-            tokens[d.index] += d.tokens
-            entries[d.index] += d.entries
             if d.reason:
                 reasons[d.index] = d.reason
 
@@ -150,7 +154,7 @@ async def whole(request: Request, call: ApiCall, reply: Reply) -> Response:
         return Response(status_code=499)   # nobody reads it
     collecting.result()                    # re-raises an ApiError from the engine side
     fmt = formatter(call)
-    choices = [reply.shape.choice(k, texts[k], reasons[k], fmt, tokens[k], entries[k]) for k in range(call.choices)]
+    choices = [reply.shape.choice(k, texts[k], reasons[k], fmt, deltas[k]) for k in range(call.choices)]
     extra = {}
     if reply.shape is COMPLETION:
         choices = [with_prompt_logprobs(c, call, k) for k, c in enumerate(choices)]

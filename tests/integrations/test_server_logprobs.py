@@ -39,8 +39,9 @@ def served():
     while not server.started:
         assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
         time.sleep(0.02)
+    # the references run on a copy: the engine thread keeps the served model in paged mode
     with httpx.Client(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}", timeout=60) as client:
-        yield client, model, tok
+        yield client, make_model("llama", seed=21), tok
     server.should_exit = True
     thread.join(30)
     sock.close()
@@ -81,7 +82,8 @@ def test_lm_eval_loglikelihood_request(served):
         assert abs(lp["token_logprobs"][-1] - ref[-1, new].item()) < TOL
         assert choice["text"].startswith(tok.decode(ids)) and choice["text"].endswith(f"w{new}")
         offsets = lp["text_offset"]
-        assert offsets[0] == 0 and all(b - a == len(t) for a, b, t in zip(offsets, offsets[1:], lp["tokens"]))
+        assert offsets[0] == 0 and offsets == sorted(offsets) and offsets[-1] < len(choice["text"])
+        assert offsets[-1] == len(tok.decode(ids)), "the completion's token starts where the prompt's text ends"
     assert answer["usage"]["prompt_tokens"] == sum(map(len, prompts))
 
 
