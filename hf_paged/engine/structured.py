@@ -1,17 +1,267 @@
 """Structured output: a request's grammar (JSON schema, any JSON object, regex, choice, lark/GBNF)
-compiled by llguidance and applied as a token bitmask to the batch's logits (STUB: being built)."""
+compiled by llguidance (the grammar engine vLLM also uses) and applied as a token bitmask to logits.
+
+Life of a constrained sequence: the server (any thread) calls ``GrammarCompiler.compile(spec)``, which
+returns a cached immutable :class:`Grammar`; the engine thread gives the sequence ``grammar.matcher()``
+and, each step, calls :func:`apply_masks` on the batch's logits before sampling, then
+``matcher.accept(token)`` with the sampled token, and ends the sequence once ``matcher.is_finished``.
+
+EOS rule: the mask allows the compiler's ``eos_token_ids`` exactly when the grammar may end here (an
+accepting state), and *only* them once it must end (``is_finished``: nothing can follow, e.g. after a
+JSON object's closing brace or a complete choice). So greedy decoding of a finished object emits EOS;
+an engine that ends the sequence as soon as ``is_finished`` turns true after ``accept`` (the expected
+use) never needs to. ``accept`` of an EOS id after the end is a no-op.
+
+llguidance is imported inside functions only, so ``import hf_paged`` works without it.
+"""
 from __future__ import annotations
 
+import json as _json
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
+
+import torch
+
+INSTALL_HINT = 'structured output needs llguidance: pip install llguidance (or pip install "hf-paged[serve]")'
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+def _llguidance():
+    """The ``llguidance`` module (and its ``hf`` helpers), or an ImportError naming the install command."""
+    try:
+        import llguidance  # noqa: PLC0415  (optional dependency, imported on first use)
+        import llguidance.hf  # noqa: PLC0415, F401
+    except ImportError as exc:
+        raise ImportError(INSTALL_HINT) from exc
+    return llguidance
 
 
 @dataclass(frozen=True)
 class StructuredOutput:
-    """What a request asks for, as vLLM's ``StructuredOutputsParams``: exactly one of ``json`` (a JSON
-    schema: a dict or its JSON text), ``json_object`` (any JSON object), ``regex``, ``choice`` (one of
-    these strings) or ``grammar`` (llguidance's lark syntax, which also reads GBNF's ``::=`` rules)."""
+    """What a request asks for, as vLLM's ``StructuredOutputsParams``: exactly one of
+
+    - ``json``: a JSON schema, a dict or its JSON text;
+    - ``json_object``: any JSON object;
+    - ``regex``: Rust regex syntax, matched in full (``\\d`` is any Unicode digit, as in Python;
+      ``[0-9]`` or ``(?-u:\\d)`` for ASCII ones);
+    - ``choice``: exactly one of these strings (a non-empty list or tuple);
+    - ``grammar``: llguidance's lark syntax; GBNF (``root ::= ...`` rules) is converted to lark first
+      (llguidance's own ``gbnf_to_lark``: its lark parser alone rejects ``::=``).
+    """
     json: object = None
     json_object: bool = False
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
+
+    def _set(self) -> list[str]:
+        return [k for k in KINDS
+                if (self.json_object is not False if k == "json_object" else getattr(self, k) is not None)]
+
+    def validate(self) -> None:
+        """Raise ValueError unless exactly one kind is set, with a value of the right type."""
+        kinds = self._set()
+        if len(kinds) != 1:
+            raise ValueError(f"structured output needs exactly one of {', '.join(KINDS)}; got "
+                             f"{', '.join(kinds) if kinds else 'none'}")
+        kind = kinds[0]
+        value = getattr(self, kind)
+        if kind == "choice":
+            if not isinstance(value, (list, tuple)) or not value or not all(isinstance(c, str) for c in value):
+                raise ValueError("structured output choice must be a non-empty list of strings")
+        elif kind == "json_object":
+            if value is not True:
+                raise ValueError("structured output json_object must be True or False")
+        elif kind == "json":
+            if not isinstance(value, (dict, str)):
+                raise ValueError("structured output json must be a JSON schema: a dict or its JSON text")
+        elif not isinstance(value, str):
+            raise ValueError(f"structured output {kind} must be a string")
+
+    @property
+    def kind(self) -> str:
+        """The one field set: ``json``, ``json_object``, ``regex``, ``choice`` or ``grammar``."""
+        self.validate()
+        return self._set()[0]
+
+    def cache_key(self) -> tuple[str, str]:
+        """A hashable key, equal for equal specs (a schema's text and its dict agree; key order counts,
+        since it is the order llguidance generates properties in). Validates first."""
+        kind = self.kind
+        if kind == "json":
+            schema = self.json
+            if isinstance(schema, str):
+                try:
+                    schema = _json.loads(schema)
+                except ValueError as exc:
+                    raise ValueError(f"structured output json: not valid JSON: {exc}") from None
+            return kind, _json.dumps(schema)
+        if kind == "choice":
+            return kind, _json.dumps(list(self.choice))
+        return kind, "" if kind == "json_object" else getattr(self, kind)
+
+
+def _eos_words(eos_token_ids, words: int) -> torch.Tensor:
+    """An int32 bitmask row [words] allowing only ``eos_token_ids`` (bit t % 32 of word t // 32)."""
+    row = [0] * words
+    for t in eos_token_ids:
+        row[t // 32] |= 1 << (t % 32)
+    return torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in row], dtype=torch.int32)
+
+
+class GrammarCompiler:
+    """Compiles :class:`StructuredOutput` specs for one model; build once per engine.
+
+    Holds llguidance's tokenizer (~0.5 s to build) over ``vocab_size`` ids: the model's embedding rows,
+    which may exceed ``len(tokenizer)``; ids without a token are never allowed. ``eos_token_ids`` are the
+    ids the mask allows when the grammar may (or must) end. JSON is generated compactly (``", "`` and
+    ``": "`` separators, no other whitespace) unless ``any_whitespace``; a schema's ``x-guidance``
+    options override that. ``compile`` is thread-safe (a lock guards the LRU of ``cache_size`` grammars;
+    compiling itself runs outside it); ``mask_threads`` sizes llguidance's mask-filling thread pool
+    (None: its default, 80% of the CPUs).
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: frozenset[int], *, cache_size: int = 64,
+                 any_whitespace: bool = False, mask_threads: int | None = None):
+        llg = _llguidance()
+        if not eos_token_ids:
+            raise ValueError("GrammarCompiler needs at least one EOS token id")
+        if vocab_size < len(tokenizer) or max(eos_token_ids) >= vocab_size:
+            raise ValueError(f"vocab_size {vocab_size} is below the tokenizer's {len(tokenizer)} ids or an EOS id")
+        self.vocab_size = int(vocab_size)
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        self._tokenizer = llg.hf.from_tokenizer(tokenizer, n_vocab=self.vocab_size,
+                                                eos_token=sorted(self.eos_token_ids))
+        self._limits = llg.LLParserLimits(verbose_errors=False)   # errors without the whole parser state
+        self._executor = llg.LLExecutor(mask_threads)
+        self._json_options = {} if any_whitespace else {
+            "whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+        self._eos_row = _eos_words(self.eos_token_ids, (self.vocab_size + 31) // 32)
+        self._cache_size = cache_size
+        self._cache: OrderedDict[tuple[str, str], Grammar] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def compile(self, spec: StructuredOutput) -> Grammar:
+        """The compiled grammar of ``spec`` (the same object for an equal spec while cached).
+
+        Raises ValueError naming the kind, with llguidance's reason, for a spec it cannot compile.
+        """
+        key = spec.cache_key()
+        with self._lock:
+            grammar = self._cache.get(key)
+            if grammar is not None:
+                self._cache.move_to_end(key)
+                return grammar
+        grammar = Grammar(self, key[0], self._template(*key))
+        with self._lock:
+            grammar = self._cache.setdefault(key, grammar)  # a racing compile of the same spec: first one wins
+            self._cache.move_to_end(key)
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        return grammar
+
+    def _template(self, kind: str, text: str):
+        """A fresh llguidance ``LLMatcher`` for one spec (building it is the compile step)."""
+        llg = _llguidance()
+        try:
+            if kind in ("json", "json_object"):
+                grammar = llg.LLMatcher.grammar_from_json_schema(
+                    text if kind == "json" else '{"type": "object"}', defaults=self._json_options)
+            elif kind == "regex":
+                grammar = llg.LLMatcher.grammar_from_regex(text)
+            elif kind == "choice":   # each alternative a JSON-escaped lark string literal
+                grammar = llg.grammar_from("choice", text)
+            else:                    # lark passes through; GBNF (``::=``) is converted to lark
+                grammar = llg.grammar_from("grammar", text)
+        except ValueError as exc:
+            raise ValueError(f"structured output {kind}: llguidance cannot compile it: {exc}") from None
+        matcher = llg.LLMatcher(self._tokenizer, grammar, log_level=0, limits=self._limits)
+        if matcher.is_error():
+            reason = matcher.get_error().replace("<non-verbose/>", "").strip()
+            raise ValueError(f"structured output {kind}: llguidance cannot compile it: {reason}")
+        return matcher
+
+
+class Grammar:
+    """One compiled spec; immutable, shared by every sequence (and thread) that uses it."""
+
+    def __init__(self, compiler: GrammarCompiler, kind: str, template):
+        self.kind = kind
+        self.compiler = compiler
+        self._template = template     # never advanced: only deep-copied
+
+    def matcher(self) -> GrammarMatcher:
+        """A fresh matcher for one sequence, at the grammar's start (a deep copy: microseconds)."""
+        return GrammarMatcher(self, self._template.deep_copy())
+
+
+class GrammarMatcher:
+    """One sequence's position in its grammar. Not thread-safe: only the engine thread touches it."""
+
+    def __init__(self, grammar: Grammar, matcher):
+        self.grammar = grammar
+        self._matcher = matcher
+
+    def accept(self, token: int) -> None:
+        """Advance by one sampled token; RuntimeError (with llguidance's reason) if the grammar refuses
+        it, after which the matcher stays refused (``is_finished``). An EOS id after the end is a no-op."""
+        if self._matcher.is_stopped() and token in self.grammar.compiler.eos_token_ids:
+            return
+        if not self._matcher.consume_token(int(token)):
+            reason = self._matcher.get_error().replace("<non-verbose/>", "").strip()
+            raise RuntimeError(f"token {token} is outside the {self.grammar.kind} grammar: {reason}")
+
+    @property
+    def is_finished(self) -> bool:
+        """True once the sequence must end: nothing can follow (or EOS was accepted, or it erred)."""
+        return self._matcher.is_stopped()
+
+    @property
+    def is_accepting(self) -> bool:
+        """True when the output so far is complete (EOS allowed now), finished or not."""
+        return self._matcher.is_accepting()
+
+    def copy(self) -> GrammarMatcher:
+        """An independent matcher at the same position (llguidance deep copy), for forked sequences."""
+        return GrammarMatcher(self.grammar, self._matcher.deep_copy())
+
+
+def apply_masks(logits: torch.Tensor, matchers: list[GrammarMatcher | None]) -> None:
+    """Set to -inf, in place, every token a row's matcher disallows; rows whose matcher is None stay as
+    they are. ``logits``: float [S, V] with V the compiler's ``vocab_size``, on any device; all matchers
+    come from one :class:`GrammarCompiler`.
+
+    One int32 bitmask [rows with a matcher, ceil(V / 32)] is allocated on the CPU and filled by
+    llguidance's thread pool (finished matchers get the EOS-only row), copied to ``logits``' device and
+    applied by one masked fill. The bits are unpacked with plain torch ops: llguidance.torch's
+    ``apply_token_bitmask_inplace`` is a ``torch.compile`` kernel (~30 s on its first CPU call).
+    """
+    if len(matchers) != logits.shape[0]:
+        raise ValueError(f"{len(matchers)} matchers for {logits.shape[0]} logit rows")
+    rows = [i for i, m in enumerate(matchers) if m is not None]
+    if not rows:
+        return
+    compiler = matchers[rows[0]].grammar.compiler
+    if any(matchers[i].grammar.compiler is not compiler for i in rows):
+        raise ValueError("apply_masks needs matchers of grammars from one GrammarCompiler")
+    if logits.shape[1] != compiler.vocab_size:
+        raise ValueError(f"logits have {logits.shape[1]} columns, the grammars {compiler.vocab_size} token ids")
+    words = (logits.shape[1] + 31) // 32
+    bitmask = torch.empty((len(rows), words), dtype=torch.int32)
+    pending = []
+    for j, i in enumerate(rows):
+        if matchers[i].is_finished:
+            bitmask[j] = compiler._eos_row
+        else:
+            pending.append((matchers[i]._matcher, j))
+    if pending:   # what llguidance.torch.fill_next_token_bitmask_par does, without importing torch.compile
+        compiler._executor.unsafe_compute_mask_ptr(pending, bitmask.data_ptr(), words * 4, len(rows))
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    bits = (bitmask.to(logits.device).unsqueeze(-1) >> shifts) & 1        # [R, words, 32]
+    disallowed = (bits.view(len(rows), words * 32)[:, :logits.shape[1]] == 0)
+    if len(rows) == logits.shape[0]:
+        logits.masked_fill_(disallowed, float("-inf"))
+    else:
+        index = torch.tensor(rows, device=logits.device)
+        logits[index] = logits[index].masked_fill(disallowed, float("-inf"))
