@@ -250,10 +250,16 @@ class Engine:
         if entry is not None:
             seq.logprobs.append(entry)
             seq.cumulative_logprob += entry[token].logprob
+        refused = False
         if seq.matcher is not None:
-            seq.matcher.accept(token)
+            try:
+                seq.matcher.accept(token)
+            except RuntimeError as exc:       # no token was allowed (e.g. min_new_tokens against the grammar)
+                log.warning("request %d: the grammar refused token %d (%s); the sequence ends", request.prompt_index,
+                            token, exc)
+                refused = True
         self.counters.generated_tokens += 1
-        reason = self._finish_reason(seq, token)
+        reason = "stop" if refused else self._finish_reason(seq, token)
         if reason:
             self.scheduler.finish(seq, reason)
         event = TokenEvent(request.request_id, seq.index, token, reason, entry)

@@ -62,6 +62,10 @@ def _choose(logits: torch.Tensor, seqs: list, plain: list[bool], tokens: list[in
     for r in rows:
         seq, row = seqs[r], scores[r]
         params = seq.request.params
+        if not torch.isfinite(row.max()):       # every token masked: end with EOS if there is one
+            stops = sorted(params.stops_on)
+            tokens[r] = stops[0] if stops else int(logits[r].argmax())
+            continue
         if not params.do_sample:
             tokens[r] = int(row.argmax(-1))
             continue

@@ -1,0 +1,130 @@
+"""Structured output on the real SmolLM2-135M, through the engine (``structured_output=``) and through
+``hf-paged serve`` (``response_format``, ``structured_outputs``, the older ``guided_*`` names): every
+output parses and validates, streamed or whole, in batches mixed with unconstrained requests — whose
+tokens the masks of their neighbours do not change — and a grammar that cannot compile answers 400."""
+from __future__ import annotations
+
+import json
+import re
+import socket
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("llguidance")
+jsonschema = pytest.importorskip("jsonschema")
+uvicorn = pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+
+from hf_paged.engine import LLM  # noqa: E402
+from hf_paged.engine.structured import StructuredOutput  # noqa: E402
+from hf_paged.integrations.server import create_app  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+          "required": ["name", "age"], "additionalProperties": False}
+ITEMS = {"type": "object", "properties": {
+    "items": {"type": "array", "items": {"type": "object", "properties": {
+        "what": {"enum": ["apple", "pear", "bread"]}, "count": {"type": "integer", "minimum": 1, "maximum": 9}},
+        "required": ["what", "count"], "additionalProperties": False}, "minItems": 1, "maxItems": 3},
+    "paid": {"type": "boolean"}}, "required": ["items", "paid"], "additionalProperties": False}
+PHONE = r"[0-9]{3}-[0-9]{4}"
+CHOICES = ["positive", "negative", "neutral"]
+GRAMMAR = 'root ::= "Answer: " ("yes" | "no") "."'
+
+
+def chat(tokenizer, text):
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                         add_generation_prompt=True)
+
+
+@pytest.fixture(scope="module")
+def real(smollm2):
+    return smollm2.load_smollm2()
+
+
+def test_engine_mixed_batch_is_valid_and_leaves_neighbours_alone(real):
+    model, tokenizer = real
+    llm = LLM(model, tokenizer, max_num_seqs=8)
+    free = [chat(tokenizer, "Name three colours."), chat(tokenizer, "What is 2 + 2?")]
+    alone = llm.generate(free, max_new_tokens=64, do_sample=False)
+    specs = [StructuredOutput(json=PERSON), StructuredOutput(json=ITEMS), StructuredOutput(regex=PHONE),
+             StructuredOutput(choice=tuple(CHOICES)), StructuredOutput(grammar=GRAMMAR),
+             StructuredOutput(json_object=True)]
+    asks = ["Give a person as JSON.", "A shopping list as JSON.", "A phone number.", "Is 'great film' positive?",
+            "Is the sky blue?", "A JSON object describing a dog with two keys."]
+    prompts = [chat(tokenizer, a) for a in asks] + free
+    settings = [dict(structured_output=s) for s in specs] + [{}, {}]
+    outs = llm.generate(prompts, settings, max_new_tokens=64, do_sample=False)
+    texts = [o.outputs[0].text for o in outs]
+    jsonschema.validate(json.loads(texts[0]), PERSON)
+    jsonschema.validate(json.loads(texts[1]), ITEMS)
+    assert re.fullmatch(PHONE, texts[2]) and texts[3] in CHOICES and re.fullmatch(r"Answer: (yes|no)\.", texts[4])
+    if outs[5].outputs[0].finish_reason == "stop":       # an open-ended object may run to the cap
+        assert isinstance(json.loads(texts[5]), dict)
+    assert all(o.outputs[0].finish_reason == "stop" for o in outs[:5])
+    for mixed, solo in zip(outs[6:], alone):
+        assert mixed.outputs[0].token_ids == solo.outputs[0].token_ids
+    sampled = llm.generate([prompts[0]], structured_output=StructuredOutput(json=PERSON), num_return_sequences=3,
+                           do_sample=True, seed=3, temperature=1.0, max_new_tokens=64)[0]
+    for seq in sampled.outputs:
+        jsonschema.validate(json.loads(seq.text), PERSON)
+
+
+@pytest.fixture(scope="module")
+def client(real):
+    model, tokenizer = real
+    app = create_app(model, tokenizer, served_model_name="smollm2", max_num_seqs=8, kv_cache_memory_bytes=2**27)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.05)
+    yield openai.OpenAI(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}/v1", api_key="x", max_retries=0,
+                        timeout=120)
+    server.should_exit = True
+    thread.join(60)
+    sock.close()
+
+
+def test_server_structured_fields_on_both_endpoints(client):
+    person = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    r = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "A person, as JSON."}],
+                                       response_format=person, max_tokens=64, temperature=0)
+    jsonschema.validate(json.loads(r.choices[0].message.content), PERSON)
+    r = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "A dog, in JSON."}],
+                                       response_format={"type": "json_object"}, max_tokens=48, temperature=0)
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
+    r = client.completions.create(model="smollm2", prompt="Sentiment of 'awful':", max_tokens=8, temperature=0,
+                                  extra_body={"structured_outputs": {"choice": CHOICES}})
+    assert r.choices[0].text in CHOICES
+    r = client.completions.create(model="smollm2", prompt="Call me at", max_tokens=12, temperature=0,
+                                  extra_body={"guided_regex": PHONE})
+    assert re.fullmatch(PHONE, r.choices[0].text)
+    stream = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "A list."}],
+                                            extra_body={"guided_json": ITEMS}, max_tokens=80, temperature=0.7,
+                                            seed=4, stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    jsonschema.validate(json.loads(text), ITEMS)
+    r = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Sky blue?"}],
+                                       max_tokens=12, temperature=0, extra_body={"structured_outputs": {"grammar": GRAMMAR}})
+    assert re.fullmatch(r"Answer: (yes|no)\.", r.choices[0].message.content)
+
+
+def test_server_refuses_a_grammar_that_cannot_compile(client):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="smollm2", prompt="x", max_tokens=4,
+                                  extra_body={"structured_outputs": {"regex": "[0-9"}})
+    assert "regex" in str(err.value)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="smollm2", prompt="x", max_tokens=4,
+                                  extra_body={"guided_json": {"type": "object", "properties": {"a": {"type": "nope"}}}})
+    assert "json" in str(err.value)
