@@ -8,16 +8,15 @@ from __future__ import annotations
 
 import json
 import random
-import socket
-import threading
 import time
 
 import pytest
 
 lm_eval = pytest.importorskip("lm_eval")
-uvicorn = pytest.importorskip("uvicorn")
+pytest.importorskip("uvicorn")
 
 from hf_paged.integrations.server import create_app  # noqa: E402
+from live_server import running  # noqa: E402
 
 pytestmark = pytest.mark.slow
 LL_TOL = 1e-3
@@ -93,25 +92,11 @@ def both(smollm2, tmp_path_factory):
                                         tasks=["hfp_mc", "hfp_gen"], task_manager=manager, log_samples=True,
                                         verbosity="ERROR")["samples"]
     app = create_app(model, tokenizer, served_model_name=SERVED, max_num_seqs=8, kv_cache_memory_bytes=2**27)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 120
-        while not server.started:
-            assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-            time.sleep(0.05)
-        url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1/completions"
-        args = (f"model={SERVED},base_url={url},tokenizer={smollm2.cache_dir()},tokenizer_backend=huggingface,"
-                "tokenized_requests=True,num_concurrent=2,max_retries=1,batch_size=4")
+    with running(app) as base:
+        args = (f"model={SERVED},base_url={base}/v1/completions,tokenizer={smollm2.cache_dir()},"
+                "tokenizer_backend=huggingface,tokenized_requests=True,num_concurrent=2,max_retries=1,batch_size=4")
         served = lm_eval.simple_evaluate(model="local-completions", model_args=args, tasks=["hfp_mc", "hfp_gen"],
                                          task_manager=manager, log_samples=True, verbosity="ERROR")["samples"]
-    finally:
-        server.should_exit = True
-        thread.join(60)
-        sock.close()
     return reference, served
 
 

@@ -32,6 +32,7 @@ from hf_paged.engine import EngineConfig  # noqa: E402
 from hf_paged.integrations.server import create_app  # noqa: E402
 from hf_paged.integrations.server.config import AppConfig, ServeConfig  # noqa: E402
 from hf_paged.integrations.server.detokenize import TextStream  # noqa: E402
+from live_server import running  # noqa: E402
 from tiny_models import make_model, word_tokenizer  # noqa: E402
 
 HOST = "127.0.0.1"
@@ -56,27 +57,6 @@ def tokenizer():
     tok = word_tokenizer()
     tok.chat_template = CHAT_TEMPLATE
     return tok
-
-
-@contextlib.contextmanager
-def running(app):
-    """uvicorn on a free 127.0.0.1 port in a thread; on exit the server and the engine thread are gone."""
-    sock = socket.socket()
-    sock.bind((HOST, 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=10))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    wait_for(lambda: server.started or not thread.is_alive(), "uvicorn starting")
-    assert thread.is_alive(), "uvicorn stopped while starting"
-    try:
-        yield f"http://{HOST}:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(HANG_S)
-        sock.close()
-        assert not thread.is_alive(), "uvicorn did not stop"
-        assert not app.state.worker.alive, "the engine thread was left behind"
 
 
 @pytest.fixture(scope="module")

@@ -5,19 +5,17 @@ a plain forward of the tiny model within 1e-4."""
 from __future__ import annotations
 
 import json
-import socket
-import threading
-import time
 
 import pytest
 
 pytest.importorskip("fastapi")
-uvicorn = pytest.importorskip("uvicorn")
+pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
 import torch  # noqa: E402
 
 from hf_paged.integrations.server import create_app  # noqa: E402
+from live_server import running  # noqa: E402
 from tiny_models import make_model, word_tokenizer  # noqa: E402
 
 TOL = 1e-4
@@ -30,21 +28,9 @@ def served():
     tok.chat_template = CHAT_TEMPLATE
     app = create_app(model, tok, served_model_name="tiny", num_blocks=32, max_num_seqs=4, block_size=8,
                      max_num_batched_tokens=24)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.02)
     # the references run on a copy: the engine thread keeps the served model in paged mode
-    with httpx.Client(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}", timeout=60) as client:
+    with running(app) as url, httpx.Client(base_url=url, timeout=60) as client:
         yield client, make_model("llama", seed=21), tok
-    server.should_exit = True
-    thread.join(30)
-    sock.close()
 
 
 def forward_logprobs(model, ids):

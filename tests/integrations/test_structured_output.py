@@ -6,20 +6,18 @@ from __future__ import annotations
 
 import json
 import re
-import socket
-import threading
-import time
 
 import pytest
 
 pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
-uvicorn = pytest.importorskip("uvicorn")
+pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 
 from hf_paged.engine import LLM  # noqa: E402
 from hf_paged.engine.structured import StructuredOutput  # noqa: E402
 from hf_paged.integrations.server import create_app  # noqa: E402
+from live_server import running  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -78,20 +76,8 @@ def test_engine_mixed_batch_is_valid_and_leaves_neighbours_alone(real):
 def client(real):
     model, tokenizer = real
     app = create_app(model, tokenizer, served_model_name="smollm2", max_num_seqs=8, kv_cache_memory_bytes=2**27)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 120
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.05)
-    yield openai.OpenAI(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}/v1", api_key="x", max_retries=0,
-                        timeout=120)
-    server.should_exit = True
-    thread.join(60)
-    sock.close()
+    with running(app) as url:
+        yield openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
 
 
 def test_server_structured_fields_on_both_endpoints(client):
