@@ -99,3 +99,13 @@ def word_tokenizer():
     tok = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="</s>", bos_token="<s>")
     tok.padding_side = "left"
     return tok
+
+
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}w9{% endif %}"
+
+
+def chat_word_tokenizer():
+    """``word_tokenizer()`` with a chat template: messages joined by spaces, the assistant's turn opened by w9."""
+    tok = word_tokenizer()
+    tok.chat_template = CHAT_TEMPLATE
+    return tok

@@ -33,11 +33,10 @@ from hf_paged.integrations.server import create_app  # noqa: E402
 from hf_paged.integrations.server.config import AppConfig, ServeConfig  # noqa: E402
 from hf_paged.integrations.server.detokenize import TextStream  # noqa: E402
 from live_server import running  # noqa: E402
-from tiny_models import make_model, word_tokenizer  # noqa: E402
+from tiny_models import chat_word_tokenizer, make_model  # noqa: E402
 
 HOST = "127.0.0.1"
 MODEL = "tiny"
-CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}w9{% endif %}"
 KNOBS = dict(num_blocks=32, max_num_seqs=6, max_num_batched_tokens=64, block_size=16)
 HANG_S = 60          # generous: only a hang takes this long
 
@@ -53,15 +52,9 @@ def wait_for(condition, what, timeout: float = HANG_S):
     return value
 
 
-def tokenizer():
-    tok = word_tokenizer()
-    tok.chat_template = CHAT_TEMPLATE
-    return tok
-
-
 @pytest.fixture(scope="module")
 def server():
-    app = create_app(make_model("llama"), tokenizer(), served_model_name=MODEL, **KNOBS)
+    app = create_app(make_model("llama"), chat_word_tokenizer(), served_model_name=MODEL, **KNOBS)
     with running(app) as url:
         yield url, app
 
@@ -103,9 +96,9 @@ def test_concurrent_greedy_equals_sequential_and_offline(server, client):
         concurrent_out = list(pool.map(one, range(len(PROMPTS))))
     sequential = [one(i) for i in range(len(PROMPTS))]
     assert concurrent_out == sequential
-    llm = hf_paged.LLM(make_model("llama"), tokenizer(), **KNOBS)    # same seed: same weights, own model
+    llm = hf_paged.LLM(make_model("llama"), chat_word_tokenizer(), **KNOBS)    # same seed: same weights, own model
     offline = llm.generate(PROMPTS, [dict(max_new_tokens=m, do_sample=False) for m in MAX_TOKENS])
-    tok = tokenizer()
+    tok = chat_word_tokenizer()
     for (text, reason, n_out, n_in), out, prompt in zip(sequential, offline, PROMPTS):
         assert text == out.outputs[0].text
         assert n_out == len(out.outputs[0].token_ids)
@@ -156,7 +149,7 @@ def test_chat(client):
                                               stream=True)
     text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
     assert text == whole.choices[0].message.content
-    llm = hf_paged.LLM(make_model("llama"), tokenizer(), **KNOBS)
+    llm = hf_paged.LLM(make_model("llama"), chat_word_tokenizer(), **KNOBS)
     out = llm.generate(["w10 w11 w12 w13 w14 w9"], max_new_tokens=9, do_sample=False)
     assert whole.choices[0].message.content == out[0].outputs[0].text
 
@@ -251,7 +244,7 @@ def _burst(url: str, bodies: list[dict], gate: threading.Event) -> list[tuple[in
 def test_max_queue_counts_what_waits_beyond_max_num_seqs():
     """max_num_seqs 8 + max_queue 16: a burst of 24 streams is served whole, a burst of 25 turns exactly
     one away (503, Retry-After); a request of n sequences takes n places."""
-    app = create_app(make_model("llama"), tokenizer(), served_model_name=MODEL, num_blocks=96, max_num_seqs=8,
+    app = create_app(make_model("llama"), chat_word_tokenizer(), served_model_name=MODEL, num_blocks=96, max_num_seqs=8,
                      max_num_batched_tokens=64, block_size=16, max_queue=16)
     engine, worker = app.state.engine, app.state.worker
     gate = threading.Event()
@@ -316,7 +309,7 @@ def test_metrics(server, client):
 
 
 def test_api_key():
-    app = create_app(make_model("llama"), tokenizer(), served_model_name=MODEL, api_key="s3cret", **KNOBS)
+    app = create_app(make_model("llama"), chat_word_tokenizer(), served_model_name=MODEL, api_key="s3cret", **KNOBS)
     with running(app) as url:
         assert httpx.get(url + "/health").status_code == 200
         r = httpx.get(url + "/v1/models")

@@ -16,23 +16,16 @@ pytest.importorskip("httpx")
 from starlette.testclient import TestClient  # noqa: E402
 
 from hf_paged.integrations.server import create_app  # noqa: E402
-from tiny_models import VOCAB, make_model, word_tokenizer  # noqa: E402
+from tiny_models import VOCAB, chat_word_tokenizer, make_model  # noqa: E402
 
 MODEL = "tiny"
-CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}w9{% endif %}"
 KNOBS = dict(num_blocks=32, max_num_seqs=6, max_num_batched_tokens=64, block_size=16)
 MESSAGES = [{"role": "user", "content": "w10 w11"}]
 
 
-def tokenizer():
-    tok = word_tokenizer()
-    tok.chat_template = CHAT_TEMPLATE
-    return tok
-
-
 @pytest.fixture(scope="module")
 def client():
-    app = create_app(make_model("llama"), tokenizer(), served_model_name=MODEL, **KNOBS)
+    app = create_app(make_model("llama"), chat_word_tokenizer(), served_model_name=MODEL, **KNOBS)
     with TestClient(app, raise_server_exceptions=False) as c:
         yield c
 
@@ -72,7 +65,7 @@ def test_version(client):
 
 
 def test_utility_endpoints_need_the_api_key():
-    app = create_app(make_model("llama"), tokenizer(), served_model_name=MODEL, api_key="k", **KNOBS)
+    app = create_app(make_model("llama"), chat_word_tokenizer(), served_model_name=MODEL, api_key="k", **KNOBS)
     with TestClient(app) as c:
         for method, path in (("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/version")):
             assert c.request(method, path, json={"prompt": "w3", "tokens": [3]}).status_code == 401, path

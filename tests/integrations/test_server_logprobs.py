@@ -16,16 +16,14 @@ import torch  # noqa: E402
 
 from hf_paged.integrations.server import create_app  # noqa: E402
 from live_server import running  # noqa: E402
-from tiny_models import make_model, word_tokenizer  # noqa: E402
+from tiny_models import chat_word_tokenizer, make_model  # noqa: E402
 
 TOL = 1e-4
-CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}w9{% endif %}"
 
 
 @pytest.fixture(scope="module")
 def served():
-    model, tok = make_model("llama", seed=21), word_tokenizer()
-    tok.chat_template = CHAT_TEMPLATE
+    model, tok = make_model("llama", seed=21), chat_word_tokenizer()
     app = create_app(model, tok, served_model_name="tiny", num_blocks=32, max_num_seqs=4, block_size=8,
                      max_num_batched_tokens=24)
     # the references run on a copy: the engine thread keeps the served model in paged mode
