@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import threading
 import time
 from collections import Counter
 from dataclasses import fields, replace
@@ -82,6 +83,7 @@ class Engine:
         self._ids = itertools.count()
         self.token_texts = TokenTexts(tokenizer)       # decoded tokens of log-probability entries
         self._grammars = None                          # a GrammarCompiler, built at first use
+        self._grammars_lock = threading.Lock()
 
     def _num_blocks(self, geometry, device: torch.device) -> int:
         """Blocks in the pool: each device holding layers (a device_map) must fit its layers' share of
@@ -148,15 +150,17 @@ class Engine:
     def compile_grammar(self, spec):
         """``spec`` (a StructuredOutput) compiled for this engine's tokenizer and vocabulary; ValueError
         when it cannot compile. Safe to call from another thread (the server compiles off the engine thread)."""
-        if self._grammars is None:
-            if self.tokenizer is None:
-                raise ValueError("structured output needs a tokenizer: Engine(model, tokenizer=...)")
-            from .structured import GrammarCompiler
-            vocab = self.model.get_input_embeddings().weight.shape[0]
-            eos = self.model.generation_config.eos_token_id
-            eos = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
-            self._grammars = GrammarCompiler(self.tokenizer, vocab, eos)
-        return self._grammars.compile(spec)
+        with self._grammars_lock:      # one compiler per engine: a step's masks must share it
+            if self._grammars is None:
+                if self.tokenizer is None:
+                    raise ValueError("structured output needs a tokenizer: Engine(model, tokenizer=...)")
+                from .structured import GrammarCompiler
+                vocab = self.model.get_input_embeddings().weight.shape[0]
+                eos = self.model.generation_config.eos_token_id
+                eos = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
+                self._grammars = GrammarCompiler(self.tokenizer, vocab, eos)
+            compiler = self._grammars
+        return compiler.compile(spec)
 
     def cancel(self, request_id: int) -> None:
         """Stop a request now: its sequences end with finish_reason 'cancelled' and their blocks go back."""
