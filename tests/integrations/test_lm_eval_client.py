@@ -20,6 +20,7 @@ from live_server import running  # noqa: E402
 
 pytestmark = pytest.mark.slow
 LL_TOL = 1e-3
+NEAR_TIE = 1e-3      # top-2 logit gap under which fp32 rounding may pick either token
 SERVED = "smollm2-test"
 COLORS = ["red", "green", "blue", "yellow", "black", "white"]
 
@@ -97,7 +98,7 @@ def both(smollm2, tmp_path_factory):
                 "tokenizer_backend=huggingface,tokenized_requests=True,num_concurrent=2,max_retries=1,batch_size=4")
         served = lm_eval.simple_evaluate(model="local-completions", model_args=args, tasks=["hfp_mc", "hfp_gen"],
                                          task_manager=manager, log_samples=True, verbosity="ERROR")["samples"]
-    return reference, served
+    return reference, served, model, tokenizer
 
 
 def by_doc(samples):
@@ -105,7 +106,7 @@ def by_doc(samples):
 
 
 def test_multiple_choice_loglikelihoods_equal_hflm(both):
-    reference, served = both
+    reference, served = both[:2]
     ref, got = by_doc(reference["hfp_mc"]), by_doc(served["hfp_mc"])
     assert ref.keys() == got.keys() and len(ref) == 10
     for doc, sample in ref.items():
@@ -117,10 +118,27 @@ def test_multiple_choice_loglikelihoods_equal_hflm(both):
         assert [r[0][1] for r in got[doc]["resps"]] == [r[0][1] for r in sample["resps"]], "is_greedy differs"
 
 
+def top2_gap(model, tokenizer, context: str, a: str, b: str) -> float:
+    """The default path's top-2 logit gap at the first token where continuations ``a`` and ``b`` of
+    ``context`` part (a near-tie there lets float rounding pick either)."""
+    import torch
+    ids_a = tokenizer(context + a, add_special_tokens=False)["input_ids"]
+    ids_b = tokenizer(context + b, add_special_tokens=False)["input_ids"]
+    at = next(i for i, (x, y) in enumerate(zip(ids_a + [-1], ids_b + [-2])) if x != y)
+    with torch.no_grad():
+        logits = model(torch.tensor([ids_a[:at]])).logits[0, -1].float()
+    top = logits.topk(2).values
+    return float(top[0] - top[1])
+
+
 def test_generate_until_texts_equal_hflm(both):
-    reference, served = both
+    reference, served, model, tokenizer = both
     ref, got = by_doc(reference["hfp_gen"]), by_doc(served["hfp_gen"])
     assert ref.keys() == got.keys() and len(ref) == 6
-    differ = {doc: (got[doc]["resps"][0][0], s["resps"][0][0]) for doc, s in ref.items()
+    differ = {doc: (got[doc]["resps"][0][0], s["resps"][0][0], s["arguments"][0][0]) for doc, s in ref.items()
               if got[doc]["resps"][0][0] != s["resps"][0][0]}
-    assert not differ, f"texts differ from HFLM's (served, HFLM): {differ}"
+    gaps = {doc: top2_gap(model, tokenizer, context, a, b) for doc, (a, b, context) in differ.items()}
+    not_ties = {doc: (differ[doc][:2], gap) for doc, gap in gaps.items() if gap >= NEAR_TIE}
+    assert not not_ties, f"texts differ from HFLM's away from a near-tie (served, HFLM), top-2 gap: {not_ties}"
+    if gaps:
+        print(f"near-ties (top-2 logit gap < {NEAR_TIE}), texts may differ there: {gaps}")
