@@ -12,7 +12,7 @@ from .metrics import CONTENT_TYPE_LATEST
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .responses import CHAT, COMPLETION, Reply, respond
 from .state import ServerState
-from .tokenization import detokenize_endpoint, tokenize_endpoint, version
+from .tokenization import detokenize_endpoint, tokenize_endpoint, tokenizer_info, version
 
 def state_of(request: Request) -> ServerState:
     return request.app.state.server
@@ -58,7 +58,7 @@ async def answer(request: Request, state: ServerState, req, prompts: list[list[i
 ROUTES = (("GET", "/health", health), ("GET", "/metrics", prometheus), ("GET", "/v1/models", models),
           ("POST", "/v1/completions", completions), ("POST", "/v1/chat/completions", chat_completions),
           ("POST", "/tokenize", tokenize_endpoint), ("POST", "/detokenize", detokenize_endpoint),
-          ("GET", "/version", version))
+          ("GET", "/version", version), ("GET", "/tokenizer_info", tokenizer_info))
 
 
 def add_routes(app) -> None:

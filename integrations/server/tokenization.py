@@ -1,5 +1,5 @@
-"""vLLM's utility endpoints: ``POST /tokenize``, ``POST /detokenize`` and ``GET /version``, with the
-bodies and answers of vLLM's serving_tokenization (lm-eval's ``tokenizer_backend=auto`` asks
+"""vLLM's utility endpoints: ``POST /tokenize``, ``POST /detokenize``, ``GET /version`` and
+``GET /tokenizer_info``, with the bodies and answers of vLLM's serving_tokenization (lm-eval's ``tokenizer_backend=auto`` asks
 /tokenize first). Behind the API key like every endpoint but /health.
 """
 from __future__ import annotations
@@ -105,3 +105,23 @@ def package_version() -> str:
 
 async def version(request: Request):
     return {"version": package_version()}
+
+
+def _jsonable(value) -> bool:
+    return value is None or isinstance(value, (str, int, float, bool))
+
+
+async def tokenizer_info(request: Request):
+    """vLLM's ``GET /tokenizer_info``: the tokenizer's class, special tokens, chat template and plain
+    settings, as lm-evaluation-harness' ``tokenizer_backend=remote`` reads them (it then encodes and
+    decodes through /tokenize and /detokenize)."""
+    tokenizer = request.app.state.server.tokenizer
+    info = {k: v for k, v in getattr(tokenizer, "init_kwargs", {}).items() if _jsonable(v)}
+    for name in ("eos_token", "bos_token", "pad_token", "unk_token"):
+        token = getattr(tokenizer, name, None)
+        info[name] = None if token is None else str(token)
+    info.update(tokenizer_class=type(tokenizer).__name__, chat_template=getattr(tokenizer, "chat_template", None),
+                model_max_length=getattr(tokenizer, "model_max_length", None))
+    if not _jsonable(info["model_max_length"]) or info["model_max_length"] != info["model_max_length"]:
+        info["model_max_length"] = None
+    return info

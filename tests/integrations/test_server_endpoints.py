@@ -16,6 +16,7 @@ pytest.importorskip("httpx")
 from starlette.testclient import TestClient  # noqa: E402
 
 from hf_paged.integrations.server import create_app  # noqa: E402
+from live_server import running  # noqa: E402
 from tiny_models import VOCAB, chat_word_tokenizer, make_model  # noqa: E402
 
 MODEL = "tiny"
@@ -43,6 +44,20 @@ def test_tokenize_and_detokenize(client):
     assert bare["tokens"] == [10, 11]
     assert client.post("/detokenize", json={"tokens": [3, 4, 5]}).json() == {"prompt": "w3 w4 w5"}
     assert client.post("/detokenize", json={"model": MODEL, "tokens": []}).json() == {"prompt": ""}
+
+
+def test_lm_eval_remote_tokenizer_reads_the_server():
+    """lm-eval's ``tokenizer_backend=remote`` (its RemoteTokenizer: /tokenizer_info, /tokenize, /detokenize)."""
+    utils = pytest.importorskip("lm_eval.utils")
+    tok = chat_word_tokenizer()
+    app = create_app(make_model("llama"), tok, served_model_name=MODEL, **KNOBS)
+    with running(app) as url:
+        remote = utils.RemoteTokenizer(url + "/v1/completions", max_retries=1)
+        assert remote.eos_token == "</s>" and remote.bos_token == "<s>" and remote.eos_token_id == 1
+        assert remote.encode("w7 w8") == [7, 8] and remote.decode([7, 8]) == "w7 w8"
+        messages = [{"role": "user", "content": "w10 w11"}]
+        assert remote.apply_chat_template(messages) == tok.apply_chat_template(messages, tokenize=False,
+                                                                              add_generation_prompt=True)
 
 
 @pytest.mark.parametrize("path, body, status, param", [
