@@ -55,8 +55,8 @@ def process_row(scores: torch.Tensor, seq, chain: list) -> torch.Tensor:
     for token, bias in params.logit_bias:
         scores[0, token] += bias
     openai_penalties(scores, seq.output_ids, params.presence_penalty, params.frequency_penalty)
-    if params.allowed_token_ids is not None:
-        keep = torch.tensor(sorted(params.allowed_token_ids), dtype=torch.long, device=scores.device)
+    if request.allowed_ids is not None:
+        keep = request.allowed_ids.to(scores.device)
         masked = torch.full_like(scores, -float("inf"))
         masked[:, keep] = scores[:, keep]
         scores = masked

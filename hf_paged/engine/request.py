@@ -12,6 +12,7 @@ tokens and decides when a sequence finishes (the scheduler carries it out).
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -57,12 +58,13 @@ class SamplingParams:
     prompt_logprobs: int | None = None          # the same for every prompt token (the first has none)
     structured_output: object = None            # a compiled hf_paged.engine.structured.Grammar
 
-    @property
+    # cached: read per new token / per sampling row (the dataclass is frozen, so they never go stale)
+    @functools.cached_property
     def stops_on(self) -> frozenset:
         """Token ids that end a sequence ("stop"): EOS and ``stop_token_ids``."""
         return self.eos_token_ids | self.stop_token_ids
 
-    @property
+    @functools.cached_property
     def processes_logits(self) -> bool:
         """Whether anything but temperature / top-k / top-p / min-new-tokens changes the logits."""
         return (self.repetition_penalty != 1.0 or bool(self.bad_words_ids) or bool(self.sequence_bias)
@@ -104,6 +106,8 @@ class Request:
         self.max_new_tokens, self.min_new_tokens = params.new_tokens_for(len(prompt), max_position_embeddings)
         self.on_token = on_token
         self.processors = generate_processors(params)      # transformers' own, built once
+        allowed = params.allowed_token_ids
+        self.allowed_ids = None if allowed is None else torch.tensor(sorted(allowed), dtype=torch.long)
         self.output = RequestOutput(prompt_index, list(prompt), pad_token_id=params.pad_token_id or 0)
         self.sequences: list[Sequence] = []      # index order; all num_return_sequences once forked or cancelled
         self.forked = False         # its extra sequences (num_return_sequences > 1) were forked from sequence 0

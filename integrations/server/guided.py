@@ -75,23 +75,15 @@ def structured_spec(req) -> Optional[tuple[str, StructuredOutput]]:
     return distinct[0] if distinct else None
 
 
-def kind_of(spec: StructuredOutput) -> str:
-    for name, label in KINDS.items():
-        value = getattr(spec, name)
-        if value is not None and value is not False:
-            return label
-    return "structured output"                              # pragma: no cover - never built empty
-
-
 async def compile_structured(engine, param: str, spec: StructuredOutput):
     """``engine.compile_grammar(spec)`` in a worker thread (compiling a schema can take long; the event
     loop serves other requests meanwhile); its ValueError is a 400 ``invalid_grammar``."""
     compile_grammar = getattr(engine, "compile_grammar", None)
-    if compile_grammar is None:
+    if compile_grammar is None:            # an engine without a grammar compiler (e.g. a stand-in)
         raise ApiError(400, "structured output needs the engine's grammar compiler (Engine.compile_grammar), "
-                            "which this build does not have", param=param, code="unsupported")
+                            "which this engine does not have", param=param, code="unsupported")
     try:
         return await asyncio.to_thread(compile_grammar, spec)
     except ValueError as exc:
-        raise ApiError(400, f"the {kind_of(spec)} of {param} does not compile: {exc}", param=param,
+        raise ApiError(400, f"the {KINDS[spec.kind]} of {param} does not compile: {exc}", param=param,
                        code="invalid_grammar") from None

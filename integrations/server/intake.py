@@ -21,7 +21,7 @@ from .guided import compile_structured, structured_spec
 from .options import CallOptions
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .state import ServerState
-from .token_settings import bad_words_ids, generated_logprobs, logit_bias, logprob_counts, token_list
+from .token_settings import bad_words_ids, generated_logprobs, in_vocab, logit_bias, logprob_counts, token_list
 
 
 async def read_request(request: Request, schema, state: ServerState):
@@ -51,12 +51,7 @@ def tokenize(state: ServerState, text: str, special: bool = True) -> list[int]:
 def check_ids(state: ServerState, ids: list[int], param: str) -> list[int]:
     if not ids:
         raise ApiError(400, "empty prompt", param=param)
-    vocab = state.vocab_size
-    bad = next((t for t in ids if t < 0 or t >= vocab), None)
-    if bad is not None:
-        raise ApiError(400, f"token id {bad} is outside the vocabulary: token ids must be in [0, {vocab})",
-                       param=param)
-    return ids
+    return in_vocab(state, ids, param)
 
 
 def truncated(req, ids: list[int], max_model_len: int) -> list[int]:

@@ -10,12 +10,6 @@ from .errors import ApiError
 
 LOGIT_BIAS_RANGE = 100.0        # OpenAI: "values between -100 and 100"; beyond them clamped
 MAX_BAD_WORDS = 128             # words per request (vLLM's VLLM_MAX_NUM_BAD_WORDS default)
-DEFAULT_MAX_LOGPROBS = 20       # vLLM's --max-logprobs default, until EngineConfig carries it
-
-
-def max_logprobs(state) -> int:
-    return getattr(state.engine.config, "max_logprobs", DEFAULT_MAX_LOGPROBS)
-
 
 def in_vocab(state, ids: list[int], param: str) -> list[int]:
     vocab = state.vocab_size
@@ -92,7 +86,7 @@ def logprob_counts(state, req, chat: bool) -> tuple[Optional[int], Optional[int]
     """(logprobs, prompt_logprobs) for the engine. Completions with ``echo`` and ``logprobs`` need the
     prompt's log-probabilities too (lm-eval's loglikelihood: echo, logprobs=1, max_tokens=1): the
     engine's prompt_logprobs is then the larger of the two counts."""
-    limit = max_logprobs(state)
+    limit = state.engine.config.max_logprobs
     k, param = generated_logprobs(req, chat)
     k = _count(k, param, limit)
     prompt_k = _count(req.prompt_logprobs, "prompt_logprobs", limit)

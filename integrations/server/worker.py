@@ -95,7 +95,7 @@ class EngineWorker:
         return self._in_flight
 
     def submit(self, handle: Handle) -> Handle:
-        slots = max(1, int(getattr(handle.params, "num_return_sequences", 1) or 1))
+        slots = handle.params.num_return_sequences
         with self._lock:
             if not self._accepting or not self.alive:
                 raise ShuttingDown("the server is shutting down")
