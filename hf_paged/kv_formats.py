@@ -7,6 +7,8 @@
     "fp8_e5m2"  float8 e5m2 codes, one bf16 scale per (token, head)
     "int8"      symmetric int8 codes, one bf16 scale per (token, head)
     "int4"      asymmetric 4-bit codes, a bf16 scale and minimum per group of 16 along head_dim
+    "kivi"      KIVI-style 4-bit: keys per channel over each full block, values per token, the open block
+                in the model's dtype (``hf_paged.kivi``, which owns its layout; block_size 32)
 
 Scales are computed on write from the values written (no calibration). Before quantising, each
 (token, head) vector is rotated by a fixed orthogonal matrix R (a normalised Hadamard matrix for power-of-two
@@ -75,7 +77,7 @@ FORMATS = {
     "int4": KVFormat("int4", 4, 16, True, 15.0, None),
 }
 ALIASES = {"fp8": "fp8_e4m3"}
-KV_CACHE_DTYPES = ("auto", "fp8", *FORMATS)
+KV_CACHE_DTYPES = ("auto", "fp8", *FORMATS, "kivi")
 
 
 def kv_format(kv_cache_dtype: str | None) -> KVFormat | None:
@@ -83,6 +85,9 @@ def kv_format(kv_cache_dtype: str | None) -> KVFormat | None:
     if kv_cache_dtype is None or kv_cache_dtype == "auto":
         return None
     name = ALIASES.get(kv_cache_dtype, kv_cache_dtype) if isinstance(kv_cache_dtype, str) else None
+    if name == "kivi":                  # its own module (imports this one), so looked up here
+        from .kivi import KIVI
+        return KIVI
     if name not in FORMATS:
         raise ValueError(f"unknown kv_cache_dtype {kv_cache_dtype!r}; known: {', '.join(KV_CACHE_DTYPES)}")
     return FORMATS[name]

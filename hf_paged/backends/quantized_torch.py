@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kivi import KiviPool
 from ..kv_formats import QuantizedPool, dequantize, quantize
 
 CHUNK_TOKENS = 512
@@ -22,6 +23,10 @@ def write_kv(k_pool: QuantizedPool, v_pool: QuantizedPool, key: torch.Tensor, va
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         slot_mapping, key, value = slot_mapping[keep], key[keep], value[keep]
+    if isinstance(k_pool, KiviPool):        # open slots, sealed per block (hf_paged.kivi)
+        k_pool.write(key, slot_mapping)
+        v_pool.write(value, slot_mapping)
+        return
     for pool, states in ((k_pool, key), (v_pool, value)):
         codes, scales = quantize(pool.fmt, states)                      # [N, Hkv, *]
         for stored, new in ((pool.data, codes), (pool.scales, scales)):
@@ -34,6 +39,8 @@ def _gather(pool: QuantizedPool, table: torch.Tensor) -> torch.Tensor:
     heads, _, block_size, head_dim = pool.shape
     batch, width = table.shape
     index = table.reshape(-1).long()
+    if isinstance(pool, KiviPool):
+        return pool.dequantize_blocks(index).view(heads, batch, width * block_size, head_dim)
     values = dequantize(pool.fmt, pool.data.index_select(1, index), pool.scales.index_select(1, index), torch.float32)
     return values.view(heads, batch, width * block_size, head_dim)
 

@@ -13,6 +13,9 @@ Invariants (``check_invariants``):
 - every block is free xor held: ``num_free + num_used == num_blocks``;
 - a block's refcount equals the number of tables holding it (a table never holds a block twice);
 - kept blocks are free blocks.
+
+``free_listeners``: callables given the blocks that just became plain free or were evicted (their data is
+gone); caches with per-block side state (KIVI's open slots, ``hf_paged.kivi``) release it there.
 """
 from __future__ import annotations
 
@@ -55,6 +58,7 @@ class BlockPool:
         self._kept: set[int] = set()
         self.keeper = keeper
         self.peak_used = 0
+        self.free_listeners: list = []
         self.evictions = 0
 
     # ----------------------------------------------------------------- queries
@@ -83,6 +87,8 @@ class BlockPool:
             self._kept.discard(block)
             self.evictions += 1
             self.keeper.evicted(block)
+            for listener in self.free_listeners:
+                listener([block])
         self.refcounts[block] = 1
         self._note_peak()
         return block
@@ -101,6 +107,7 @@ class BlockPool:
         first, so that a table's first blocks are at the very head (plain) or evicted last (kept)."""
         refcounts, free = self.refcounts, self._free
         keep = self.keeper.keeps if self.keeper is not None else None
+        plain = []
         for block in reversed(blocks):
             refcounts[block] -= 1
             if refcounts[block] == 0:
@@ -109,12 +116,18 @@ class BlockPool:
                     self._kept.add(block)
                 else:
                     free.move_to_end(block, last=False)
+                    plain.append(block)
+        if plain:
+            for listener in self.free_listeners:
+                listener(plain)
 
     def forget(self, block: int) -> None:
         """A kept free block's data is no longer wanted: it becomes a plain free block."""
         if block in self._kept:
             self._kept.discard(block)
             self._free.move_to_end(block, last=False)
+            for listener in self.free_listeners:
+                listener([block])
 
     def grow(self, extra_blocks: int) -> None:
         """Add ``extra_blocks`` free blocks (ids ``num_blocks ..``); the caller grows the tensors."""

@@ -118,6 +118,7 @@ class PagedCache(KVPools):
         else:
             blocks = max(1, first_need)
         self.pool = BlockPool(blocks, self.block_size)
+        self.pool.free_listeners.append(self.release_blocks)      # kivi's open slots (hf_paged.kivi)
         self.rows = RowBook(self.pool)
         self.allocate_pools(blocks, self.block_size, self._dtype, self._device)
 

@@ -9,13 +9,18 @@ transformers asks of a cache (no sliding/linear/dummy layers it must special-cas
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 from transformers import Cache
 
-from ..backends import select_backend
+from ..backends import TorchBackend, select_backend
 from ..backends.step import PagedLayer, Step
 from ..families import KVGeometry, config_geometry
+from ..kivi import KIVI, KiviPool
 from ..kv_formats import KVFormat, QuantizedPool, kv_format, rotation_matrix
+
+log = logging.getLogger("hf_paged.cache")
 
 
 def kv_bytes_per_token(config, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
@@ -42,6 +47,7 @@ class KVPools(Cache):
         self.value_pools: list[torch.Tensor | QuantizedPool] = []
         self.peer_backends: dict = {}     # device -> backend of layers on other devices than ``device``
         self.step: Step | None = None     # the running forward's step (set by whoever planned it)
+        self.open_slots = 8               # kivi: open-block slots reserved per layer (the engine: max_num_seqs)
 
     def allocate_pools(self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device) -> None:
         """Pools on ``device``, or on each layer's own device where the geometry names one (device_map)."""
@@ -52,6 +58,8 @@ class KVPools(Cache):
         if self.kv_format is None:
             def new_pool(d):
                 return torch.zeros(shape, dtype=dtype, device=d)
+        elif self.kv_format is KIVI:
+            return self._allocate_kivi(shape, dtype, device, devices)
         else:
             rotations = {d: rotation_matrix(g.head_dim, d) for d in set(devices)}
 
@@ -62,6 +70,29 @@ class KVPools(Cache):
         if self.backend is None:
             self.backend = select_backend(device)
         self.peer_backends = {d: select_backend(d) for d in set(devices) - {device}}
+
+    def _allocate_kivi(self, shape, dtype, device, devices) -> None:
+        """KIVI pools (``hf_paged.kivi``); served by the PyTorch path on every device (no kernel reads them)."""
+        heads, blocks, block_size, head_dim = shape
+        self.key_pools = [KiviPool.new(True, heads, blocks, block_size, head_dim, dtype, d, self.open_slots)
+                          for d in devices]
+        self.value_pools = [KiviPool.new(False, heads, blocks, block_size, head_dim, dtype, d, self.open_slots)
+                            for d in devices]
+        if any(torch.device(d).type == "cuda" for d in devices):
+            log.info("kv_cache_dtype='kivi' has no CUDA kernel: attention runs on the PyTorch path")
+        self.backend = self.backend if isinstance(self.backend, TorchBackend) else TorchBackend()
+        self.peer_backends = {d: self.backend for d in set(devices) - {device}}
+
+    def release_blocks(self, blocks) -> None:
+        """Blocks the block pool made plain free (``BlockPool.free_listeners``): KIVI open slots go back."""
+        for pool in self.key_pools + self.value_pools:
+            if isinstance(pool, KiviPool):
+                pool.release_blocks(blocks)
+
+    @property
+    def open_bytes(self) -> int:
+        """Bytes of KIVI open-block slots (model dtype), all layers; 0 for other formats."""
+        return sum(p.open_bytes for p in self.key_pools + self.value_pools if isinstance(p, KiviPool))
 
     def grow_pools(self, extra_blocks: int) -> None:
         """Append ``extra_blocks`` zeroed blocks to every pool (one copy of the pools)."""
@@ -86,12 +117,15 @@ class KVPools(Cache):
     @property
     def pool_bytes(self) -> int:
         """Bytes the pools take (scales included)."""
-        return sum(t.nbytes for t in self.pool_tensors())
+        return sum(t.nbytes for t in self.pool_tensors()) + self.open_bytes
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Apply copy-on-write pairs ``(src, dst)`` to every layer's keys and values, in one call."""
         if not copies:
             return
+        for pool in self.key_pools + self.value_pools:
+            if isinstance(pool, KiviPool):
+                pool.copy_open(copies)
         by_device: dict[torch.device, list[torch.Tensor]] = {}
         for pool in self.pool_tensors():
             by_device.setdefault(pool.device, []).append(pool)

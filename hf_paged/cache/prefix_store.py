@@ -43,6 +43,7 @@ class PrefixStore(KVPools):
         per_token = self.geometry.bytes_per_token(dtype, kv_format)
         self.num_blocks = blocks_for_budget(budget_bytes, per_token, block_size, "prefix_cache_bytes")
         self.pool = BlockPool(self.num_blocks, block_size)
+        self.pool.free_listeners.append(self.release_blocks)      # kivi's open slots (hf_paged.kivi)
         self.index = PrefixCache(self.pool)
         self.dtype, self.device = dtype, None
         self.lock = threading.Lock()      # concurrent generate calls of one patched model share the store
@@ -131,6 +132,7 @@ def copy_blocks_between(src: KVPools, dst: KVPools, src_blocks: list[int], dst_b
     and values (codes and scales of quantised pools); both hold the same geometry and format."""
     if not src_blocks:
         return
+    dst.release_blocks(dst_blocks)         # kivi: the copied (full, sealed) blocks are read from their codes
     for source, target in zip(src.pool_tensors(), dst.pool_tensors()):
         rows = torch.tensor(src_blocks, dtype=torch.int64, device=source.device)
         picked = source.index_select(1, rows).to(target.device)

@@ -71,8 +71,10 @@ class Engine:
         fmt = kv_format(config.kv_cache_dtype)
         self.bytes_per_token = geometry.bytes_per_token(dtype, fmt)
         blocks = self._num_blocks(geometry, device)
-        self.cache = EngineCache(model.config, blocks, config.block_size, dtype, device, geometry, fmt)
+        self.cache = EngineCache(model.config, blocks, config.block_size, dtype, device, geometry, fmt,
+                                 open_slots=config.max_num_seqs)
         self.pool = BlockPool(blocks, config.block_size)
+        self.pool.free_listeners.append(self.cache.release_blocks)
         self.prefix_cache = PrefixCache(self.pool) if config.enable_prefix_caching else None
         self.counters = EngineCounters()
         self.scheduler = Scheduler(self.pool, self.prefix_cache, config.max_num_seqs, config.max_num_batched_tokens,
@@ -89,9 +91,24 @@ class Engine:
         """Blocks in the pool: each device holding layers (a device_map) must fit its layers' share of
         every block, and every tensor-parallel rank gets the smallest count any rank allows."""
         layers_on = Counter(geometry.layer_devices or (device,) * geometry.num_layers)
-        return self.tp_ranks.smallest(min(
+        return self.tp_ranks.smallest(self._minus_open_slots(geometry, min(
             kv_pool_blocks(self.config, self.bytes_per_token * layers // geometry.num_layers, self.max_model_len,
-                           on, profile=self._profile) for on, layers in layers_on.items()))
+                           on, profile=self._profile) for on, layers in layers_on.items())))
+
+    def _minus_open_slots(self, geometry, blocks: int) -> int:
+        """kivi: its open-block store (``max_num_seqs`` model-dtype blocks, ``hf_paged.kivi``) is paid for
+        out of the KV budget, as the blocks it displaces; an explicit ``num_blocks`` is taken as given."""
+        if self.config.kv_cache_dtype != "kivi" or self.config.num_blocks is not None:
+            return blocks
+        dtype = self.model.get_input_embeddings().weight.dtype
+        open_bytes = self.config.max_num_seqs * self.config.block_size * geometry.bytes_per_token(dtype)
+        per_block = self.bytes_per_token * self.config.block_size
+        left = blocks - -(-open_bytes // per_block)
+        if left < 1:
+            raise ValueError(f"kv_cache_dtype='kivi': the KV budget holds {blocks} blocks, but the open blocks of "
+                             f"max_num_seqs={self.config.max_num_seqs} sequences take {open_bytes} bytes of it; "
+                             "raise kv_cache_memory_bytes or lower max_num_seqs")
+        return left
 
     # ------------------------------------------------------------ requests
     def add_request(self, prompt, prompt_index: int | None = None, on_token=None, params: SamplingParams | None = None,

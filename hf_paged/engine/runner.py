@@ -27,9 +27,10 @@ class EngineCache(KVPools):
     no_step_message = "EngineCache.update ran outside ModelRunner.execute (no step was planned)"
 
     def __init__(self, config, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
-                 geometry=None, kv_format=None):
+                 geometry=None, kv_format=None, open_slots: int = 8):
         super().__init__(config, geometry=geometry, kv_format=kv_format)
         self.block_size = block_size
+        self.open_slots = open_slots        # kivi: one open block per running sequence
         self.allocate_pools(num_blocks, block_size, dtype, device)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:

@@ -67,7 +67,7 @@ def test_unknown_values_are_refused_with_the_known_ones():
         hf_paged.patch(make_model("llama"), kv_cache_dtype="fp16")
     with pytest.raises(ValueError, match="known:"):
         hf_paged.LLM(make_model("llama"), kv_cache_dtype="e4m3")
-    assert set(KV_CACHE_DTYPES) == {"auto", "fp8", *FORMATS}
+    assert set(KV_CACHE_DTYPES) == {"auto", "fp8", *FORMATS, "kivi"}
 
 
 def test_int4_refuses_a_head_dim_it_cannot_group():
