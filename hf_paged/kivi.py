@@ -32,6 +32,7 @@ blocks are open at once, and ``pool_bytes`` reports what it holds.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -41,6 +42,7 @@ from .kv_formats import KVFormat, QuantizedPool
 BLOCK_SIZE = 32          # tokens per key group = per block; see the bytes above
 VALUE_GROUP = 64         # elements per value scale along head_dim (min(head_dim, this))
 CODE_MAX = 15.0
+log = logging.getLogger("hf_paged.kivi")
 
 
 @dataclass(frozen=True)
@@ -209,3 +211,23 @@ class KiviPool(QuantizedPool):
         """Blocks that became plain free (or were evicted): their slots go back."""
         for block in blocks:
             self.open.release(block)
+
+
+def split_budget(blocks: int, block_bytes: int, open_block_bytes: int, max_num_seqs: int,
+                 open_share: float = 1 / 3) -> tuple[int, int]:
+    """The engine's KV budget (``blocks`` sealed blocks of ``block_bytes``) split into sealed blocks and
+    open slots (``open_block_bytes`` each, the model's dtype): one slot per running sequence, at most
+    ``max_num_seqs`` and at most ``open_share`` of the budget (at least one). Returns (blocks, slots);
+    the engine runs at most ``slots`` sequences at once, so the store never outgrows what was paid for."""
+    budget = blocks * block_bytes
+    slots = max(1, min(max_num_seqs, int(budget * open_share) // open_block_bytes))
+    left = blocks - -(-slots * open_block_bytes // block_bytes)
+    if left < 1:
+        raise ValueError(f"kv_cache_dtype='kivi': the KV budget ({budget} bytes) cannot hold one open block "
+                         f"({open_block_bytes} bytes, the model's dtype) and one sealed block; raise "
+                         "kv_cache_memory_bytes")
+    if slots < max_num_seqs:
+        log.info("kv_cache_dtype='kivi': %d open blocks fit in %.0f%% of the KV budget, so at most %d sequences "
+                 "run at once (max_num_seqs=%d); raise kv_cache_memory_bytes for more", slots, 100 * open_share,
+                 slots, max_num_seqs)
+    return left, slots

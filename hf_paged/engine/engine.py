@@ -32,6 +32,7 @@ import torch
 from ..attention_interface import use_paged_attention
 from ..blocks import BlockPool, PrefixCache
 from ..introspect import model_geometry
+from ..kivi import split_budget
 from ..kv_formats import kv_format
 from ..parallel import tensor_parallel_ranks
 from .config import EngineConfig, kv_pool_blocks
@@ -70,14 +71,15 @@ class Engine:
         self.tp_ranks = tensor_parallel_ranks(model)
         fmt = kv_format(config.kv_cache_dtype)
         self.bytes_per_token = geometry.bytes_per_token(dtype, fmt)
+        self.open_slots = config.max_num_seqs        # kivi: open blocks the cache holds (see _minus_open_slots)
         blocks = self._num_blocks(geometry, device)
         self.cache = EngineCache(model.config, blocks, config.block_size, dtype, device, geometry, fmt,
-                                 open_slots=config.max_num_seqs)
+                                 open_slots=self.open_slots)
         self.pool = BlockPool(blocks, config.block_size)
         self.pool.free_listeners.append(self.cache.release_blocks)
         self.prefix_cache = PrefixCache(self.pool) if config.enable_prefix_caching else None
         self.counters = EngineCounters()
-        self.scheduler = Scheduler(self.pool, self.prefix_cache, config.max_num_seqs, config.max_num_batched_tokens,
+        self.scheduler = Scheduler(self.pool, self.prefix_cache, self.open_slots, config.max_num_batched_tokens,
                                    self.counters)
         self.runner = ModelRunner(model, self.cache)
         self.prepacked = None if config.enforce_eager or device.type != "cpu" else PrepackedLinears(model)
@@ -96,19 +98,15 @@ class Engine:
                            on, profile=self._profile) for on, layers in layers_on.items())))
 
     def _minus_open_slots(self, geometry, blocks: int) -> int:
-        """kivi: its open-block store (``max_num_seqs`` model-dtype blocks, ``hf_paged.kivi``) is paid for
-        out of the KV budget, as the blocks it displaces; an explicit ``num_blocks`` is taken as given."""
+        """kivi: the open-block store is paid for out of the KV budget and caps the running sequences
+        (``kivi.split_budget``); an explicit ``num_blocks`` counts sealed blocks, the store comes on top."""
         if self.config.kv_cache_dtype != "kivi" or self.config.num_blocks is not None:
             return blocks
         dtype = self.model.get_input_embeddings().weight.dtype
-        open_bytes = self.config.max_num_seqs * self.config.block_size * geometry.bytes_per_token(dtype)
-        per_block = self.bytes_per_token * self.config.block_size
-        left = blocks - -(-open_bytes // per_block)
-        if left < 1:
-            raise ValueError(f"kv_cache_dtype='kivi': the KV budget holds {blocks} blocks, but the open blocks of "
-                             f"max_num_seqs={self.config.max_num_seqs} sequences take {open_bytes} bytes of it; "
-                             "raise kv_cache_memory_bytes or lower max_num_seqs")
-        return left
+        blocks, self.open_slots = split_budget(blocks, self.bytes_per_token * self.config.block_size,
+                                               self.config.block_size * geometry.bytes_per_token(dtype),
+                                               self.config.max_num_seqs)
+        return blocks
 
     # ------------------------------------------------------------ requests
     def add_request(self, prompt, prompt_index: int | None = None, on_token=None, params: SamplingParams | None = None,
