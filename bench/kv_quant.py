@@ -1,14 +1,16 @@
 """Quantised KV blocks on the real SmolLM2-135M: quality, memory, requests held, speed.
 
-``python -m bench kv-quant [--sections quality,capacity,speed,quantized-cache] [--out DIR]``
+``python -m bench kv-quant [--sections quality,held-out,capacity,speed,quantized-cache] [--out DIR]``
 
 quality  fp32 and bf16 model: teacher-forced perplexity of real text (the Python reference manual's
          topics, which CPython ships as ``pydoc_data.topics``) through a PagedCache of each format
          against the model-dtype KV; the mean KL divergence of next-token distributions; greedy agreement
          (new tokens until the first that differs from the model-dtype run, 64 at most). One forward per
          passage reads every position's keys from the quantised pool, as decoding token by token would
-         (scales are per token, so the stored codes do not depend on the order of writes). (The study of
+         (scales are per token, so the stored codes do not depend on the order of writes; not so for kivi,
+         whose one-forward figure is pessimistic: every query sees its own block quantised). (The study of
          int4 groups of 32/64 and of no rotation that chose the defaults is in results/kv-quant-20261201-*.)
+held-out fp32 model: stdlib docstrings and license text, decoded token by token (``kv_quant_decode``).
 capacity bf16 model, the engine with a fixed 24 MiB KV budget and 96 requests of 64 + 16 tokens (more than
          any format holds): blocks, bytes per token (scales included), requests that fit whole, and the
          most requests running at once, per format.
@@ -35,8 +37,9 @@ import torch
 import hf_paged
 
 from .common import RESULTS, machine, pyplot, spread, stamp
+from .kv_quant_decode import held_out, held_out_table
 
-NAMES = ["auto", "fp8_e4m3", "fp8_e5m2", "int8", "int4"]
+NAMES = ["auto", "fp8_e4m3", "fp8_e5m2", "int8", "int4", "kivi"]
 
 def passages(tokenizer, count: int = 8, tokens: int = 512) -> list[torch.Tensor]:
     """The first ``count`` reference-manual topics (sorted by name) with at least ``tokens`` tokens."""
@@ -52,7 +55,8 @@ def passages(tokenizer, count: int = 8, tokens: int = 512) -> list[torch.Tensor]
 
 
 def paged_cache(model, name: str) -> hf_paged.PagedCache:
-    return hf_paged.PagedCache(model.config, kv_cache_dtype=name, dtype=model.dtype)
+    return hf_paged.PagedCache(model.config, kv_cache_dtype=name, dtype=model.dtype,
+                               block_size=32 if name == "kivi" else 16)      # kivi's key groups are its blocks
 
 
 def _log_probs(model, ids: torch.Tensor, cache=None) -> torch.Tensor:
@@ -111,7 +115,8 @@ def capacity(model, names: list[str], progress, budget: int = 24 * 2**20, reques
     prompts = torch.randint(100, model.config.vocab_size, (requests, prompt), generator=gen).tolist()
     out = {"budget_bytes": budget, "requests": requests, "prompt": prompt, "output": output}
     for name in names:
-        llm = hf_paged.LLM(model, kv_cache_memory_bytes=budget, kv_cache_dtype=name, max_num_seqs=requests)
+        llm = hf_paged.LLM(model, kv_cache_memory_bytes=budget, kv_cache_dtype=name, max_num_seqs=requests,
+                           block_size=32 if name == "kivi" else 16)
         peak = 0
         t0 = time.perf_counter()
         for _ in llm.stream(prompts, max_new_tokens=output, ignore_eos=True, do_sample=False, use_tqdm=False):
@@ -131,7 +136,8 @@ def speed(model, names: list[str], progress, rounds: int = 3) -> dict:
     prompts, outputs = _requests(32, seed=2, vocab=model.config.vocab_size, max_total=256)
     settings = [{"max_new_tokens": n, "ignore_eos": True, "do_sample": False} for n in outputs]
     useful = sum(outputs)
-    engines = {name: hf_paged.LLM(model, kv_cache_dtype=name, max_num_seqs=32) for name in names}
+    engines = {name: hf_paged.LLM(model, kv_cache_dtype=name, max_num_seqs=32, block_size=32 if name == "kivi" else 16)
+               for name in names}
     for llm in engines.values():                              # warm-up
         llm.generate(prompts[:2], settings[:2], use_tqdm=False)
     rates: dict[str, list[float]] = {name: [] for name in names}
@@ -222,6 +228,8 @@ def report(result: dict) -> str:
                 lambda r, q=q: [str(r["bytes_per_token"]), f"{r['bytes_per_token'] / q['auto']['bytes_per_token']:.3f}",
                                 f"{r['ppl']:.4f}", f"{r['ppl_delta_pct']:+.2f}%", f"{r['kl_mean']:.2e}",
                                 f"{r['kl_p99']:.2e}", f"{r['greedy_agree_mean']:.1f} / {r['greedy_agree_min']}"])
+    if result.get("held_out"):
+        lines += held_out_table(result["held_out"])
     c = result.get("capacity")
     if c:
         lines += _table(
@@ -276,7 +284,7 @@ def plot(result: dict, path: Path) -> None:
 
 def main(argv=None, prog: str = "python -m bench kv-quant") -> None:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sections", default="quality,capacity,speed,quantized-cache")
+    parser.add_argument("--sections", default="quality,held-out,capacity,speed,quantized-cache")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (recorded)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
@@ -289,6 +297,7 @@ def main(argv=None, prog: str = "python -m bench kv-quant") -> None:
               "threads": args.threads, "torch": torch.__version__, "host": machine()}
     runs = [  # section, model dtype, result key, what it runs; fp32 first, the bf16 model loaded when needed
         ("quality", torch.float32, "quality_fp32", lambda m, tok: quality(m, tok, NAMES, progress)),
+        ("held-out", torch.float32, "held_out", lambda m, tok: held_out(m, tok, NAMES, progress)),
         ("speed", torch.float32, "speed", lambda m, tok: speed(m, NAMES, progress)),
         ("quantized-cache", torch.float32, "quantized_cache", lambda m, tok: quantized_cache(m, tok, progress)),
         ("quality", torch.bfloat16, "quality_bf16", lambda m, tok: quality(m, tok, NAMES, progress)),
