@@ -155,3 +155,13 @@ def test_engine_with_preemption_and_prefix_hits_leaks_no_slot(one_torch_thread):
     assert outs[0].outputs[0].token_ids == outs[4].outputs[0].token_ids     # a recomputed/hit prefix agrees
     for pool in engine.cache.key_pools + engine.cache.value_pools:
         assert pool.open.num_open == 0                                     # every request ended: no slot held
+
+
+def test_the_engine_budget_pays_for_open_slots_and_caps_running_sequences(one_torch_thread):
+    model = make_model("llama", seed=3)
+    budget = 2 ** 20
+    llm = hf_paged.LLM(model, kv_cache_dtype="kivi", block_size=BS, kv_cache_memory_bytes=budget, max_num_seqs=64)
+    engine = llm.engine
+    assert engine.cache.pool_bytes <= budget                          # sealed blocks + open slots
+    assert engine.cache.open_bytes <= budget / 3 and 1 <= engine.open_slots < 64
+    assert engine.scheduler.max_num_seqs == engine.open_slots
