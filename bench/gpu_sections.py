@@ -13,6 +13,7 @@ import time
 
 from .gpu_kernels import section_decode_bandwidth, section_extend, section_quantised
 from .gpu_models import section_engine, section_generate
+from .gpu_quant import section_quantised_extend
 from .gpu_timing import (SKIP_NO_CUDA, SectionContext, _compare, _tolerance, device_and_backend, guarded, kernel_choice,
                          paged_kv, split_backend)
 
@@ -246,4 +247,6 @@ SECTIONS = {
     "engine": (90, True, section_engine, "hf_paged.LLM vs padded generate, 64 requests"),
     "quantised": (45, True, section_quantised, "quantised KV: decode vs PyTorch, write codes, time per format "
                                                "(runs only if the budget has room left)"),
+    "quantised_extend": (40, True, section_quantised_extend, "quantised KV: prefill vs PyTorch, time and TFLOPS "
+                                                             "per format beside bf16 (if the budget has room left)"),
 }

@@ -110,6 +110,10 @@ class Kernel:
     elem_bytes: int = 2
     threads: int = 128
 
+    def bytes_per_head_token(self) -> float:
+        """Bytes one token of one KV head takes in the pool (keys or values; scales included)."""
+        return self.head_dim * self.elem_bytes
+
 
 @dataclass(frozen=True)
 class DecodeFast(Kernel):
@@ -138,7 +142,7 @@ class DecodeFast(Kernel):
         return 2 * self.stages * self.stage_bytes() + 4 * (self.threads // self.bdx) * (self.head_dim + 2)
 
     def stage_bytes(self) -> int:
-        return self.tile_keys * self.head_dim * self.elem_bytes
+        return self.tile_keys * self.bytes_per_head_token()
 
     def in_flight_stages(self) -> int:
         return 2 * self.stages - 1          # every buffer of both rings but the one being read
@@ -261,7 +265,7 @@ def decode_row(design, batch: int, context: int, group: int, m: Machine) -> Deco
     steady = min(clocks["memory"] / clocks[bound], in_flight / needed, 1.0)
     if in_flight / needed < clocks["memory"] / clocks[bound]:
         bound = "in flight"
-    kv_bytes = batch * kv_heads * context * HEAD_DIM * ELEM * 2
+    kv_bytes = batch * kv_heads * context * design.bytes_per_head_token() * 2
     merge_bytes = 2 * batch * Q_HEADS * splits * (HEAD_DIM + 1) * 4 if splits > 1 else 0
     tail = (ctas / m.sms) / math.ceil(ctas / m.sms)         # SMs holding one CTA more than average
     waves = math.ceil(ctas / (m.sms * occupancy))
@@ -359,6 +363,7 @@ def main(argv=None, prog: str = "python -m bench roofline") -> dict:
         if isinstance(value, float):
             parser.add_argument(f"--{name.replace('_', '-')}", type=float, default=value)
     args = parser.parse_args(argv)
+    from .roofline_quant import quant_decode_table
     from .roofline_report import findings, markdown
     m = replace(Machine(), **{k: getattr(args, k) for k, v in asdict(Machine()).items() if isinstance(v, float)})
     decode = decode_table(m)
@@ -366,7 +371,8 @@ def main(argv=None, prog: str = "python -m bench roofline") -> dict:
     print(markdown(decode, extend, m))
     report = {"label": LABEL, "machine": asdict(m), "designs": [asdict(d) for d in decode_designs()],
               "decode": [asdict(r) | {"verdict": r.verdict} for r in decode], "extend": [asdict(r) for r in extend],
-              "findings": findings(decode, extend, m), "markdown": markdown(decode, extend, m)}
+              "findings": findings(decode, extend, m), "markdown": markdown(decode, extend, m),
+              "decode_quantised": [asdict(r) for r in quant_decode_table(m)]}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

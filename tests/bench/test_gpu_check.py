@@ -82,3 +82,22 @@ def test_a_section_alone_reports_no_cuda(tmp_path, no_cuda):
     done = run("--section", "extend", "--result-file", str(result), "--deadline", "30")
     assert done.returncode == 0, done.stderr
     assert json.loads(result.read_text()) == {"kind": "status", "data": "skipped: no CUDA device"}
+
+
+def test_quantised_extend_runs_every_format_on_the_cpu(tmp_path):
+    """--cpu-smoke: the section's code on the CPU with the PyTorch path standing in for the kernels (its
+    figures mean nothing; on a GPU the kernels are compared with the PyTorch path on the same pools)."""
+    from hf_paged.kv_formats import FORMATS
+    done = run("--no-install", "--cpu-smoke", "--sections", "quantised_extend", "--out", str(tmp_path), timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    record = lines(tmp_path)["quantised_extend"]
+    cases = {c["format"]: c for c in record["figures"]["cases"]}
+    assert set(cases) == {"auto", *FORMATS}
+    assert all(c["ok"] and c["ms"] > 0 and c["tokens"] == 48 for c in cases.values()), cases
+    assert "quantised_extend" in run("--list").stdout
+
+
+def test_extend_flops_by_hand():
+    from bench.gpu_quant import extend_flops
+    assert extend_flops(2, q_heads=1, head_dim=1) == 4 * 3      # 3 visible (query, key) pairs, 4 FLOPs each
+    assert extend_flops(2048) == 4 * 128 * 32 * 2048 * 2049 / 2

@@ -1,0 +1,89 @@
+"""Static roofline of the planned quantised fast decode (issue 24 item 5): PREDICTED, NOT MEASURED.
+
+Design (not yet implemented in cuda/fast_attention.cu; the counts are inputs, as in bench/roofline.py):
+hfp_decode_fast with the pool's codes and bf16 scales staged by 16-byte cp.async into the same K/V rings,
+each lane dequantising its head_dim / bdx elements of K and V in registers once and applying them to
+every query row of the group (``dequant_once``; dequantising per row makes G = 4 issue-bound and int8 /
+int4 slower than bf16 per token: set it False to see); the scale of
+an 8-bit (token, head) is applied once to the score (keys) and to p (values); int4 applies its group
+scale and minimum as ``s * (q . c) + m * sum(q)`` for keys and ``c * s + m`` per element for values.
+Conversions counted per element, on sm_90:
+    fp8_e4m3  cvt.rn.f16x2.e4m3x2 per 2 elements + half -> float per element        ALU 1.5
+    fp8_e5m2  PRMT per 2 elements (e5m2 is fp16's high byte) + half -> float          ALU 1.5
+    int8      LOP3 (sign bias, 4 per word) + PRMT into 0x4B0000xx, then one FADD     ALU 1.25, FP32 1
+    int4      SHF + LOP3 (nibble into 0x4B00000x), then one FADD                     ALU 2,    FP32 1
+The unit stays 32 KB of *stored* bytes (codes + scales), so a quantised tile holds more keys than a bf16
+one: fewer bytes per token of context, more lane work per byte. ``time_per_token`` is the figure the
+issue asks for: predicted decode time per token of context, to compare with bf16's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .roofline import DECODE_SHAPES, GROUPS, TILE_BYTES, DecodeFast, DecodeRow, Load, Machine, decode_row
+
+
+@dataclass(frozen=True)
+class DecodeFastQuant(DecodeFast):
+    """``DecodeFast`` reading ``bits``-bit codes and ``scales`` bf16 values per (token, head)
+    (hf_paged/kv_formats.py). ``registers`` is the bf16 kernel's figure: an assumption until ptxas
+    reports the quantised build. ``tile_keys`` doubles per halving of the bytes, keeping each stage
+    near the bf16 kernel's 8 KB in flight."""
+
+    name: str = "hfp_decode_fast_q"
+    fmt: str = "fp8_e4m3"
+    bits: int = 8
+    scales: int = 1                  # bf16 values per (token, head): 1, or 2 * D / 16 for int4
+    tile_keys: int = 64
+    alu_per_elem: float = 1.5
+    fp32_per_elem: float = 0.0
+    scale_loads: float = 2           # per lane per (key, row): K and V scale (LDS.U16, broadcast)
+    scale_fp32: float = 2            # per lane: score *= s_k, p *= s_v
+    dequant_once: bool = True        # a lane serves all G rows of its key chunk: loads and converts once
+
+    @property
+    def name_variant(self) -> str:
+        return f"{self.name} ({self.fmt})"
+
+    def bytes_per_head_token(self) -> float:
+        return self.head_dim * self.bits / 8 + 2 * self.scales
+
+    def load(self, group: int) -> Load:
+        pairs = TILE_BYTES / (2 * self.bytes_per_head_token()) * group       # (key, row) pairs
+        lanes = pairs * self.bdx
+        elems = 2 * self.head_dim / self.bdx                                 # K and V elements per lane
+        copies = TILE_BYTES / 16
+        share = 1 / group if self.dequant_once else 1.0       # per-key work spread over the G rows
+        code_wavefronts = lanes * share * elems * self.bits / 8 / 128
+        fp32 = self.ffma + self.fadd + self.other / 2 + share * elems * self.fp32_per_elem + self.scale_fp32
+        alu = share * elems * self.alu_per_elem + self.other / 2
+        lds = share * (2 + self.scale_loads)
+        per_lane = lds + fp32 + alu + self.shfl + self.mufu
+        return Load(wavefronts=code_wavefronts + lanes * share * self.scale_loads / 32 + TILE_BYTES / 128,
+                    shfl=lanes * self.shfl, fp32=lanes * fp32, alu=lanes * alu, mufu=lanes * self.mufu,
+                    warp_instructions=lanes * per_lane / 32 + copies * 3 / 32)
+
+
+def quant_designs(head_dim: int = 128) -> list[DecodeFastQuant]:
+    """One design per quantised format of hf_paged.kv_formats.FORMATS (nvfp4 is not on the fast path)."""
+    eight = dict(bits=8, scales=1, tile_keys=64)
+    return [DecodeFastQuant(fmt="fp8_e4m3", alu_per_elem=1.5, **eight),
+            DecodeFastQuant(fmt="fp8_e5m2", alu_per_elem=1.5, **eight),
+            DecodeFastQuant(fmt="int8", alu_per_elem=1.25, fp32_per_elem=1.0, **eight),
+            DecodeFastQuant(fmt="int4", bits=4, scales=2 * head_dim // 16, tile_keys=128, alu_per_elem=2.0,
+                            fp32_per_elem=1.0, scale_loads=4, scale_fp32=1 + head_dim // 16)]
+
+
+def time_per_token(row: DecodeRow) -> float:
+    """Predicted decode time per token of context, in ns (the whole batch's context)."""
+    return row.time_us * 1e3 / (row.batch * row.context)
+
+
+def quant_decode_table(m: Machine) -> list[DecodeRow]:
+    """bf16 DecodeFast and every quantised design at the decode shapes, groups <= max_group."""
+    rows = []
+    for design in [DecodeFast(), *quant_designs()]:
+        for group in GROUPS:
+            if group <= design.max_group:
+                rows += [decode_row(design, b, ctx, group, m) for b, ctx in DECODE_SHAPES]
+    return rows
