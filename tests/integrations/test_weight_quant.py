@@ -43,3 +43,30 @@ def test_engine_equals_generate_per_prompt(scheme):
     for prompt, out in zip(prompts, outs):
         ref = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=8, do_sample=False)
         assert torch.equal(out.sequences[0], ref[0])
+
+
+def test_server_loader_quantizes_a_checkpoint(tmp_path):
+    """``hf-paged serve DIR --quantization bnb-nf4``'s loader: the model comes back 4-bit and its paged
+    generate equals its default path."""
+    pytest.importorskip("bitsandbytes")
+    import bitsandbytes as bnb
+    from tiny_models import word_tokenizer
+
+    from hf_paged.integrations.server.loading import load_model
+
+    make_model("llama").save_pretrained(tmp_path)
+    word_tokenizer().save_pretrained(tmp_path)
+    model, _ = load_model(str(tmp_path), dtype="float32", device="cpu", quantization="bnb-nf4")
+    assert isinstance(model.model.layers[0].self_attn.k_proj, bnb.nn.Linear4bit)
+    ids, mask = make_batch([4, 7, 2], seed=3)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    ref = model.generate(**kw)
+    with patched(model):
+        assert torch.equal(model.generate(cache_implementation="paged", **kw), ref)
+
+
+def test_unknown_scheme_is_refused():
+    from hf_paged.integrations.server.loading import load_model
+
+    with pytest.raises(ValueError, match="known: bnb-int8"):
+        load_model("smollm2", quantization="int3")
