@@ -18,6 +18,7 @@ from dataclasses import MISSING, fields
 from .engine import EngineConfig
 from .integrations.server.config import ServeConfig, field_docs
 from .integrations.server.loading import DTYPES
+from .integrations.weight_quant import SCHEMES
 from .kv_formats import KV_CACHE_DTYPES
 
 BYTE_UNITS = {"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
@@ -62,6 +63,7 @@ SERVE_FLAGS = [
     (ServeConfig, "api_key", {}),
     (ServeConfig, "served_model_name", dict(help="the model's name in the API (default: MODEL_DIR)")),
     (ServeConfig, "dtype", dict(choices=list(DTYPES))),
+    (ServeConfig, "quantization", dict(choices=list(SCHEMES), help="weight quantisation at load (pip extra 'quant')")),
     (EngineConfig, "gpu_memory_utilization",
      dict(type=float, help="fraction of the GPU's memory for the weights, a profiled forward and the KV pool")),
     (EngineConfig, "max_num_batched_tokens", dict(type=POSITIVE_INT)),

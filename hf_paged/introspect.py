@@ -54,7 +54,10 @@ def _local_kv_heads(attention, head_dim: int) -> int:
     weight = attention.k_proj.weight
     if hasattr(weight, "to_local"):         # a DTensor shard of transformers' tensor parallelism
         weight = weight.to_local()
-    return weight.shape[0] // head_dim
+    # bitsandbytes' 4-bit Params4bit is stored packed ([out*in/2, 1] uint8); its quant_state keeps the
+    # logical [out, in] shape. Every other weight (torchao subclasses, int8, DTensor shards) has it as shape.
+    shape = getattr(getattr(weight, "quant_state", None), "shape", None) or weight.shape
+    return shape[0] // head_dim
 
 
 def _execution_device(attention, layer: int) -> torch.device:

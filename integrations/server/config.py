@@ -38,10 +38,12 @@ class AppConfig:
 class ServeConfig(AppConfig):
     """host: address to bind; 127.0.0.1 accepts this machine only. port: TCP port to listen on.
     dtype: weights' dtype (auto: the checkpoint's). trust_remote_code: for a ChatGLM directory's
-    tokenizer only. log_level: the server's logging level."""
+    tokenizer only. log_level: the server's logging level. quantization: weight quantisation applied at
+    load (integrations/weight_quant.SCHEMES; None: as the checkpoint is, a pre-quantised one included)."""
     host: str = "127.0.0.1"
     port: int = 8000
     dtype: str = "auto"
+    quantization: str | None = None
     trust_remote_code: bool = False
     log_level: str = "info"
 

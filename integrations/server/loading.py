@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from ..weight_quant import check_scheme, load_quantized, quantize_model
+
 DTYPES = {"auto": None, "float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
           "float16": torch.float16, "half": torch.float16}
 
@@ -30,18 +32,21 @@ def default_device() -> str:
 
 
 def load_model(name: str, dtype="auto", device: str | None = None, trust_remote_code: bool = False,
-               tokenizer=None):
+               tokenizer=None, quantization: str | None = None):
     """(model in eval mode on ``device``, tokenizer) for ``name``; ``dtype``: see ``torch_dtype`` (auto:
     the checkpoint's); ``device``: default ``default_device()`` ("cuda" when there is a GPU). ``tokenizer``: a
     path / hub id to load it from (default: ``name``), or a tokenizer object, returned as it is.
     ``trust_remote_code``: for a ChatGLM directory's tokenizer only (the model never runs remote code)."""
+    check_scheme(quantization)        # quantization: a weight_quant scheme applied at load, or None
     dtype = torch_dtype(dtype)
     device = device or default_device()
     if name == "smollm2":
         from ..smollm2 import load_smollm2
 
         model, own = load_smollm2(dtype=dtype or torch.float32)
-        return model.to(device), own if tokenizer is None else _tokenizer(tokenizer)
+        model = model.to(device)
+        model = quantize_model(model, quantization) if quantization else model
+        return model, own if tokenizer is None else _tokenizer(tokenizer)
     path = Path(name).expanduser()
     local = path.is_dir()
     if not local and (path.exists() or name.startswith((".", "/", "~"))):
@@ -55,6 +60,8 @@ def load_model(name: str, dtype="auto", device: str | None = None, trust_remote_
     from transformers import AutoModelForCausalLM
 
     options = dict(local_files_only=True) if local else {}
+    if quantization:
+        return load_quantized(source, quantization, dtype, device, **options), _tokenizer(tokenizer, source, **options)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype or "auto", **options).to(device).eval()
     return model, _tokenizer(tokenizer, source, **options)
 

@@ -23,7 +23,8 @@ def serving_app(model: str, config: ServeConfig, **engine_knobs):
     from .app import create_app
     from .loading import load_model
 
-    loaded, tokenizer = load_model(model, dtype=config.dtype, trust_remote_code=config.trust_remote_code)
+    loaded, tokenizer = load_model(model, dtype=config.dtype, trust_remote_code=config.trust_remote_code,
+                                   quantization=config.quantization)
     app_options = {f.name: getattr(config, f.name) for f in dataclasses.fields(AppConfig)}
     app_options["served_model_name"] = config.served_model_name or model
     return create_app(loaded, tokenizer, **app_options, **engine_knobs)

@@ -323,7 +323,7 @@ def test_api_key():
         assert good.completions.create(model=MODEL, prompt="w3", max_tokens=2).choices[0].text
 
 
-SERVE_FLAGS = {"host", "port", "api_key", "served_model_name", "dtype", "gpu_memory_utilization",
+SERVE_FLAGS = {"host", "port", "api_key", "served_model_name", "dtype", "quantization", "gpu_memory_utilization",
                "max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size", "enable_prefix_caching",
                "kv_cache_dtype", "kv_cache_memory_bytes", "max_logprobs", "max_queue", "shutdown_timeout", "max_body_bytes",
                "trust_remote_code", "log_level"}
