@@ -37,43 +37,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .kv_formats import KVFormat, QuantizedPool
+from .kv_formats import KIVI, KiviFormat, QuantizedPool  # noqa: F401  (re-exported)
+from .kv_formats import KIVI_BLOCK_SIZE as BLOCK_SIZE, KIVI_CODE_MAX as CODE_MAX  # noqa: F401  (BLOCK_SIZE re-exported)
 
-BLOCK_SIZE = 32          # tokens per key group = per block; see the bytes above
-VALUE_GROUP = 64         # elements per value scale along head_dim (min(head_dim, this))
-CODE_MAX = 15.0
 log = logging.getLogger("hf_paged.kivi")
-
-
-@dataclass(frozen=True)
-class KiviFormat(KVFormat):
-    """The KIVI format; ``bytes_per_head_token`` is the mean of keys and values (scales amortised over
-    a block of ``BLOCK_SIZE``)."""
-
-    def value_group(self, head_dim: int) -> int:
-        return min(head_dim, VALUE_GROUP)
-
-    def num_scales(self, head_dim: int) -> int:
-        return 2 * (head_dim // self.value_group(head_dim))
-
-    def bytes_per_head_token(self, head_dim: int) -> int:
-        key = head_dim // 2 + (2 * 2 * head_dim) // BLOCK_SIZE
-        value = head_dim // 2 + 2 * self.num_scales(head_dim)
-        return (key + value) // 2
-
-    def check_head_dim(self, head_dim: int) -> None:
-        if head_dim % 2 or head_dim % self.value_group(head_dim):
-            raise ValueError(f"kv_cache_dtype='kivi' needs an even head_dim divisible by "
-                             f"{self.value_group(head_dim)}, got {head_dim}; use 'int8' or 'auto'")
-
-    def check_block_size(self, block_size: int) -> None:
-        if block_size != BLOCK_SIZE:
-            raise ValueError(f"kv_cache_dtype='kivi' quantises keys per channel over blocks of {BLOCK_SIZE} tokens "
-                             f"(needed for <= 0.30x bf16 bytes), but block_size={block_size}; set block_size="
-                             f"{BLOCK_SIZE}")
-
-
-KIVI = KiviFormat("kivi", 4, 0, True, CODE_MAX, None, rotate=False)
 
 
 @dataclass

@@ -76,6 +76,43 @@ FORMATS = {
     "int8": KVFormat("int8", 8, 0, False, 127.0, None),
     "int4": KVFormat("int4", 4, 16, True, 15.0, None),
 }
+# KIVI-style 4-bit blocks: the format here (a KVFormat like the others), its pools in hf_paged.kivi.
+KIVI_BLOCK_SIZE = 32          # tokens per key group = per block (the bytes: hf_paged.kivi)
+KIVI_VALUE_GROUP = 64         # elements per value scale along head_dim (min(head_dim, this))
+KIVI_CODE_MAX = 15.0
+
+
+@dataclass(frozen=True)
+class KiviFormat(KVFormat):
+    """The KIVI format; ``bytes_per_head_token`` is the mean of keys and values (scales amortised over
+    a block of ``KIVI_BLOCK_SIZE``)."""
+
+    def value_group(self, head_dim: int) -> int:
+        return min(head_dim, KIVI_VALUE_GROUP)
+
+    def num_scales(self, head_dim: int) -> int:
+        return 2 * (head_dim // self.value_group(head_dim))
+
+    def bytes_per_head_token(self, head_dim: int) -> int:
+        key = head_dim // 2 + (2 * 2 * head_dim) // KIVI_BLOCK_SIZE
+        value = head_dim // 2 + 2 * self.num_scales(head_dim)
+        return (key + value) // 2
+
+    def check_head_dim(self, head_dim: int) -> None:
+        if head_dim % 2 or head_dim % self.value_group(head_dim):
+            raise ValueError(f"kv_cache_dtype='kivi' needs an even head_dim divisible by "
+                             f"{self.value_group(head_dim)}, got {head_dim}; use 'int8' or 'auto'")
+
+    def check_block_size(self, block_size: int) -> None:
+        if block_size != KIVI_BLOCK_SIZE:
+            raise ValueError(f"kv_cache_dtype='kivi' quantises keys per channel over blocks of {KIVI_BLOCK_SIZE} tokens "
+                             f"(needed for <= 0.30x bf16 bytes), but block_size={block_size}; set block_size="
+                             f"{KIVI_BLOCK_SIZE}")
+
+
+KIVI = KiviFormat("kivi", 4, 0, True, KIVI_CODE_MAX, None, rotate=False)
+
+
 ALIASES = {"fp8": "fp8_e4m3"}
 KV_CACHE_DTYPES = ("auto", "fp8", *FORMATS, "kivi")
 
@@ -85,8 +122,7 @@ def kv_format(kv_cache_dtype: str | None) -> KVFormat | None:
     if kv_cache_dtype is None or kv_cache_dtype == "auto":
         return None
     name = ALIASES.get(kv_cache_dtype, kv_cache_dtype) if isinstance(kv_cache_dtype, str) else None
-    if name == "kivi":                  # its own module (imports this one), so looked up here
-        from .kivi import KIVI
+    if name == "kivi":
         return KIVI
     if name not in FORMATS:
         raise ValueError(f"unknown kv_cache_dtype {kv_cache_dtype!r}; known: {', '.join(KV_CACHE_DTYPES)}")
