@@ -14,326 +14,37 @@
 //   token_pos    int32 [T]                stored index of token t, -1 = pad (its output is zeros)
 // Token t sees the keys j of its row with j <= pos and, with window w > 0, pos - j < w.
 // Scores, the softmax and the accumulators are float32 whatever the storage dtype.
-#include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
+// The loop itself is paged_attention_cpu.h (shared with the quantised op, paged_attention_cpu_quant.cpp).
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <limits>
-#include <vector>
+#include "paged_attention_cpu.h"
 
 namespace {
 
-constexpr int kMaxGroup = 64;       // query heads per KV head (refused above this, with the limit named)
-constexpr int64_t kChunk = 8;       // consecutive query tokens of one row served together (prefill)
+using namespace hfp_cpu;
 
-// e^x for x <= 0 (scores minus their running max), vectorisable: x = n ln2 + r with |r| <= ln2/2 and a
-// degree-6 polynomial for e^r (relative error ~1e-7, as expf). x below -87 gives ~1e-38, not 0; a weight
-// that small changes no float sum it joins.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
-  const float t = x * 1.44269504088896341f;
-  const float n = (t + 12582912.0f) - 12582912.0f;        // round to nearest (1.5 * 2^23 trick)
-  const float r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
-  float p = 1.f + r * (1.f + r * (0.5f + r * (1.6666666666666666e-1f + r * (4.1666666666666664e-2f +
-            r * (8.3333333333333332e-3f + r * 1.3888888888888889e-3f)))));
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
-
+// Model-dtype pools: a (head, block) tile is contiguous [block_size, D]; f32 tiles are read in place.
 template <typename T>
-inline void to_float(const T* src, float* dst, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
-}
-
-template <typename T>
-inline void from_float(const float* src, T* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
-}
-
-// A [rows, D] tile as float: f32 pools are read where they are, others are converted into `buffer`.
-template <typename T>
-inline const float* float_tile(const T* src, float* buffer, int64_t n) {
-  to_float(src, buffer, n);
-  return buffer;
-}
-template <>
-inline const float* float_tile<float>(const float* src, float*, int64_t) { return src; }
-
-// One work item: the query heads of KV head `h` for up to kChunk consecutive tokens of one row. Each
-// block's K and V tiles are read (and, for 16-bit pools, converted to float) once for all of them.
-constexpr int64_t kRows = 6;        // queries per register tile in the chunk path
-constexpr int64_t kKeys = 16;       // keys per register tile (two 8-float vectors)
-
-// Scratch of one thread. Query rows are padded to a multiple of kRows with zero queries (their results
-// are never read). kt: a block's keys transposed, [D, key_stride]; columns past a block's keys hold
-// finite leftovers whose scores are never read.
-struct Scratch {
-  int64_t key_stride;
-  std::vector<float> q, acc, m, l, corr, kbuf, vbuf, kt, scores;
-  Scratch(int64_t queries, int64_t head_dim, int64_t block_size)
-      : key_stride((block_size + kKeys - 1) / kKeys * kKeys), q(pad(queries) * head_dim),
-        acc(pad(queries) * head_dim), m(pad(queries)), l(pad(queries)), corr(pad(queries)),
-        kbuf(block_size * head_dim), vbuf(block_size * head_dim), kt(head_dim * key_stride),
-        scores(pad(queries) * key_stride) {}
-  static int64_t pad(int64_t n) { return (n + kRows - 1) / kRows * kRows; }
+struct PlainTiles {
+  const T *k, *v;
+  int64_t num_blocks, tile, head_dim;
+  const float* keys(int64_t h, int64_t block, int64_t rows, float* buffer) const {
+    return float_tile(k + (h * num_blocks + block) * tile, buffer, rows * head_dim);
+  }
+  const float* values(int64_t h, int64_t block, int64_t rows, float* buffer) const {
+    return float_tile(v + (h * num_blocks + block) * tile, buffer, rows * head_dim);
+  }
 };
 
-// Chunk path, scores: S[r][j] = q[r] . k[j] for all padded query rows and key columns, as kRows x kKeys
-// register tiles of outer products over the head dim (a broadcast query channel times a row of kt).
-inline void score_tile(const float* q, const float* kt, int64_t rows, int64_t head_dim, int64_t key_stride,
-                       float* out) {
-  for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
-    for (int64_t j0 = 0; j0 < key_stride; j0 += kKeys) {
-      float a[kRows][kKeys] = {};
-      for (int64_t d = 0; d < head_dim; ++d) {
-        const float* krow = kt + d * key_stride + j0;
-#pragma GCC unroll 6
-        for (int64_t r = 0; r < kRows; ++r) {
-          const float qd = q[(r0 + r) * head_dim + d];
-#pragma omp simd
-          for (int64_t e = 0; e < kKeys; ++e) a[r][e] += qd * krow[e];
-        }
-      }
-      for (int64_t r = 0; r < kRows; ++r)
-        for (int64_t e = 0; e < kKeys; ++e) out[(r0 + r) * key_stride + j0 + e] = a[r][e];
-    }
-  }
-}
-
-// Chunk path, values: acc[r] = acc[r] * corr[r] + sum_j p[r][j] v[j] for keys j < keys: kRows queries x
-// W channels held in registers, each V row segment loaded once for the kRows queries.
-template <int64_t W>
-inline void value_columns(float* acc, const float* corr, const float* p, const float* v, int64_t r0, int64_t d0,
-                          int64_t keys, int64_t head_dim, int64_t key_stride) {
-  float a[kRows][W];
-  for (int64_t r = 0; r < kRows; ++r)
-    for (int64_t e = 0; e < W; ++e) a[r][e] = acc[(r0 + r) * head_dim + d0 + e] * corr[r0 + r];
-  for (int64_t j = 0; j < keys; ++j) {
-    const float* vj = v + j * head_dim + d0;
-#pragma GCC unroll 6
-    for (int64_t r = 0; r < kRows; ++r) {
-      const float pj = p[(r0 + r) * key_stride + j];
-#pragma omp simd
-      for (int64_t e = 0; e < W; ++e) a[r][e] += pj * vj[e];
-    }
-  }
-  for (int64_t r = 0; r < kRows; ++r)
-    for (int64_t e = 0; e < W; ++e) acc[(r0 + r) * head_dim + d0 + e] = a[r][e];
-}
-
-inline void value_tile(float* acc, const float* corr, const float* p, const float* v, int64_t rows, int64_t keys,
-                       int64_t head_dim, int64_t key_stride) {
-  for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
-    int64_t d0 = 0;
-    for (; d0 + 16 <= head_dim; d0 += 16) value_columns<16>(acc, corr, p, v, r0, d0, keys, head_dim, key_stride);
-    for (; d0 + 8 <= head_dim; d0 += 8) value_columns<8>(acc, corr, p, v, r0, d0, keys, head_dim, key_stride);
-    for (; d0 < head_dim; ++d0) value_columns<1>(acc, corr, p, v, r0, d0, keys, head_dim, key_stride);
-  }
-}
-
-// sc[j] = q . k[j] for keys jlo <= j < jhi of a [keys, D] tile: four keys at a time, each with its own
-// accumulator, so that the FMAs of one key do not wait on each other (one horizontal sum per key).
-inline void scores(const float* q, const float* k, int64_t jlo, int64_t jhi, int64_t head_dim, float* sc) {
-  int64_t j = jlo;
-  for (; j + 4 <= jhi; j += 4) {
-    const float *k0 = k + j * head_dim, *k1 = k0 + head_dim, *k2 = k1 + head_dim, *k3 = k2 + head_dim;
-    float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
-#pragma omp simd reduction(+ : s0, s1, s2, s3)
-    for (int64_t d = 0; d < head_dim; ++d) {
-      s0 += q[d] * k0[d];
-      s1 += q[d] * k1[d];
-      s2 += q[d] * k2[d];
-      s3 += q[d] * k3[d];
-    }
-    sc[j] = s0, sc[j + 1] = s1, sc[j + 2] = s2, sc[j + 3] = s3;
-  }
-  for (; j < jhi; ++j) {
-    const float* kj = k + j * head_dim;
-    float s0 = 0.f;
-#pragma omp simd reduction(+ : s0)
-    for (int64_t d = 0; d < head_dim; ++d) s0 += q[d] * kj[d];
-    sc[j] = s0;
-  }
-}
-
-// acc = acc * corr + sum_j p[j] v[j] over keys jlo <= j < jhi: eight channels at a time, held in one
-// register across all keys (stored once per block, not once per key).
-inline void accumulate(float* acc, float corr, const float* p, const float* v, int64_t jlo, int64_t jhi,
-                       int64_t head_dim) {
-  int64_t d0 = 0;
-  for (; d0 + 8 <= head_dim; d0 += 8) {
-    float a[8];
-#pragma omp simd
-    for (int e = 0; e < 8; ++e) a[e] = acc[d0 + e] * corr;
-    for (int64_t j = jlo; j < jhi; ++j) {
-      const float pj = p[j];
-      const float* vj = v + j * head_dim + d0;
-#pragma omp simd
-      for (int e = 0; e < 8; ++e) a[e] += pj * vj[e];
-    }
-#pragma omp simd
-    for (int e = 0; e < 8; ++e) acc[d0 + e] = a[e];
-  }
-  for (; d0 < head_dim; ++d0) {
-    float a = acc[d0] * corr;
-    for (int64_t j = jlo; j < jhi; ++j) a += p[j] * v[j * head_dim + d0];
-    acc[d0] = a;
-  }
-}
-
-// Online softmax over scores sc[jlo:jhi] of one query: updates its running max m and sum l, turns the
-// scores into weights exp(s - m_new), and returns the factor exp(m_old - m_new) for its accumulator.
-inline float softmax_update(float* sc, int64_t jlo, int64_t jhi, float& m, float& l) {
-  float block_max = -std::numeric_limits<float>::infinity();
-  for (int64_t j = jlo; j < jhi; ++j) block_max = std::max(block_max, sc[j]);
-  const float new_max = std::max(m, block_max);
-  const float corr = exp_nonpositive(m - new_max);        // ~0 on the first block (m = -inf)
-  float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t j = jlo; j < jhi; ++j) {
-    sc[j] = exp_nonpositive(sc[j] - new_max);
-    sum += sc[j];
-  }
-  l = l * corr + sum;
-  m = new_max;
-  return corr;
-}
-
-// Decode path for one block: each of the token's `group` queries against the keys it sees.
-inline void single_token(Scratch& s, int64_t pos, int64_t window, int64_t base, int64_t keys, int64_t group,
-                         int64_t head_dim, const float* k, const float* v) {
-  const int64_t first = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
-  const int64_t jlo = std::max<int64_t>(first - base, 0), jhi = std::min(pos + 1 - base, keys);
-  if (jlo >= jhi) return;
-  for (int64_t g = 0; g < group; ++g) {
-    float* sc = s.scores.data();
-    scores(s.q.data() + g * head_dim, k, jlo, jhi, head_dim, sc);
-    const float corr = softmax_update(sc, jlo, jhi, s.m[g], s.l[g]);
-    accumulate(s.acc.data() + g * head_dim, corr, sc, v, jlo, jhi, head_dim);
-  }
-}
-
 template <typename T>
-void attend(const at::Tensor& query, const at::Tensor& k_pool, const at::Tensor& v_pool,
-            const at::Tensor& block_tables, const at::Tensor& token_row, const at::Tensor& token_pos,
-            double scale, int64_t window, at::Tensor& out) {
-  const int64_t tokens = query.size(0), num_q_heads = query.size(1), head_dim = query.size(2);
-  const int64_t num_kv_heads = k_pool.size(0), num_blocks = k_pool.size(1), block_size = k_pool.size(2);
-  const int64_t group = num_q_heads / num_kv_heads, width = block_tables.size(1);
-  const int64_t rows = block_tables.size(0);
-  const T* q_data = query.data_ptr<T>();
-  const T* k_data = k_pool.data_ptr<T>();
-  const T* v_data = v_pool.data_ptr<T>();
-  const int32_t* tables = block_tables.data_ptr<int32_t>();
-  const int32_t* row_of = token_row.data_ptr<int32_t>();
-  const int32_t* pos_of = token_pos.data_ptr<int32_t>();
-  T* o_data = out.data_ptr<T>();
-  const int64_t tile = block_size * head_dim;            // one (head, block) tile, contiguous
-  const float fscale = static_cast<float>(scale);
-
-  // Chunks of consecutive tokens of one row; pad tokens (pos < 0) get zeros and join no chunk.
-  std::vector<int64_t> chunk_start, chunk_count;
-  for (int64_t t = 0; t < tokens; ++t) {
-    const int64_t pos = pos_of[t], row = row_of[t];
-    if (pos < 0) {
-      std::fill(o_data + t * num_q_heads * head_dim, o_data + (t + 1) * num_q_heads * head_dim, static_cast<T>(0.f));
-      continue;
-    }
-    TORCH_CHECK(row >= 0 && row < rows, "token ", t, " names row ", row, " of ", rows, " block-table rows");
-    TORCH_CHECK(pos / block_size < width, "token ", t, " at position ", pos, " needs block ", pos / block_size,
-                " but its block-table row has ", width, " entries");
-    const int64_t last = chunk_start.empty() ? -1 : chunk_start.back() + chunk_count.back() - 1;
-    if (last == t - 1 && last >= 0 && row_of[last] == row && chunk_count.back() < kChunk) {
-      ++chunk_count.back();
-    } else {
-      chunk_start.push_back(t);
-      chunk_count.push_back(1);
-    }
-  }
-  const int64_t num_chunks = static_cast<int64_t>(chunk_start.size());
-
-  // Work item = (KV head, chunk), head-major so that one thread's consecutive items share K/V tiles.
-  at::parallel_for(0, num_kv_heads * num_chunks, 1, [&](int64_t begin, int64_t end) {
-    Scratch s(kChunk * group, head_dim, block_size);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t h = item / num_chunks, c = item % num_chunks;
-      const int64_t t0 = chunk_start[c], count = chunk_count[c], row = row_of[t0];
-      const int64_t queries = count * group;
-      int64_t lo_key = std::numeric_limits<int64_t>::max(), hi_key = 0;     // keys any token of the chunk sees
-      for (int64_t i = 0; i < count; ++i) {
-        const int64_t pos = pos_of[t0 + i];
-        lo_key = std::min(lo_key, window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0);
-        hi_key = std::max(hi_key, pos + 1);
-        to_float(q_data + ((t0 + i) * num_q_heads + h * group) * head_dim, s.q.data() + i * group * head_dim,
-                 group * head_dim);
-      }
-      for (int64_t i = 0; i < queries * head_dim; ++i) s.q[i] *= fscale;
-      // Padding rows: zero queries give zero scores, and with corr 1 their accumulators stay zero.
-      const int64_t padded = Scratch::pad(queries);
-      std::fill(s.q.begin() + queries * head_dim, s.q.begin() + padded * head_dim, 0.f);
-      std::fill(s.corr.begin() + queries, s.corr.begin() + padded, 1.f);
-      std::fill(s.acc.begin(), s.acc.begin() + padded * head_dim, 0.f);
-      std::fill(s.m.begin(), s.m.begin() + queries, -std::numeric_limits<float>::infinity());
-      std::fill(s.l.begin(), s.l.begin() + queries, 0.f);
-      const int32_t* table = tables + row * width;
-      for (int64_t b = lo_key / block_size; b * block_size < hi_key; ++b) {
-        const int64_t block = table[b];
-        TORCH_CHECK(block >= 0 && block < num_blocks, "block-table entry ", block, " (row ", row, ", index ", b,
-                    ") outside the pool's ", num_blocks, " blocks");
-        const int64_t base = b * block_size;
-        const int64_t keys = std::min(block_size, hi_key - base);         // keys of this block anyone sees
-        const int64_t offset = (h * num_blocks + block) * tile;
-        const float* k = float_tile(k_data + offset, s.kbuf.data(), keys * head_dim);
-        const float* v = float_tile(v_data + offset, s.vbuf.data(), keys * head_dim);
-        if (count == 1) {        // decode: a few queries, dot products per key
-          single_token(s, pos_of[t0], window, base, keys, group, head_dim, k, v);
-          continue;
-        }
-        // Prefill chunk: keys transposed once for all count * group queries, then register tiles.
-        for (int64_t j = 0; j < keys; ++j)
-          for (int64_t d = 0; d < head_dim; ++d) s.kt[d * s.key_stride + j] = k[j * head_dim + d];
-        score_tile(s.q.data(), s.kt.data(), padded, head_dim, s.key_stride, s.scores.data());
-        for (int64_t i = 0; i < count; ++i) {
-          const int64_t pos = pos_of[t0 + i];
-          const int64_t first = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
-          const int64_t jlo = std::max<int64_t>(first - base, 0), jhi = std::min(pos + 1 - base, keys);
-          for (int64_t g = 0; g < group; ++g) {
-            const int64_t qi = i * group + g;
-            float* sc = s.scores.data() + qi * s.key_stride;
-            if (jlo >= jhi) {                                  // this token sees none of the block
-              std::fill(sc, sc + keys, 0.f);
-              s.corr[qi] = 1.f;
-              continue;
-            }
-            s.corr[qi] = softmax_update(sc, jlo, jhi, s.m[qi], s.l[qi]);
-            std::fill(sc, sc + jlo, 0.f);
-            std::fill(sc + jhi, sc + keys, 0.f);
-          }
-        }
-        value_tile(s.acc.data(), s.corr.data(), s.scores.data(), v, padded, keys, head_dim,
-                   s.key_stride);
-      }
-      for (int64_t i = 0; i < count; ++i) {
-        for (int64_t g = 0; g < group; ++g) {
-          const int64_t qi = i * group + g;
-          float* acc = s.acc.data() + qi * head_dim;
-          const float inv = s.l[qi] > 0.f ? 1.f / s.l[qi] : 0.f;
-          for (int64_t d = 0; d < head_dim; ++d) acc[d] *= inv;
-          from_float(acc, o_data + ((t0 + i) * num_q_heads + h * group + g) * head_dim, head_dim);
-        }
-      }
-    }
-  });
+void run(const at::Tensor& query, const at::Tensor& k_pool, const at::Tensor& v_pool, const Geometry& g,
+         at::Tensor& out) {
+  const int64_t tile = g.block_size * g.head_dim;
+  const PlainTiles<T> tiles{k_pool.data_ptr<T>(), v_pool.data_ptr<T>(), g.num_blocks, tile, g.head_dim};
+  attend<T>(g, tiles, query.data_ptr<T>(), out.data_ptr<T>());
 }
 
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_pool, const at::Tensor& v_pool,
@@ -349,22 +60,14 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_pool, co
               ", ", v_pool.scalar_type());
   TORCH_CHECK(query.is_contiguous() && k_pool.is_contiguous() && v_pool.is_contiguous(),
               "query and pools must be contiguous");
-  TORCH_CHECK(query.size(2) == k_pool.size(3), "query head_dim ", query.size(2), " != pools' ", k_pool.size(3));
-  const int64_t num_kv_heads = k_pool.size(0);
-  TORCH_CHECK(num_kv_heads > 0 && query.size(1) % num_kv_heads == 0 && query.size(1) / num_kv_heads <= kMaxGroup,
-              "query heads (", query.size(1), ") must be a multiple of KV heads (", num_kv_heads,
-              ") with at most ", kMaxGroup, " per KV head");
-  for (const at::Tensor* t : {&block_tables, &token_row, &token_pos}) {
-    TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous() && t->device().is_cpu(),
-                "block_tables, token_row and token_pos must be contiguous int32 CPU tensors");
-  }
-  TORCH_CHECK(block_tables.dim() == 2 && token_row.numel() == query.size(0) && token_pos.numel() == query.size(0),
-              "block_tables must be [rows, W] and token_row/token_pos have one entry per query token");
+  check_step(query, k_pool.size(0), k_pool.size(3), block_tables, token_row, token_pos);
+  const Geometry g = geometry(query, k_pool.size(0), k_pool.size(1), k_pool.size(2), block_tables, token_row,
+                              token_pos, scale, window);
   at::Tensor out = at::empty(query.sizes(), query.options());
   switch (query.scalar_type()) {
-    case at::kFloat: attend<float>(query, k_pool, v_pool, block_tables, token_row, token_pos, scale, window, out); break;
-    case at::kBFloat16: attend<c10::BFloat16>(query, k_pool, v_pool, block_tables, token_row, token_pos, scale, window, out); break;
-    case at::kHalf: attend<c10::Half>(query, k_pool, v_pool, block_tables, token_row, token_pos, scale, window, out); break;
+    case at::kFloat: run<float>(query, k_pool, v_pool, g, out); break;
+    case at::kBFloat16: run<c10::BFloat16>(query, k_pool, v_pool, g, out); break;
+    case at::kHalf: run<c10::Half>(query, k_pool, v_pool, g, out); break;
     default: TORCH_CHECK(false, "hf_paged_cpu.paged_attention: float32, bfloat16 or float16, got ", query.scalar_type());
   }
   return out;
@@ -372,6 +75,8 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_pool, co
 
 }  // namespace
 
+// The quantised op's schema and implementation: paged_attention_cpu_quant.cpp (a second source of the
+// same extension, TORCH_LIBRARY_FRAGMENT).
 TORCH_LIBRARY(hf_paged_cpu, m) {
   m.def("paged_attention(Tensor query, Tensor k_pool, Tensor v_pool, Tensor block_tables, Tensor token_row, "
         "Tensor token_pos, float scale, int window) -> Tensor");

@@ -6,7 +6,11 @@ CPU (``-O3 -march=native``; the build is cached under ``$TORCH_EXTENSIONS_DIR``,
 registered as ``torch.ops.hf_paged_cpu.paged_attention`` (with a fake implementation, so that ``torch.compile``
 traces through it without a graph break). It replaces the PyTorch path's per-layer gather
 of every row's whole context: one ragged call per layer serves decode, prefill and packed steps.
-Writes, copy-on-write and quantised pools stay on :mod:`torch_backend` (same pool layout).
+Quantised pools (``kv_cache_dtype``: int8, fp8_e4m3, fp8_e5m2, int4 and KIVI's sealed blocks and open slots)
+go to ``torch.ops.hf_paged_cpu.paged_attention_quant`` (``paged_attention_cpu_quant.cpp``), which reads codes
+and scales in place and dequantises each stored row once per work item (``kv_codec_cpu.h``, AVX-512 / AVX2 /
+scalar as the build's ``-march=native`` allows). Writes and copy-on-write stay on :mod:`torch_backend`
+(same pool layout).
 
 ``HF_PAGED_CPU_KERNEL=0`` keeps the PyTorch path; when the build fails (no compiler), ``select_backend``
 logs why and falls back to it.
@@ -22,6 +26,7 @@ from importlib import resources
 
 import torch
 
+from ..kivi import KiviPool
 from ..kv_formats import QuantizedPool
 from ..plan import StepPlan
 from . import torch_backend
@@ -30,6 +35,11 @@ from .step import Step
 log = logging.getLogger("hf_paged.backends")
 KERNEL_ENV = "HF_PAGED_CPU_KERNEL"
 SOURCE = "paged_attention_cpu.cpp"
+SOURCES = (SOURCE, "paged_attention_cpu_quant.cpp")           # compiled into one extension
+HEADERS = ("paged_attention_cpu.h", "kv_codec_cpu.h")          # part of the build's cache key
+# kv_formats / kivi format -> the op's k_format / v_format (kv_codec_cpu.h's enum Format).
+FORMAT_IDS = {"int8": 0, "fp8_e4m3": 1, "fp8_e5m2": 2, "int4": 3}
+KIVI_KEY_ID, KIVI_VALUE_ID = 4, 3     # KIVI values: asymmetric 4-bit groups along head_dim, int4's row layout
 # -fopenmp: at::parallel_for is inline OpenMP in torch's headers (serial without it); the extension then
 # needs libgomp.so.1, which resolves to the copy torch has already loaded (one OpenMP runtime, torch's threads).
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-std=c++17"]
@@ -53,7 +63,9 @@ def _cpu_features() -> str:
 
 
 def _registered():
+    """The op when this process has loaded a build with both ops, else None."""
     try:
+        torch.ops.hf_paged_cpu.paged_attention_quant  # noqa: B018  (raises when absent)
         return torch.ops.hf_paged_cpu.paged_attention
     except (AttributeError, RuntimeError):
         return None
@@ -66,25 +78,28 @@ def load_kernel():
     if op is not None:
         return op
     from torch.utils import cpp_extension  # noqa: PLC0415  (pulls in setuptools; only when building)
-    source = resources.files("hf_paged.cuda") / SOURCE
-    key = "\0".join([source.read_text(), " ".join(CFLAGS + LDFLAGS), torch.__version__, sys.version, _cpu_features()])
+    folder = resources.files("hf_paged.cuda")
+    texts = [(folder / name).read_text() for name in SOURCES + HEADERS]
+    key = "\0".join([*texts, " ".join(CFLAGS + LDFLAGS), torch.__version__, sys.version, _cpu_features()])
     name = "hf_paged_cpu_" + hashlib.sha1(key.encode()).hexdigest()[:12]
     log.info("building or loading the CPU paged-attention kernel %s (built once per machine, ~20 s; cached by torch)",
              name)
     try:
-        with resources.as_file(source) as path:
-            cpp_extension.load(name=name, sources=[str(path)], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
-                               is_python_module=False, verbose=False)
+        with resources.as_file(folder) as path:        # the sources include their headers from this folder
+            cpp_extension.load(name=name, sources=[str(path / n) for n in SOURCES], extra_cflags=CFLAGS,
+                               extra_ldflags=LDFLAGS, is_python_module=False, verbose=False)
     except Exception as err:    # compiler missing or failing: the caller decides whether to fall back
-        raise RuntimeError(f"could not build the CPU paged-attention kernel ({SOURCE}): {err}") from err
+        raise RuntimeError(f"could not build the CPU paged-attention kernel ({', '.join(SOURCES)}): {err}") from err
     op = _registered()
     if op is None:
-        raise RuntimeError(f"{name} loaded but registered no torch.ops.hf_paged_cpu.paged_attention")
-    # Shape propagation for torch.compile: the op is one opaque node in a traced graph (no graph break).
-    try:
-        torch.library.register_fake("hf_paged_cpu::paged_attention")(_fake_paged_attention)
-    except RuntimeError:        # another thread loading at the same time registered it first
-        pass
+        raise RuntimeError(f"{name} loaded but registered no torch.ops.hf_paged_cpu.paged_attention(_quant)")
+    # Shape propagation for torch.compile: each op is one opaque node in a traced graph (no graph break).
+    for qualname, fake in (("hf_paged_cpu::paged_attention", _fake_paged_attention),
+                           ("hf_paged_cpu::paged_attention_quant", _fake_paged_attention_quant)):
+        try:
+            torch.library.register_fake(qualname)(fake)
+        except RuntimeError:        # another thread loading at the same time registered it first
+            pass
     log.info("%s loaded", name)
     return op
 
@@ -93,22 +108,65 @@ def _fake_paged_attention(query, k_pool, v_pool, block_tables, token_row, token_
     return torch.empty_like(query, memory_format=torch.contiguous_format)
 
 
+def _fake_paged_attention_quant(query, *args, **kwargs):
+    return torch.empty_like(query, memory_format=torch.contiguous_format)
+
+
+def _side(pool: QuantizedPool, dtype: torch.dtype):
+    """(codes, scales, format id, open slots, open slot of each block) of one pool for the quantised op;
+    None when the op cannot read it (a format it does not know, open slots in another dtype)."""
+    if isinstance(pool, KiviPool):
+        if pool.open.slots.dtype != dtype:
+            return None
+        fmt = KIVI_KEY_ID if pool.is_key else KIVI_VALUE_ID
+        return pool.data, pool.scales, fmt, pool.open.slots, pool.open.block_slot
+    fmt = FORMAT_IDS.get(pool.fmt.name)
+    return None if fmt is None else (pool.data, pool.scales, fmt, None, None)
+
+
+def quantised_args(k_pool, v_pool, dtype: torch.dtype):
+    """The quantised op's pool arguments (k_codes, k_scales, v_codes, v_scales, k_format, v_format, k_open,
+    k_open_slot, v_open, v_open_slot), or None to leave these pools to the PyTorch path."""
+    k, v = _side(k_pool, dtype), _side(v_pool, dtype)
+    if k is None or v is None or dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return None
+    return k[0], k[1], v[0], v[1], k[2], v[2], k[3], k[4], v[3], v[4]
+
+
+def kernel_call(backend, query, k_pool, v_pool):
+    """``call(query, block_tables, token_row, token_pos, scale, window)`` running the kernel that reads these
+    pools (model-dtype or quantised), or None for the PyTorch path (mixed dtypes, a format it does not read)."""
+    if isinstance(k_pool, QuantizedPool):
+        args = quantised_args(k_pool, v_pool, query.dtype)
+        if args is None:
+            return None
+        codes, rest = args[:4], args[4:]
+        return lambda q, tables, rows, pos, scale, window: backend.quant_op(q, *codes, tables, rows, pos, scale,
+                                                                            window, *rest)
+    if query.dtype != k_pool.dtype:
+        return None
+    return lambda q, tables, rows, pos, scale, window: backend.op(q, k_pool, v_pool, tables, rows, pos, scale,
+                                                                  window)
+
+
 class CpuStep(Step):
     """One forward on the CPU kernel: one call per layer for every query token of the step, read
-    straight from the plan's ragged token list (rows and stored indices)."""
+    straight from the plan's ragged token list (rows and stored indices). Quantised pools arrive with the
+    query already rotated (``Step.attend``), as the PyTorch path gets them."""
 
     def _attend(self, query, k_pool, v_pool, scale, window):
-        if isinstance(k_pool, QuantizedPool) or query.dtype != k_pool.dtype:
+        call = kernel_call(self.backend, query, k_pool, v_pool)
+        if call is None:
             return super()._attend(query, k_pool, v_pool, scale, window)
         plan = self.plan
-        return self.backend.op(query.contiguous(), k_pool, v_pool, plan.block_tables, plan.token_row,
-                               plan.token_pos, float(scale), int(window))
+        return call(query.contiguous(), plan.block_tables, plan.token_row, plan.token_pos, float(scale), int(window))
 
 
 class CpuKernelBackend:
     """The backend protocol (``hf_paged.backends.step``) with attention through the compiled kernel;
     writes and copies are ``torch_backend``'s. ``decode_attention`` / ``extend_attention``: the kernel
-    over torch_backend's padded signatures. ``op``: the loaded ``torch.ops.hf_paged_cpu.paged_attention``
+    over torch_backend's padded signatures (quantised pools: in the rotated space, as quantized_torch's).
+    ``op`` / ``quant_op``: the loaded ``torch.ops.hf_paged_cpu.paged_attention`` and ``paged_attention_quant``
     (see :func:`load_kernel`)."""
 
     write_kv = staticmethod(torch_backend.write_kv)
@@ -116,6 +174,7 @@ class CpuKernelBackend:
 
     def __init__(self, op):
         self.op = op
+        self.quant_op = torch.ops.hf_paged_cpu.paged_attention_quant
 
     def prepare(self, plan: StepPlan, peers: dict | None = None) -> CpuStep:
         return CpuStep(self, plan, peers)
@@ -123,25 +182,27 @@ class CpuKernelBackend:
     def decode_attention(self, query, k_pool, v_pool, block_tables, context_lens, scale, sliding_window=0,
                          max_context=None, workspace=None):
         """As torch_backend.decode_attention: query [B, Hq, D] -> [B, Hq, D]."""
-        if isinstance(k_pool, QuantizedPool) or query.dtype != k_pool.dtype:
+        call = kernel_call(self, query, k_pool, v_pool)
+        if call is None:
             return torch_backend.decode_attention(query, k_pool, v_pool, block_tables, context_lens, scale,
                                                   sliding_window, max_context, workspace)
         rows = torch.arange(query.shape[0], dtype=torch.int32)
         pos = (context_lens.to(torch.int32) - 1).contiguous()           # 0 stored tokens -> -1: zeros
-        return self.op(query.contiguous(), k_pool, v_pool, block_tables.to(torch.int32).contiguous(), rows, pos,
-                       float(scale), int(sliding_window))
+        return call(query.contiguous(), block_tables.to(torch.int32).contiguous(), rows, pos, float(scale),
+                    int(sliding_window))
 
     def extend_attention(self, query, k_pool, v_pool, block_tables, context_lens, query_pos, scale,
                          sliding_window=0, max_context=None):
         """As torch_backend.extend_attention: query [B, Hq, Q, D] -> [B, Hq, Q, D]."""
-        if isinstance(k_pool, QuantizedPool) or query.dtype != k_pool.dtype:
+        call = kernel_call(self, query, k_pool, v_pool)
+        if call is None:
             return torch_backend.extend_attention(query, k_pool, v_pool, block_tables, context_lens, query_pos,
                                                   scale, sliding_window, max_context)
         batch, num_heads, q_len, head_dim = query.shape
         rows = torch.arange(batch, dtype=torch.int32).repeat_interleave(q_len)
         flat = query.transpose(1, 2).reshape(batch * q_len, num_heads, head_dim).contiguous()
-        out = self.op(flat, k_pool, v_pool, block_tables.to(torch.int32).contiguous(), rows,
-                      query_pos.reshape(-1).to(torch.int32).contiguous(), float(scale), int(sliding_window))
+        out = call(flat, block_tables.to(torch.int32).contiguous(), rows,
+                   query_pos.reshape(-1).to(torch.int32).contiguous(), float(scale), int(sliding_window))
         return out.view(batch, q_len, num_heads, head_dim).transpose(1, 2)
 
 

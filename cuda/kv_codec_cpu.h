@@ -1,0 +1,252 @@
+// Dequantisation of quantised KV rows on the CPU (hf_paged/kv_formats.py and hf_paged/kivi.py lay them out),
+// one small function per format, so that a change of a format's scale math changes one function here.
+//
+// Every function turns one stored row (D elements of one token and KV head) into D floats. Scales are bf16
+// and read through the layout the pool has (`num_scales` per row, from the scales tensor's shape), never
+// from constants: 8-bit formats use scale g for elements [g * D / S, (g + 1) * D / S); int4 (asymmetric)
+// keeps S / 2 group scales then S / 2 group minima; KIVI keys use one scale and minimum per channel.
+// A value is `code * scale` (8-bit) or `code * scale + minimum` (4-bit) in fp32; the SIMD paths may fuse
+// the multiply-add (one rounding instead of two: within 1 ulp of kv_formats.dequantize).
+//
+// SIMD: AVX-512 (16 lanes) where the build targets it, else AVX2 (8 lanes), else scalar, chosen at build
+// time by -march=native (cpu_backend.py). The scalar functions are always built: they serve tails and
+// groups the vectors do not divide, and the test hook (dequantize_rows) compares both paths.
+// fp8 codes never hold NaN/inf: kv_formats.quantize clamps to the finite range first.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace hfp_codec {
+
+// Format ids of the op's k_format / v_format arguments (cpu_backend.py's FORMAT_IDS holds the same).
+enum Format : int64_t { kInt8 = 0, kFp8E4M3 = 1, kFp8E5M2 = 2, kInt4 = 3, kKiviKey = 4, kNumFormats = 5 };
+
+inline float bf16(uint16_t bits) {
+  const uint32_t u = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+inline float from_bits(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// fp8 -> fp32 in integer arithmetic: normal codes move their exponent/mantissa bits into fp32's fields and
+// rebias the exponent (no denormal fp32 is ever formed, so DAZ/FTZ modes cannot change the result);
+// subnormal codes (exponent 0) are mantissa * 2^(1 - bias - mantissa_bits).
+template <int kMantissa, int kBias>
+inline float fp8_value(uint8_t c) {
+  const uint32_t em = c & 0x7Fu, sign = static_cast<uint32_t>(c & 0x80u) << 24;
+  float magnitude;
+  if (em < (1u << kMantissa)) {
+    magnitude = static_cast<float>(em) * from_bits(static_cast<uint32_t>(127 + 1 - kBias - kMantissa) << 23);
+  } else {
+    magnitude = from_bits((em << (23 - kMantissa)) + (static_cast<uint32_t>(127 - kBias) << 23));
+  }
+  uint32_t bits;
+  std::memcpy(&bits, &magnitude, sizeof bits);
+  return from_bits(sign | bits);
+}
+
+inline float int8_value(uint8_t c) { return static_cast<float>(static_cast<int8_t>(c)); }
+
+// ---------------------------------------------------------------------------------------------- scalar
+template <float (*Value)(uint8_t)>
+inline void row8_scalar(const uint8_t* codes, const uint16_t* scales, int64_t num_scales, int64_t d, float* out) {
+  const int64_t group = d / num_scales;
+  for (int64_t g = 0; g < num_scales; ++g) {
+    const float s = bf16(scales[g]);
+    for (int64_t i = g * group; i < (g + 1) * group; ++i) out[i] = Value(codes[i]) * s;
+  }
+}
+
+inline void int4_scalar(const uint8_t* codes, const uint16_t* scales, int64_t num_scales, int64_t d, float* out) {
+  const int64_t groups = num_scales / 2, group = d / groups;
+  for (int64_t i = 0; i < d; ++i) {
+    const int64_t g = i / group;
+    const float code = static_cast<float>((codes[i / 2] >> (4 * (i & 1))) & 15);
+    out[i] = code * bf16(scales[g]) + bf16(scales[groups + g]);
+  }
+}
+
+// KIVI keys: `scales` is the block's [2, D] (channel scales, then channel minima).
+inline void kivi_key_scalar(const uint8_t* codes, const uint16_t* scales, int64_t, int64_t d, float* out) {
+  for (int64_t i = 0; i < d; ++i) {
+    const float code = static_cast<float>((codes[i / 2] >> (4 * (i & 1))) & 15);
+    out[i] = code * bf16(scales[i]) + bf16(scales[d + i]);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------- vectors
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+constexpr int64_t kLanes = 16;
+using Vec = __m512;
+using IVec = __m512i;
+inline IVec load_u8(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline IVec load_i8(const uint8_t* p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline IVec widen_u8(__m128i b) { return _mm512_cvtepu8_epi32(b); }
+inline Vec load_bf16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+inline IVec iset(int32_t x) { return _mm512_set1_epi32(x); }
+inline IVec iand(IVec a, IVec b) { return _mm512_and_si512(a, b); }
+inline IVec ior(IVec a, IVec b) { return _mm512_or_si512(a, b); }
+inline IVec iadd(IVec a, IVec b) { return _mm512_add_epi32(a, b); }
+template <int N> inline IVec shl(IVec a) { return _mm512_slli_epi32(a, N); }
+inline Vec tofloat(IVec a) { return _mm512_cvtepi32_ps(a); }
+inline Vec asfloat(IVec a) { return _mm512_castsi512_ps(a); }
+inline IVec asint(Vec a) { return _mm512_castps_si512(a); }
+inline Vec vset(float x) { return _mm512_set1_ps(x); }
+inline Vec vmul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, Vec a) { _mm512_storeu_ps(p, a); }
+inline Vec select_lt(IVec a, int32_t limit, Vec yes, Vec no) {   // a < limit ? yes : no
+  return _mm512_mask_blend_ps(_mm512_cmplt_epi32_mask(a, iset(limit)), no, yes);
+}
+// 16 nibbles (8 bytes) in stored order: element 2i the low nibble of byte i.
+inline IVec nibbles16(const uint8_t* p) {
+  const __m128i x = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)), m = _mm_set1_epi8(15);
+  return widen_u8(_mm_unpacklo_epi8(_mm_and_si128(x, m), _mm_and_si128(_mm_srli_epi16(x, 4), m)));
+}
+#define HFP_CODEC_SIMD 1
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int64_t kLanes = 8;
+using Vec = __m256;
+using IVec = __m256i;
+inline IVec load_u8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+inline IVec load_i8(const uint8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+inline IVec widen_u8(__m128i b) { return _mm256_cvtepu8_epi32(b); }
+inline Vec load_bf16(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+inline IVec iset(int32_t x) { return _mm256_set1_epi32(x); }
+inline IVec iand(IVec a, IVec b) { return _mm256_and_si256(a, b); }
+inline IVec ior(IVec a, IVec b) { return _mm256_or_si256(a, b); }
+inline IVec iadd(IVec a, IVec b) { return _mm256_add_epi32(a, b); }
+template <int N> inline IVec shl(IVec a) { return _mm256_slli_epi32(a, N); }
+inline Vec tofloat(IVec a) { return _mm256_cvtepi32_ps(a); }
+inline Vec asfloat(IVec a) { return _mm256_castsi256_ps(a); }
+inline IVec asint(Vec a) { return _mm256_castps_si256(a); }
+inline Vec vset(float x) { return _mm256_set1_ps(x); }
+inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, Vec a) { _mm256_storeu_ps(p, a); }
+inline Vec select_lt(IVec a, int32_t limit, Vec yes, Vec no) {
+  return _mm256_blendv_ps(no, yes, _mm256_castsi256_ps(_mm256_cmpgt_epi32(iset(limit), a)));
+}
+// 16 nibbles as two vectors of 8, elements 0..7 and 8..15.
+inline void nibbles16(const uint8_t* p, IVec& first, IVec& second) {
+  const __m128i x = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)), m = _mm_set1_epi8(15);
+  const __m128i b = _mm_unpacklo_epi8(_mm_and_si128(x, m), _mm_and_si128(_mm_srli_epi16(x, 4), m));
+  first = widen_u8(b);
+  second = widen_u8(_mm_srli_si128(b, 8));
+}
+#define HFP_CODEC_SIMD 1
+#endif
+
+#ifdef HFP_CODEC_SIMD
+template <int kMantissa, int kBias>
+inline Vec fp8_vector(IVec c) {          // as fp8_value, lane-wise
+  const IVec em = iand(c, iset(0x7F)), sign = shl<24>(iand(c, iset(0x80)));
+  const Vec normal = asfloat(iadd(shl<23 - kMantissa>(em), iset((127 - kBias) << 23)));
+  const Vec sub = vmul(tofloat(em), asfloat(iset((127 + 1 - kBias - kMantissa) << 23)));
+  return asfloat(ior(asint(select_lt(em, 1 << kMantissa, sub, normal)), sign));
+}
+
+template <int64_t kFormat>
+inline Vec code_vector(const uint8_t* p) {
+  if constexpr (kFormat == kInt8) return tofloat(load_i8(p));
+  else if constexpr (kFormat == kFp8E4M3) return fp8_vector<3, 7>(load_u8(p));
+  else return fp8_vector<2, 15>(load_u8(p));
+}
+
+template <int64_t kFormat, float (*Value)(uint8_t)>
+inline void row8(const uint8_t* codes, const uint16_t* scales, int64_t num_scales, int64_t d, float* out) {
+  const int64_t group = d / num_scales;
+  if (group % kLanes) return row8_scalar<Value>(codes, scales, num_scales, d, out);
+  for (int64_t g = 0; g < num_scales; ++g) {
+    const Vec s = vset(bf16(scales[g]));
+    for (int64_t i = g * group; i < (g + 1) * group; i += kLanes) vstore(out + i, vmul(code_vector<kFormat>(codes + i), s));
+  }
+}
+
+// 16 elements from 8 bytes of nibbles, times `s` plus `m` (one group's, or per channel for KIVI keys).
+inline void nibble_block(const uint8_t* codes, float* out, Vec s0, Vec m0, Vec s1, Vec m1) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  (void)s1, (void)m1;
+  vstore(out, vfma(tofloat(nibbles16(codes)), s0, m0));
+#else
+  IVec first, second;
+  nibbles16(codes, first, second);
+  vstore(out, vfma(tofloat(first), s0, m0));
+  vstore(out + 8, vfma(tofloat(second), s1, m1));
+#endif
+}
+
+inline void int4_row(const uint8_t* codes, const uint16_t* scales, int64_t num_scales, int64_t d, float* out) {
+  const int64_t groups = num_scales / 2, group = d / groups;
+  if (group % 16) return int4_scalar(codes, scales, num_scales, d, out);
+  for (int64_t g = 0; g < groups; ++g) {
+    const Vec s = vset(bf16(scales[g])), m = vset(bf16(scales[groups + g]));
+    for (int64_t i = g * group; i < (g + 1) * group; i += 16) nibble_block(codes + i / 2, out + i, s, m, s, m);
+  }
+}
+
+inline void kivi_key_row(const uint8_t* codes, const uint16_t* scales, int64_t num_scales, int64_t d, float* out) {
+  if (d % 16) return kivi_key_scalar(codes, scales, num_scales, d, out);
+  for (int64_t i = 0; i < d; i += 16) {
+    const Vec s0 = load_bf16(scales + i), m0 = load_bf16(scales + d + i);
+    const int64_t half = kLanes == 16 ? 0 : 8;      // AVX2: the second vector's 8 channels
+    const Vec s1 = load_bf16(scales + i + half), m1 = load_bf16(scales + d + i + half);
+    nibble_block(codes + i / 2, out + i, s0, m0, s1, m1);
+  }
+}
+#endif
+
+using RowFn = void (*)(const uint8_t*, const uint16_t*, int64_t, int64_t, float*);
+
+// The row function of `format`; `simd` false gives the scalar one (the test hook compares both).
+inline RowFn row_function(int64_t format, bool simd) {
+#ifdef HFP_CODEC_SIMD
+  if (simd) {
+    switch (format) {
+      case kInt8: return row8<kInt8, int8_value>;
+      case kFp8E4M3: return row8<kFp8E4M3, fp8_value<3, 7>>;
+      case kFp8E5M2: return row8<kFp8E5M2, fp8_value<2, 15>>;
+      case kInt4: return int4_row;
+      case kKiviKey: return kivi_key_row;
+    }
+  }
+#endif
+  (void)simd;
+  switch (format) {
+    case kInt8: return row8_scalar<int8_value>;
+    case kFp8E4M3: return row8_scalar<fp8_value<3, 7>>;
+    case kFp8E5M2: return row8_scalar<fp8_value<2, 15>>;
+    case kInt4: return int4_scalar;
+    case kKiviKey: return kivi_key_scalar;
+  }
+  return nullptr;
+}
+
+inline const char* simd_name() {
+#if defined(HFP_CODEC_SIMD) && defined(__AVX512F__)
+  return "avx512";
+#elif defined(HFP_CODEC_SIMD)
+  return "avx2";
+#else
+  return "scalar";
+#endif
+}
+
+}  // namespace hfp_codec

@@ -1,0 +1,211 @@
+// Paged attention on the CPU over quantised pools, read in place: torch.ops.hf_paged_cpu.paged_attention_quant.
+//
+// The same loop, step layout and semantics as paged_attention (paged_attention_cpu.cpp, the loop in
+// paged_attention_cpu.h); K/V tiles come from codes and bf16 scales (hf_paged/kv_formats.py's layout):
+//   codes   uint8 [Hkv, blocks, BS, D * bits / 8]
+//   scales  bf16  [Hkv, blocks, BS, S]   row formats (int8, fp8_e4m3, fp8_e5m2, int4, KIVI values)
+//           bf16  [Hkv, blocks, 2, D]    KIVI keys: per-channel scales, then minima, of the block
+// Each stored row a work item reads is dequantised once (kv_codec_cpu.h, one function per format) into
+// the thread's [BS, D] float tile, which then serves all the item's queries (the GQA group, up to 8 tokens
+// of a prefill row): codes are never expanded anywhere but that L1-sized tile. The query arrives already
+// rotated (q R) and the output leaves rotated (sum p v R): hf_paged.backends.step rotates once per layer
+// call, not per key. KIVI: a block whose open slot (k_open_slot / v_open_slot [blocks], int64, -1 = sealed)
+// is set is read from k_open / v_open [Hkv, capacity, BS, D] (the query's dtype) instead of its codes.
+// dequantize_rows is the test hook that runs one format's row function (SIMD or scalar) alone.
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <optional>
+
+#include "kv_codec_cpu.h"
+#include "paged_attention_cpu.h"
+
+namespace {
+
+using namespace hfp_cpu;
+using hfp_codec::RowFn;
+
+// One pool (keys or values) as the loop reads it.
+template <typename T>
+struct QuantSide {
+  const uint8_t* codes;
+  const uint16_t* scales;                 // bf16 bits
+  int64_t code_row, code_tile;            // bytes per stored row / per (head, block)
+  int64_t scale_row, scale_tile;          // bf16 per stored row (0: one set per block) / per (head, block)
+  int64_t num_scales;                     // S, as the row function reads it
+  RowFn row;
+  const T* open = nullptr;                // KIVI open slots, or none
+  const int64_t* open_slot = nullptr;
+  int64_t open_capacity = 0;
+};
+
+template <typename T>
+struct QuantTiles {
+  QuantSide<T> k, v;
+  int64_t num_blocks, block_size, head_dim;
+
+  const float* tile(const QuantSide<T>& side, int64_t h, int64_t block, int64_t rows, float* buffer) const {
+    if (side.open_slot != nullptr) {
+      const int64_t slot = side.open_slot[block];
+      TORCH_CHECK(slot < side.open_capacity, "block ", block, " names open slot ", slot, " of ",
+                  side.open_capacity);
+      if (slot >= 0) return float_tile(side.open + (h * side.open_capacity + slot) * block_size * head_dim,
+                                       buffer, rows * head_dim);
+    }
+    const int64_t at = h * num_blocks + block;
+    const uint8_t* codes = side.codes + at * side.code_tile;
+    const uint16_t* scales = side.scales + at * side.scale_tile;
+    for (int64_t r = 0; r < rows; ++r)
+      side.row(codes + r * side.code_row, scales + r * side.scale_row, side.num_scales, head_dim, buffer + r * head_dim);
+    return buffer;
+  }
+  const float* keys(int64_t h, int64_t block, int64_t rows, float* buffer) const { return tile(k, h, block, rows, buffer); }
+  const float* values(int64_t h, int64_t block, int64_t rows, float* buffer) const { return tile(v, h, block, rows, buffer); }
+};
+
+// Checks one side's tensors against the format and geometry; names what was wrong.
+void check_side(const char* which, const at::Tensor& codes, const at::Tensor& scales, int64_t format,
+                int64_t head_dim) {
+  TORCH_CHECK(format >= 0 && format < hfp_codec::kNumFormats, which, "_format ", format, " unknown (0..",
+              hfp_codec::kNumFormats - 1, ", cpu_backend.FORMAT_IDS)");
+  TORCH_CHECK(codes.device().is_cpu() && scales.device().is_cpu() && codes.is_contiguous() && scales.is_contiguous(),
+              which, " codes and scales must be contiguous CPU tensors");
+  TORCH_CHECK(codes.scalar_type() == at::kByte && scales.scalar_type() == at::kBFloat16 && codes.dim() == 4 &&
+              scales.dim() == 4, which, " codes must be uint8 [Hkv, blocks, BS, bytes] and scales bf16 4-d, got ",
+              codes.scalar_type(), " ", codes.sizes(), " and ", scales.scalar_type(), " ", scales.sizes());
+  const bool four_bit = format == hfp_codec::kInt4 || format == hfp_codec::kKiviKey;
+  TORCH_CHECK(codes.size(3) * (four_bit ? 2 : 1) == head_dim, which, " codes hold ", codes.size(3),
+              " bytes per row, not head_dim ", head_dim, (four_bit ? " / 2" : ""));
+  TORCH_CHECK(scales.size(0) == codes.size(0) && scales.size(1) == codes.size(1), which,
+              " scales ", scales.sizes(), " do not follow codes ", codes.sizes(), " in heads and blocks");
+  const int64_t s = scales.size(3);
+  if (format == hfp_codec::kKiviKey) {
+    TORCH_CHECK(scales.size(2) == 2 && s == head_dim, which, " KIVI key scales must be [Hkv, blocks, 2, D], got ",
+                scales.sizes());
+    return;
+  }
+  TORCH_CHECK(scales.size(2) == codes.size(2), which, " scales ", scales.sizes(), " need one row per stored row");
+  if (format == hfp_codec::kInt4) {
+    TORCH_CHECK(s % 2 == 0 && head_dim % (s / 2) == 0 && (head_dim / (s / 2)) % 2 == 0, which, " int4 scales: ",
+                s, " per row must be scales then minima of even groups dividing head_dim ", head_dim);
+  } else {
+    TORCH_CHECK(s > 0 && head_dim % s == 0, which, " 8-bit scales: ", s, " per row must divide head_dim ", head_dim);
+  }
+}
+
+template <typename T>
+QuantSide<T> make_side(const char* which, const at::Tensor& codes, const at::Tensor& scales, int64_t format,
+                       const at::Tensor& query, const std::optional<at::Tensor>& open,
+                       const std::optional<at::Tensor>& open_slot) {
+  check_side(which, codes, scales, format, query.size(2));
+  QuantSide<T> side;
+  side.codes = codes.data_ptr<uint8_t>();
+  side.scales = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>());
+  side.code_row = codes.size(3), side.code_tile = codes.size(2) * codes.size(3);
+  side.scale_row = format == hfp_codec::kKiviKey ? 0 : scales.size(3);
+  side.scale_tile = scales.size(2) * scales.size(3), side.num_scales = scales.size(3);
+  side.row = hfp_codec::row_function(format, true);
+  TORCH_CHECK(open.has_value() == open_slot.has_value(), which, "_open and ", which, "_open_slot go together");
+  if (open.has_value()) {
+    const at::Tensor &slots = *open, &slot_of = *open_slot;
+    TORCH_CHECK(slots.scalar_type() == query.scalar_type() && slots.is_contiguous() && slots.dim() == 4 &&
+                slots.size(0) == codes.size(0) && slots.size(2) == codes.size(2) && slots.size(3) == query.size(2),
+                which, "_open must be contiguous [Hkv, capacity, BS, D] in the query's dtype, got ",
+                slots.scalar_type(), " ", slots.sizes());
+    TORCH_CHECK(slot_of.scalar_type() == at::kLong && slot_of.is_contiguous() && slot_of.numel() == codes.size(1),
+                which, "_open_slot must be contiguous int64 [blocks] (", codes.size(1), "), got ", slot_of.sizes());
+    side.open = slots.data_ptr<T>(), side.open_slot = slot_of.data_ptr<int64_t>(), side.open_capacity = slots.size(1);
+  }
+  return side;
+}
+
+template <typename T>
+void run(const at::Tensor& query, const Geometry& g, const QuantSide<T>& k, const QuantSide<T>& v, at::Tensor& out) {
+  const QuantTiles<T> tiles{k, v, g.num_blocks, g.block_size, g.head_dim};
+  attend<T>(g, tiles, query.data_ptr<T>(), out.data_ptr<T>());
+}
+
+template <typename T>
+void dispatch(const at::Tensor& query, const Geometry& g, const at::Tensor& k_codes, const at::Tensor& k_scales,
+              const at::Tensor& v_codes, const at::Tensor& v_scales, int64_t k_format, int64_t v_format,
+              const std::optional<at::Tensor>& k_open, const std::optional<at::Tensor>& k_open_slot,
+              const std::optional<at::Tensor>& v_open, const std::optional<at::Tensor>& v_open_slot,
+              at::Tensor& out) {
+  const QuantSide<T> k = make_side<T>("k", k_codes, k_scales, k_format, query, k_open, k_open_slot);
+  const QuantSide<T> v = make_side<T>("v", v_codes, v_scales, v_format, query, v_open, v_open_slot);
+  run<T>(query, g, k, v, out);
+}
+
+at::Tensor paged_attention_quant(const at::Tensor& query, const at::Tensor& k_codes, const at::Tensor& k_scales,
+                                 const at::Tensor& v_codes, const at::Tensor& v_scales,
+                                 const at::Tensor& block_tables, const at::Tensor& token_row,
+                                 const at::Tensor& token_pos, double scale, int64_t window, int64_t k_format,
+                                 int64_t v_format, const std::optional<at::Tensor>& k_open,
+                                 const std::optional<at::Tensor>& k_open_slot, const std::optional<at::Tensor>& v_open,
+                                 const std::optional<at::Tensor>& v_open_slot) {
+  TORCH_CHECK(k_codes.dim() == 4 && k_codes.sizes() == v_codes.sizes(),
+              "k_codes and v_codes must be [Hkv, blocks, BS, bytes] alike, got ", k_codes.sizes(), " and ",
+              v_codes.sizes());
+  check_step(query, k_codes.size(0), query.size(2), block_tables, token_row, token_pos);
+  const Geometry g = geometry(query, k_codes.size(0), k_codes.size(1), k_codes.size(2), block_tables, token_row,
+                              token_pos, scale, window);
+  at::Tensor out = at::empty(query.sizes(), query.options());
+  switch (query.scalar_type()) {
+#define HFP_CASE(kind, type)                                                                                    \
+  case kind:                                                                                                    \
+    dispatch<type>(query, g, k_codes, k_scales, v_codes, v_scales, k_format, v_format, k_open, k_open_slot,     \
+                   v_open, v_open_slot, out);                                                                   \
+    break;
+    HFP_CASE(at::kFloat, float)
+    HFP_CASE(at::kBFloat16, c10::BFloat16)
+    HFP_CASE(at::kHalf, c10::Half)
+#undef HFP_CASE
+    default: TORCH_CHECK(false, "hf_paged_cpu.paged_attention_quant: float32, bfloat16 or float16 queries, got ",
+                         query.scalar_type());
+  }
+  return out;
+}
+
+// Test hook: codes [N, bytes] with scales [N, S] (row formats) or [2, D] (KIVI keys) -> fp32 [N, D].
+at::Tensor dequantize_rows(const at::Tensor& codes, const at::Tensor& scales, int64_t format, int64_t head_dim,
+                           bool simd) {
+  check_side("rows", codes.view({1, 1, codes.size(0), codes.size(1)}),
+             format == hfp_codec::kKiviKey ? scales.view({1, 1, 2, scales.size(-1)})
+                                           : scales.view({1, 1, scales.size(0), scales.size(1)}),
+             format, head_dim);
+  at::Tensor out = at::empty({codes.size(0), head_dim}, codes.options().dtype(at::kFloat));
+  const RowFn row = hfp_codec::row_function(format, simd);
+  const uint8_t* c = codes.data_ptr<uint8_t>();
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>());
+  const int64_t scale_row = format == hfp_codec::kKiviKey ? 0 : scales.size(1);
+  for (int64_t r = 0; r < codes.size(0); ++r)
+    row(c + r * codes.size(1), s + r * scale_row, scales.size(-1), head_dim, out.data_ptr<float>() + r * head_dim);
+  return out;
+}
+
+// SIMD lanes of the build's codec (16 AVX-512, 8 AVX2, 1 scalar): what -march=native chose on this CPU.
+int64_t codec_lanes() {
+#ifdef HFP_CODEC_SIMD
+  return hfp_codec::kLanes;
+#else
+  return 1;
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(hf_paged_cpu, m) {
+  m.def("paged_attention_quant(Tensor query, Tensor k_codes, Tensor k_scales, Tensor v_codes, Tensor v_scales, "
+        "Tensor block_tables, Tensor token_row, Tensor token_pos, float scale, int window, int k_format, "
+        "int v_format, Tensor? k_open=None, Tensor? k_open_slot=None, Tensor? v_open=None, "
+        "Tensor? v_open_slot=None) -> Tensor");
+  m.def("dequantize_rows(Tensor codes, Tensor scales, int format, int head_dim, bool simd) -> Tensor");
+  m.def("codec_lanes() -> int", &codec_lanes);       // no tensor argument: a catch-all kernel
+}
+
+TORCH_LIBRARY_IMPL(hf_paged_cpu, CPU, m) {
+  m.impl("paged_attention_quant", &paged_attention_quant);
+  m.impl("dequantize_rows", &dequantize_rows);
+}

@@ -1,0 +1,232 @@
+"""The CPU kernel over quantised pools (torch.ops.hf_paged_cpu.paged_attention_quant, cuda/paged_attention_cpu_quant.cpp)
+against the PyTorch reference (hf_paged.backends.quantized_torch) and the codec (hf_paged.kv_formats, hf_paged.kivi).
+
+- the row dequantisers, SIMD and scalar, against kv_formats.dequantize: every fp8 code, awkward values,
+  scales read through the layout (several 8-bit scales per row, as a finer scale granularity would store);
+- decode, extend and packed steps per format: GQA 1..16, block sizes 1..32, ragged lengths, windows,
+  pads, rows sharing blocks (copy-on-write prefixes), the rotation through Step.attend;
+- KIVI: sealed blocks and open slots, written through KiviPool.write, with a copied (CoW) open block;
+- routing (quantised pools reach the quantised op) and refusals that name the problem.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from test_attention_kernels import DTYPES, assert_close, packed_case
+
+from hf_paged import kv_formats
+from hf_paged.backends import cpu_backend, quantized_torch
+from hf_paged.backends import torch_backend as ta
+from hf_paged.backends.synthetic import assign_blocks
+from hf_paged.kivi import KiviPool
+
+FORMATS = list(kv_formats.FORMATS)              # fp8_e4m3, fp8_e5m2, int8, int4
+HEADS = [(3, 3), (8, 2), (14, 2), (16, 1)]      # GQA 1, 4, 7, 16
+
+
+@pytest.fixture(scope="module")
+def backend():
+    return cpu_backend.make_backend()
+
+
+def quantised_pool(fmt, shape, gen, rotation=None):
+    """A QuantizedPool of random values [Hkv, blocks, BS, D] (per-head magnitudes, one all-zero row)."""
+    x = torch.randn(*shape, generator=gen) * torch.logspace(-1, 0, shape[0]).view(-1, 1, 1, 1)   # the tolerances' scale
+    x[:, 0, 0] = 0
+    codes, scales = kv_formats.quantize(fmt, x)
+    return kv_formats.QuantizedPool(codes, scales, fmt, shape[-1], rotation)
+
+
+def shared_tables(lengths, block_size, gen, shared=1):
+    """Shuffled tables where every other row starts with the longest row's first ``shared`` blocks (a
+    prefix shared copy-on-write: one physical block in several tables); (num_blocks, tables, lens)."""
+    blocks = [-(-n // block_size) for n in lengths]
+    num_blocks = sum(blocks) + 2
+    tables = assign_blocks(torch.randperm(num_blocks, generator=gen), blocks)
+    source = max(range(len(lengths)), key=lambda r: blocks[r])
+    for row in range(len(lengths)):
+        take = min(shared, blocks[row], blocks[source] - 1)
+        if row != source and take > 0:
+            tables[row, :take] = tables[source, :take]
+    return num_blocks, tables, torch.tensor(lengths, dtype=torch.int32)
+
+
+# -- the row dequantisers -----------------------------------------------------------------------------
+@pytest.mark.parametrize("simd", [True, False], ids=["simd", "scalar"])
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("head_dim", [64, 80, 48])
+def test_rows_dequantise_as_kv_formats(backend, name, head_dim, simd):
+    fmt = kv_formats.FORMATS[name]
+    gen = torch.Generator().manual_seed(head_dim)
+    x = torch.randn(37, head_dim, generator=gen) * torch.logspace(-4, 3, 37).view(-1, 1)
+    x[0] = 0
+    x[1, 5] = 1e4                                   # outlier: tiny codes, fp8 subnormals
+    codes, scales = kv_formats.quantize(fmt, x)
+    out = torch.ops.hf_paged_cpu.dequantize_rows(codes, scales, cpu_backend.FORMAT_IDS[name], head_dim, simd)
+    ref = kv_formats.dequantize(fmt, codes, scales, torch.float32)
+    if fmt.asymmetric:     # code * scale + minimum: the SIMD path fuses it (one rounding, within 1 ulp)
+        torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6 * float(ref.abs().max()))
+    else:                  # code * scale: one rounding either way, bit-exact
+        torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("simd", [True, False], ids=["simd", "scalar"])
+@pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2"])
+def test_every_finite_fp8_code(backend, name, simd):
+    fmt = kv_formats.FORMATS[name]
+    values = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fmt.float_codes).float()
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)[values.isfinite()]
+    codes = torch.cat([codes, codes.new_zeros(-len(codes) % 16)]).view(-1, 16)
+    scales = torch.tensor([1.0, 0.5, 3.0, -2.0], dtype=torch.bfloat16).repeat(codes.shape[0] // 4 + 1)[:codes.shape[0], None]
+    out = torch.ops.hf_paged_cpu.dequantize_rows(codes, scales, cpu_backend.FORMAT_IDS[name], 16, simd)
+    torch.testing.assert_close(out, kv_formats.dequantize(fmt, codes, scales, torch.float32), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("simd", [True, False], ids=["simd", "scalar"])
+def test_scales_are_read_through_the_layout(backend, simd):
+    """Four int8 scales per row (groups of 16 of head_dim 64): element i uses scale i // 16; and KIVI keys
+    with per-channel scales and minima."""
+    gen = torch.Generator().manual_seed(3)
+    codes = torch.randint(-127, 128, (9, 64), generator=gen, dtype=torch.int8).view(torch.uint8)
+    scales = torch.rand(9, 4, generator=gen).to(torch.bfloat16)
+    out = torch.ops.hf_paged_cpu.dequantize_rows(codes, scales, 0, 64, simd)
+    ref = codes.view(torch.int8).float() * scales.float().repeat_interleave(16, dim=1)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    nibbles = torch.randint(0, 16, (9, 64), generator=gen, dtype=torch.uint8)
+    packed = nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)
+    channel = torch.rand(2, 64, generator=gen).to(torch.bfloat16)
+    out = torch.ops.hf_paged_cpu.dequantize_rows(packed, channel, cpu_backend.KIVI_KEY_ID, 64, simd)
+    ref = nibbles.float() * channel[0].float() + channel[1].float()
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+
+
+# -- attention ----------------------------------------------------------------------------------------
+CASES = [pytest.param(name, d, bs, DTYPES[i % 3], HEADS[i % len(HEADS)], (0, 5)[i % 2],
+                      id=f"{name}-d{d}-b{bs}-{str(DTYPES[i % 3])[6:]}-q{HEADS[i % 4][0]}kv{HEADS[i % 4][1]}")
+         for i, (name, d, bs) in enumerate((n, d, bs) for n in FORMATS for d, bs in [(64, 16), (80, 1), (128, 8), (64, 32)])]
+
+
+@pytest.mark.parametrize("name,head_dim,block_size,dtype,heads,window", CASES)
+def test_decode_matches_the_reference(backend, name, head_dim, block_size, dtype, heads, window):
+    fmt, (num_q, num_kv) = kv_formats.FORMATS[name], heads
+    gen = torch.Generator().manual_seed(head_dim * block_size)
+    lengths = [0, 1, block_size + 1, 3 * block_size + 5, 97]
+    num_blocks, tables, lens = shared_tables(lengths, block_size, gen, shared=2)
+    k, v = (quantised_pool(fmt, (num_kv, num_blocks, block_size, head_dim), gen) for _ in range(2))
+    query = torch.randn(len(lengths), num_q, head_dim, generator=gen).to(dtype)
+    out = backend.decode_attention(query, k, v, tables, lens, head_dim ** -0.5, window)
+    ref = quantized_torch.decode_attention(query, k, v, tables, lens, head_dim ** -0.5, window)
+    assert_close(out, ref, dtype)
+    assert torch.all(out[0] == 0), "a row with no stored tokens gives zeros"
+
+
+@pytest.mark.parametrize("name,head_dim,block_size,dtype,heads,window", CASES[::2])
+def test_extend_matches_the_reference(backend, name, head_dim, block_size, dtype, heads, window):
+    """Rows with earlier context (sharing the longest row's first block), left pads and causal new tokens."""
+    fmt, (num_q, num_kv) = kv_formats.FORMATS[name], heads
+    gen = torch.Generator().manual_seed(7 * head_dim + block_size)
+    befores, news, q_len = [0, 3, block_size + 2, 40], [5, 1, 7, 12], 12
+    lengths = [b + n for b, n in zip(befores, news)]
+    num_blocks, tables, lens = shared_tables(lengths, block_size, gen)
+    k, v = (quantised_pool(fmt, (num_kv, num_blocks, block_size, head_dim), gen) for _ in range(2))
+    query_pos = torch.full((len(lengths), q_len), -1, dtype=torch.int32)
+    for row, (before, new) in enumerate(zip(befores, news)):
+        query_pos[row, q_len - new:] = torch.arange(before, before + new, dtype=torch.int32)
+    query = torch.randn(len(lengths), num_q, q_len, head_dim, generator=gen).to(dtype)
+    out = backend.extend_attention(query, k, v, tables, lens, query_pos, 0.3, window)
+    ref = quantized_torch.extend_attention(query, k, v, tables, lens, query_pos, 0.3, window)
+    assert_close(out, ref, dtype)
+    assert torch.all(out[0, :, :q_len - news[0]] == 0), "pad queries give zeros"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", FORMATS)
+def test_packed_rotated_step_matches_the_torch_step(backend, name, dtype):
+    """A packed engine step (decodes, a fresh prompt, a chunk after a prefix) on rotated pools through
+    Step.attend: the query is rotated once and the output unrotated once, as on the PyTorch path."""
+    fmt = kv_formats.FORMATS[name]
+    spec = [(5, 1), (16, 1), (30, 1), (0, 13), (9, 20)]
+    plan, k_plain, v_plain, query = packed_case(spec, 8, 6, 2, 64, dtype, seed=11)
+    rotation = kv_formats.rotation_matrix(64)
+    k, v = (kv_formats.QuantizedPool(*kv_formats.quantize(fmt, p.float() @ rotation), fmt, 64, rotation)
+            for p in (k_plain, v_plain))
+    out = backend.prepare(plan).attend(query, k, v, 0.125, 0)
+    ref = ta.TorchBackend().prepare(plan).attend(query, k, v, 0.125, 0)
+    assert_close(out, ref, dtype)
+    assert (out.float() - ta.TorchBackend().prepare(plan).attend(query, k_plain, v_plain, 0.125, 0).float()).abs().max() \
+        < (0.5 if fmt.bits == 4 else 0.2), "the rotated quantised step approximates the model-dtype one"
+
+
+def kivi_pools(lengths, num_kv, head_dim, dtype, gen, open_capacity=2):
+    """KIVI pools holding ``lengths`` tokens per row written through KiviPool.write (full blocks sealed, the
+    last partial block of each row in an open slot; the store grows past ``open_capacity``)."""
+    bs = kv_formats.KIVI_BLOCK_SIZE
+    num_blocks, tables, lens = shared_tables(lengths, bs, gen, shared=0)
+    k = KiviPool.new(True, num_kv, num_blocks, bs, head_dim, dtype, "cpu", open_capacity)
+    v = KiviPool.new(False, num_kv, num_blocks, bs, head_dim, dtype, "cpu", open_capacity)
+    for row, n in enumerate(lengths):
+        slots = torch.tensor([int(tables[row, j // bs]) * bs + j % bs for j in range(n)], dtype=torch.int64)
+        for pool in (k, v):
+            pool.write(torch.randn(n, num_kv, head_dim, generator=gen).to(dtype), slots)
+    return k, v, tables, lens
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kivi_sealed_and_open_blocks(backend, dtype):
+    gen = torch.Generator().manual_seed(5)
+    k, v, tables, lens = kivi_pools([0, 7, 32, 70, 100], 2, 64, dtype, gen)
+    assert int((k.open.block_slot >= 0).sum()) == 3, "rows of 7, 70 and 100 tokens end in open blocks"
+    query = torch.randn(5, 8, 64, generator=gen).to(dtype)
+    out = backend.decode_attention(query, k, v, tables, lens, 0.125, 0)
+    assert_close(out, quantized_torch.decode_attention(query, k, v, tables, lens, 0.125, 0), dtype)
+    # Copy-on-write of row 3's open block into a spare block that row 2 then reads as its second block.
+    src = int(tables[3, 2])
+    dst = sorted(set(range(k.data.shape[1])) - set(tables.flatten().tolist()))[0]      # a spare block
+    for pool in (k, v):
+        pool.data[:, dst], pool.scales[:, dst] = pool.data[:, src], pool.scales[:, src]
+        pool.copy_open([(src, dst)])
+    tables2 = torch.cat([tables, torch.zeros(5, 1, dtype=torch.int32)], 1)
+    tables2[2, 1] = dst
+    lens2 = lens.clone()
+    lens2[2] = 32 + 70 - 64
+    query_pos = torch.arange(int(lens2[2]) - 4, int(lens2[2]), dtype=torch.int32).repeat(5, 1)
+    query_pos[[0, 1, 3, 4]] = -1
+    q4 = torch.randn(5, 8, 4, 64, generator=gen).to(dtype)
+    out = backend.extend_attention(q4, k, v, tables2, lens2, query_pos, 0.125, 0)
+    assert_close(out, quantized_torch.extend_attention(q4, k, v, tables2, lens2, query_pos, 0.125, 0), dtype)
+
+
+# -- routing and refusals -----------------------------------------------------------------------------
+def test_quantised_pools_reach_the_quantised_op(backend, monkeypatch):
+    calls = []
+    real = backend.quant_op
+    routed = cpu_backend.CpuKernelBackend(backend.op)
+    routed.quant_op = lambda *args: calls.append(args[10:12]) or real(*args)
+    gen = torch.Generator().manual_seed(1)
+    num_blocks, tables, lens = shared_tables([9, 20], 8, gen)
+    for name in FORMATS:
+        k, v = (quantised_pool(kv_formats.FORMATS[name], (2, num_blocks, 8, 64), gen) for _ in range(2))
+        routed.decode_attention(torch.randn(2, 4, 64), k, v, tables, lens, 0.1)
+    assert calls == [(cpu_backend.FORMAT_IDS[n],) * 2 for n in FORMATS]
+    k, v, tables, lens = kivi_pools([40], 1, 64, torch.float32, gen)
+    routed.decode_attention(torch.randn(1, 2, 64), k, v, tables, lens, 0.1)
+    assert calls[-1] == (cpu_backend.KIVI_KEY_ID, cpu_backend.KIVI_VALUE_ID)
+    calls.clear()           # open slots in another dtype than the query: the PyTorch path, not refused
+    out = routed.decode_attention(torch.randn(1, 2, 64, dtype=torch.bfloat16), k, v, tables, lens, 0.1)
+    assert not calls and out.dtype == torch.bfloat16
+
+
+def test_refusals_name_the_problem(backend):
+    gen = torch.Generator().manual_seed(2)
+    k = quantised_pool(kv_formats.FORMATS["int8"], (2, 4, 8, 64), gen)
+    tables, rows, pos = torch.zeros(1, 1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    query = torch.randn(1, 4, 64)
+    op = backend.quant_op
+    with pytest.raises(RuntimeError, match="k_format 9 unknown"):
+        op(query, k.data, k.scales, k.data, k.scales, tables, rows, pos, 0.1, 0, 9, 0)
+    with pytest.raises(RuntimeError, match="bytes per row, not head_dim"):
+        op(query, k.data, k.scales, k.data, k.scales, tables, rows, pos, 0.1, 0, 0, 3)
+    with pytest.raises(RuntimeError, match="must divide head_dim"):
+        op(query, k.data, k.scales.repeat(1, 1, 1, 3).contiguous(), k.data, k.scales, tables, rows, pos, 0.1, 0, 0, 0)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        op(query, k.data, k.scales, k.data, k.scales, tables + 9, rows, pos, 0.1, 0, 0, 0)
