@@ -14,6 +14,8 @@
 // fp8 codes never hold NaN/inf: kv_formats.quantize clamps to the finite range first.
 #pragma once
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -247,6 +249,93 @@ inline const char* simd_name() {
 #else
   return "scalar";
 #endif
+}
+
+// ---------------------------------------------------------------------------------------------- encoding
+// The inverse direction, for the quantising write (kv_write_cpu.cpp): kv_formats.quantize bit for bit on
+// the same fp32 input (fp32 math, the scale rounded to bf16 before use, 1 where it is not positive, codes
+// from x / stored scale, clamped, then round-to-nearest-even or the fp8 conversion), as cuda/kv_quant.cuh.
+// Scalar: a row is D elements, written once per token; the read side is what runs per step.
+inline uint32_t bits_of(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  return u;
+}
+
+inline uint16_t to_bf16(float x) {          // round to nearest even (finite inputs)
+  const uint32_t u = bits_of(x);
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+inline uint16_t stored_scale(float scale) {
+  const uint16_t s = to_bf16(scale);
+  return bf16(s) > 0.f ? s : static_cast<uint16_t>(0x3F80);     // bf16 1.0
+}
+
+inline int32_t round_even(float x) {        // torch.round: halves to even (the default rounding mode)
+  const float r = std::nearbyint(x);
+  return static_cast<int32_t>(r);
+}
+
+// fp32 -> fp8 (M mantissa bits, bias B), round to nearest even, |x| within the finite range (callers clamp).
+template <int M, int B>
+inline uint8_t fp8_code(float x) {
+  const uint32_t bits = bits_of(x), sign = (bits >> 24) & 0x80u, mag = bits & 0x7FFFFFFFu;
+  constexpr uint32_t kMinNormal = static_cast<uint32_t>(128 - B) << 23;       // 2^(1 - B)
+  if (mag < kMinNormal)         // subnormal codes are multiples of 2^(1 - B - M): an exact scaling
+    return static_cast<uint8_t>(sign | static_cast<uint32_t>(round_even(from_bits(mag) * static_cast<float>(1 << (B - 1 + M)))));
+  constexpr int kDrop = 23 - M;
+  const uint32_t rounded = mag + ((1u << (kDrop - 1)) - 1u) + ((mag >> kDrop) & 1u);
+  return static_cast<uint8_t>(sign | ((rounded >> kDrop) - (static_cast<uint32_t>(127 - B) << M)));
+}
+
+inline uint8_t int8_code(float x) { return static_cast<uint8_t>(static_cast<int8_t>(round_even(x))); }
+
+// Symmetric 8-bit row: `num_scales` groups along D, each scaled by its absolute maximum / code_max.
+template <uint8_t (*Code)(float)>
+inline void encode8(const float* x, int64_t d, int64_t num_scales, float code_max, uint8_t* codes, uint16_t* scales) {
+  const int64_t group = d / num_scales;
+  for (int64_t g = 0; g < num_scales; ++g) {
+    float amax = 0.f;
+    for (int64_t i = g * group; i < (g + 1) * group; ++i) amax = std::max(amax, std::fabs(x[i]));
+    scales[g] = stored_scale(amax / code_max);
+    const float s = bf16(scales[g]);
+    for (int64_t i = g * group; i < (g + 1) * group; ++i) codes[i] = Code(std::min(std::max(x[i] / s, -code_max), code_max));
+  }
+}
+
+// Asymmetric int4 row: S / 2 groups along D, (max - min) / 15 and the minimum, codes 0..15 two per byte.
+inline void encode_int4(const float* x, int64_t d, int64_t num_scales, uint8_t* codes, uint16_t* scales) {
+  const int64_t groups = num_scales / 2, group = d / groups;
+  std::memset(codes, 0, static_cast<size_t>(d / 2));
+  for (int64_t g = 0; g < groups; ++g) {
+    float low = x[g * group], high = low;
+    for (int64_t i = g * group; i < (g + 1) * group; ++i) low = std::min(low, x[i]), high = std::max(high, x[i]);
+    scales[g] = stored_scale((high - low) / 15.f);
+    scales[groups + g] = to_bf16(low);
+    const float s = bf16(scales[g]), m = bf16(scales[groups + g]);
+    for (int64_t i = g * group; i < (g + 1) * group; ++i) {
+      const int32_t c = std::min(std::max(round_even((x[i] - m) / s), 0), 15);
+      codes[i / 2] |= static_cast<uint8_t>(c << (4 * (i & 1)));
+    }
+  }
+}
+
+using EncodeFn = void (*)(const float*, int64_t, int64_t, uint8_t*, uint16_t*);
+inline void encode_int8(const float* x, int64_t d, int64_t s, uint8_t* c, uint16_t* sc) { encode8<int8_code>(x, d, s, 127.f, c, sc); }
+inline void encode_e4m3(const float* x, int64_t d, int64_t s, uint8_t* c, uint16_t* sc) { encode8<fp8_code<3, 7>>(x, d, s, 448.f, c, sc); }
+inline void encode_e5m2(const float* x, int64_t d, int64_t s, uint8_t* c, uint16_t* sc) { encode8<fp8_code<2, 15>>(x, d, s, 57344.f, c, sc); }
+
+// The row encoder of a row format (kInt8, kFp8E4M3, kFp8E5M2, kInt4); nullptr for others (KIVI seals whole
+// blocks in hf_paged.kivi).
+inline EncodeFn encode_function(int64_t format) {
+  switch (format) {
+    case kInt8: return encode_int8;
+    case kFp8E4M3: return encode_e4m3;
+    case kFp8E5M2: return encode_e5m2;
+    case kInt4: return encode_int4;
+  }
+  return nullptr;
 }
 
 }  // namespace hfp_codec

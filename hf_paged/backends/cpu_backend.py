@@ -9,8 +9,9 @@ of every row's whole context: one ragged call per layer serves decode, prefill a
 Quantised pools (``kv_cache_dtype``: int8, fp8_e4m3, fp8_e5m2, int4 and KIVI's sealed blocks and open slots)
 go to ``torch.ops.hf_paged_cpu.paged_attention_quant`` (``paged_attention_cpu_quant.cpp``), which reads codes
 and scales in place and dequantises each stored row once per work item (``kv_codec_cpu.h``, AVX-512 / AVX2 /
-scalar as the build's ``-march=native`` allows). Writes and copy-on-write stay on :mod:`torch_backend`
-(same pool layout).
+scalar as the build's ``-march=native`` allows); their writes go to ``write_kv_quant`` (``kv_write_cpu.cpp``:
+rotation and quantisation fused, one pass per row; KIVI's block sealing stays in ``hf_paged.kivi``). Other
+writes and copy-on-write stay on :mod:`torch_backend` (same pool layout).
 
 ``HF_PAGED_CPU_KERNEL=0`` keeps the PyTorch path; when the build fails (no compiler), ``select_backend``
 logs why and falls back to it.
@@ -35,7 +36,7 @@ from .step import Step
 log = logging.getLogger("hf_paged.backends")
 KERNEL_ENV = "HF_PAGED_CPU_KERNEL"
 SOURCE = "paged_attention_cpu.cpp"
-SOURCES = (SOURCE, "paged_attention_cpu_quant.cpp")           # compiled into one extension
+SOURCES = (SOURCE, "paged_attention_cpu_quant.cpp", "kv_write_cpu.cpp")      # compiled into one extension
 HEADERS = ("paged_attention_cpu.h", "kv_codec_cpu.h")          # part of the build's cache key
 # kv_formats / kivi format -> the op's k_format / v_format (kv_codec_cpu.h's enum Format).
 FORMAT_IDS = {"int8": 0, "fp8_e4m3": 1, "fp8_e5m2": 2, "int4": 3}
@@ -169,12 +170,26 @@ class CpuKernelBackend:
     ``op`` / ``quant_op``: the loaded ``torch.ops.hf_paged_cpu.paged_attention`` and ``paged_attention_quant``
     (see :func:`load_kernel`)."""
 
-    write_kv = staticmethod(torch_backend.write_kv)
     copy_blocks = staticmethod(torch_backend.copy_blocks)
+    # write_kv takes quantised pools' states unrotated and rotates them itself (hf_paged.cache.pools reads this).
+    rotates_on_write = True
 
     def __init__(self, op):
         self.op = op
         self.quant_op = torch.ops.hf_paged_cpu.paged_attention_quant
+        self.write_op = torch.ops.hf_paged_cpu.write_kv_quant
+
+    def write_kv(self, k_pool, v_pool, key, value, slot_mapping):
+        """As torch_backend.write_kv, but quantised pools get unrotated states: row formats are rotated and
+        quantised in one C++ pass; other quantised pools (KIVI, which does not rotate) are rotated here and
+        handed to torch_backend."""
+        if isinstance(k_pool, QuantizedPool):
+            ids = (FORMAT_IDS.get(k_pool.fmt.name), FORMAT_IDS.get(v_pool.fmt.name))
+            if not isinstance(k_pool, KiviPool) and None not in ids and key.device.type == "cpu":
+                return self.write_op(key, value, slot_mapping.contiguous(), k_pool.data, k_pool.scales, v_pool.data,
+                                     v_pool.scales, ids[0], ids[1], k_pool.rotation)
+            key, value = k_pool.rotate(key), v_pool.rotate(value)
+        return torch_backend.write_kv(k_pool, v_pool, key, value, slot_mapping)
 
     def prepare(self, plan: StepPlan, peers: dict | None = None) -> CpuStep:
         return CpuStep(self, plan, peers)

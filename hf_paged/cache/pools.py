@@ -177,7 +177,9 @@ class KVPools(Cache):
                 "cache with the model's own geometry: PagedCache(model.config, geometry=hf_paged.model_geometry(model))"
                 " (the patched generate and the engine do this).")
         batch, heads, q_len, dim = key_states.shape
-        if quantised:      # rotated in fp32, quantised from fp32 (see kv_formats)
+        if quantised and not getattr(self.backend, "rotates_on_write", False):
+            # rotated in fp32, quantised from fp32 (see kv_formats); a backend that rotates on write
+            # (the CPU kernel's, fused with quantisation) gets the states as they are.
             key_states, value_states = k_pool.rotate(key_states), v_pool.rotate(value_states)
         self.backend.write_kv(k_pool, v_pool,
                               key_states.detach().transpose(1, 2).reshape(batch * q_len, heads, dim),

@@ -230,3 +230,62 @@ def test_refusals_name_the_problem(backend):
         op(query, k.data, k.scales.repeat(1, 1, 1, 3).contiguous(), k.data, k.scales, tables, rows, pos, 0.1, 0, 0, 0)
     with pytest.raises(RuntimeError, match="outside the pool"):
         op(query, k.data, k.scales, k.data, k.scales, tables + 9, rows, pos, 0.1, 0, 0, 0)
+
+
+# -- the quantising write -----------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", FORMATS)
+def test_write_quantises_as_kv_formats(backend, name, dtype):
+    """Without rotation the codes and scales equal quantized_torch.write_kv's bit for bit (slots -1 skipped,
+    strided states, awkward values: zero rows, outliers, ties, fp8 subnormals)."""
+    fmt = kv_formats.FORMATS[name]
+    gen = torch.Generator().manual_seed(4)
+    n, heads, d, bs, blocks = 23, 3, 64, 8, 6
+    x = (torch.randn(heads, n, d, generator=gen) * torch.logspace(-3, 3, n).view(1, -1, 1)).transpose(0, 1)
+    x[0, 0], x[1, 1, :16], x[2, 2, 5] = 0, 0.75, 1e4
+    x[3, 0, 1::2] = torch.linspace(-126.5, 125.5, d // 2).round() + 0.5
+    x[3, 0, 0] = 127.0                                      # int8 scale 1: exact halves, round to even
+    x = x.to(dtype)
+    slots = torch.randperm(blocks * bs, generator=gen)[:n]
+    slots[[4, 9]] = -1
+    ours = [kv_formats.QuantizedPool.zeros(fmt, heads, blocks, bs, d, "cpu") for _ in range(2)]
+    ref = [kv_formats.QuantizedPool.zeros(fmt, heads, blocks, bs, d, "cpu") for _ in range(2)]
+    backend.write_kv(ours[0], ours[1], x, x.flip(0), slots)
+    quantized_torch.write_kv(ref[0], ref[1], x, x.flip(0), slots)
+    for mine, theirs in zip(ours, ref):
+        assert torch.equal(mine.data, theirs.data) and torch.equal(mine.scales.view(torch.int16), theirs.scales.view(torch.int16))
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_write_rotates_as_the_pytorch_path(backend, name):
+    """With the rotation fused into the write: the stored rows dequantise to the PyTorch path's (which
+    rotates with a matmul first) within one scale unit (an int code step; less than an fp8 step near the
+    top of the range), and almost all codes are equal."""
+    fmt = kv_formats.FORMATS[name]
+    gen = torch.Generator().manual_seed(6)
+    n, heads, d, bs, blocks = 40, 2, 64, 16, 4
+    rotation = kv_formats.rotation_matrix(d)
+    x = torch.randn(n, heads, d, generator=gen)
+    slots = torch.randperm(blocks * bs, generator=gen)[:n]
+    ours = [kv_formats.QuantizedPool.zeros(fmt, heads, blocks, bs, d, "cpu", rotation) for _ in range(2)]
+    ref = [kv_formats.QuantizedPool.zeros(fmt, heads, blocks, bs, d, "cpu", rotation) for _ in range(2)]
+    backend.write_kv(ours[0], ours[1], x, -x, slots)
+    quantized_torch.write_kv(ref[0], ref[1], ref[0].rotate(x), ref[1].rotate(-x), slots)
+    for mine, theirs in zip(ours, ref):
+        a = kv_formats.dequantize(fmt, mine.data, mine.scales, torch.float32)
+        b = kv_formats.dequantize(fmt, theirs.data, theirs.scales, torch.float32)
+        unit = theirs.scales[..., :fmt.num_scales(d) // (2 if fmt.asymmetric else 1)].float().amax()
+        assert (a - b).abs().max() <= unit, "one scale unit at most"
+        assert (mine.data != theirs.data).float().mean() < 0.01, "codes differ only at rounding boundaries"
+
+
+def test_write_refuses_what_it_cannot_store(backend):
+    k = kv_formats.QuantizedPool.zeros(kv_formats.FORMATS["int8"], 2, 4, 8, 64, "cpu")
+    x = torch.randn(3, 2, 64)
+    with pytest.raises(RuntimeError, match="outside the pool's 32 slots"):
+        backend.write_op(x, x, torch.tensor([0, 1, 32]), k.data, k.scales, k.data, k.scales, 0, 0, None)
+    with pytest.raises(RuntimeError, match="has no row encoder"):
+        backend.write_op(x, x, torch.tensor([0, 1, 2]), k.data, k.scales, k.data, k.scales, 4, 0, None)
+    with pytest.raises(RuntimeError, match="KV heads"):
+        backend.write_op(torch.randn(3, 3, 64), torch.randn(3, 3, 64), torch.tensor([0, 1, 2]), k.data, k.scales,
+                         k.data, k.scales, 0, 0, None)

@@ -1,0 +1,128 @@
+// The quantising KV write on the CPU: torch.ops.hf_paged_cpu.write_kv_quant.
+//
+//   key, value      [N, Hkv, D]  f32 / bf16 / f16, any strides (the layer's states, unrotated)
+//   slot_mapping    int64 [N]    slot s = token s % BS of block s // BS; -1 = skip
+//   k_codes/v_codes, k_scales/v_scales: a QuantizedPool's tensors (hf_paged/kv_formats.py's layout), written
+//   rotation        fp32 [D, D] or None: each row is stored as x R (kv_formats.rotation_matrix)
+// Each (token, head) row is converted to fp32, rotated (y_j = sum_i x_i R_ij, fp32, in i order), and encoded
+// by its format's function (kv_codec_cpu.h; kv_formats.quantize's codes bit for bit on the same rotated row;
+// the rotation's summation order differs from torch's matmul in the last bits, so a code at a rounding
+// boundary may differ by one step from the PyTorch path's). Replaces, per layer, the PyTorch path's ~10
+// small ops per pool (rotate, amax, divide, clamp, round, cast, two index_copy_).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <vector>
+
+#include "kv_codec_cpu.h"
+
+namespace {
+
+struct Pool {
+  uint8_t* codes;
+  uint16_t* scales;
+  int64_t code_row, num_scales, heads, slots;
+  hfp_codec::EncodeFn encode;
+};
+
+Pool pool_of(const char* which, const at::Tensor& codes, const at::Tensor& scales, int64_t format, int64_t head_dim) {
+  const hfp_codec::EncodeFn encode = (format >= 0 && format < hfp_codec::kNumFormats) ? hfp_codec::encode_function(format) : nullptr;
+  TORCH_CHECK(encode != nullptr, which, "_format ", format, " has no row encoder (0..3: int8, fp8_e4m3, fp8_e5m2, "
+              "int4; KIVI pools write through hf_paged.kivi)");
+  TORCH_CHECK(codes.scalar_type() == at::kByte && scales.scalar_type() == at::kBFloat16 && codes.dim() == 4 &&
+              scales.dim() == 4 && codes.is_contiguous() && scales.is_contiguous() && codes.device().is_cpu() &&
+              scales.device().is_cpu(), which, " codes / scales must be contiguous uint8 / bf16 [Hkv, blocks, BS, *] "
+              "CPU tensors, got ", codes.sizes(), " and ", scales.sizes());
+  TORCH_CHECK(codes.sizes().slice(0, 3) == scales.sizes().slice(0, 3), which, " scales ", scales.sizes(),
+              " need one row per stored row of codes ", codes.sizes());
+  const int64_t s = scales.size(3);
+  const bool four_bit = format == hfp_codec::kInt4;
+  TORCH_CHECK(codes.size(3) * (four_bit ? 2 : 1) == head_dim, which, " codes hold ", codes.size(3),
+              " bytes per row for head_dim ", head_dim);
+  TORCH_CHECK(four_bit ? (s % 2 == 0 && head_dim % (s / 2) == 0 && (head_dim / (s / 2)) % 2 == 0) : head_dim % s == 0,
+              which, " scales: ", s, " per row do not split head_dim ", head_dim, " into groups");
+  return Pool{codes.data_ptr<uint8_t>(), reinterpret_cast<uint16_t*>(scales.data_ptr<at::BFloat16>()), codes.size(3), s,
+              codes.size(0), codes.size(1) * codes.size(2), encode};
+}
+
+// One row: fp32 copy (rotated when R is given) then encoded into its slot.
+template <typename T>
+void write_row(const T* x, int64_t stride, int64_t d, const float* rotation, float* in, float* out, const Pool& pool,
+               int64_t head, int64_t slot) {
+  for (int64_t i = 0; i < d; ++i) in[i] = static_cast<float>(x[i * stride]);
+  const float* row = in;
+  if (rotation != nullptr) {
+    std::fill(out, out + d, 0.f);
+    for (int64_t i = 0; i < d; ++i) {
+      const float xi = in[i];
+      const float* r = rotation + i * d;
+#pragma omp simd
+      for (int64_t j = 0; j < d; ++j) out[j] += xi * r[j];
+    }
+    row = out;
+  }
+  const int64_t at = head * pool.slots + slot;
+  pool.encode(row, d, pool.num_scales, pool.codes + at * pool.code_row, pool.scales + at * pool.num_scales);
+}
+
+template <typename T>
+void write_all(const at::Tensor& key, const at::Tensor& value, const int64_t* slots, const Pool& k, const Pool& v,
+               const float* rotation) {
+  const int64_t n = key.size(0), heads = key.size(1), d = key.size(2);
+  const T* kd = key.data_ptr<T>();
+  const T* vd = value.data_ptr<T>();
+  at::parallel_for(0, n * heads, 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> in(d), out(d);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t t = item / heads, h = item % heads, slot = slots[t];
+      if (slot < 0) continue;
+      write_row(kd + t * key.stride(0) + h * key.stride(1), key.stride(2), d, rotation, in.data(), out.data(), k, h, slot);
+      write_row(vd + t * value.stride(0) + h * value.stride(1), value.stride(2), d, rotation, in.data(), out.data(), v,
+                h, slot);
+    }
+  });
+}
+
+void write_kv_quant(const at::Tensor& key, const at::Tensor& value, const at::Tensor& slot_mapping,
+                    const at::Tensor& k_codes, const at::Tensor& k_scales, const at::Tensor& v_codes,
+                    const at::Tensor& v_scales, int64_t k_format, int64_t v_format,
+                    const std::optional<at::Tensor>& rotation) {
+  TORCH_CHECK(key.dim() == 3 && key.sizes() == value.sizes() && key.scalar_type() == value.scalar_type() &&
+              key.device().is_cpu() && value.device().is_cpu(),
+              "key and value must be [N, Hkv, D] CPU tensors alike, got ", key.sizes(), " and ", value.sizes());
+  const int64_t d = key.size(2);
+  const Pool k = pool_of("k", k_codes, k_scales, k_format, d), v = pool_of("v", v_codes, v_scales, v_format, d);
+  TORCH_CHECK(k.heads == key.size(1) && v.heads == key.size(1) && k.slots == v.slots, "states have ", key.size(1),
+              " KV heads, the pools ", k.heads, " and ", v.heads, " (and ", k.slots, " / ", v.slots, " slots)");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() && slot_mapping.numel() == key.size(0),
+              "slot_mapping must be contiguous int64 [N] with N = ", key.size(0), ", got ", slot_mapping.sizes());
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < key.size(0); ++t)
+    TORCH_CHECK(slots[t] < k.slots, "slot ", slots[t], " (token ", t, ") outside the pool's ", k.slots, " slots");
+  const float* r = nullptr;
+  if (rotation.has_value()) {
+    TORCH_CHECK(rotation->scalar_type() == at::kFloat && rotation->is_contiguous() && rotation->dim() == 2 &&
+                rotation->size(0) == d && rotation->size(1) == d, "rotation must be contiguous fp32 [D, D] (D = ", d,
+                "), got ", rotation->sizes());
+    r = rotation->data_ptr<float>();
+  }
+  switch (key.scalar_type()) {
+    case at::kFloat: write_all<float>(key, value, slots, k, v, r); break;
+    case at::kBFloat16: write_all<c10::BFloat16>(key, value, slots, k, v, r); break;
+    case at::kHalf: write_all<c10::Half>(key, value, slots, k, v, r); break;
+    default: TORCH_CHECK(false, "write_kv_quant: float32, bfloat16 or float16 states, got ", key.scalar_type());
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(hf_paged_cpu, m) {
+  m.def("write_kv_quant(Tensor key, Tensor value, Tensor slot_mapping, Tensor(a!) k_codes, Tensor(b!) k_scales, "
+        "Tensor(c!) v_codes, Tensor(d!) v_scales, int k_format, int v_format, Tensor? rotation) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(hf_paged_cpu, CPU, m) { m.impl("write_kv_quant", &write_kv_quant); }
