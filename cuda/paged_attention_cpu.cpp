@@ -37,6 +37,7 @@ struct PlainTiles {
   const float* values(int64_t h, int64_t block, int64_t rows, float* buffer) const {
     return float_tile(v + (h * num_blocks + block) * tile, buffer, rows * head_dim);
   }
+  const float* rotation() const { return nullptr; }
 };
 
 template <typename T>

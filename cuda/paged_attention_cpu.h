@@ -3,6 +3,8 @@
 // source*: anything with
 //   const float* keys(int64_t h, int64_t block, int64_t rows, float* buffer) const
 //   const float* values(int64_t h, int64_t block, int64_t rows, float* buffer) const
+//   const float* rotation() const        fp32 [D, D] R or nullptr: the pools hold x R (kv_formats), so each
+//                                        query row is rotated once on entry and each output once on exit
 // returning the first `rows` rows of KV head h's block as a float [rows, D] tile, either where they are
 // (f32 pools) or converted / dequantised into `buffer` ([block_size, D] of this thread's scratch). Each
 // tile is produced once per (KV head, block, work item) and serves every query of the item (the GQA
@@ -70,12 +72,12 @@ constexpr int64_t kKeys = 16;       // keys per register tile (two 8-float vecto
 // finite leftovers whose scores are never read.
 struct Scratch {
   int64_t key_stride;
-  std::vector<float> q, acc, m, l, corr, kbuf, vbuf, kt, scores;
+  std::vector<float> q, acc, m, l, corr, kbuf, vbuf, kt, scores, row;
   Scratch(int64_t queries, int64_t head_dim, int64_t block_size)
       : key_stride((block_size + kKeys - 1) / kKeys * kKeys), q(pad(queries) * head_dim),
         acc(pad(queries) * head_dim), m(pad(queries)), l(pad(queries)), corr(pad(queries)),
         kbuf(block_size * head_dim), vbuf(block_size * head_dim), kt(head_dim * key_stride),
-        scores(pad(queries) * key_stride) {}
+        scores(pad(queries) * key_stride), row(head_dim) {}
   static int64_t pad(int64_t n) { return (n + kRows - 1) / kRows * kRows; }
 };
 
@@ -215,6 +217,26 @@ inline void single_token(Scratch& s, int64_t pos, int64_t window, int64_t base, 
 }
 
 
+// x[0:D] <- x R (transposed: x R^T) for fp32 R [D, D] row-major, through `tmp` [D].
+inline void rotate_row(float* x, const float* r, int64_t d, bool transposed, float* tmp) {
+  if (transposed) {
+    for (int64_t j = 0; j < d; ++j) {
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t i = 0; i < d; ++i) sum += x[i] * r[j * d + i];
+      tmp[j] = sum;
+    }
+  } else {
+    std::fill(tmp, tmp + d, 0.f);
+    for (int64_t i = 0; i < d; ++i) {
+      const float xi = x[i];
+#pragma omp simd
+      for (int64_t j = 0; j < d; ++j) tmp[j] += xi * r[i * d + j];
+    }
+  }
+  std::copy(tmp, tmp + d, x);
+}
+
 // The step's geometry and metadata, read once per call.
 struct Geometry {
   int64_t tokens, num_q_heads, head_dim, num_kv_heads, num_blocks, block_size, group, width, rows;
@@ -283,6 +305,9 @@ void attend_item(Scratch& s, const Geometry& g, const Tiles& tiles, const T* q_d
     to_float(q_data + ((t0 + i) * g.num_q_heads + h * group) * head_dim, s.q.data() + i * group * head_dim,
              group * head_dim);
   }
+  const float* rotation = tiles.rotation();
+  if (rotation != nullptr)
+    for (int64_t qi = 0; qi < queries; ++qi) rotate_row(s.q.data() + qi * head_dim, rotation, head_dim, false, s.row.data());
   for (int64_t i = 0; i < queries * head_dim; ++i) s.q[i] *= g.scale;
   // Padding rows: zero queries give zero scores, and with corr 1 their accumulators stay zero.
   const int64_t padded = Scratch::pad(queries);
@@ -310,6 +335,7 @@ void attend_item(Scratch& s, const Geometry& g, const Tiles& tiles, const T* q_d
     float* acc = s.acc.data() + qi * head_dim;
     const float inv = s.l[qi] > 0.f ? 1.f / s.l[qi] : 0.f;
     for (int64_t d = 0; d < head_dim; ++d) acc[d] *= inv;
+    if (rotation != nullptr) rotate_row(acc, rotation, head_dim, true, s.row.data());
     const int64_t i = qi / group, q = qi % group;
     from_float(acc, o_data + ((t0 + i) * g.num_q_heads + h * group + q) * head_dim, head_dim);
   }

@@ -7,10 +7,11 @@
 //           bf16  [Hkv, blocks, 2, D]    KIVI keys: per-channel scales, then minima, of the block
 // Each stored row a work item reads is dequantised once (kv_codec_cpu.h, one function per format) into
 // the thread's [BS, D] float tile, which then serves all the item's queries (the GQA group, up to 8 tokens
-// of a prefill row): codes are never expanded anywhere but that L1-sized tile. The query arrives already
-// rotated (q R) and the output leaves rotated (sum p v R): hf_paged.backends.step rotates once per layer
-// call, not per key. KIVI: a block whose open slot (k_open_slot / v_open_slot [blocks], int64, -1 = sealed)
+// of a prefill row): codes are never expanded anywhere but that L1-sized tile. Without `rotation`, the query
+// arrives rotated (q R) and the output leaves rotated (sum p v R), as the padded PyTorch functions take them. KIVI: a block whose open slot (k_open_slot / v_open_slot [blocks], int64, -1 = sealed)
 // is set is read from k_open / v_open [Hkv, capacity, BS, D] (the query's dtype) instead of its codes.
+// With `rotation` R given, the query arrives unrotated and the output leaves unrotated: each query row is
+// rotated once per work item and each output row unrotated once (paged_attention_cpu.h), never per key.
 // dequantize_rows is the test hook that runs one format's row function (SIMD or scalar) alone.
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
@@ -45,6 +46,8 @@ template <typename T>
 struct QuantTiles {
   QuantSide<T> k, v;
   int64_t num_blocks, block_size, head_dim;
+  const float* rotate = nullptr;          // R, or none: the query and output are in the pools' space
+  const float* rotation() const { return rotate; }
 
   const float* tile(const QuantSide<T>& side, int64_t h, int64_t block, int64_t rows, float* buffer) const {
     if (side.open_slot != nullptr) {
@@ -122,8 +125,15 @@ QuantSide<T> make_side(const char* which, const at::Tensor& codes, const at::Ten
 }
 
 template <typename T>
-void run(const at::Tensor& query, const Geometry& g, const QuantSide<T>& k, const QuantSide<T>& v, at::Tensor& out) {
-  const QuantTiles<T> tiles{k, v, g.num_blocks, g.block_size, g.head_dim};
+void run(const at::Tensor& query, const Geometry& g, const QuantSide<T>& k, const QuantSide<T>& v,
+         const std::optional<at::Tensor>& rotation, at::Tensor& out) {
+  QuantTiles<T> tiles{k, v, g.num_blocks, g.block_size, g.head_dim};
+  if (rotation.has_value()) {
+    TORCH_CHECK(rotation->scalar_type() == at::kFloat && rotation->is_contiguous() && rotation->dim() == 2 &&
+                rotation->size(0) == g.head_dim && rotation->size(1) == g.head_dim,
+                "rotation must be contiguous fp32 [D, D] (D = ", g.head_dim, "), got ", rotation->sizes());
+    tiles.rotate = rotation->data_ptr<float>();
+  }
   attend<T>(g, tiles, query.data_ptr<T>(), out.data_ptr<T>());
 }
 
@@ -132,10 +142,10 @@ void dispatch(const at::Tensor& query, const Geometry& g, const at::Tensor& k_co
               const at::Tensor& v_codes, const at::Tensor& v_scales, int64_t k_format, int64_t v_format,
               const std::optional<at::Tensor>& k_open, const std::optional<at::Tensor>& k_open_slot,
               const std::optional<at::Tensor>& v_open, const std::optional<at::Tensor>& v_open_slot,
-              at::Tensor& out) {
+              const std::optional<at::Tensor>& rotation, at::Tensor& out) {
   const QuantSide<T> k = make_side<T>("k", k_codes, k_scales, k_format, query, k_open, k_open_slot);
   const QuantSide<T> v = make_side<T>("v", v_codes, v_scales, v_format, query, v_open, v_open_slot);
-  run<T>(query, g, k, v, out);
+  run<T>(query, g, k, v, rotation, out);
 }
 
 at::Tensor paged_attention_quant(const at::Tensor& query, const at::Tensor& k_codes, const at::Tensor& k_scales,
@@ -144,7 +154,8 @@ at::Tensor paged_attention_quant(const at::Tensor& query, const at::Tensor& k_co
                                  const at::Tensor& token_pos, double scale, int64_t window, int64_t k_format,
                                  int64_t v_format, const std::optional<at::Tensor>& k_open,
                                  const std::optional<at::Tensor>& k_open_slot, const std::optional<at::Tensor>& v_open,
-                                 const std::optional<at::Tensor>& v_open_slot) {
+                                 const std::optional<at::Tensor>& v_open_slot,
+                                 const std::optional<at::Tensor>& rotation) {
   TORCH_CHECK(k_codes.dim() == 4 && k_codes.sizes() == v_codes.sizes(),
               "k_codes and v_codes must be [Hkv, blocks, BS, bytes] alike, got ", k_codes.sizes(), " and ",
               v_codes.sizes());
@@ -156,7 +167,7 @@ at::Tensor paged_attention_quant(const at::Tensor& query, const at::Tensor& k_co
 #define HFP_CASE(kind, type)                                                                                    \
   case kind:                                                                                                    \
     dispatch<type>(query, g, k_codes, k_scales, v_codes, v_scales, k_format, v_format, k_open, k_open_slot,     \
-                   v_open, v_open_slot, out);                                                                   \
+                   v_open, v_open_slot, rotation, out);                                                         \
     break;
     HFP_CASE(at::kFloat, float)
     HFP_CASE(at::kBFloat16, c10::BFloat16)
@@ -200,7 +211,7 @@ TORCH_LIBRARY_FRAGMENT(hf_paged_cpu, m) {
   m.def("paged_attention_quant(Tensor query, Tensor k_codes, Tensor k_scales, Tensor v_codes, Tensor v_scales, "
         "Tensor block_tables, Tensor token_row, Tensor token_pos, float scale, int window, int k_format, "
         "int v_format, Tensor? k_open=None, Tensor? k_open_slot=None, Tensor? v_open=None, "
-        "Tensor? v_open_slot=None) -> Tensor");
+        "Tensor? v_open_slot=None, Tensor? rotation=None) -> Tensor");
   m.def("dequantize_rows(Tensor codes, Tensor scales, int format, int head_dim, bool simd) -> Tensor");
   m.def("codec_lanes() -> int", &codec_lanes);       // no tensor argument: a catch-all kernel
 }

@@ -134,14 +134,15 @@ def quantised_args(k_pool, v_pool, dtype: torch.dtype):
     return k[0], k[1], v[0], v[1], k[2], v[2], k[3], k[4], v[3], v[4]
 
 
-def kernel_call(backend, query, k_pool, v_pool):
+def kernel_call(backend, query, k_pool, v_pool, rotation=None):
     """``call(query, block_tables, token_row, token_pos, scale, window)`` running the kernel that reads these
-    pools (model-dtype or quantised), or None for the PyTorch path (mixed dtypes, a format it does not read)."""
+    pools (model-dtype or quantised), or None for the PyTorch path (mixed dtypes, a format it does not read).
+    ``rotation``: R, for a query not yet rotated (the kernel rotates it and unrotates the output)."""
     if isinstance(k_pool, QuantizedPool):
         args = quantised_args(k_pool, v_pool, query.dtype)
         if args is None:
             return None
-        codes, rest = args[:4], args[4:]
+        codes, rest = args[:4], (*args[4:], rotation)
         return lambda q, tables, rows, pos, scale, window: backend.quant_op(q, *codes, tables, rows, pos, scale,
                                                                             window, *rest)
     if query.dtype != k_pool.dtype:
@@ -154,6 +155,18 @@ class CpuStep(Step):
     """One forward on the CPU kernel: one call per layer for every query token of the step, read
     straight from the plan's ragged token list (rows and stored indices). Quantised pools arrive with the
     query already rotated (``Step.attend``), as the PyTorch path gets them."""
+
+    def attend(self, query, k_pool, v_pool, scale, window):
+        """As Step.attend; rotated quantised pools (one R for keys and values) have the kernel rotate each
+        query row on entry and each output row on exit, instead of two matmuls around the call."""
+        rotation = getattr(k_pool, "rotation", None)
+        if rotation is not None and query.device == self.device and getattr(v_pool, "rotation", None) is rotation:
+            call = kernel_call(self.backend, query, k_pool, v_pool, rotation)
+            if call is not None:
+                plan = self.plan
+                return call(query.contiguous(), plan.block_tables, plan.token_row, plan.token_pos, float(scale),
+                            int(window))
+        return super().attend(query, k_pool, v_pool, scale, window)
 
     def _attend(self, query, k_pool, v_pool, scale, window):
         call = kernel_call(self.backend, query, k_pool, v_pool)

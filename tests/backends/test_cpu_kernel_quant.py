@@ -157,6 +157,21 @@ def test_packed_rotated_step_matches_the_torch_step(backend, name, dtype):
         < (0.5 if fmt.bits == 4 else 0.2), "the rotated quantised step approximates the model-dtype one"
 
 
+def test_the_kernel_rotates_the_query_itself(backend, monkeypatch):
+    """Rotated pools on the CPU kernel: no PyTorch rotation per layer (the op rotates each query row once and
+    unrotates each output row once); the padded functions keep the rotated space, as quantized_torch's."""
+    fmt, rotation = kv_formats.FORMATS["int8"], kv_formats.rotation_matrix(64)
+    plan, k_plain, v_plain, query = packed_case([(7, 1), (0, 9)], 8, 4, 2, 64, torch.float32, seed=2)
+    k, v = (kv_formats.QuantizedPool(*kv_formats.quantize(fmt, p @ rotation), fmt, 64, rotation) for p in (k_plain, v_plain))
+    ref = ta.TorchBackend().prepare(plan).attend(query, k, v, 0.125, 0)
+
+    def refuse(*args):
+        raise AssertionError("rotated in PyTorch")
+    monkeypatch.setattr(kv_formats.QuantizedPool, "rotate", refuse)
+    monkeypatch.setattr(kv_formats.QuantizedPool, "unrotate", refuse)
+    assert_close(backend.prepare(plan).attend(query, k, v, 0.125, 0), ref, torch.float32)
+
+
 def kivi_pools(lengths, num_kv, head_dim, dtype, gen, open_capacity=2):
     """KIVI pools holding ``lengths`` tokens per row written through KiviPool.write (full blocks sealed, the
     last partial block of each row in an open slot; the store grows past ``open_capacity``)."""
