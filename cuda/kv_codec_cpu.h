@@ -338,4 +338,31 @@ inline EncodeFn encode_function(int64_t format) {
   return nullptr;
 }
 
+// ---------------------------------------------------------------------------------------------- rotation
+// Whether R [D, D] is the normalised Sylvester-Hadamard matrix (kv_formats.rotation_matrix for power-of-two
+// D): R[i][j] = (-1)^popcount(i & j) / sqrt(D). Checked once per call (D^2 compares), so that any other R
+// still takes the general product.
+inline bool is_hadamard(const float* r, int64_t d) {
+  if (d < 2 || (d & (d - 1)) || !(r[0] > 0.f)) return false;
+  for (int64_t i = 0; i < d; ++i)
+    for (int64_t j = 0; j < d; ++j)
+      if (r[i * d + j] != (__builtin_popcountll(static_cast<uint64_t>(i & j)) & 1 ? -r[0] : r[0])) return false;
+  return true;
+}
+
+// x <- x H for that matrix (symmetric, so also x H^T): the fast Walsh-Hadamard transform, D log D additions
+// instead of D^2 multiply-adds, then the 1/sqrt(D) scale.
+inline void hadamard_row(float* x, int64_t d, float scale) {
+  for (int64_t h = 1; h < d; h *= 2) {
+    for (int64_t i = 0; i < d; i += 2 * h) {
+#pragma omp simd
+      for (int64_t j = i; j < i + h; ++j) {
+        const float a = x[j], b = x[j + h];
+        x[j] = a + b, x[j + h] = a - b;
+      }
+    }
+  }
+  for (int64_t j = 0; j < d; ++j) x[j] *= scale;
+}
+
 }  // namespace hfp_codec

@@ -4,7 +4,8 @@
 //   slot_mapping    int64 [N]    slot s = token s % BS of block s // BS; -1 = skip
 //   k_codes/v_codes, k_scales/v_scales: a QuantizedPool's tensors (hf_paged/kv_formats.py's layout), written
 //   rotation        fp32 [D, D] or None: each row is stored as x R (kv_formats.rotation_matrix)
-// Each (token, head) row is converted to fp32, rotated (y_j = sum_i x_i R_ij, fp32, in i order), and encoded
+// Each (token, head) row is converted to fp32, rotated (the fast Walsh-Hadamard transform when R is the
+// normalised Hadamard matrix, else y_j = sum_i x_i R_ij in i order; fp32), and encoded
 // by its format's function (kv_codec_cpu.h; kv_formats.quantize's codes bit for bit on the same rotated row;
 // the rotation's summation order differs from torch's matmul in the last bits, so a code at a rounding
 // boundary may differ by one step from the PyTorch path's). Replaces, per layer, the PyTorch path's ~10
@@ -51,11 +52,13 @@ Pool pool_of(const char* which, const at::Tensor& codes, const at::Tensor& scale
 
 // One row: fp32 copy (rotated when R is given) then encoded into its slot.
 template <typename T>
-void write_row(const T* x, int64_t stride, int64_t d, const float* rotation, float* in, float* out, const Pool& pool,
-               int64_t head, int64_t slot) {
+void write_row(const T* x, int64_t stride, int64_t d, const float* rotation, bool hadamard, float* in, float* out,
+               const Pool& pool, int64_t head, int64_t slot) {
   for (int64_t i = 0; i < d; ++i) in[i] = static_cast<float>(x[i * stride]);
   const float* row = in;
-  if (rotation != nullptr) {
+  if (hadamard) {
+    hfp_codec::hadamard_row(in, d, rotation[0]);
+  } else if (rotation != nullptr) {
     std::fill(out, out + d, 0.f);
     for (int64_t i = 0; i < d; ++i) {
       const float xi = in[i];
@@ -75,13 +78,14 @@ void write_all(const at::Tensor& key, const at::Tensor& value, const int64_t* sl
   const int64_t n = key.size(0), heads = key.size(1), d = key.size(2);
   const T* kd = key.data_ptr<T>();
   const T* vd = value.data_ptr<T>();
+  const bool hadamard = rotation != nullptr && hfp_codec::is_hadamard(rotation, d);
   at::parallel_for(0, n * heads, 64, [&](int64_t begin, int64_t end) {
     std::vector<float> in(d), out(d);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t t = item / heads, h = item % heads, slot = slots[t];
       if (slot < 0) continue;
-      write_row(kd + t * key.stride(0) + h * key.stride(1), key.stride(2), d, rotation, in.data(), out.data(), k, h, slot);
-      write_row(vd + t * value.stride(0) + h * value.stride(1), value.stride(2), d, rotation, in.data(), out.data(), v,
+      write_row(kd + t * key.stride(0) + h * key.stride(1), key.stride(2), d, rotation, hadamard, in.data(), out.data(), k, h, slot);
+      write_row(vd + t * value.stride(0) + h * value.stride(1), value.stride(2), d, rotation, hadamard, in.data(), out.data(), v,
                 h, slot);
     }
   });
@@ -104,11 +108,12 @@ void write_kv_quant(const at::Tensor& key, const at::Tensor& value, const at::Te
   for (int64_t t = 0; t < key.size(0); ++t)
     TORCH_CHECK(slots[t] < k.slots, "slot ", slots[t], " (token ", t, ") outside the pool's ", k.slots, " slots");
   const float* r = nullptr;
+  at::Tensor contiguous;                  // QR-made rotations are column-major
   if (rotation.has_value()) {
-    TORCH_CHECK(rotation->scalar_type() == at::kFloat && rotation->is_contiguous() && rotation->dim() == 2 &&
-                rotation->size(0) == d && rotation->size(1) == d, "rotation must be contiguous fp32 [D, D] (D = ", d,
-                "), got ", rotation->sizes());
-    r = rotation->data_ptr<float>();
+    TORCH_CHECK(rotation->scalar_type() == at::kFloat && rotation->dim() == 2 && rotation->size(0) == d &&
+                rotation->size(1) == d, "rotation must be fp32 [D, D] (D = ", d, "), got ", rotation->sizes());
+    contiguous = rotation->contiguous();
+    r = contiguous.data_ptr<float>();
   }
   switch (key.scalar_type()) {
     case at::kFloat: write_all<float>(key, value, slots, k, v, r); break;

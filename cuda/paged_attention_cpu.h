@@ -5,6 +5,9 @@
 //   const float* values(int64_t h, int64_t block, int64_t rows, float* buffer) const
 //   const float* rotation() const        fp32 [D, D] R or nullptr: the pools hold x R (kv_formats), so each
 //                                        query row is rotated once on entry and each output once on exit
+//   bool hadamard() const                R is_hadamard (then rotated by the fast transform)
+//   static constexpr bool kConverts      tiles are made (dequantised), not read in place; then also
+//   void key_rows(h, block, from, to, float* dst) const / value_rows(...): rows [from, to) into dst
 // returning the first `rows` rows of KV head h's block as a float [rows, D] tile, either where they are
 // (f32 pools) or converted / dequantised into `buffer` ([block_size, D] of this thread's scratch). Each
 // tile is produced once per (KV head, block, work item) and serves every query of the item (the GQA
@@ -19,7 +22,10 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <unordered_map>
 #include <vector>
+
+#include "kv_codec_cpu.h"     // the rotation helpers
 
 namespace hfp_cpu {
 
@@ -217,8 +223,10 @@ inline void single_token(Scratch& s, int64_t pos, int64_t window, int64_t base, 
 }
 
 
-// x[0:D] <- x R (transposed: x R^T) for fp32 R [D, D] row-major, through `tmp` [D].
-inline void rotate_row(float* x, const float* r, int64_t d, bool transposed, float* tmp) {
+// x[0:D] <- x R (transposed: x R^T) for fp32 R [D, D] row-major, through `tmp` [D]; `hadamard`: R passed
+// is_hadamard.
+inline void rotate_row(float* x, const float* r, int64_t d, bool transposed, float* tmp, bool hadamard) {
+  if (hadamard) return hfp_codec::hadamard_row(x, d, r[0]);
   if (transposed) {
     for (int64_t j = 0; j < d; ++j) {
       float sum = 0.f;
@@ -235,6 +243,62 @@ inline void rotate_row(float* x, const float* r, int64_t d, bool transposed, flo
     }
   }
   std::copy(tmp, tmp + d, x);
+}
+
+// Float tiles one thread has made in this call, kept so that the chunks of one prefill row (consecutive work
+// items of one thread, head-major) dequantise each block once instead of once per chunk. Valid for the whole
+// call: the pools do not change during it. Bounded by kMaxTiles; trimmed only between work items, so a
+// pointer it returned stays valid for the rest of that item.
+class TileCache {
+ public:
+  explicit TileCache(int64_t tile_floats) : tile_floats_(tile_floats) {}
+  void trim() {
+    if (static_cast<int64_t>(tiles_.size()) >= kMaxTiles) index_.clear(), tiles_.clear();
+  }
+  // Rows [0, rows) of tile `id`; fill(from, to, dst) makes the rows not made yet.
+  template <typename Fill>
+  const float* get(int64_t id, int64_t rows, int64_t head_dim, Fill&& fill) {
+    auto it = index_.find(id);
+    if (it == index_.end()) {
+      tiles_.emplace_back(tile_floats_);
+      it = index_.emplace(id, Entry{static_cast<int64_t>(tiles_.size()) - 1, 0}).first;
+    }
+    Entry& e = it->second;
+    float* data = tiles_[e.index].data();
+    if (e.rows < rows) {
+      fill(e.rows, rows, data + e.rows * head_dim);
+      e.rows = rows;
+    }
+    return data;
+  }
+
+ private:
+  static constexpr int64_t kMaxTiles = 2048;          // 2048 x 16 x 64 floats = 8 MiB at block 16, d64
+  struct Entry {
+    int64_t index, rows;
+  };
+  int64_t tile_floats_;
+  std::unordered_map<int64_t, Entry> index_;
+  std::vector<std::vector<float>> tiles_;            // inner buffers never move when the outer one grows
+};
+
+// K and V tiles of one block for a work item: a prefill chunk of a converting source goes through the
+// thread's cache; decode items (one token, each block read once) convert into the L1-sized scratch.
+template <typename Tiles>
+inline void block_tiles(const Tiles& tiles, Scratch& s, TileCache& cache, int64_t h, int64_t block, int64_t num_blocks,
+                        int64_t keys, int64_t head_dim, bool chunk, const float*& k, const float*& v) {
+  if constexpr (Tiles::kConverts) {
+    if (chunk) {
+      const int64_t id = (h * num_blocks + block) * 2;
+      k = cache.get(id, keys, head_dim, [&](int64_t a, int64_t b, float* dst) { tiles.key_rows(h, block, a, b, dst); });
+      v = cache.get(id + 1, keys, head_dim,
+                    [&](int64_t a, int64_t b, float* dst) { tiles.value_rows(h, block, a, b, dst); });
+      return;
+    }
+  }
+  (void)cache, (void)chunk, (void)num_blocks;
+  k = tiles.keys(h, block, keys, s.kbuf.data());
+  v = tiles.values(h, block, keys, s.vbuf.data());
 }
 
 // The step's geometry and metadata, read once per call.
@@ -294,8 +358,8 @@ inline void chunk_block(Scratch& s, const Geometry& g, int64_t t0, int64_t count
 
 // One work item: KV head h and the chunk of `count` tokens from t0, over the blocks any of them sees.
 template <typename T, typename Tiles>
-void attend_item(Scratch& s, const Geometry& g, const Tiles& tiles, const T* q_data, T* o_data, int64_t h,
-                 int64_t t0, int64_t count) {
+void attend_item(Scratch& s, TileCache& cache, const Geometry& g, const Tiles& tiles, const T* q_data, T* o_data,
+                 int64_t h, int64_t t0, int64_t count) {
   const int64_t head_dim = g.head_dim, group = g.group, queries = count * group, row = g.row_of[t0];
   int64_t lo_key = std::numeric_limits<int64_t>::max(), hi_key = 0;     // keys any token of the chunk sees
   for (int64_t i = 0; i < count; ++i) {
@@ -306,8 +370,10 @@ void attend_item(Scratch& s, const Geometry& g, const Tiles& tiles, const T* q_d
              group * head_dim);
   }
   const float* rotation = tiles.rotation();
+  const bool hadamard = tiles.hadamard();
   if (rotation != nullptr)
-    for (int64_t qi = 0; qi < queries; ++qi) rotate_row(s.q.data() + qi * head_dim, rotation, head_dim, false, s.row.data());
+    for (int64_t qi = 0; qi < queries; ++qi)
+      rotate_row(s.q.data() + qi * head_dim, rotation, head_dim, false, s.row.data(), hadamard);
   for (int64_t i = 0; i < queries * head_dim; ++i) s.q[i] *= g.scale;
   // Padding rows: zero queries give zero scores, and with corr 1 their accumulators stay zero.
   const int64_t padded = Scratch::pad(queries);
@@ -323,8 +389,8 @@ void attend_item(Scratch& s, const Geometry& g, const Tiles& tiles, const T* q_d
                 ") outside the pool's ", g.num_blocks, " blocks");
     const int64_t base = b * g.block_size;
     const int64_t keys = std::min(g.block_size, hi_key - base);         // keys of this block anyone sees
-    const float* k = tiles.keys(h, block, keys, s.kbuf.data());
-    const float* v = tiles.values(h, block, keys, s.vbuf.data());
+    const float *k, *v;
+    block_tiles(tiles, s, cache, h, block, g.num_blocks, keys, head_dim, count > 1, k, v);
     if (count == 1) {        // decode: a few queries, dot products per key
       single_token(s, g.pos_of[t0], g.window, base, keys, group, head_dim, k, v);
     } else {
@@ -335,7 +401,7 @@ void attend_item(Scratch& s, const Geometry& g, const Tiles& tiles, const T* q_d
     float* acc = s.acc.data() + qi * head_dim;
     const float inv = s.l[qi] > 0.f ? 1.f / s.l[qi] : 0.f;
     for (int64_t d = 0; d < head_dim; ++d) acc[d] *= inv;
-    if (rotation != nullptr) rotate_row(acc, rotation, head_dim, true, s.row.data());
+    if (rotation != nullptr) rotate_row(acc, rotation, head_dim, true, s.row.data(), hadamard);
     const int64_t i = qi / group, q = qi % group;
     from_float(acc, o_data + ((t0 + i) * g.num_q_heads + h * group + q) * head_dim, head_dim);
   }
@@ -355,9 +421,11 @@ void attend(const Geometry& g, const Tiles& tiles, const T* q_data, T* o_data) {
   // Work item = (KV head, chunk), head-major so that one thread's consecutive items share K/V tiles.
   at::parallel_for(0, g.num_kv_heads * num_chunks, 1, [&](int64_t begin, int64_t end) {
     Scratch s(kChunk * g.group, g.head_dim, g.block_size);
+    TileCache cache(g.block_size * g.head_dim);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t h = item / num_chunks, c = item % num_chunks;
-      attend_item(s, g, tiles, q_data, o_data, h, chunk_start[c], chunk_count[c]);
+      cache.trim();
+      attend_item(s, cache, g, tiles, q_data, o_data, h, chunk_start[c], chunk_count[c]);
     }
   });
 }

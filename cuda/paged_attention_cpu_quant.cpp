@@ -5,9 +5,10 @@
 //   codes   uint8 [Hkv, blocks, BS, D * bits / 8]
 //   scales  bf16  [Hkv, blocks, BS, S]   row formats (int8, fp8_e4m3, fp8_e5m2, int4, KIVI values)
 //           bf16  [Hkv, blocks, 2, D]    KIVI keys: per-channel scales, then minima, of the block
-// Each stored row a work item reads is dequantised once (kv_codec_cpu.h, one function per format) into
-// the thread's [BS, D] float tile, which then serves all the item's queries (the GQA group, up to 8 tokens
-// of a prefill row): codes are never expanded anywhere but that L1-sized tile. Without `rotation`, the query
+// Each stored row a decode item reads is dequantised once (kv_codec_cpu.h, one function per format) into
+// the thread's [BS, D] float tile, which then serves all the item's queries (the GQA group); a prefill
+// row's chunks share one dequantised copy per block and thread (TileCache, paged_attention_cpu.h, bounded),
+// so a block is dequantised once per thread and call, not once per chunk of 8 tokens. Without `rotation`, the query
 // arrives rotated (q R) and the output leaves rotated (sum p v R), as the padded PyTorch functions take them. KIVI: a block whose open slot (k_open_slot / v_open_slot [blocks], int64, -1 = sealed)
 // is set is read from k_open / v_open [Hkv, capacity, BS, D] (the query's dtype) instead of its codes.
 // With `rotation` R given, the query arrives unrotated and the output leaves unrotated: each query row is
@@ -47,23 +48,40 @@ struct QuantTiles {
   QuantSide<T> k, v;
   int64_t num_blocks, block_size, head_dim;
   const float* rotate = nullptr;          // R, or none: the query and output are in the pools' space
+  bool is_hadamard_ = false;              // R is the normalised Sylvester-Hadamard matrix
   const float* rotation() const { return rotate; }
+  bool hadamard() const { return is_hadamard_; }
 
-  const float* tile(const QuantSide<T>& side, int64_t h, int64_t block, int64_t rows, float* buffer) const {
-    if (side.open_slot != nullptr) {
-      const int64_t slot = side.open_slot[block];
-      TORCH_CHECK(slot < side.open_capacity, "block ", block, " names open slot ", slot, " of ",
-                  side.open_capacity);
-      if (slot >= 0) return float_tile(side.open + (h * side.open_capacity + slot) * block_size * head_dim,
-                                       buffer, rows * head_dim);
-    }
+  static constexpr bool kConverts = true;
+
+  // The open slot of `block` (KIVI), or -1: its rows are then read from the codes.
+  int64_t open_slot(const QuantSide<T>& side, int64_t block) const {
+    if (side.open_slot == nullptr) return -1;
+    const int64_t slot = side.open_slot[block];
+    TORCH_CHECK(slot < side.open_capacity, "block ", block, " names open slot ", slot, " of ", side.open_capacity);
+    return slot;
+  }
+  const T* open_rows(const QuantSide<T>& side, int64_t h, int64_t slot) const {
+    return side.open + (h * side.open_capacity + slot) * block_size * head_dim;
+  }
+  // Rows [from, to) of KV head h's block as floats into dst.
+  void rows(const QuantSide<T>& side, int64_t h, int64_t block, int64_t from, int64_t to, float* dst) const {
+    const int64_t slot = open_slot(side, block);
+    if (slot >= 0) return to_float(open_rows(side, h, slot) + from * head_dim, dst, (to - from) * head_dim);
     const int64_t at = h * num_blocks + block;
     const uint8_t* codes = side.codes + at * side.code_tile;
     const uint16_t* scales = side.scales + at * side.scale_tile;
-    for (int64_t r = 0; r < rows; ++r)
-      side.row(codes + r * side.code_row, scales + r * side.scale_row, side.num_scales, head_dim, buffer + r * head_dim);
+    for (int64_t r = from; r < to; ++r)
+      side.row(codes + r * side.code_row, scales + r * side.scale_row, side.num_scales, head_dim, dst + (r - from) * head_dim);
+  }
+  const float* tile(const QuantSide<T>& side, int64_t h, int64_t block, int64_t n, float* buffer) const {
+    const int64_t slot = open_slot(side, block);
+    if (slot >= 0) return float_tile(open_rows(side, h, slot), buffer, n * head_dim);     // f32: in place
+    rows(side, h, block, 0, n, buffer);
     return buffer;
   }
+  void key_rows(int64_t h, int64_t block, int64_t from, int64_t to, float* dst) const { rows(k, h, block, from, to, dst); }
+  void value_rows(int64_t h, int64_t block, int64_t from, int64_t to, float* dst) const { rows(v, h, block, from, to, dst); }
   const float* keys(int64_t h, int64_t block, int64_t rows, float* buffer) const { return tile(k, h, block, rows, buffer); }
   const float* values(int64_t h, int64_t block, int64_t rows, float* buffer) const { return tile(v, h, block, rows, buffer); }
 };
@@ -128,11 +146,14 @@ template <typename T>
 void run(const at::Tensor& query, const Geometry& g, const QuantSide<T>& k, const QuantSide<T>& v,
          const std::optional<at::Tensor>& rotation, at::Tensor& out) {
   QuantTiles<T> tiles{k, v, g.num_blocks, g.block_size, g.head_dim};
+  at::Tensor r;                           // a contiguous R (QR-made ones are column-major), alive for the call
   if (rotation.has_value()) {
-    TORCH_CHECK(rotation->scalar_type() == at::kFloat && rotation->is_contiguous() && rotation->dim() == 2 &&
-                rotation->size(0) == g.head_dim && rotation->size(1) == g.head_dim,
-                "rotation must be contiguous fp32 [D, D] (D = ", g.head_dim, "), got ", rotation->sizes());
-    tiles.rotate = rotation->data_ptr<float>();
+    TORCH_CHECK(rotation->scalar_type() == at::kFloat && rotation->dim() == 2 && rotation->size(0) == g.head_dim &&
+                rotation->size(1) == g.head_dim, "rotation must be fp32 [D, D] (D = ", g.head_dim, "), got ",
+                rotation->scalar_type(), " ", rotation->sizes());
+    r = rotation->contiguous();
+    tiles.rotate = r.data_ptr<float>();
+    tiles.is_hadamard_ = hfp_codec::is_hadamard(tiles.rotate, g.head_dim);
   }
   attend<T>(g, tiles, query.data_ptr<T>(), out.data_ptr<T>());
 }

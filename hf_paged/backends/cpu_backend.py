@@ -64,9 +64,10 @@ def _cpu_features() -> str:
 
 
 def _registered():
-    """The op when this process has loaded a build with both ops, else None."""
+    """The op when this process has loaded a build with all its ops, else None."""
     try:
-        torch.ops.hf_paged_cpu.paged_attention_quant  # noqa: B018  (raises when absent)
+        torch.ops.hf_paged_cpu.paged_attention_quant  # noqa: B018  (each raises when absent)
+        torch.ops.hf_paged_cpu.write_kv_quant  # noqa: B018
         return torch.ops.hf_paged_cpu.paged_attention
     except (AttributeError, RuntimeError):
         return None
@@ -96,7 +97,8 @@ def load_kernel():
         raise RuntimeError(f"{name} loaded but registered no torch.ops.hf_paged_cpu.paged_attention(_quant)")
     # Shape propagation for torch.compile: each op is one opaque node in a traced graph (no graph break).
     for qualname, fake in (("hf_paged_cpu::paged_attention", _fake_paged_attention),
-                           ("hf_paged_cpu::paged_attention_quant", _fake_paged_attention_quant)):
+                           ("hf_paged_cpu::paged_attention_quant", _fake_paged_attention_quant),
+                           ("hf_paged_cpu::write_kv_quant", _fake_write_kv_quant)):
         try:
             torch.library.register_fake(qualname)(fake)
         except RuntimeError:        # another thread loading at the same time registered it first
@@ -111,6 +113,10 @@ def _fake_paged_attention(query, k_pool, v_pool, block_tables, token_row, token_
 
 def _fake_paged_attention_quant(query, *args, **kwargs):
     return torch.empty_like(query, memory_format=torch.contiguous_format)
+
+
+def _fake_write_kv_quant(*args, **kwargs):        # writes its pool arguments in place, returns nothing
+    return None
 
 
 def _side(pool: QuantizedPool, dtype: torch.dtype):

@@ -157,12 +157,14 @@ def test_packed_rotated_step_matches_the_torch_step(backend, name, dtype):
         < (0.5 if fmt.bits == 4 else 0.2), "the rotated quantised step approximates the model-dtype one"
 
 
-def test_the_kernel_rotates_the_query_itself(backend, monkeypatch):
+@pytest.mark.parametrize("head_dim", [64, 80], ids=["hadamard", "orthogonal"])
+def test_the_kernel_rotates_the_query_itself(backend, monkeypatch, head_dim):
     """Rotated pools on the CPU kernel: no PyTorch rotation per layer (the op rotates each query row once and
-    unrotates each output row once); the padded functions keep the rotated space, as quantized_torch's."""
-    fmt, rotation = kv_formats.FORMATS["int8"], kv_formats.rotation_matrix(64)
-    plan, k_plain, v_plain, query = packed_case([(7, 1), (0, 9)], 8, 4, 2, 64, torch.float32, seed=2)
-    k, v = (kv_formats.QuantizedPool(*kv_formats.quantize(fmt, p @ rotation), fmt, 64, rotation) for p in (k_plain, v_plain))
+    unrotates each output row once: the fast Hadamard transform at head_dim 64, the general product at 80)."""
+    fmt, rotation = kv_formats.FORMATS["int8"], kv_formats.rotation_matrix(head_dim)
+    plan, k_plain, v_plain, query = packed_case([(7, 1), (0, 9)], 8, 4, 2, head_dim, torch.float32, seed=2)
+    k, v = (kv_formats.QuantizedPool(*kv_formats.quantize(fmt, p @ rotation), fmt, head_dim, rotation)
+            for p in (k_plain, v_plain))
     ref = ta.TorchBackend().prepare(plan).attend(query, k, v, 0.125, 0)
 
     def refuse(*args):
@@ -271,14 +273,15 @@ def test_write_quantises_as_kv_formats(backend, name, dtype):
         assert torch.equal(mine.data, theirs.data) and torch.equal(mine.scales.view(torch.int16), theirs.scales.view(torch.int16))
 
 
+@pytest.mark.parametrize("d", [64, 80], ids=["hadamard", "orthogonal"])
 @pytest.mark.parametrize("name", FORMATS)
-def test_write_rotates_as_the_pytorch_path(backend, name):
+def test_write_rotates_as_the_pytorch_path(backend, name, d):
     """With the rotation fused into the write: the stored rows dequantise to the PyTorch path's (which
     rotates with a matmul first) within one scale unit (an int code step; less than an fp8 step near the
     top of the range), and almost all codes are equal."""
     fmt = kv_formats.FORMATS[name]
     gen = torch.Generator().manual_seed(6)
-    n, heads, d, bs, blocks = 40, 2, 64, 16, 4
+    n, heads, bs, blocks = 40, 2, 16, 4
     rotation = kv_formats.rotation_matrix(d)
     x = torch.randn(n, heads, d, generator=gen)
     slots = torch.randperm(blocks * bs, generator=gen)[:n]
