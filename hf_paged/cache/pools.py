@@ -15,6 +15,7 @@ import torch
 from transformers import Cache
 
 from ..backends import TorchBackend, select_backend
+from ..backends.cpu_backend import CpuKernelBackend
 from ..backends.step import PagedLayer, Step
 from ..families import KVGeometry, config_geometry
 from ..kivi import KIVI, KiviPool
@@ -72,7 +73,8 @@ class KVPools(Cache):
         self.peer_backends = {d: select_backend(d) for d in set(devices) - {device}}
 
     def _allocate_kivi(self, shape, dtype, device, devices) -> None:
-        """KIVI pools (``hf_paged.kivi``); served by the PyTorch path on every device (no kernel reads them)."""
+        """KIVI pools (``hf_paged.kivi``): on the CPU the kernel backend reads them in place (sealed blocks and
+        open slots; writes and sealing are kivi's own); elsewhere the PyTorch path (no CUDA kernel reads them)."""
         heads, blocks, block_size, head_dim = shape
         self.key_pools = [KiviPool.new(True, heads, blocks, block_size, head_dim, dtype, d, self.open_slots)
                           for d in devices]
@@ -80,6 +82,11 @@ class KVPools(Cache):
                             for d in devices]
         if any(torch.device(d).type == "cuda" for d in devices):
             log.info("kv_cache_dtype='kivi' has no CUDA kernel: attention runs on the PyTorch path")
+        if all(torch.device(d).type == "cpu" for d in devices):
+            chosen = self.backend if self.backend is not None else select_backend(device)
+            if isinstance(chosen, (TorchBackend, CpuKernelBackend)):
+                self.backend, self.peer_backends = chosen, {}
+                return
         self.backend = self.backend if isinstance(self.backend, TorchBackend) else TorchBackend()
         self.peer_backends = {d: self.backend for d in set(devices) - {device}}
 

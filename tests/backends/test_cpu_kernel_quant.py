@@ -307,3 +307,17 @@ def test_write_refuses_what_it_cannot_store(backend):
     with pytest.raises(RuntimeError, match="KV heads"):
         backend.write_op(torch.randn(3, 3, 64), torch.randn(3, 3, 64), torch.tensor([0, 1, 2]), k.data, k.scales,
                          k.data, k.scales, 0, 0, None)
+
+
+def test_kivi_pools_on_the_cpu_use_the_kernel_backend(backend, monkeypatch):
+    """KVPools hand KIVI pools on the CPU to the selected backend (the kernel's), and to the PyTorch path when
+    the kernel is switched off (HF_PAGED_CPU_KERNEL=0)."""
+    from tiny_models import make_model
+
+    from hf_paged.cache import KVPools
+    config = make_model("llama").config
+    for env, kind in (("1", cpu_backend.CpuKernelBackend), ("0", ta.TorchBackend)):
+        monkeypatch.setenv(cpu_backend.KERNEL_ENV, env)
+        pools = KVPools(config, kv_format=kv_formats.kv_format("kivi"))
+        pools.allocate_pools(4, kv_formats.KIVI_BLOCK_SIZE, torch.float32, torch.device("cpu"))
+        assert isinstance(pools.backend, kind)
