@@ -15,6 +15,7 @@ import torch
 from transformers import Cache
 
 from ..backends import TorchBackend, select_backend
+from ..backends.kernel_registry import has_kernels
 from ..backends.step import PagedLayer, Step
 from ..families import KVGeometry, config_geometry
 from ..kivi import KIVI, KiviPool
@@ -67,9 +68,21 @@ class KVPools(Cache):
                 return QuantizedPool.zeros(self.kv_format, *shape, device=d, rotation=rotations[d])
         self.key_pools = [new_pool(d) for d in devices]
         self.value_pools = [new_pool(d) for d in devices]
+        if not has_kernels(self.kv_format):
+            return self._use_pytorch_path(device, devices)
         if self.backend is None:
             self.backend = select_backend(device)
         self.peer_backends = {d: select_backend(d) for d in set(devices) - {device}}
+
+    def _use_pytorch_path(self, device, devices) -> None:
+        """A format no CUDA kernel reads (``kernel_registry.has_kernels``: nvfp4, kivi) runs on the PyTorch
+        path on every device, so a GPU never reaches a kernel that would refuse its pools; said once per
+        allocation, on CUDA only (on the CPU the PyTorch path is what quantised pools use anyway)."""
+        if any(torch.device(d).type == "cuda" for d in devices):
+            log.info("kv_cache_dtype=%r has no CUDA kernel: attention runs on the PyTorch path",
+                     self.kv_format.name)
+        self.backend = self.backend if isinstance(self.backend, TorchBackend) else TorchBackend()
+        self.peer_backends = {d: self.backend for d in set(devices) - {device}}
 
     def _allocate_kivi(self, shape, dtype, device, devices) -> None:
         """KIVI pools (``hf_paged.kivi``); served by the PyTorch path on every device (no kernel reads them)."""
@@ -78,10 +91,7 @@ class KVPools(Cache):
                           for d in devices]
         self.value_pools = [KiviPool.new(False, heads, blocks, block_size, head_dim, dtype, d, self.open_slots)
                             for d in devices]
-        if any(torch.device(d).type == "cuda" for d in devices):
-            log.info("kv_cache_dtype='kivi' has no CUDA kernel: attention runs on the PyTorch path")
-        self.backend = self.backend if isinstance(self.backend, TorchBackend) else TorchBackend()
-        self.peer_backends = {d: self.backend for d in set(devices) - {device}}
+        self._use_pytorch_path(device, devices)
 
     def release_blocks(self, blocks) -> None:
         """Blocks the block pool made plain free (``BlockPool.free_listeners``): KIVI open slots go back."""
