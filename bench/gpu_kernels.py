@@ -155,13 +155,21 @@ def _extend_case(ctx, case, torch, device, backend, l2):
     case["of_sdpa"] = case["ours_TFLOPS"] / case["sdpa_TFLOPS"]
 
 
+def kernel_formats() -> dict:
+    """The quantised formats the CUDA kernels read (kernel_registry.KV_FORMAT_TAGS), name -> KVFormat."""
+    from hf_paged.backends.kernel_registry import KV_FORMAT_TAGS
+    from hf_paged.kv_formats import FORMATS
+    return {name: FORMATS[name] for name in KV_FORMAT_TAGS}
+
+
 def section_quantised(ctx: SectionContext) -> dict:
     """Quantised KV (kv_cache_dtype) at 64x4k, Llama-3-8B heads (32/8, d128, bf16 queries, block 16; 1 GB of
     bf16 K+V, far beyond the L2): decode against the PyTorch path on the same quantised pools, the write
-    kernel's codes against kv_formats.quantize, and decode time per format beside the unquantised pools."""
+    kernel's codes against kv_formats.quantize, and decode time per format beside the unquantised pools.
+    Formats without CUDA kernels (nvfp4, kivi: the PyTorch path serves them) are not timed here."""
     import torch
 
-    from hf_paged.kv_formats import FORMATS, QuantizedPool, quantize
+    from hf_paged.kv_formats import QuantizedPool, quantize
     device, backend, ref = device_and_backend(ctx)
     batch, context = (64, 4096) if not ctx.smoke else (2, 64)
     hq, hkv, d, bs, dtype = 32, 8, 128, 16, torch.bfloat16
@@ -176,7 +184,7 @@ def section_quantised(ctx: SectionContext) -> dict:
         case.update(ms=m["ms"], MB=2 * k_pool.nbytes / 1e6)
     guarded(ctx, auto, time_auto)
     summary = [f"quantised decode {batch}x{context}: auto {auto.get('ms', float('nan')):.3f} ms"]
-    for name, fmt in FORMATS.items():
+    for name, fmt in kernel_formats().items():
         if ctx.time_left() < 8:
             break
         case = {"case": "quantised_decode", "format": name, "batch": batch, "context": context}

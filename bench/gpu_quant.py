@@ -28,20 +28,23 @@ def section_quantised_extend(ctx: SectionContext) -> dict:
     path on the same quantised pools, then time and TFLOPS beside "auto" (bf16 pools)."""
     import torch
 
-    from hf_paged.kv_formats import FORMATS, QuantizedPool, quantize
+    from hf_paged.kv_formats import QuantizedPool, quantize
+
+    from .gpu_kernels import kernel_formats
     device, backend, ref = device_and_backend(ctx)
     tokens = SMOKE_TOKENS if ctx.smoke else EXTEND_TOKENS
     q, k_pool, v_pool, table, lens, pos, scale = _extend_inputs(torch, device, tokens)
     flops = extend_flops(tokens)
     summary = f"quantised extend {tokens} tokens:"
-    for name in ("auto", *FORMATS):
+    formats = kernel_formats()             # nvfp4 / kivi have no kernel: the PyTorch path serves them
+    for name in ("auto", *formats):
         if ctx.time_left() < 8:
             break
         case = {"case": "quantised_extend", "format": name, "tokens": tokens}
 
         def run(case, name=name):
             kp, vp = (k_pool, v_pool) if name == "auto" else (
-                QuantizedPool(*quantize(FORMATS[name], p), FORMATS[name], q.shape[-1]) for p in (k_pool, v_pool))
+                QuantizedPool(*quantize(formats[name], p), formats[name], q.shape[-1]) for p in (k_pool, v_pool))
 
             def call(i):
                 return backend.extend_attention(q, kp, vp, table, lens, pos, scale, max_context=tokens)

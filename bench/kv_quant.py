@@ -39,7 +39,7 @@ import hf_paged
 from .common import RESULTS, machine, pyplot, spread, stamp
 from .kv_quant_decode import held_out, held_out_table
 
-NAMES = ["auto", "fp8_e4m3", "fp8_e5m2", "int8", "int4", "kivi"]
+NAMES = ["auto", "fp8_e4m3", "fp8_e5m2", "int8", "int4", "kivi", "nvfp4"]
 
 def passages(tokenizer, count: int = 8, tokens: int = 512) -> list[torch.Tensor]:
     """The first ``count`` reference-manual topics (sorted by name) with at least ``tokens`` tokens."""
@@ -285,23 +285,25 @@ def plot(result: dict, path: Path) -> None:
 def main(argv=None, prog: str = "python -m bench kv-quant") -> None:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("--sections", default="quality,held-out,capacity,speed,quantized-cache")
+    parser.add_argument("--formats", default=",".join(NAMES), help="kv_cache_dtype values to measure ('auto' first)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (recorded)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     sections = args.sections.split(",")
+    names = args.formats.split(",")
     from hf_paged.integrations.smollm2 import load_smollm2  # noqa: PLC0415
 
     progress = functools.partial(print, flush=True)
     result = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": f"{os.cpu_count()} CPUs, no GPU",
               "threads": args.threads, "torch": torch.__version__, "host": machine()}
     runs = [  # section, model dtype, result key, what it runs; fp32 first, the bf16 model loaded when needed
-        ("quality", torch.float32, "quality_fp32", lambda m, tok: quality(m, tok, NAMES, progress)),
-        ("held-out", torch.float32, "held_out", lambda m, tok: held_out(m, tok, NAMES, progress)),
-        ("speed", torch.float32, "speed", lambda m, tok: speed(m, NAMES, progress)),
+        ("quality", torch.float32, "quality_fp32", lambda m, tok: quality(m, tok, names, progress)),
+        ("held-out", torch.float32, "held_out", lambda m, tok: held_out(m, tok, names, progress)),
+        ("speed", torch.float32, "speed", lambda m, tok: speed(m, names, progress)),
         ("quantized-cache", torch.float32, "quantized_cache", lambda m, tok: quantized_cache(m, tok, progress)),
-        ("quality", torch.bfloat16, "quality_bf16", lambda m, tok: quality(m, tok, NAMES, progress)),
-        ("capacity", torch.bfloat16, "capacity", lambda m, tok: capacity(m, NAMES, progress))]
+        ("quality", torch.bfloat16, "quality_bf16", lambda m, tok: quality(m, tok, names, progress)),
+        ("capacity", torch.bfloat16, "capacity", lambda m, tok: capacity(m, names, progress))]
     loaded = {}
     for section, dtype, key, run in runs:
         if section not in sections:

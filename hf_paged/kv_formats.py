@@ -7,6 +7,9 @@
     "fp8_e5m2"  float8 e5m2 codes, one bf16 scale per (token, head)
     "int8"      symmetric int8 codes, one bf16 scale per (token, head)
     "int4"      asymmetric 4-bit codes, a bf16 scale and minimum per group of 16 along head_dim
+    "nvfp4"     e2m1 4-bit float codes (+-{0, 0.5, 1, 1.5, 2, 3, 4, 6}) in groups of 16 along head_dim, each
+                group with an e4m3 scale relative to one bf16 scale per (token, head) (NVFP4's two levels);
+                no CUDA kernel reads it, so it runs on the PyTorch path on every device (``cache.pools``)
     "kivi"      KIVI-style 4-bit: keys per channel over each full block, values per token, the open block
                 in the model's dtype (``hf_paged.kivi``, which owns its layout; block_size 32)
 
@@ -22,9 +25,13 @@ Layout of one quantised pool (per layer, keys and values alike; same block geome
     data   : uint8 [Hkv, num_blocks, BS, D * bits / 8]     codes, contiguous
              fp8: the float8 bit pattern; int8: two's complement; int4: element 2i in the low nibble of byte
              i, element 2i + 1 in its high nibble, unsigned 0..15
+             nvfp4: last dim D/2 + D/16: the D/2 bytes of e2m1 codes packed as int4's (bit 3 the sign, bits
+             0-2 the index into 0, 0.5, 1, 1.5, 2, 3, 4, 6), then the D/16 group scales' e4m3fn bit patterns
     scales : bfloat16 [Hkv, num_blocks, BS, S]               contiguous
-             8-bit formats: S = 1, the scale; int4: S = 2 * D / 16, the D/16 group scales then the D/16 minima
-A stored element dequantises as ``code * scale`` (8-bit) or ``code * scale + minimum`` (int4), in fp32.
+             8-bit formats and nvfp4: S = 1, the (row) scale; int4: S = 2 * D / 16, the D/16 group scales then
+             the D/16 minima
+A stored element dequantises as ``code * scale`` (8-bit), ``code * scale + minimum`` (int4) or
+``e2m1(code) * e4m3(group scale) * row scale`` (nvfp4), in fp32.
 Both tensors are indexed by block on dimension 1, so a block's scales move with it (copy-on-write copies,
 pool growth, prefix-cache reuse). Quantisation uses the *stored* (bf16-rounded) scale, so that codes and
 scale agree exactly; an all-zero row gets scale 1.
@@ -47,16 +54,20 @@ class KVFormat:
     code_max: float
     float_codes: torch.dtype | None      # float8 dtype of fp8 codes; None for integer codes
     rotate: bool = True                  # store R-rotated vectors (see above)
+    fp8_group_scales: bool = False       # nvfp4: e4m3 group scales in ``data``, one bf16 row scale in ``scales``
 
     @property
     def quantised(self) -> bool:
         return self.bits < 16
 
     def code_bytes(self, head_dim: int) -> int:
-        return head_dim * self.bits // 8
+        """Bytes of ``data`` per (token, head): the codes, then nvfp4's e4m3 group scales."""
+        return head_dim * self.bits // 8 + (head_dim // self.group if self.fp8_group_scales else 0)
 
     def num_scales(self, head_dim: int) -> int:
         """bf16 values stored per (token, head): scales, then minima for asymmetric formats."""
+        if self.fp8_group_scales:
+            return 1
         groups = head_dim // self.group if self.group else 1
         return groups * (2 if self.asymmetric else 1)
 
@@ -75,6 +86,7 @@ FORMATS = {
     "fp8_e5m2": KVFormat("fp8_e5m2", 8, 0, False, 57344.0, torch.float8_e5m2),
     "int8": KVFormat("int8", 8, 0, False, 127.0, None),
     "int4": KVFormat("int4", 4, 16, True, 15.0, None),
+    "nvfp4": KVFormat("nvfp4", 4, 16, False, 6.0, None, rotate=True, fp8_group_scales=True),
 }
 # KIVI-style 4-bit blocks: the format here (a KVFormat like the others), its pools in hf_paged.kivi.
 KIVI_BLOCK_SIZE = 32          # tokens per key group = per block (the bytes: hf_paged.kivi)
@@ -197,6 +209,8 @@ class QuantizedPool:
 def quantize(fmt: KVFormat, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., D] (any float dtype) -> (uint8 codes [..., D*bits/8], bf16 scales [..., S])."""
     x = x.float()
+    if fmt.fp8_group_scales:
+        return _quantize_nvfp4(fmt, x)
     if fmt.asymmetric:
         groups = x.unflatten(-1, (-1, fmt.group))                            # [..., G, group]
         low, high = groups.amin(-1), groups.amax(-1)
@@ -219,6 +233,8 @@ def quantize(fmt: KVFormat, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 def dequantize(fmt: KVFormat, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The inverse of ``quantize``: codes [..., D*bits/8], scales [..., S] -> [..., D] in ``dtype``."""
+    if fmt.fp8_group_scales:
+        return _dequantize_nvfp4(fmt, codes, scales, dtype)
     if fmt.asymmetric:
         values = torch.stack([codes & 15, codes >> 4], dim=-1).flatten(-2).float()        # [..., D]
         groups = scales.shape[-1] // 2
@@ -230,3 +246,50 @@ def dequantize(fmt: KVFormat, codes: torch.Tensor, scales: torch.Tensor, dtype: 
     else:
         values = codes.view(torch.int8).float()
     return (values * scales.float()).to(dtype)
+
+
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)   # the magnitudes of e2m1 codes 0..7
+_E4M3_MAX = 448.0
+
+
+def e2m1_encode(v: torch.Tensor) -> torch.Tensor:
+    """fp32 values -> uint8 e2m1 codes 0..15 (bit 3 the sign), round to nearest, ties to the even code
+    (even mantissa), saturating at +-6. Zero and values that round to zero get code 0 (no -0)."""
+    a = v.abs()
+    # code k is reached above the midpoint between k-1 and k; a tie goes to the even one of the two
+    code = torch.zeros(v.shape, dtype=torch.uint8, device=v.device)
+    for k in range(1, 8):
+        mid = (E2M1_VALUES[k - 1] + E2M1_VALUES[k]) / 2
+        code += (a >= mid if k % 2 == 0 else a > mid).to(torch.uint8)
+    return code | (((v < 0) & (code > 0)).to(torch.uint8) << 3)
+
+
+def e2m1_decode(code: torch.Tensor) -> torch.Tensor:
+    """uint8 e2m1 codes 0..15 -> fp32 values."""
+    table = torch.tensor(E2M1_VALUES + tuple(-m for m in E2M1_VALUES), device=code.device)
+    return table[code.long()]
+
+
+def _quantize_nvfp4(fmt: KVFormat, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two-level scales: the row scale maps the row's largest |x| to 6 * 448 (so the group scales use
+    e4m3's whole range), each group's e4m3 scale maps its largest |x| to 6. Codes are computed from the
+    *stored* scales, so that a group whose e4m3 scale rounded down saturates at 6, never overflows."""
+    groups = x.unflatten(-1, (-1, fmt.group))                                    # [..., G, 16]
+    row = (x.abs().amax(-1, keepdim=True) / (fmt.code_max * _E4M3_MAX)).to(torch.bfloat16)
+    row = torch.where(row > 0, row, torch.ones_like(row))
+    group = (groups.abs().amax(-1) / fmt.code_max / row.float()).clamp_(max=_E4M3_MAX)
+    group = group.to(torch.float8_e4m3fn)                                        # round to nearest even
+    step = group.float() * row.float()                                           # [..., G]
+    safe = torch.where(step > 0, step, torch.ones_like(step))                    # a zero group: codes 0
+    codes = e2m1_encode(torch.where(step.unsqueeze(-1) > 0, groups / safe.unsqueeze(-1), 0.0)).flatten(-2)
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return torch.cat([packed, group.view(torch.uint8)], dim=-1), row
+
+
+def _dequantize_nvfp4(fmt: KVFormat, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    head_dim = codes.shape[-1] * 8 * fmt.group // (fmt.bits * fmt.group + 8)        # bytes = D/2 + D/16
+    half = head_dim * fmt.bits // 8
+    packed, group = codes[..., :half], codes[..., half:].contiguous().view(torch.float8_e4m3fn).float()
+    values = e2m1_decode(torch.stack([packed & 15, packed >> 4], dim=-1).flatten(-2))           # [..., D]
+    step = group * scales.float()                                                               # [..., G]
+    return (values.unflatten(-1, (-1, fmt.group)) * step.unsqueeze(-1)).flatten(-2).to(dtype)

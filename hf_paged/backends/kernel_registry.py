@@ -144,6 +144,12 @@ def module_kernel_names(module: tuple[str, int, str]) -> set[str]:
 _FORMAT_NAMES = {tag: name for name, tag in KV_FORMAT_TAGS.items()}
 
 
+def has_kernels(fmt: KVFormat | None) -> bool:
+    """Whether the CUDA kernels read pools of ``fmt`` (None: the model's dtype, always). Formats without
+    kernels ("nvfp4", "kivi") are served by the PyTorch path on every device (``cache.pools``)."""
+    return fmt is None or fmt.name in KV_FORMAT_TAGS
+
+
 def kv_format_tag(fmt: KVFormat) -> str:
     """The kernel-name tag of a quantised format (refusing formats without kernels)."""
     try:

@@ -16,6 +16,7 @@ from transformers import Cache
 
 from ..backends import TorchBackend, select_backend
 from ..backends.cpu_backend import CpuKernelBackend
+from ..backends.kernel_registry import has_kernels
 from ..backends.step import PagedLayer, Step
 from ..families import KVGeometry, config_geometry
 from ..kivi import KIVI, KiviPool
@@ -68,9 +69,27 @@ class KVPools(Cache):
                 return QuantizedPool.zeros(self.kv_format, *shape, device=d, rotation=rotations[d])
         self.key_pools = [new_pool(d) for d in devices]
         self.value_pools = [new_pool(d) for d in devices]
+        if not has_kernels(self.kv_format):
+            return self._without_cuda_kernels(device, devices)
         if self.backend is None:
             self.backend = select_backend(device)
         self.peer_backends = {d: select_backend(d) for d in set(devices) - {device}}
+
+    def _without_cuda_kernels(self, device, devices) -> None:
+        """A format no CUDA kernel reads (``kernel_registry.has_kernels``: nvfp4, kivi) runs on the PyTorch
+        path off the CPU, so a GPU never reaches a kernel that would refuse its pools; said once per
+        allocation, on CUDA only. All on the CPU, the CPU kernel backend stays: it reads what it has code
+        for (kivi) in place and hands the rest (nvfp4) to the PyTorch path itself."""
+        if all(torch.device(d).type == "cpu" for d in devices):
+            chosen = self.backend if self.backend is not None else select_backend(device)
+            if isinstance(chosen, (TorchBackend, CpuKernelBackend)):
+                self.backend, self.peer_backends = chosen, {}
+                return
+        if any(torch.device(d).type == "cuda" for d in devices):
+            log.info("kv_cache_dtype=%r has no CUDA kernel: attention runs on the PyTorch path",
+                     self.kv_format.name)
+        self.backend = self.backend if isinstance(self.backend, TorchBackend) else TorchBackend()
+        self.peer_backends = {d: self.backend for d in set(devices) - {device}}
 
     def _allocate_kivi(self, shape, dtype, device, devices) -> None:
         """KIVI pools (``hf_paged.kivi``): on the CPU the kernel backend reads them in place (sealed blocks and
@@ -80,15 +99,7 @@ class KVPools(Cache):
                           for d in devices]
         self.value_pools = [KiviPool.new(False, heads, blocks, block_size, head_dim, dtype, d, self.open_slots)
                             for d in devices]
-        if any(torch.device(d).type == "cuda" for d in devices):
-            log.info("kv_cache_dtype='kivi' has no CUDA kernel: attention runs on the PyTorch path")
-        if all(torch.device(d).type == "cpu" for d in devices):
-            chosen = self.backend if self.backend is not None else select_backend(device)
-            if isinstance(chosen, (TorchBackend, CpuKernelBackend)):
-                self.backend, self.peer_backends = chosen, {}
-                return
-        self.backend = self.backend if isinstance(self.backend, TorchBackend) else TorchBackend()
-        self.peer_backends = {d: self.backend for d in set(devices) - {device}}
+        self._without_cuda_kernels(device, devices)
 
     def release_blocks(self, blocks) -> None:
         """Blocks the block pool made plain free (``BlockPool.free_listeners``): KIVI open slots go back."""

@@ -87,12 +87,12 @@ def test_a_section_alone_reports_no_cuda(tmp_path, no_cuda):
 def test_quantised_extend_runs_every_format_on_the_cpu(tmp_path):
     """--cpu-smoke: the section's code on the CPU with the PyTorch path standing in for the kernels (its
     figures mean nothing; on a GPU the kernels are compared with the PyTorch path on the same pools)."""
-    from hf_paged.kv_formats import FORMATS
+    from hf_paged.backends.kernel_registry import KV_FORMAT_TAGS
     done = run("--no-install", "--cpu-smoke", "--sections", "quantised_extend", "--out", str(tmp_path), timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     record = lines(tmp_path)["quantised_extend"]
     cases = {c["format"]: c for c in record["figures"]["cases"]}
-    assert set(cases) == {"auto", *FORMATS}
+    assert set(cases) == {"auto", *KV_FORMAT_TAGS}       # the formats with kernels (not nvfp4/kivi)
     assert all(c["ok"] and c["ms"] > 0 and c["tokens"] == 48 for c in cases.values()), cases
     assert "quantised_extend" in run("--list").stdout
 

@@ -15,7 +15,9 @@ QUANTISED = sorted(FORMATS)
 # Largest relative error of one element, as a fraction of its group's scale reference: fp8 keeps
 # 3 (e4m3) or 2 (e5m2) mantissa bits of every element; int8 / int4 are uniform over the group's range.
 RELATIVE_TO_ELEMENT = {"fp8_e4m3": 2 ** -4, "fp8_e5m2": 2 ** -3}
-STEP_FRACTION_OF_RANGE = {"int8": 1 / 254, "int4": 1 / 30}
+# nvfp4: half of e2m1's widest gap (4 -> 6) is one step; the step is the group's max / 6, up to the e4m3
+# rounding of its scale (2^-4), and 2 * max is the span.
+STEP_FRACTION_OF_RANGE = {"int8": 1 / 254, "int4": 1 / 30, "nvfp4": (1 + 2 ** -4) / 12}
 
 
 @pytest.mark.parametrize("name", QUANTISED)
@@ -80,7 +82,7 @@ def test_int4_refuses_a_head_dim_it_cannot_group():
 @pytest.mark.parametrize("name", ["auto", *QUANTISED])
 def test_bytes_per_token_counts_the_scales(name):
     config = make_model("llama").config                        # 2 layers x 2 KV heads x head_dim 64
-    per_head = {"auto": 64 * 2, "int4": 32 + 2 * 8}.get(name, 64 + 2)
+    per_head = {"auto": 64 * 2, "int4": 32 + 2 * 8, "nvfp4": 32 + 4 + 2}.get(name, 64 + 2)
     assert kv_bytes_per_token(config, torch.bfloat16, name) == 2 * 2 * 2 * per_head
     cache = hf_paged.PagedCache(config, kv_cache_dtype=name, dtype=torch.bfloat16, num_blocks=4)
     assert cache.stats()["bytes_per_token"] == 2 * 2 * 2 * per_head

@@ -18,10 +18,11 @@ import hf_paged
 from hf_paged import kv_formats
 from tiny_models import EOS, make_batch, make_model, patched
 
-FORMATS = ["auto", "fp8", "fp8_e5m2", "int8", "int4", "kivi"]
-MAX_KL = {"auto": 1e-5, "fp8": 1e-3, "fp8_e5m2": 3e-3, "int8": 1e-4, "int4": 3e-3, "kivi": 3e-3}
-MAX_LOGPROB_ERROR = {"auto": 1e-4, "fp8": 0.08, "fp8_e5m2": 0.15, "int8": 0.03, "int4": 0.2, "kivi": 0.2}
-MAX_REGRET = {"auto": 1e-4, "fp8": 0.08, "fp8_e5m2": 0.2, "int8": 0.03, "int4": 0.25, "kivi": 0.25}
+FORMATS = ["auto", "fp8", "fp8_e5m2", "int8", "int4", "kivi", "nvfp4"]
+MAX_KL = {"auto": 1e-5, "fp8": 1e-3, "fp8_e5m2": 3e-3, "int8": 1e-4, "int4": 3e-3, "kivi": 3e-3, "nvfp4": 3e-3}
+MAX_LOGPROB_ERROR = {"auto": 1e-4, "fp8": 0.08, "fp8_e5m2": 0.15, "int8": 0.03, "int4": 0.2, "kivi": 0.2,
+                     "nvfp4": 0.2}
+MAX_REGRET = {"auto": 1e-4, "fp8": 0.08, "fp8_e5m2": 0.2, "int8": 0.03, "int4": 0.25, "kivi": 0.25, "nvfp4": 0.25}
 
 
 def block_size(kv_cache_dtype):
@@ -121,7 +122,7 @@ def test_bf16_model_with_quantised_kv(one_torch_thread):
     model = make_model("llama", seed=3, dtype=torch.bfloat16)
     ids, mask = make_batch([9, 30], seed=4)
     reference = _generate(model, "auto", ids, mask, max_new_tokens=8, do_sample=False, output_logits=True)
-    for name in ("fp8", "int8", "int4"):
+    for name in ("fp8", "int8", "int4", "nvfp4"):
         out = _generate(model, name, ids, mask, max_new_tokens=8, do_sample=False, output_logits=True)
         first = (out.logits[0].float() - reference.logits[0].float()).abs().max()
         assert 0 < first <= 0.25, (name, first.item())       # prefill logits: bf16 noise is ~0.03 here
