@@ -20,7 +20,8 @@ from hf_paged.backends import torch_backend as ta
 from hf_paged.backends.synthetic import assign_blocks
 from hf_paged.kivi import KiviPool
 
-FORMATS = list(kv_formats.FORMATS)              # fp8_e4m3, fp8_e5m2, int8, int4
+FORMATS = list(cpu_backend.FORMAT_IDS)          # the row formats the kernel reads: int8, fp8_e4m3, fp8_e5m2, int4
+UNREAD = [n for n in kv_formats.FORMATS if n not in cpu_backend.FORMAT_IDS]    # nvfp4: the PyTorch path
 HEADS = [(3, 3), (8, 2), (14, 2), (16, 1)]      # GQA 1, 4, 7, 16
 
 
@@ -231,6 +232,14 @@ def test_quantised_pools_reach_the_quantised_op(backend, monkeypatch):
     calls.clear()           # open slots in another dtype than the query: the PyTorch path, not refused
     out = routed.decode_attention(torch.randn(1, 2, 64, dtype=torch.bfloat16), k, v, tables, lens, 0.1)
     assert not calls and out.dtype == torch.bfloat16
+    assert UNREAD, "every format has kernel code: drop this check"
+    num_blocks, tables, lens = shared_tables([9, 20], 8, gen)
+    for name in UNREAD:     # a format without kernel code: the PyTorch path's result, not the op
+        k, v = (quantised_pool(kv_formats.FORMATS[name], (2, num_blocks, 8, 64), gen) for _ in range(2))
+        query = torch.randn(2, 4, 64)
+        out = routed.decode_attention(query, k, v, tables, lens, 0.1)
+        assert not calls
+        torch.testing.assert_close(out, quantized_torch.decode_attention(query, k, v, tables, lens, 0.1))
 
 
 def test_refusals_name_the_problem(backend):
