@@ -29,7 +29,8 @@ class EngineConfig:
     kv_cache_dtype: how blocks store K/V ("auto" = the model's dtype; "fp8", "fp8_e4m3", "fp8_e5m2", "int8",
     "int4" quantise them, see hf_paged.kv_formats): a quantised pool holds ~2x (8-bit) or ~2.7x (int4) the
     tokens in the same memory. enforce_eager: run the model's forward as it is; by default the engine
-    prepacks the linear weights of a CPU model for oneDNN (``hf_paged.engine.prepack``). max_logprobs: the
+    prepacks the linear weights of a CPU model for oneDNN (``hf_paged.engine.prepack``) and, on one CUDA
+    device, replays decode steps as CUDA graphs per batch-size bucket (``hf_paged.engine.graphs``). max_logprobs: the
     most top tokens a request may ask per log-probability entry (``logprobs``, ``prompt_logprobs``), as vLLM's."""
     block_size: int = 16
     max_num_seqs: int = 64
