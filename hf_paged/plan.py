@@ -42,6 +42,8 @@ class StepPlan:
     decode_context: int          decode_lens.max() (0 without decode rows)
     batch_shape  : (B, Q)        how the forward's input lays the T = B*Q tokens out: generate's batch rows
                                  (row r = batch row r) or the engine's packed (1, T)
+    writes_all   : bool          no slot_mapping entry is -1 (known on the host), so writers need no mask
+                                 and read nothing back (a mask's ``.all()`` would sync with the device)
     """
     slot_mapping: torch.Tensor
     token_row: torch.Tensor
@@ -55,6 +57,7 @@ class StepPlan:
     max_query_len: int
     decode_context: int
     batch_shape: tuple[int, int]
+    writes_all: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -131,6 +134,7 @@ def _assemble(tables: list[BlockTable], context: list[int], slots, counts, pos, 
         return torch.as_tensor(array, dtype=dtype).to(device, non_blocking=True)
 
     pos = np.asarray(pos, dtype=np.int32)
+    slots = np.asarray(slots, dtype=np.int64)
     counts = np.asarray(counts, dtype=np.int64)
     starts = np.zeros(len(counts) + 1, dtype=np.int32)
     np.cumsum(counts, out=starts[1:])
@@ -140,7 +144,8 @@ def _assemble(tables: list[BlockTable], context: list[int], slots, counts, pos, 
         query_start=to(starts, torch.int32), block_tables=to(_block_tables(tables, context, block_size), torch.int32),
         context_lens=to(context, torch.int32), decode_lens=to(pos[:num_decode] + 1, torch.int32),
         num_decode=num_decode, max_context=max(context, default=0), max_query_len=int(counts.max(initial=0)),
-        decode_context=int(pos[:num_decode].max(initial=-1)) + 1, batch_shape=batch_shape)
+        decode_context=int(pos[:num_decode].max(initial=-1)) + 1, batch_shape=batch_shape,
+        writes_all=bool((slots >= 0).all()))
 
 
 def padded_plan(tables: list[BlockTable], queries: torch.Tensor, writes: torch.Tensor, kv_before: list[int],

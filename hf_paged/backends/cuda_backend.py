@@ -88,8 +88,9 @@ class CudaBackend:
 
     # -- cache writes -------------------------------------------------------------------------
     def write_kv(self, k_pool: torch.Tensor | QuantizedPool, v_pool: torch.Tensor | QuantizedPool,
-                 key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """key, value: [N, Hkv, D] (any strides); slot_mapping: int64 [N], -1 = skip."""
+                 key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor, writes_all: bool = False) -> None:
+        """key, value: [N, Hkv, D] (any strides); slot_mapping: int64 [N], -1 = skip (the kernels skip -1
+        themselves, so ``writes_all`` changes nothing here)."""
         slots = slot_mapping.reshape(-1).to(torch.int64).contiguous()
         n = slots.numel()
         if n == 0:

@@ -18,11 +18,13 @@ CHUNK_TOKENS = 512
 
 
 def write_kv(k_pool: QuantizedPool, v_pool: QuantizedPool, key: torch.Tensor, value: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Quantise new keys/values [N, Hkv, D] and store codes and scales at ``slot_mapping`` (-1 = skip)."""
-    keep = slot_mapping >= 0
-    if not bool(keep.all()):
-        slot_mapping, key, value = slot_mapping[keep], key[keep], value[keep]
+             slot_mapping: torch.Tensor, writes_all: bool = False) -> None:
+    """Quantise new keys/values [N, Hkv, D] and store codes and scales at ``slot_mapping`` (-1 = skip;
+    ``writes_all``: none is, known on the host, so the mask is not read back)."""
+    if not writes_all:
+        keep = slot_mapping >= 0
+        if not bool(keep.all()):
+            slot_mapping, key, value = slot_mapping[keep], key[keep], value[keep]
     if isinstance(k_pool, KiviPool):        # open slots, sealed per block (hf_paged.kivi)
         k_pool.write(key, slot_mapping)
         v_pool.write(value, slot_mapping)

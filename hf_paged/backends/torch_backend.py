@@ -36,17 +36,19 @@ from .step import Step, Workspace
 
 
 def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor, writes_all: bool = False) -> None:
     """Store new keys/values into their slots.
 
-    key, value: [N, Hkv, D] (any strides); slot_mapping: int64 [N], -1 = skip.
+    key, value: [N, Hkv, D] (any strides); slot_mapping: int64 [N], -1 = skip. ``writes_all``: the caller
+    knows no entry is -1 (``StepPlan.writes_all``), so the mask is not read back (no host sync).
     """
     if isinstance(k_pool, QuantizedPool):
-        return quantized_torch.write_kv(k_pool, v_pool, key, value, slot_mapping)
+        return quantized_torch.write_kv(k_pool, v_pool, key, value, slot_mapping, writes_all)
     num_kv_heads, _, _, head_dim = k_pool.shape
-    keep = slot_mapping >= 0
-    if not bool(keep.all()):
-        slot_mapping, key, value = slot_mapping[keep], key[keep], value[keep]
+    if not writes_all:
+        keep = slot_mapping >= 0
+        if not bool(keep.all()):
+            slot_mapping, key, value = slot_mapping[keep], key[keep], value[keep]
     k_pool.view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, key.transpose(0, 1).to(k_pool.dtype))
     v_pool.view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, value.transpose(0, 1).to(v_pool.dtype))
 

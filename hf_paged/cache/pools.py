@@ -169,16 +169,16 @@ class KVPools(Cache):
             raise RuntimeError(self.no_step_message)
         k_pool = self.key_pools[layer_idx]
         step = self.step.on(k_pool.device)      # the plan where this layer's pool is
-        self.write(layer_idx, key_states, value_states, step.plan.slot_mapping)
+        self.write(layer_idx, key_states, value_states, step.plan.slot_mapping, step.plan.writes_all)
         layer = PagedLayer(k_pool, self.value_pools[layer_idx], step)
         return layer, layer
 
     no_step_message = "a paged cache's update ran outside a planned forward"
 
     def write(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor,
-              slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write [B, Hkv, Q, D] keys/values at ``slot_mapping`` (int64 [B*Q] on the layer's device, -1 = skip);
-        return the pools.
+              slot_mapping: torch.Tensor, writes_all: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write [B, Hkv, Q, D] keys/values at ``slot_mapping`` (int64 [B*Q] on the layer's device, -1 = skip;
+        ``writes_all``: none is, known on the host); return the pools.
 
         Inference only: the pools hold detached values, so no autograd graph grows across steps."""
         k_pool, v_pool = self.key_pools[layer_idx], self.value_pools[layer_idx]
@@ -202,7 +202,7 @@ class KVPools(Cache):
         self.backend.write_kv(k_pool, v_pool,
                               key_states.detach().transpose(1, 2).reshape(batch * q_len, heads, dim),
                               value_states.detach().transpose(1, 2).reshape(batch * q_len, heads, dim),
-                              slot_mapping)
+                              slot_mapping, writes_all)
         return k_pool, v_pool
 
     # ------------------------------------------------- per-layer answers for transformers

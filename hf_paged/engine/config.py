@@ -28,8 +28,10 @@ class EngineConfig:
     the model's ``max_position_embeddings``). enable_prefix_caching: reuse full blocks across requests.
     kv_cache_dtype: how blocks store K/V ("auto" = the model's dtype; "fp8", "fp8_e4m3", "fp8_e5m2", "int8",
     "int4", "nvfp4", "kivi" quantise them, see hf_paged.kv_formats): a quantised pool holds ~2x (8-bit),
-    ~2.7x (int4) or ~3.4x (nvfp4) the tokens in the same memory. enforce_eager: run the model's forward as it is; by default the engine
-    prepacks the linear weights of a CPU model for oneDNN (``hf_paged.engine.prepack``). max_logprobs: the
+    ~2.7x (int4) or ~3.4x (nvfp4) the tokens in the same memory. enforce_eager: run the model's forward as
+    it is; by default the engine prepacks the linear weights of a CPU model for oneDNN
+    (``hf_paged.engine.prepack``) and, on one CUDA device, replays decode steps as CUDA graphs per
+    batch-size bucket (``hf_paged.engine.graphs``). max_logprobs: the
     most top tokens a request may ask per log-probability entry (``logprobs``, ``prompt_logprobs``), as vLLM's."""
     block_size: int = 16
     max_num_seqs: int = 64

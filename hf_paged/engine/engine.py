@@ -30,12 +30,14 @@ from dataclasses import fields, replace
 import torch
 
 from ..attention_interface import use_paged_attention
+from ..backends import backend_kind
 from ..blocks import BlockPool, PrefixCache
 from ..introspect import model_geometry
 from ..kivi import split_budget
 from ..kv_formats import kv_format
 from ..parallel import tensor_parallel_ranks
 from .config import EngineConfig, kv_pool_blocks
+from .graphs import DecodeGraphs, capture_sizes, cuda_capture
 from .intake import never_fits, token_ids
 from .logprobs import TokenTexts, logprob_entries
 from .outputs import RequestOutput, TokenEvent, write_record
@@ -73,8 +75,11 @@ class Engine:
         self.bytes_per_token = geometry.bytes_per_token(dtype, fmt)
         self.open_slots = config.max_num_seqs        # kivi: open blocks the cache holds (see _minus_open_slots)
         blocks = self._num_blocks(geometry, device)
-        self.cache = EngineCache(model.config, blocks, config.block_size, dtype, device, geometry, fmt,
-                                 open_slots=self.open_slots)
+        capture = self._graph_capture(device, geometry)
+        # With decode graphs the pools get one block more than the block pool manages: the scratch block
+        # that the pad rows of a bucket write and read (hf_paged.engine.graphs).
+        self.cache = EngineCache(model.config, blocks + (capture is not None), config.block_size, dtype, device,
+                                 geometry, fmt, open_slots=self.open_slots)
         self.pool = BlockPool(blocks, config.block_size)
         self.pool.free_listeners.append(self.cache.release_blocks)
         self.prefix_cache = PrefixCache(self.pool) if config.enable_prefix_caching else None
@@ -82,6 +87,9 @@ class Engine:
         self.scheduler = Scheduler(self.pool, self.prefix_cache, self.open_slots, config.max_num_batched_tokens,
                                    self.counters)
         self.runner = ModelRunner(model, self.cache)
+        if capture is not None:
+            width = min(-(-self.max_model_len // config.block_size), blocks)
+            self.runner.graphs = DecodeGraphs(self.runner, capture_sizes(config.max_num_seqs), width, blocks, capture)
         self.prepacked = None if config.enforce_eager or device.type != "cpu" else PrepackedLinears(model)
         self.requests: dict[int, Request] = {}
         self._ids = itertools.count()
@@ -96,6 +104,15 @@ class Engine:
         return self.tp_ranks.smallest(self._minus_open_slots(geometry, min(
             kv_pool_blocks(self.config, self.bytes_per_token * layers // geometry.num_layers, self.max_model_len,
                            on, profile=self._profile) for on, layers in layers_on.items())))
+
+    def _graph_capture(self, device: torch.device, geometry):
+        """How decode steps are captured (``graphs.cuda_capture``), or None to run them eagerly: CUDA graphs
+        unless ``enforce_eager``, on one CUDA device with the CUDA kernels and pools they read in place
+        (not kivi, not a device_map, not tensor-parallel)."""
+        if (self.config.enforce_eager or device.type != "cuda" or self.config.kv_cache_dtype == "kivi"
+                or geometry.layer_devices or self.tp_ranks.size > 1 or backend_kind(device) != "cuda"):
+            return None
+        return cuda_capture
 
     def _minus_open_slots(self, geometry, blocks: int) -> int:
         """kivi: the open-block store is paid for out of the KV budget and caps the running sequences

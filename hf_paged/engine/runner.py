@@ -52,6 +52,7 @@ class ModelRunner:
         self.model, self.cache = model, cache
         self.device = cache.key_pools[0].device
         self.cache_kw = cache_keyword(model)
+        self.graphs = None          # a graphs.DecodeGraphs when decode steps run on static buffers
 
     def prepare(self, batch: list[tuple[object, int]]):
         """batch: (sequence, number of its tokens to compute), decode entries (1 token) first.
@@ -89,15 +90,24 @@ class ModelRunner:
         asked prompt positions', those sequences, the prompt spans, seconds spent building the inputs
         and the plan)."""
         start = time.perf_counter()
+        graphs = self.graphs
+        if graphs is not None and graphs.eligible(batch) and not any(prompt_span(s, s.num_computed, 1) for s, _ in batch):
+            logits = graphs.execute(batch)
+            if logits is not None:          # None: capture failed just now, graphs are off; run eagerly
+                return logits, [seq for seq, _ in batch], [], 0.0
         input_ids, position_ids, plan, keep, samplers, spans = self.prepare(batch)
-        self.cache.prepare(plan)
         prepare_s = time.perf_counter() - start
+        return self.forward(input_ids, position_ids, plan, keep).float(), samplers, spans, prepare_s
+
+    def forward(self, input_ids, position_ids, plan, keep) -> torch.Tensor:
+        """The model once on a planned step: logits [K, V] (the model's dtype) of the ``keep`` rows."""
+        self.cache.prepare(plan)
         try:
             out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=True,
                              logits_to_keep=keep, **{self.cache_kw: self.cache})
         finally:
             self.cache.end_step()
-        return out.logits[0].float(), samplers, spans, prepare_s
+        return out.logits[0]
 
 
 def prompt_span(seq, computed: int, n: int) -> tuple[int, int] | None:
