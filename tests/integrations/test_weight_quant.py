@@ -32,7 +32,7 @@ def test_patched_generate_equals_default_path(scheme, release):
     assert max((a - b).abs().max().item() for a, b in zip(out.logits, ref.logits)) < 1e-4
 
 
-@pytest.mark.parametrize("scheme", ["bnb-nf4", "torchao-int8"])
+@pytest.mark.parametrize("scheme", sorted(LIBRARY))
 def test_engine_equals_generate_per_prompt(scheme):
     """The engine packs rows into one [1, N] forward; compared with each prompt alone through generate
     (bitsandbytes' 4-bit kernel differs for a single-token input, so the batch-of-one default path is the
@@ -43,6 +43,43 @@ def test_engine_equals_generate_per_prompt(scheme):
     for prompt, out in zip(prompts, outs):
         ref = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=8, do_sample=False)
         assert torch.equal(out.sequences[0], ref[0])
+
+
+def _linear_inputs(model, **kw) -> dict:
+    """Each quantised linear's first-call input (the prefill's), by module name."""
+    seen, hooks = {}, []
+
+    def record(name):
+        def hook(module, args, out) -> None:       # returns None: a hook's value would replace the output
+            seen.setdefault(name, args[0].detach().clone())
+        return hook
+
+    for name, module in model.named_modules():
+        if name.endswith(("_proj", "lm_head")):
+            hooks.append(module.register_forward_hook(record(name)))
+    try:
+        model.generate(**kw)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return seen
+
+
+@pytest.mark.parametrize("scheme", ["bnb-int8", "bnb-nf4"])
+def test_linears_see_the_default_paths_inputs(scheme):
+    """The invariant the paged path keeps for every scheme: each quantised linear gets the default path's
+    input (shape, dtype, contiguity), equal up to attention's float rounding. LLM.int8 rounds that input to
+    fp16 and int8, so on a real model this rounding alone can change tokens (see weight_quant's docstring)."""
+    model = _quantised(scheme)
+    kw = dict(input_ids=torch.tensor([[5, 17, 33, 9, 40, 41, 2]]), max_new_tokens=1, do_sample=False)
+    ref = _linear_inputs(model, **kw)
+    with patched(model):
+        out = _linear_inputs(model, cache_implementation="paged", **kw)
+    assert ref.keys() == out.keys() and len(ref) > 0
+    for name, a in ref.items():
+        b = out[name]
+        assert (a.shape, a.dtype, a.is_contiguous()) == (b.shape, b.dtype, b.is_contiguous()), name
+        assert (a - b).abs().max().item() < 1e-5, name
 
 
 def test_server_loader_quantizes_a_checkpoint(tmp_path):
