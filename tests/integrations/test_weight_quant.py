@@ -107,3 +107,9 @@ def test_unknown_scheme_is_refused():
 
     with pytest.raises(ValueError, match="known: bnb-int8"):
         load_model("smollm2", quantization="int3")
+
+
+def test_torchao_int4_on_cpu_is_refused_with_the_alternatives():
+    pytest.importorskip("torchao")
+    with pytest.raises(ValueError, match="no CPU kernel.*bnb-nf4"):
+        quantize_model(make_model("llama"), "torchao-int4")
