@@ -113,3 +113,25 @@ def test_torchao_int4_on_cpu_is_refused_with_the_alternatives():
     pytest.importorskip("torchao")
     with pytest.raises(ValueError, match="no CPU kernel.*bnb-nf4"):
         quantize_model(make_model("llama"), "torchao-int4")
+
+
+@pytest.mark.parametrize("scheme", sorted(LIBRARY))
+def test_server_completion_equals_generate(scheme):
+    """An in-process ``hf-paged serve`` app over the quantised model: a greedy completion's text is the
+    decoded tokens of the same prompt alone through the default-path generate."""
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("uvicorn")
+    from live_server import running
+    from tiny_models import chat_word_tokenizer
+
+    from hf_paged.integrations.server import create_app
+
+    model, tokenizer = _quantised(scheme), chat_word_tokenizer()
+    prompt = [5, 17, 33, 9, 40]
+    ref = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=6, do_sample=False)
+    app = create_app(model, tokenizer, served_model_name="tiny", num_blocks=16, max_num_seqs=2, block_size=16)
+    with running(app) as url:
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+        reply = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
+    assert reply["usage"]["completion_tokens"] == 6
+    assert reply["choices"][0]["text"] == tokenizer.decode(ref[0, len(prompt):]) != ""
