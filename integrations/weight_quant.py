@@ -9,6 +9,21 @@ Schemes (vLLM's flag name ``--quantization``; ``bitsandbytes`` is vLLM's value a
 - ``torchao-int8``: torchao int8 weight-only, ``torchao-int4``: torchao int4 weight-only (group 128),
   applied in place to a loaded model (``torchao.quantization.quantize_``).
 
+Exactness on the paged path. The paged path feeds every quantised linear the same activations as the
+default path (same shapes, dtype, contiguity; pad queries' attention output is zero) up to the float
+rounding of attention itself: paged attention reduces in another order than SDPA/eager, ~1e-7 apart in fp32.
+torchao int8/int4 and bnb nf4/fp4 are continuous in their input, so their tokens match the default path.
+**bnb int8 (LLM.int8) is not**: it casts activations to fp16 and rounds each row to int8 codes (row absmax
+/ 127), so a 1-ulp fp32 difference can flip a code and the logits move by ~1. Measured on SmolLM2-135M
+(each of the demo's 8 prompts alone, 24 greedy tokens): transformers' own default path with
+``attn_implementation="eager"`` against ``"sdpa"`` agrees on 3/8 rows, first-step logits up to 2.6 apart;
+paged against sdpa agrees on 5/8, up to 2.0 apart. Which outputs can differ: any token after the first
+hidden state whose fp16/int8 rounding lands on the other side of a boundary; nothing in hf_paged changes
+that (the same holds between any two correct attention kernels). LLM.int8 also picks its fp16 outlier
+columns (|x| > 6) over all rows of one call, so in a batch a row's output depends on the other rows and on
+pad positions, in the default path too; each prompt alone is its defined reference. The tests check the
+invariant (same linear inputs up to attention rounding) and the tokens where no boundary is hit.
+
 A pre-quantised checkpoint (its config.json has a ``quantization_config``) needs no scheme: transformers
 loads it as it is. Libraries are optional: a missing one raises ImportError naming the pip extra.
 """
@@ -52,6 +67,12 @@ def bnb_config(scheme: str, dtype: torch.dtype):
 def quantize_loaded(model, scheme: str):
     """Apply a torchao scheme in place to a loaded model (its linears; embeddings stay as they are)."""
     require("torchao")
+    if scheme == "torchao-int4" and model.device.type == "cpu":
+        # torchao's int4 weight-only layouts run on CUDA (mslk, tinygemm) or XPU/NPU kernels only; on a CPU
+        # quantize_ fails deep inside with "Requires mslk" (checked with torchao 0.18).
+        raise ValueError("torchao-int4 has no CPU kernel in torchao (its int4 weight-only layouts need CUDA "
+                         "or XPU); on a CPU use --quantization bnb-nf4 / bnb-fp4 (4-bit) or torchao-int8, "
+                         "or load the model on a GPU (--device cuda)")
     from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
 
     config = Int8WeightOnlyConfig() if scheme == "torchao-int8" else Int4WeightOnlyConfig(group_size=128)

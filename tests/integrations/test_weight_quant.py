@@ -32,7 +32,7 @@ def test_patched_generate_equals_default_path(scheme, release):
     assert max((a - b).abs().max().item() for a, b in zip(out.logits, ref.logits)) < 1e-4
 
 
-@pytest.mark.parametrize("scheme", ["bnb-nf4", "torchao-int8"])
+@pytest.mark.parametrize("scheme", sorted(LIBRARY))
 def test_engine_equals_generate_per_prompt(scheme):
     """The engine packs rows into one [1, N] forward; compared with each prompt alone through generate
     (bitsandbytes' 4-bit kernel differs for a single-token input, so the batch-of-one default path is the
@@ -43,6 +43,43 @@ def test_engine_equals_generate_per_prompt(scheme):
     for prompt, out in zip(prompts, outs):
         ref = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=8, do_sample=False)
         assert torch.equal(out.sequences[0], ref[0])
+
+
+def _linear_inputs(model, **kw) -> dict:
+    """Each quantised linear's first-call input (the prefill's), by module name."""
+    seen, hooks = {}, []
+
+    def record(name):
+        def hook(module, args, out) -> None:       # returns None: a hook's value would replace the output
+            seen.setdefault(name, args[0].detach().clone())
+        return hook
+
+    for name, module in model.named_modules():
+        if name.endswith(("_proj", "lm_head")):
+            hooks.append(module.register_forward_hook(record(name)))
+    try:
+        model.generate(**kw)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return seen
+
+
+@pytest.mark.parametrize("scheme", ["bnb-int8", "bnb-nf4"])
+def test_linears_see_the_default_paths_inputs(scheme):
+    """The invariant the paged path keeps for every scheme: each quantised linear gets the default path's
+    input (shape, dtype, contiguity), equal up to attention's float rounding. LLM.int8 rounds that input to
+    fp16 and int8, so on a real model this rounding alone can change tokens (see weight_quant's docstring)."""
+    model = _quantised(scheme)
+    kw = dict(input_ids=torch.tensor([[5, 17, 33, 9, 40, 41, 2]]), max_new_tokens=1, do_sample=False)
+    ref = _linear_inputs(model, **kw)
+    with patched(model):
+        out = _linear_inputs(model, cache_implementation="paged", **kw)
+    assert ref.keys() == out.keys() and len(ref) > 0
+    for name, a in ref.items():
+        b = out[name]
+        assert (a.shape, a.dtype, a.is_contiguous()) == (b.shape, b.dtype, b.is_contiguous()), name
+        assert (a - b).abs().max().item() < 1e-5, name
 
 
 def test_server_loader_quantizes_a_checkpoint(tmp_path):
@@ -70,3 +107,31 @@ def test_unknown_scheme_is_refused():
 
     with pytest.raises(ValueError, match="known: bnb-int8"):
         load_model("smollm2", quantization="int3")
+
+
+def test_torchao_int4_on_cpu_is_refused_with_the_alternatives():
+    pytest.importorskip("torchao")
+    with pytest.raises(ValueError, match="no CPU kernel.*bnb-nf4"):
+        quantize_model(make_model("llama"), "torchao-int4")
+
+
+@pytest.mark.parametrize("scheme", sorted(LIBRARY))
+def test_server_completion_equals_generate(scheme):
+    """An in-process ``hf-paged serve`` app over the quantised model: a greedy completion's text is the
+    decoded tokens of the same prompt alone through the default-path generate."""
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("uvicorn")
+    from live_server import running
+    from tiny_models import chat_word_tokenizer
+
+    from hf_paged.integrations.server import create_app
+
+    model, tokenizer = _quantised(scheme), chat_word_tokenizer()
+    prompt = [5, 17, 33, 9, 40]
+    ref = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=6, do_sample=False)
+    app = create_app(model, tokenizer, served_model_name="tiny", num_blocks=16, max_num_seqs=2, block_size=16)
+    with running(app) as url:
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+        reply = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
+    assert reply["usage"]["completion_tokens"] == 6
+    assert reply["choices"][0]["text"] == tokenizer.decode(ref[0, len(prompt):]) != ""
