@@ -60,8 +60,8 @@ def held_out(model, tokenizer, names: list[str], progress) -> dict:
         row = {"seconds": seconds[name]}
         for kind in [*kinds, "all"]:
             chosen = kinds if kind == "all" else [kind]
-            pick = lambda table, n: [x for k in chosen for x in table[n, k]]     # noqa: E731
-            row[kind] = _summary(pick(nll, name), pick(kl, name), pick(nll, "auto"))
+            row[kind] = _summary(*([x for k in chosen for x in table[n, k]]
+                                   for table, n in ((nll, name), (kl, name), (nll, "auto"))))
         out[name] = row
         progress(f"  {name:9s} " + "  ".join(f"{k} {row[k]['ppl_delta_pct']:+.2f}% (KL {row[k]['kl_mean']:.1e})"
                                              for k in [*kinds, "all"]) + f"  ({seconds[name]:.0f} s)")
@@ -77,8 +77,9 @@ def held_out_table(section: dict) -> list[str]:
         r = section[name][kind]
         return f"{r['ppl']:.3f}" if name == "auto" else f"{r['ppl_delta_pct']:+.2f}% / {r['kl_mean']:.1e}"
 
-    return [f"## Held-out text decoded token by token, fp32 model ({len(section['passages'])} passages: "
-            f"{', '.join(section['kinds'])}; {section['prompt']}-token prompt + {section['forced']} forced tokens "
-            "each; perplexity change / mean KL against auto)", "",
+    title = (f"## Held-out text decoded token by token, fp32 model ({len(section['passages'])} passages: "
+             f"{', '.join(section['kinds'])}; {section['prompt']}-token prompt + {section['forced']} forced tokens "
+             "each; perplexity change / mean KL against auto)")
+    return [title, "",
             "| kv_cache_dtype | " + " | ".join(kinds) + " |", "|---|" + "---|" * len(kinds),
             *(f"| {n} | " + " | ".join(cell(n, k) for k in kinds) + " |" for n in names), ""]

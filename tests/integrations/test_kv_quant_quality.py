@@ -157,8 +157,9 @@ HELD_OUT_MAX_PPL_PCT = {"int8": 0.5}
 
 @pytest.mark.slow
 def test_real_text_of_every_kind_stays_within_the_held_out_bounds():
-    from bench.kv_quant_texts import PROMPT, held_out_passages  # noqa: PLC0415
-    from hf_paged.integrations import smollm2  # noqa: PLC0415
+    from hf_paged.integrations import smollm2
+
+    from bench.kv_quant_texts import PROMPT, held_out_passages
 
     try:
         model, tokenizer = smollm2.load_smollm2(dtype=torch.float32, verbose=False)
@@ -175,7 +176,8 @@ def test_real_text_of_every_kind_stays_within_the_held_out_bounds():
             for name in HELD_OUT_MAX_KL:
                 cache = hf_paged.PagedCache(model.config, kv_cache_dtype=name, dtype=model.dtype)
                 with torch.no_grad(), hf_paged.use_paged_attention(model):
-                    got = model(input_ids=ids[None], past_key_values=cache).logits[0, PROMPT - 1:-1].float().log_softmax(-1)
+                    logits = model(input_ids=ids[None], past_key_values=cache).logits[0, PROMPT - 1:-1]
+                got = logits.float().log_softmax(-1)
                 target = ids[PROMPT:, None]
                 rows.setdefault((name, kind), []).append(((ref.exp() * (ref - got)).sum(-1),
                                                           ref.gather(-1, target)[:, 0] - got.gather(-1, target)[:, 0]))
