@@ -10,7 +10,8 @@ quality  fp32 and bf16 model: teacher-forced perplexity of real text (the Python
          (scales are per token, so the stored codes do not depend on the order of writes; not so for kivi,
          whose one-forward figure is pessimistic: every query sees its own block quantised). (The study of
          int4 groups of 32/64 and of no rotation that chose the defaults is in results/kv-quant-20261201-*.)
-held-out fp32 model: stdlib docstrings and license text, decoded token by token (``kv_quant_decode``).
+held-out fp32 model: 24 passages of stdlib docstrings, stdlib source comments and the stdlib's license
+         (``kv_quant_texts``), decoded token by token (``kv_quant_decode``): perplexity change and KL per kind.
 capacity bf16 model, the engine with a fixed 24 MiB KV budget and 96 requests of 64 + 16 tokens (more than
          any format holds): blocks, bytes per token (scales included), requests that fit whole, and the
          most requests running at once, per format.

@@ -5,73 +5,81 @@ in the model's dtype and quantises it when it fills) is read differently by a 51
 decoding; here every passage is a 32-token prompt (one prefill) then 128 forced tokens, one forward each,
 through a PagedCache of each format, against the same run with model-dtype KV ("auto").
 
-Texts: not the pydoc topics the quality section reads (the fp8/int4 defaults were chosen on them), but
-long module docstrings of CPython's standard library and the stdlib's own license text, read from the
-running interpreter (no download). Passages are those with at least 160 tokens, in the order below.
+Texts (``kv_quant_texts``): three kinds of real text from the running interpreter, 8 passages each. Per
+kind and over all: the perplexity change and the mean KL divergence of the next-token distributions
+against "auto". Read the KL first: the perplexity change of ~1,000 tokens is one draw of the rounding
+noise, with a spread of about sqrt(2 * KL / tokens) (fp8_e4m3's KL of ~1e-2 gives +-0.5%).
 """
 from __future__ import annotations
 
-import importlib
-import sysconfig
 import time
-from pathlib import Path
 
 import torch
 
 import hf_paged
 
-MODULES = ("argparse", "doctest", "decimal", "pickletools", "subprocess", "optparse", "tarfile", "typing")
-PROMPT, FORCED = 32, 128
+from .kv_quant_texts import FORCED, PROMPT, held_out_passages
 
 
-def held_out_texts(tokenizer, count: int = 6) -> list[tuple[str, torch.Tensor]]:
-    """(source, token ids [PROMPT + FORCED]) for up to ``count`` passages."""
-    sources = []
-    license_file = Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt"
-    if license_file.exists():
-        sources.append(("LICENSE.txt", license_file.read_text(errors="replace")))
-    for name in MODULES:
-        doc = importlib.import_module(name).__doc__ or ""
-        sources.append((f"{name}.__doc__", doc))
-    out = []
-    for label, text in sources:
-        ids = tokenizer(text, return_tensors="pt").input_ids[0]
-        if len(ids) >= PROMPT + FORCED:
-            out.append((label, ids[:PROMPT + FORCED]))
-        if len(out) == count:
-            break
-    return out
-
-
-def decoded_nll(model, ids: torch.Tensor, name: str) -> torch.Tensor:
-    """Negative log-likelihood of ids[PROMPT:] given the prompt, one forward per forced token."""
+def decoded_log_probs(model, ids: torch.Tensor, name: str) -> torch.Tensor:
+    """log-softmax [FORCED, V] of each forced position given the prompt, one forward per forced token."""
     block_size = 32 if name == "kivi" else 16
     cache = hf_paged.PagedCache(model.config, kv_cache_dtype=name, dtype=model.dtype, block_size=block_size)
     with torch.no_grad(), hf_paged.use_paged_attention(model):
         logits = [model(input_ids=ids[None, :PROMPT], past_key_values=cache).logits[0, -1]]
         for t in range(PROMPT, len(ids) - 1):
             logits.append(model(input_ids=ids[None, t:t + 1], past_key_values=cache).logits[0, -1])
-    log_probs = torch.stack(logits).float().log_softmax(-1)
-    return -log_probs.gather(-1, ids[PROMPT:, None])[:, 0]
+    return torch.stack(logits).float().log_softmax(-1)
+
+
+def _summary(nll: list[torch.Tensor], kl: list[torch.Tensor], ref_nll: list[torch.Tensor]) -> dict:
+    nll, kl, ref = torch.cat(nll), torch.cat(kl), torch.cat(ref_nll)
+    return {"ppl": float(nll.mean().exp()), "ppl_delta_pct": 100 * float((nll.mean() - ref.mean()).exp() - 1),
+            "kl_mean": float(kl.mean()), "tokens": int(nll.numel())}
 
 
 def held_out(model, tokenizer, names: list[str], progress) -> dict:
-    texts = held_out_texts(tokenizer)
-    out = {"passages": [label for label, _ in texts], "prompt": PROMPT, "forced": FORCED}
-    ref = None
-    for name in ["auto", *[n for n in names if n != "auto"]]:
-        t0 = time.perf_counter()
-        nll = torch.cat([decoded_nll(model, ids, name) for _, ids in texts])
-        ppl = float(nll.mean().exp())
-        ref = ppl if name == "auto" else ref
-        out[name] = {"ppl": ppl, "ppl_delta_pct": 100 * (ppl / ref - 1), "seconds": time.perf_counter() - t0}
-        progress(f"  {name:9s} ppl {ppl:.4f} ({out[name]['ppl_delta_pct']:+.2f}%)  ({out[name]['seconds']:.0f} s)")
+    """Passages outer, formats inner: only one passage's reference distributions are held at a time."""
+    texts = held_out_passages(tokenizer)
+    kinds = list(dict.fromkeys(kind for kind, _, _ in texts))
+    names = ["auto", *[n for n in names if n != "auto"]]
+    nll = {(n, k): [] for n in names for k in kinds}
+    kl = {(n, k): [] for n in names for k in kinds}
+    seconds = dict.fromkeys(names, 0.0)
+    for kind, _, ids in texts:
+        ref = None
+        for name in names:
+            t0 = time.perf_counter()
+            got = decoded_log_probs(model, ids, name)
+            seconds[name] += time.perf_counter() - t0
+            ref = got if name == "auto" else ref
+            nll[name, kind].append(-got.gather(-1, ids[PROMPT:, None])[:, 0])
+            kl[name, kind].append((ref.exp() * (ref - got)).sum(-1))
+    out = {"passages": [label for _, label, _ in texts], "kinds": kinds, "prompt": PROMPT, "forced": FORCED}
+    for name in names:
+        row = {"seconds": seconds[name]}
+        for kind in [*kinds, "all"]:
+            chosen = kinds if kind == "all" else [kind]
+            row[kind] = _summary(*([x for k in chosen for x in table[n, k]]
+                                   for table, n in ((nll, name), (kl, name), (nll, "auto"))))
+        out[name] = row
+        progress(f"  {name:9s} " + "  ".join(f"{k} {row[k]['ppl_delta_pct']:+.2f}% (KL {row[k]['kl_mean']:.1e})"
+                                             for k in [*kinds, "all"]) + f"  ({seconds[name]:.0f} s)")
     return out
 
 
 def held_out_table(section: dict) -> list[str]:
+    """Per format and kind: perplexity change / mean KL against auto (auto's row: its perplexity)."""
     names = [n for n in section if isinstance(section[n], dict)]
-    return [f"## Held-out text decoded token by token, fp32 model ({len(section['passages'])} passages: "
-            f"{', '.join(section['passages'])}; {section['prompt']}-token prompt + {section['forced']} forced tokens)",
-            "", "| kv_cache_dtype | perplexity | change vs auto |", "|---|---|---|",
-            *(f"| {n} | {section[n]['ppl']:.4f} | {section[n]['ppl_delta_pct']:+.2f}% |" for n in names), ""]
+    kinds = [*section["kinds"], "all"]
+
+    def cell(name, kind):
+        r = section[name][kind]
+        return f"{r['ppl']:.3f}" if name == "auto" else f"{r['ppl_delta_pct']:+.2f}% / {r['kl_mean']:.1e}"
+
+    title = (f"## Held-out text decoded token by token, fp32 model ({len(section['passages'])} passages: "
+             f"{', '.join(section['kinds'])}; {section['prompt']}-token prompt + {section['forced']} forced tokens "
+             "each; perplexity change / mean KL against auto)")
+    return [title, "",
+            "| kv_cache_dtype | " + " | ".join(kinds) + " |", "|---|" + "---|" * len(kinds),
+            *(f"| {n} | " + " | ".join(cell(n, k) for k in kinds) + " |" for n in names), ""]

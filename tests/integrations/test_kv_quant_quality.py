@@ -149,3 +149,47 @@ def test_negative_control_a_quarter_step_off_fails_the_bound(monkeypatch, one_to
     for name in ("int4", "int8"):
         out = _generate(model, name, ids, mask, max_new_tokens=16, do_sample=False, output_logits=True)
         assert step_kl(model, out, mask, ids.shape[1]).max() > MAX_KL[name], name
+
+
+# Held-out real text on the real SmolLM2 (fp32): the mean KL against the default path per text kind, one
+# forward per passage (per-token formats store the same codes whatever the order of writes, so this equals
+# decoding token by token; kivi is measured by the bench only). Bounds ~1.5x what 2026-12-03 measured
+# (README "Quantised KV blocks"); int8 is also held to the issue's +0.5% perplexity on every kind.
+HELD_OUT_MAX_KL = {"int8": 6e-4, "fp8_e4m3": 1.2e-2}
+HELD_OUT_MAX_PPL_PCT = {"int8": 0.5}
+
+
+@pytest.mark.slow
+def test_real_text_of_every_kind_stays_within_the_held_out_bounds():
+    from hf_paged.integrations import smollm2
+
+    from bench.kv_quant_texts import PROMPT, held_out_passages
+
+    try:
+        model, tokenizer = smollm2.load_smollm2(dtype=torch.float32, verbose=False)
+    except (ModuleNotFoundError, FileNotFoundError) as exc:
+        pytest.fail(f"{exc}\nThis test needs the real weights: {smollm2.INSTALL_COMMAND}", pytrace=False)
+    hf_paged.patch(model)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        rows = {}
+        for kind, _, ids in held_out_passages(tokenizer):
+            with torch.no_grad():
+                ref = model(input_ids=ids[None], use_cache=False).logits[0, PROMPT - 1:-1].float().log_softmax(-1)
+            for name in HELD_OUT_MAX_KL:
+                cache = hf_paged.PagedCache(model.config, kv_cache_dtype=name, dtype=model.dtype)
+                with torch.no_grad(), hf_paged.use_paged_attention(model):
+                    logits = model(input_ids=ids[None], past_key_values=cache).logits[0, PROMPT - 1:-1]
+                got = logits.float().log_softmax(-1)
+                target = ids[PROMPT:, None]
+                rows.setdefault((name, kind), []).append(((ref.exp() * (ref - got)).sum(-1),
+                                                          ref.gather(-1, target)[:, 0] - got.gather(-1, target)[:, 0]))
+    finally:
+        torch.set_num_threads(threads)
+    assert {kind for _, kind in rows} == {"docstring", "comment", "license"}
+    for (name, kind), parts in rows.items():
+        kl = torch.cat([p[0] for p in parts]).mean()
+        ppl_pct = 100 * (torch.cat([p[1] for p in parts]).mean().exp() - 1)
+        assert 0 < kl <= HELD_OUT_MAX_KL[name], (name, kind, kl.item())
+        assert ppl_pct <= HELD_OUT_MAX_PPL_PCT.get(name, float("inf")), (name, kind, ppl_pct.item())
