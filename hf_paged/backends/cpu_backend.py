@@ -198,7 +198,7 @@ class CpuKernelBackend:
         self.quant_op = torch.ops.hf_paged_cpu.paged_attention_quant
         self.write_op = torch.ops.hf_paged_cpu.write_kv_quant
 
-    def write_kv(self, k_pool, v_pool, key, value, slot_mapping):
+    def write_kv(self, k_pool, v_pool, key, value, slot_mapping, writes_all: bool = False):
         """As torch_backend.write_kv, but quantised pools get unrotated states: row formats are rotated and
         quantised in one C++ pass; other quantised pools (KIVI, which does not rotate) are rotated here and
         handed to torch_backend."""
@@ -208,7 +208,7 @@ class CpuKernelBackend:
                 return self.write_op(key, value, slot_mapping.contiguous(), k_pool.data, k_pool.scales, v_pool.data,
                                      v_pool.scales, ids[0], ids[1], k_pool.rotation)
             key, value = k_pool.rotate(key), v_pool.rotate(value)
-        return torch_backend.write_kv(k_pool, v_pool, key, value, slot_mapping)
+        return torch_backend.write_kv(k_pool, v_pool, key, value, slot_mapping, writes_all)
 
     def prepare(self, plan: StepPlan, peers: dict | None = None) -> CpuStep:
         return CpuStep(self, plan, peers)
