@@ -463,6 +463,8 @@ __device__ __forceinline__ void merge_splits_kernel(T* __restrict__ out, const f
 
 }  // namespace hfp
 
+#include "fast_quant.cuh"
+
 #define HFP_RAGGED_ENTRY(TN, D)                                                                \
     extern "C" __global__ void __launch_bounds__(hfp::kThreads, 2) hfp_ragged_##TN##_d##D(        \
         HFP_T(TN)* out, float* part_out, float* part_lse, const HFP_T(TN)* query,              \
@@ -495,9 +497,54 @@ __device__ __forceinline__ void merge_splits_kernel(T* __restrict__ out, const f
     }                                                                                          \
     HFP_EXPORT_LAUNCHER(hfp_merge_splits_##TN)
 
-#define HFP_FAST_ENTRIES(D)                                                                    \
-    HFP_RAGGED_ENTRY(f16, D) HFP_RAGGED_ENTRY(bf16, D)                                         \
+// Quantised pools, format F (tag FN, kernel_registry.KV_FORMAT_TAGS): T is the query's dtype.
+#define HFP_DECODE_FAST_QUANT_ENTRY(FN, F, TN, D)                                              \
+    extern "C" __global__ void __launch_bounds__(hfp::kThreads, 2) hfp_decode_fast_##FN##_##TN##_d##D( \
+        HFP_T(TN)* out, float* part_out, float* part_lse, const HFP_T(TN)* query,              \
+        const unsigned char* k_codes, const hfp_bf16* k_scales, const unsigned char* v_codes,  \
+        const hfp_bf16* v_scales, long long head_slots, const int* block_tables, int max_blocks, \
+        int block_shift, const int* context_lens, int num_kv_heads, int group, int window,     \
+        int partition, float scale_log2) {                                                     \
+        hfp::decode_fast_quant_kernel<F, HFP_T(TN), D>(out, part_out, part_lse, query, k_codes, \
+            k_scales, v_codes, v_scales, head_slots, block_tables, max_blocks, block_shift,     \
+            context_lens, num_kv_heads, group, window, partition, scale_log2);                 \
+    }                                                                                          \
+    HFP_EXPORT_LAUNCHER(hfp_decode_fast_##FN##_##TN##_d##D)
+
+// One (head dim, KV format) per module: -DHFP_ONLY_KV_FORMAT as attention.cu (1 or undefined: the
+// model-dtype kernels; a quantised format: its kernels; 0: everything).
+#ifndef HFP_ONLY_KV_FORMAT
+#define HFP_ONLY_KV_FORMAT 1
+#endif
+#define HFP_FAST_FORMAT(F) (HFP_ONLY_KV_FORMAT == 0 || HFP_ONLY_KV_FORMAT == (F))
+#if HFP_FAST_FORMAT(HFP_KV_MODEL)
+#define HFP_FAST_MODEL(D) HFP_RAGGED_ENTRY(f16, D) HFP_RAGGED_ENTRY(bf16, D) \
     HFP_DECODE_FAST_ENTRY(f16, D) HFP_DECODE_FAST_ENTRY(bf16, D)
+#else
+#define HFP_FAST_MODEL(D)
+#endif
+#define HFP_FAST_QUANT_PAIR(FN, F, D) HFP_DECODE_FAST_QUANT_ENTRY(FN, F, f16, D) HFP_DECODE_FAST_QUANT_ENTRY(FN, F, bf16, D)
+#if HFP_FAST_FORMAT(HFP_KV_FP8E4M3)
+#define HFP_FAST_FP8E4M3(D) HFP_FAST_QUANT_PAIR(fp8e4m3, HFP_KV_FP8E4M3, D)
+#else
+#define HFP_FAST_FP8E4M3(D)
+#endif
+#if HFP_FAST_FORMAT(HFP_KV_FP8E5M2)
+#define HFP_FAST_FP8E5M2(D) HFP_FAST_QUANT_PAIR(fp8e5m2, HFP_KV_FP8E5M2, D)
+#else
+#define HFP_FAST_FP8E5M2(D)
+#endif
+#if HFP_FAST_FORMAT(HFP_KV_INT8)
+#define HFP_FAST_INT8(D) HFP_FAST_QUANT_PAIR(int8, HFP_KV_INT8, D)
+#else
+#define HFP_FAST_INT8(D)
+#endif
+#if HFP_FAST_FORMAT(HFP_KV_INT4)
+#define HFP_FAST_INT4(D) HFP_FAST_QUANT_PAIR(int4, HFP_KV_INT4, D)
+#else
+#define HFP_FAST_INT4(D)
+#endif
+#define HFP_FAST_ENTRIES(D) HFP_FAST_MODEL(D) HFP_FAST_FP8E4M3(D) HFP_FAST_FP8E5M2(D) HFP_FAST_INT8(D) HFP_FAST_INT4(D)
 
 HFP_MERGE_ENTRY(f16)
 HFP_MERGE_ENTRY(bf16)

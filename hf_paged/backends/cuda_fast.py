@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from . import kernel_registry as reg
+from ..kv_formats import QuantizedPool
 from .cuda_args import ptr
 from .splits import split_scratch
 from .synthetic import random_paged_kv
@@ -53,10 +54,10 @@ def ragged_chunks(token_row: torch.Tensor, per_chunk: int, num_rows: int) -> tor
     return torch.stack([first, count], 1).to(torch.int32).contiguous()
 
 
-def _merge(backend, tag: str, head_dim: int, out, part_out, part_lse, splits: int) -> None:
+def _merge(backend, tag: str, head_dim: int, out, part_out, part_lse, splits: int, fmt_tag: str = "") -> None:
     rows = out.numel() // head_dim
     args = (ptr(out), ptr(part_out), ptr(part_lse), np.int32(splits), np.int32(head_dim))
-    backend.launch(reg.merge_kernel(tag, head_dim), out.device, (rows, 1, 1), (reg.THREADS, 1, 1), args, 0,
+    backend.launch(reg.merge_kernel(tag, head_dim, fmt_tag), out.device, (rows, 1, 1), (reg.THREADS, 1, 1), args, 0,
                    {"out": (out, 2), "part_out": (part_out, 4), "part_lse": (part_lse, 4)},
                    {"grid.x": f"{rows} (token, query head) rows"})
 
@@ -138,6 +139,47 @@ def decode_fast(backend, query: torch.Tensor, k_pool: torch.Tensor, v_pool: torc
                    args, reg.decode_fast_smem_bytes(head_dim), tensors, explain)
     if splits > 1:
         _merge(backend, tag, head_dim, out, part_out, part_lse, splits)
+    return out
+
+
+def eligible_quantised(query: torch.Tensor, k_pool) -> bool:
+    """Quantised pools (the formats with kernels) read by fp16/bf16 queries: the quantised fast decode."""
+    return (isinstance(k_pool, QuantizedPool) and k_pool.fmt.name in reg.KV_FORMAT_TAGS and k_pool.rotation is None
+            and reg.DTYPE_TAGS.get(query.dtype) in reg.FAST_DTYPE_TAGS)
+
+
+def decode_fast_quantised(backend, query: torch.Tensor, k_pool: QuantizedPool, v_pool: QuantizedPool,
+                          block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, window: int,
+                          span: int, workspace=None) -> torch.Tensor:
+    """query [B, Hq, D] (fp16/bf16) over quantised pools -> out [B, Hq, D] in the query's dtype; groups up
+    to FAST_DECODE_MAX_GROUP (cuda/fast_quant.cuh: codes and scales staged by cp.async)."""
+    batch, num_q_heads, head_dim = query.shape
+    num_kv_heads, num_blocks, block_size, _ = k_pool.shape
+    group = num_q_heads // num_kv_heads
+    fmt_tag = reg.kv_format_tag(k_pool.fmt)
+    tag = reg.check_attention_shape(query.dtype, head_dim, block_size, num_q_heads, num_kv_heads, k_pool.fmt)
+    query = query.contiguous()
+    out = torch.empty_like(query)
+    ctas = batch * num_kv_heads
+    split = backend.plan_splits(query.device, ctas, span, reg.decode_fast_quant_keys(head_dim, fmt_tag))
+    partition, splits = (_SPLIT_CAP, 1) if split.splits == 1 else (split.partition, split.splits)
+    part_out, part_lse = split_scratch(workspace.splits if workspace is not None else None,
+                                       ("decode_fast", batch, num_q_heads, head_dim, splits),
+                                       batch * num_q_heads, splits, head_dim, query.device)
+    args = (ptr(out), ptr(part_out), ptr(part_lse), ptr(query), ptr(k_pool.data), ptr(k_pool.scales),
+            ptr(v_pool.data), ptr(v_pool.scales), np.int64(num_blocks * block_size), ptr(block_tables),
+            np.int32(block_tables.shape[1]), np.int32(block_size.bit_length() - 1), ptr(context_lens),
+            np.int32(num_kv_heads), np.int32(group), np.int32(window), np.int32(partition),
+            np.float32(scale * np.log2(np.e)))
+    tensors = {"out": (out, 16), "query": (query, 16), "k_codes": (k_pool.data, 16), "k_scales": (k_pool.scales, 16),
+               "v_codes": (v_pool.data, 16), "v_scales": (v_pool.scales, 16), "block_tables": (block_tables, 4),
+               "context_lens": (context_lens, 4), "part_out": (part_out, 16), "part_lse": (part_lse, 4)}
+    explain = {"grid.x": f"{batch} rows x {num_kv_heads} KV heads",
+               "grid.y": f"ceil({span} keys / partition {partition}): raise partition_size"}
+    backend.launch(reg.decode_fast_kernel(tag, head_dim, fmt_tag), query.device, (ctas, splits, 1),
+                   (reg.THREADS, 1, 1), args, reg.decode_fast_quant_smem_bytes(head_dim, fmt_tag), tensors, explain)
+    if splits > 1:
+        _merge(backend, tag, head_dim, out, part_out, part_lse, splits, fmt_tag)
     return out
 
 

@@ -54,7 +54,7 @@ class KernelSpec:
     def defines(self) -> tuple[str, ...]:
         """Preprocessor options selecting this kernel's module (see the end of attention.cu)."""
         if self.source == FAST_SOURCE:
-            return (f"-DHFP_ONLY_HEAD_DIM={self.head_dim}",)
+            return (f"-DHFP_ONLY_HEAD_DIM={self.head_dim}", f"-DHFP_ONLY_KV_FORMAT={KV_FORMAT_IDS[self.kv_format]}")
         if self.source != ATTENTION_SOURCE:
             return ()
         return (f"-DHFP_ONLY_HEAD_DIM={self.head_dim}", f"-DHFP_ONLY_KV_FORMAT={KV_FORMAT_IDS[self.kv_format]}")
@@ -81,13 +81,14 @@ def ragged_kernel(tag: str, head_dim: int) -> KernelSpec:
     return KernelSpec(f"hfp_ragged_{tag}_d{head_dim}", FAST_SOURCE, head_dim)
 
 
-def decode_fast_kernel(tag: str, head_dim: int) -> KernelSpec:
-    return KernelSpec(f"hfp_decode_fast_{tag}_d{head_dim}", FAST_SOURCE, head_dim)
+def decode_fast_kernel(tag: str, head_dim: int, kv_format: str = "") -> KernelSpec:
+    """The cp.async decode; ``kv_format``: over quantised pools (cuda/fast_quant.cuh), ``tag`` the query's dtype."""
+    return KernelSpec(f"{_prefix('decode_fast', kv_format)}{tag}_d{head_dim}", FAST_SOURCE, head_dim, kv_format)
 
 
-def merge_kernel(tag: str, head_dim: int) -> KernelSpec:
+def merge_kernel(tag: str, head_dim: int, kv_format: str = "") -> KernelSpec:
     """The split merge of the fast kernels; compiled into every fast_attention.cu module."""
-    return KernelSpec(f"hfp_merge_splits_{tag}", FAST_SOURCE, head_dim)
+    return KernelSpec(f"hfp_merge_splits_{tag}", FAST_SOURCE, head_dim, kv_format)
 
 
 def write_kv_kernel(tag: str, kv_format: str = "") -> KernelSpec:
@@ -119,6 +120,7 @@ def all_kernels() -> list[KernelSpec]:
     for f in KV_FORMAT_TAGS.values():
         for d in kv_format_head_dims(f):
             specs += [decode_kernel(t, d, f) for t in tags] + [extend_kernel(t, d, f) for t in tags]
+            specs += [decode_fast_kernel(t, d, f) for t in FAST_DTYPE_TAGS]
     specs += [write_kv_kernel(t) for t in tags]
     specs += [write_kv_kernel(t, f) for f in KV_FORMAT_TAGS.values() for t in tags]
     return specs + list(COPY_BLOCKS_BY_WORD.values())
@@ -137,7 +139,7 @@ def module_kernel_names(module: tuple[str, int, str]) -> set[str]:
     if module[0] == ATTENTION_SOURCE:
         names |= {reduce_kernel(t, module[1], module[2]).name for t in DTYPE_TAGS.values()}
     if module[0] == FAST_SOURCE:
-        names |= {merge_kernel(t, module[1]).name for t in FAST_DTYPE_TAGS}
+        names |= {merge_kernel(t, module[1], module[2]).name for t in FAST_DTYPE_TAGS}
     return names
 
 
@@ -252,6 +254,28 @@ def decode_fast_smem_bytes(head_dim: int) -> int:
     return 2 * ring + 4 * decode_fast_slots(head_dim) * (head_dim + 2)
 
 
+# Quantised fast decode (mirror of QuantDecodeShape in cuda/fast_quant.cuh): each lane group serves
+# the whole GQA group, so groups up to FAST_DECODE_MAX_GROUP at every head dim.
+QUANT_RUN = 8   # stored tokens per staged run (within one block: block sizes >= 8)
+
+
+def _format_bits_scales(kv_format: str, head_dim: int) -> tuple[int, int]:
+    fmt = FORMATS[_FORMAT_NAMES[kv_format]]
+    return fmt.bits, fmt.num_scales(head_dim)
+
+
+def decode_fast_quant_keys(head_dim: int, kv_format: str) -> int:
+    """Keys per stage: the bf16 kernel's code bytes per stage (2x the keys at 8 bits, 4x at 4)."""
+    return decode_fast_keys(head_dim) * 16 // _format_bits_scales(kv_format, head_dim)[0]
+
+
+def decode_fast_quant_smem_bytes(head_dim: int, kv_format: str) -> int:
+    """K and V rings [stages][keys][code bytes + 2 x scales] + the merge [slots][4 heads][D + 2] fp32."""
+    bits, scales = _format_bits_scales(kv_format, head_dim)
+    stage = decode_fast_quant_keys(head_dim, kv_format) * (head_dim * bits // 8 + 2 * scales)
+    return 2 * DECODE_FAST_STAGES * stage + 4 * decode_fast_slots(head_dim) * FAST_DECODE_MAX_GROUP * (head_dim + 2)
+
+
 def uses_decode_fast(group: int, head_dim: int) -> bool:
     """Decode on CUDA cores (one lane group per query head) or, for larger groups, on tensor cores."""
     return group <= min(FAST_DECODE_MAX_GROUP, decode_fast_slots(head_dim))
@@ -269,6 +293,8 @@ def kernel_smem_bytes(spec: KernelSpec, group: int, q_per_cta: int = 1) -> int:
         if spec.name.startswith("hfp_ragged_"):
             return ragged_smem_bytes(spec.head_dim)
         if spec.name.startswith("hfp_decode_fast_"):
+            if spec.kv_format:
+                return decode_fast_quant_smem_bytes(spec.head_dim, spec.kv_format)
             return decode_fast_smem_bytes(spec.head_dim)
         return 0
     if spec.source == ATTENTION_SOURCE and spec.head_dim and "reduce" not in spec.name:
