@@ -127,6 +127,18 @@ __device__ __forceinline__ void cp_async_wait() {
 #endif
 }
 
+// One pipeline step's copies: stage(args...) (a tile's K then V, two commit groups) while has_tile, else
+// two empty groups, so that every step commits the same number and cp_async_wait's counts stay fixed.
+template <class Stage, class... Args>
+__device__ __forceinline__ void stage_or_empty(bool has_tile, const Stage& stage, Args... args) {
+    if (has_tile) {
+        stage(args...);
+    } else {
+        cp_async_commit();
+        cp_async_commit();
+    }
+}
+
 // The low / high value of a register of T pairs, as float.
 __device__ __forceinline__ float unpack_lo(unsigned w, __half) { return __half2float(__ushort_as_half((unsigned short)w)); }
 __device__ __forceinline__ float unpack_hi(unsigned w, __half) {

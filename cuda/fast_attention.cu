@@ -136,12 +136,7 @@ __device__ __forceinline__ void ragged_kernel(
     if (num_tiles > 0) stage(0, 0);
     for (int t = 0; t < num_tiles; ++t) {
         const int buf = t & 1;
-        if (t + 1 < num_tiles) {
-            stage(t + 1, buf ^ 1);
-        } else {
-            cp_async_commit();
-            cp_async_commit();
-        }
+        stage_or_empty(t + 1 < num_tiles, stage, t + 1, buf ^ 1);
         cp_async_wait<3>();  // Q and K(t) have landed (V(t), K(t+1), V(t+1) may be in flight)
         __syncthreads();
         const T* kb = sk + buf * kKeys * kStride;
@@ -341,21 +336,9 @@ __device__ __forceinline__ void decode_fast_kernel(
     float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     float m = neg_inf(), l = 0.f;
 #pragma unroll
-    for (int t = 0; t < kStages - 1; ++t) {
-        if (t < num_tiles) {
-            stage(t);
-        } else {
-            cp_async_commit();
-            cp_async_commit();
-        }
-    }
+    for (int t = 0; t < kStages - 1; ++t) stage_or_empty(t < num_tiles, stage, t);
     for (int t = 0; t < num_tiles; ++t) {
-        if (t + kStages - 1 < num_tiles) {
-            stage(t + kStages - 1);
-        } else {
-            cp_async_commit();
-            cp_async_commit();
-        }
+        stage_or_empty(t + kStages - 1 < num_tiles, stage, t + kStages - 1);
         cp_async_wait<2 * kStages - 1>();  // K(t) has landed
         __syncthreads();
         const int buf = t % kStages;

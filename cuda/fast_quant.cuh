@@ -153,21 +153,9 @@ __device__ __forceinline__ void decode_fast_quant_kernel(
         for (int e = 0; e < 8; ++e) acc[g][e] = 0.f;
     }
 #pragma unroll
-    for (int t = 0; t < kStages - 1; ++t) {
-        if (t < num_tiles) {
-            stage(t);
-        } else {
-            cp_async_commit();
-            cp_async_commit();
-        }
-    }
+    for (int t = 0; t < kStages - 1; ++t) stage_or_empty(t < num_tiles, stage, t);
     for (int t = 0; t < num_tiles; ++t) {
-        if (t + kStages - 1 < num_tiles) {
-            stage(t + kStages - 1);
-        } else {
-            cp_async_commit();
-            cp_async_commit();
-        }
+        stage_or_empty(t + kStages - 1 < num_tiles, stage, t + kStages - 1);
         cp_async_wait<2 * kStages - 2>();  // K(t) and V(t) have landed
         __syncthreads();
         const unsigned char* kc = smem_raw + (t % kStages) * 2 * Q::kStageBytes;

@@ -17,14 +17,21 @@ from ..kv_formats import QuantizedPool, dequantize, quantize
 CHUNK_TOKENS = 512
 
 
-def write_kv(k_pool: QuantizedPool, v_pool: QuantizedPool, key: torch.Tensor, value: torch.Tensor,
-             slot_mapping: torch.Tensor, writes_all: bool = False) -> None:
-    """Quantise new keys/values [N, Hkv, D] and store codes and scales at ``slot_mapping`` (-1 = skip;
-    ``writes_all``: none is, known on the host, so the mask is not read back)."""
+def kept_writes(slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor, writes_all: bool):
+    """(slot_mapping, key, value) without the -1 (skipped) entries; ``writes_all``: none is, known on the
+    host (``StepPlan.writes_all``), so the mask is not built nor read back (no host sync)."""
     if not writes_all:
         keep = slot_mapping >= 0
         if not bool(keep.all()):
-            slot_mapping, key, value = slot_mapping[keep], key[keep], value[keep]
+            return slot_mapping[keep], key[keep], value[keep]
+    return slot_mapping, key, value
+
+
+def write_kv(k_pool: QuantizedPool, v_pool: QuantizedPool, key: torch.Tensor, value: torch.Tensor,
+             slot_mapping: torch.Tensor, writes_all: bool = False) -> None:
+    """Quantise new keys/values [N, Hkv, D] and store codes and scales at ``slot_mapping`` (-1 = skip;
+    ``writes_all``: see :func:`kept_writes`)."""
+    slot_mapping, key, value = kept_writes(slot_mapping, key, value, writes_all)
     if isinstance(k_pool, KiviPool):        # open slots, sealed per block (hf_paged.kivi)
         k_pool.write(key, slot_mapping)
         v_pool.write(value, slot_mapping)

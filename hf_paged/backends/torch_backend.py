@@ -45,10 +45,7 @@ def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, key: torch.Tensor, valu
     if isinstance(k_pool, QuantizedPool):
         return quantized_torch.write_kv(k_pool, v_pool, key, value, slot_mapping, writes_all)
     num_kv_heads, _, _, head_dim = k_pool.shape
-    if not writes_all:
-        keep = slot_mapping >= 0
-        if not bool(keep.all()):
-            slot_mapping, key, value = slot_mapping[keep], key[keep], value[keep]
+    slot_mapping, key, value = quantized_torch.kept_writes(slot_mapping, key, value, writes_all)
     k_pool.view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, key.transpose(0, 1).to(k_pool.dtype))
     v_pool.view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, value.transpose(0, 1).to(v_pool.dtype))
 
