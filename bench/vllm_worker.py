@@ -39,7 +39,7 @@ def main():
             torch.set_num_threads(int(spec["threads"]))
             threads_before = torch.get_num_threads()
         kwargs = dict(model=spec["model_dir"], skip_tokenizer_init=True, dtype=spec.get("dtype", "float32"),
-                      enforce_eager=True, max_model_len=spec["max_model_len"], seed=0)
+                      enforce_eager=spec.get("enforce_eager", True), max_model_len=spec["max_model_len"], seed=0)
         caveats = []
         start = time.perf_counter()
         try:
