@@ -20,6 +20,7 @@ COMMANDS = {
     "structured": ("structured", "structured output's throughput cost on SmolLM2: 0, half, all requests constrained", {}),
     "prefix": ("prefix_caching", "prefix caching across generate calls on SmolLM2: lm-eval few-shot, chat loop", {}),
     "gpu": ("gpu_check", "the prepared GPU check: kernels, decode bandwidth, prefill (CUDA only)", {}),
+    "cpu-prefill": ("cpu_prefill", "prefill attention on the CPU: the C++ kernel vs torch SDPA, 256-4k tokens, GFLOPS", {}),
     "roofline": ("roofline", "static roofline of the sm_80+ kernels (predicted, not measured)", {}),
     "record-beams": ("replay", "remake bench/data/beam_idx_smollm2.json from SmolLM2 beam search (~10 min)", {}),
 }

@@ -11,7 +11,9 @@
 // returning the first `rows` rows of KV head h's block as a float [rows, D] tile, either where they are
 // (f32 pools) or converted / dequantised into `buffer` ([block_size, D] of this thread's scratch). Each
 // tile is produced once per (KV head, block, work item) and serves every query of the item (the GQA
-// group, and up to kChunk tokens of a prefill row), so dequantisation costs once per stored row read.
+// group, and the tokens of a prefill row's chunk), so dequantisation costs once per stored row read.
+// Decode items (one token) take dot products per key; prefill chunks go through the register-tiled query
+// and key tiles of paged_attention_cpu_tile.h.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -25,28 +27,12 @@
 #include <unordered_map>
 #include <vector>
 
+#include "paged_attention_cpu_tile.h"     // the prefill tile, exp_nonpositive
 #include "paged_attention_cpu_util.h"     // rotate_row, TileCache
 
 namespace hfp_cpu {
 
 constexpr int kMaxGroup = 64;       // query heads per KV head (refused above this, with the limit named)
-constexpr int64_t kChunk = 8;       // consecutive query tokens of one row served together (prefill)
-
-// e^x for x <= 0 (scores minus their running max), vectorisable: x = n ln2 + r with |r| <= ln2/2 and a
-// degree-6 polynomial for e^r (relative error ~1e-7, as expf). x below -87 gives ~1e-38, not 0; a weight
-// that small changes no float sum it joins.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
-  const float t = x * 1.44269504088896341f;
-  const float n = (t + 12582912.0f) - 12582912.0f;        // round to nearest (1.5 * 2^23 trick)
-  const float r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
-  float p = 1.f + r * (1.f + r * (0.5f + r * (1.6666666666666666e-1f + r * (4.1666666666666664e-2f +
-            r * (8.3333333333333332e-3f + r * 1.3888888888888889e-3f)))));
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
 
 template <typename T>
 inline void to_float(const T* src, float* dst, int64_t n) {
@@ -68,77 +54,19 @@ inline const float* float_tile(const T* src, float* buffer, int64_t n) {
 template <>
 inline const float* float_tile<float>(const float* src, float*, int64_t) { return src; }
 
-// One work item: the query heads of KV head `h` for up to kChunk consecutive tokens of one row. Each
-// block's K and V tiles are read (and, for 16-bit pools, converted to float) once for all of them.
-constexpr int64_t kRows = 6;        // queries per register tile in the chunk path
-constexpr int64_t kKeys = 16;       // keys per register tile (two 8-float vectors)
-
-// Scratch of one thread. Query rows are padded to a multiple of kRows with zero queries (their results
-// are never read). kt: a block's keys transposed, [D, key_stride]; columns past a block's keys hold
-// finite leftovers whose scores are never read.
+// Scratch of one thread, for items of up to `queries` query rows (padded to kRowStep; padding rows are
+// zero queries whose results are never read). Key tiles hold up to tile_keys keys: kTileKeys, or one
+// block when a block holds more. kbuf / vbuf: converted tiles of 16-bit pools, one slot per tile key.
 struct Scratch {
-  int64_t key_stride;
-  std::vector<float> q, acc, m, l, corr, kbuf, vbuf, kt, scores, row;
+  int64_t rows, tile_keys;
+  std::vector<float> q, qt, acc, m, l, corr, lo, hi, kbuf, vbuf, scores, row;
+  std::vector<TileBlock> blocks;
   Scratch(int64_t queries, int64_t head_dim, int64_t block_size)
-      : key_stride((block_size + kKeys - 1) / kKeys * kKeys), q(pad(queries) * head_dim),
-        acc(pad(queries) * head_dim), m(pad(queries)), l(pad(queries)), corr(pad(queries)),
-        kbuf(block_size * head_dim), vbuf(block_size * head_dim), kt(head_dim * key_stride),
-        scores(pad(queries) * key_stride), row(head_dim) {}
-  static int64_t pad(int64_t n) { return (n + kRows - 1) / kRows * kRows; }
+      : rows(pad(queries)), tile_keys(std::max(kTileKeys, block_size)), q(rows * head_dim), qt(head_dim * rows),
+        acc(rows * head_dim), m(rows), l(rows), corr(rows), lo(rows), hi(rows), kbuf(tile_keys * head_dim),
+        vbuf(tile_keys * head_dim), scores(tile_keys * rows), row(head_dim), blocks(tile_keys / block_size) {}
+  static int64_t pad(int64_t n) { return (n + kRowStep - 1) / kRowStep * kRowStep; }
 };
-
-// Chunk path, scores: S[r][j] = q[r] . k[j] for all padded query rows and key columns, as kRows x kKeys
-// register tiles of outer products over the head dim (a broadcast query channel times a row of kt).
-inline void score_tile(const float* q, const float* kt, int64_t rows, int64_t head_dim, int64_t key_stride,
-                       float* out) {
-  for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
-    for (int64_t j0 = 0; j0 < key_stride; j0 += kKeys) {
-      float a[kRows][kKeys] = {};
-      for (int64_t d = 0; d < head_dim; ++d) {
-        const float* krow = kt + d * key_stride + j0;
-#pragma GCC unroll 6
-        for (int64_t r = 0; r < kRows; ++r) {
-          const float qd = q[(r0 + r) * head_dim + d];
-#pragma omp simd
-          for (int64_t e = 0; e < kKeys; ++e) a[r][e] += qd * krow[e];
-        }
-      }
-      for (int64_t r = 0; r < kRows; ++r)
-        for (int64_t e = 0; e < kKeys; ++e) out[(r0 + r) * key_stride + j0 + e] = a[r][e];
-    }
-  }
-}
-
-// Chunk path, values: acc[r] = acc[r] * corr[r] + sum_j p[r][j] v[j] for keys j < keys: kRows queries x
-// W channels held in registers, each V row segment loaded once for the kRows queries.
-template <int64_t W>
-inline void value_columns(float* acc, const float* corr, const float* p, const float* v, int64_t r0, int64_t d0,
-                          int64_t keys, int64_t head_dim, int64_t key_stride) {
-  float a[kRows][W];
-  for (int64_t r = 0; r < kRows; ++r)
-    for (int64_t e = 0; e < W; ++e) a[r][e] = acc[(r0 + r) * head_dim + d0 + e] * corr[r0 + r];
-  for (int64_t j = 0; j < keys; ++j) {
-    const float* vj = v + j * head_dim + d0;
-#pragma GCC unroll 6
-    for (int64_t r = 0; r < kRows; ++r) {
-      const float pj = p[(r0 + r) * key_stride + j];
-#pragma omp simd
-      for (int64_t e = 0; e < W; ++e) a[r][e] += pj * vj[e];
-    }
-  }
-  for (int64_t r = 0; r < kRows; ++r)
-    for (int64_t e = 0; e < W; ++e) acc[(r0 + r) * head_dim + d0 + e] = a[r][e];
-}
-
-inline void value_tile(float* acc, const float* corr, const float* p, const float* v, int64_t rows, int64_t keys,
-                       int64_t head_dim, int64_t key_stride) {
-  for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
-    int64_t d0 = 0;
-    for (; d0 + 16 <= head_dim; d0 += 16) value_columns<16>(acc, corr, p, v, r0, d0, keys, head_dim, key_stride);
-    for (; d0 + 8 <= head_dim; d0 += 8) value_columns<8>(acc, corr, p, v, r0, d0, keys, head_dim, key_stride);
-    for (; d0 < head_dim; ++d0) value_columns<1>(acc, corr, p, v, r0, d0, keys, head_dim, key_stride);
-  }
-}
 
 // sc[j] = q . k[j] for keys jlo <= j < jhi of a [keys, D] tile: four keys at a time, each with its own
 // accumulator, so that the FMAs of one key do not wait on each other (one horizontal sum per key).
@@ -222,12 +150,13 @@ inline void single_token(Scratch& s, int64_t pos, int64_t window, int64_t base, 
   }
 }
 
-
-// K and V tiles of one block for a work item: a prefill chunk of a converting source goes through the
-// thread's cache; decode items (one token, each block read once) convert into the L1-sized scratch.
+// K and V tiles of one block for a work item, converted (16-bit pools) into kbuf / vbuf when not read in
+// place: a prefill chunk of a converting source goes through the thread's cache instead (tiles shared by
+// the row's chunks); decode items (one token, each block read once) convert into the scratch.
 template <typename Tiles>
-inline void block_tiles(const Tiles& tiles, Scratch& s, TileCache& cache, int64_t h, int64_t block, int64_t num_blocks,
-                        int64_t keys, int64_t head_dim, bool chunk, const float*& k, const float*& v) {
+inline void block_tiles(const Tiles& tiles, TileCache& cache, int64_t h, int64_t block, int64_t num_blocks,
+                        int64_t keys, int64_t head_dim, bool chunk, float* kbuf, float* vbuf, const float*& k,
+                        const float*& v) {
   if constexpr (Tiles::kConverts) {
     if (chunk) {
       const int64_t id = (h * num_blocks + block) * 2;
@@ -238,19 +167,28 @@ inline void block_tiles(const Tiles& tiles, Scratch& s, TileCache& cache, int64_
     }
   }
   (void)cache, (void)chunk, (void)num_blocks;
-  k = tiles.keys(h, block, keys, s.kbuf.data());
-  v = tiles.values(h, block, keys, s.vbuf.data());
+  k = tiles.keys(h, block, keys, kbuf);
+  v = tiles.values(h, block, keys, vbuf);
 }
 
-// The step's geometry and metadata, read once per call.
+// The step's geometry and metadata, read once per call. chunk: tokens per prefill work item (kTargetRows
+// query rows over the GQA group).
 struct Geometry {
-  int64_t tokens, num_q_heads, head_dim, num_kv_heads, num_blocks, block_size, group, width, rows;
+  int64_t tokens, num_q_heads, head_dim, num_kv_heads, num_blocks, block_size, group, width, rows, chunk;
   const int32_t *tables, *row_of, *pos_of;
   float scale;
   int64_t window;
 };
 
-// Chunks of consecutive tokens of one row (at most kChunk); pad tokens (pos < 0) join none (their output
+// The block of table index b of `row`, checked against the pool.
+inline int64_t table_block(const Geometry& g, int64_t row, int64_t b) {
+  const int64_t block = g.tables[row * g.width + b];
+  TORCH_CHECK(block >= 0 && block < g.num_blocks, "block-table entry ", block, " (row ", row, ", index ", b,
+              ") outside the pool's ", g.num_blocks, " blocks");
+  return block;
+}
+
+// Chunks of consecutive tokens of one row (at most g.chunk); pad tokens (pos < 0) join none (their output
 // is zeroed by the caller). Checks every token's row and block-table width.
 inline void make_chunks(const Geometry& g, std::vector<int64_t>& start, std::vector<int64_t>& count) {
   for (int64_t t = 0; t < g.tokens; ++t) {
@@ -260,7 +198,7 @@ inline void make_chunks(const Geometry& g, std::vector<int64_t>& start, std::vec
     TORCH_CHECK(pos / g.block_size < g.width, "token ", t, " at position ", pos, " needs block ", pos / g.block_size,
                 " but its block-table row has ", g.width, " entries");
     const int64_t last = start.empty() ? -1 : start.back() + count.back() - 1;
-    if (last == t - 1 && last >= 0 && g.row_of[last] == row && count.back() < kChunk) {
+    if (last == t - 1 && last >= 0 && g.row_of[last] == row && count.back() < g.chunk) {
       ++count.back();
     } else {
       start.push_back(t);
@@ -269,39 +207,77 @@ inline void make_chunks(const Geometry& g, std::vector<int64_t>& start, std::vec
   }
 }
 
-// Prefill chunk, one block: keys transposed once for all count * group queries, register-tiled scores,
-// per-query masking and online softmax, then the values.
-inline void chunk_block(Scratch& s, const Geometry& g, int64_t t0, int64_t count, int64_t padded, int64_t base,
-                        int64_t keys, const float* k, const float* v) {
-  const int64_t head_dim = g.head_dim;
-  for (int64_t j = 0; j < keys; ++j)
-    for (int64_t d = 0; d < head_dim; ++d) s.kt[d * s.key_stride + j] = k[j * head_dim + d];
-  score_tile(s.q.data(), s.kt.data(), padded, head_dim, s.key_stride, s.scores.data());
+// The keys [lo, hi) of a key tile (n keys from position base) each query row of the chunk sees, in tile
+// coordinates; padding rows see none. Returns whether any row misses some key of the tile (masking needed).
+inline bool tile_bounds(Scratch& s, const Geometry& g, int64_t t0, int64_t count, int64_t base, int64_t n,
+                        int64_t padded) {
+  bool masked = false;
   for (int64_t i = 0; i < count; ++i) {
     const int64_t pos = g.pos_of[t0 + i];
     const int64_t first = g.window > 0 ? std::max<int64_t>(0, pos - g.window + 1) : 0;
-    const int64_t jlo = std::max<int64_t>(first - base, 0), jhi = std::min(pos + 1 - base, keys);
-    for (int64_t q = 0; q < g.group; ++q) {
-      const int64_t qi = i * g.group + q;
-      float* sc = s.scores.data() + qi * s.key_stride;
-      if (jlo >= jhi) {                                  // this token sees none of the block
-        std::fill(sc, sc + keys, 0.f);
-        s.corr[qi] = 1.f;
-        continue;
-      }
-      s.corr[qi] = softmax_update(sc, jlo, jhi, s.m[qi], s.l[qi]);
-      std::fill(sc, sc + jlo, 0.f);
-      std::fill(sc + jhi, sc + keys, 0.f);
-    }
+    const int64_t lo = std::clamp<int64_t>(first - base, 0, n), hi = std::clamp<int64_t>(pos + 1 - base, 0, n);
+    masked = masked || lo > 0 || hi < n;
+    std::fill(s.lo.begin() + i * g.group, s.lo.begin() + (i + 1) * g.group, static_cast<float>(lo));
+    std::fill(s.hi.begin() + i * g.group, s.hi.begin() + (i + 1) * g.group, static_cast<float>(hi));
   }
-  value_tile(s.acc.data(), s.corr.data(), s.scores.data(), v, padded, keys, head_dim, s.key_stride);
+  std::fill(s.lo.begin() + count * g.group, s.lo.begin() + padded, 0.f);
+  std::fill(s.hi.begin() + count * g.group, s.hi.begin() + padded, 0.f);
+  return masked;
+}
+
+// Prefill chunk: its queries (already in s.q, scaled) transposed once, then key tiles of whole blocks
+// [lo_key / BS, hi_key / BS]: scores of each block in place, one online-softmax step per tile, the values.
+template <typename Tiles>
+void chunk_item(Scratch& s, TileCache& cache, const Geometry& g, const Tiles& tiles, int64_t h, int64_t t0,
+                int64_t count, int64_t lo_key, int64_t hi_key) {
+  const int64_t head_dim = g.head_dim, live = count * g.group, rows = s.rows, row = g.row_of[t0];
+  for (int64_t d = 0; d < head_dim; ++d) {
+    float* column = s.qt.data() + d * rows;
+    for (int64_t r = 0; r < live; ++r) column[r] = s.q[r * head_dim + d];
+    std::fill(column + live, column + rows, 0.f);
+  }
+  const int64_t vectors = (live + simd::kLanes - 1) / simd::kLanes * simd::kLanes;   // rows the softmax runs
+  std::fill(s.m.begin(), s.m.begin() + vectors, -std::numeric_limits<float>::infinity());
+  std::fill(s.l.begin(), s.l.begin() + vectors, 0.f);
+  const int64_t per_tile = s.tile_keys / g.block_size;
+  for (int64_t b0 = lo_key / g.block_size; b0 * g.block_size < hi_key; b0 += per_tile) {
+    int64_t n = 0, nb = 0;
+    for (int64_t b = b0; b < b0 + per_tile && b * g.block_size < hi_key; ++b, ++nb) {
+      const int64_t keys = std::min(g.block_size, hi_key - b * g.block_size);     // keys anyone sees
+      const float *k, *v;
+      block_tiles(tiles, cache, h, table_block(g, row, b), g.num_blocks, keys, head_dim, true,
+                  s.kbuf.data() + n * head_dim, s.vbuf.data() + n * head_dim, k, v);
+      s.blocks[nb] = TileBlock{k, v, keys};
+      score_block(k, keys, s.qt.data(), head_dim, rows, s.scores.data() + n * rows);
+      n += keys;
+    }
+    const bool masked = tile_bounds(s, g, t0, count, b0 * g.block_size, n, vectors);
+    softmax_tile(s.scores.data(), n, rows, vectors, RowState{s.m.data(), s.l.data(), s.corr.data(), s.lo.data(),
+                 s.hi.data()}, masked);
+    value_tile(s.acc.data(), s.corr.data(), s.scores.data(), rows, s.blocks.data(), nb, live, head_dim);
+  }
+}
+
+// Decode item: one token's `group` queries against each block it sees, dot products per key.
+template <typename Tiles>
+void decode_item(Scratch& s, TileCache& cache, const Geometry& g, const Tiles& tiles, int64_t h, int64_t t0,
+                 int64_t lo_key, int64_t hi_key) {
+  std::fill(s.m.begin(), s.m.begin() + g.group, -std::numeric_limits<float>::infinity());
+  std::fill(s.l.begin(), s.l.begin() + g.group, 0.f);
+  for (int64_t b = lo_key / g.block_size; b * g.block_size < hi_key; ++b) {
+    const int64_t base = b * g.block_size, keys = std::min(g.block_size, hi_key - base);
+    const float *k, *v;
+    block_tiles(tiles, cache, h, table_block(g, g.row_of[t0], b), g.num_blocks, keys, g.head_dim, false,
+                s.kbuf.data(), s.vbuf.data(), k, v);
+    single_token(s, g.pos_of[t0], g.window, base, keys, g.group, g.head_dim, k, v);
+  }
 }
 
 // One work item: KV head h and the chunk of `count` tokens from t0, over the blocks any of them sees.
 template <typename T, typename Tiles>
 void attend_item(Scratch& s, TileCache& cache, const Geometry& g, const Tiles& tiles, const T* q_data, T* o_data,
                  int64_t h, int64_t t0, int64_t count) {
-  const int64_t head_dim = g.head_dim, group = g.group, queries = count * group, row = g.row_of[t0];
+  const int64_t head_dim = g.head_dim, group = g.group, queries = count * group;
   int64_t lo_key = std::numeric_limits<int64_t>::max(), hi_key = 0;     // keys any token of the chunk sees
   for (int64_t i = 0; i < count; ++i) {
     const int64_t pos = g.pos_of[t0 + i];
@@ -316,27 +292,11 @@ void attend_item(Scratch& s, TileCache& cache, const Geometry& g, const Tiles& t
     for (int64_t qi = 0; qi < queries; ++qi)
       rotate_row(s.q.data() + qi * head_dim, rotation, head_dim, false, s.row.data(), hadamard);
   for (int64_t i = 0; i < queries * head_dim; ++i) s.q[i] *= g.scale;
-  // Padding rows: zero queries give zero scores, and with corr 1 their accumulators stay zero.
-  const int64_t padded = Scratch::pad(queries);
-  std::fill(s.q.begin() + queries * head_dim, s.q.begin() + padded * head_dim, 0.f);
-  std::fill(s.corr.begin() + queries, s.corr.begin() + padded, 1.f);
-  std::fill(s.acc.begin(), s.acc.begin() + padded * head_dim, 0.f);
-  std::fill(s.m.begin(), s.m.begin() + queries, -std::numeric_limits<float>::infinity());
-  std::fill(s.l.begin(), s.l.begin() + queries, 0.f);
-  const int32_t* table = g.tables + row * g.width;
-  for (int64_t b = lo_key / g.block_size; b * g.block_size < hi_key; ++b) {
-    const int64_t block = table[b];
-    TORCH_CHECK(block >= 0 && block < g.num_blocks, "block-table entry ", block, " (row ", row, ", index ", b,
-                ") outside the pool's ", g.num_blocks, " blocks");
-    const int64_t base = b * g.block_size;
-    const int64_t keys = std::min(g.block_size, hi_key - base);         // keys of this block anyone sees
-    const float *k, *v;
-    block_tiles(tiles, s, cache, h, block, g.num_blocks, keys, head_dim, count > 1, k, v);
-    if (count == 1) {        // decode: a few queries, dot products per key
-      single_token(s, g.pos_of[t0], g.window, base, keys, group, head_dim, k, v);
-    } else {
-      chunk_block(s, g, t0, count, padded, base, keys, k, v);
-    }
+  std::fill(s.acc.begin(), s.acc.begin() + queries * head_dim, 0.f);
+  if (count == 1) {
+    decode_item(s, cache, g, tiles, h, t0, lo_key, hi_key);
+  } else {
+    chunk_item(s, cache, g, tiles, h, t0, count, lo_key, hi_key);
   }
   for (int64_t qi = 0; qi < queries; ++qi) {
     float* acc = s.acc.data() + qi * head_dim;
@@ -358,15 +318,20 @@ void attend(const Geometry& g, const Tiles& tiles, const T* q_data, T* o_data) {
   }
   std::vector<int64_t> chunk_start, chunk_count;
   make_chunks(g, chunk_start, chunk_count);
-  const int64_t num_chunks = static_cast<int64_t>(chunk_start.size());
-  // Work item = (KV head, chunk), head-major so that one thread's consecutive items share K/V tiles.
-  at::parallel_for(0, g.num_kv_heads * num_chunks, 1, [&](int64_t begin, int64_t end) {
-    Scratch s(kChunk * g.group, g.head_dim, g.block_size);
+  const int64_t num_chunks = static_cast<int64_t>(chunk_start.size()), items = g.num_kv_heads * num_chunks;
+  // Work item = (KV head, chunk), head-major; worker w takes items w, w + workers, ...: a causal row's
+  // chunks grow in cost, so striding balances the threads where contiguous ranges would not, and one
+  // worker's items of a head still share its cached K/V tiles (quantised pools).
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), items);
+  at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
+    Scratch s(g.chunk * g.group, g.head_dim, g.block_size);
     TileCache cache(g.block_size * g.head_dim);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t h = item / num_chunks, c = item % num_chunks;
-      cache.trim();
-      attend_item(s, cache, g, tiles, q_data, o_data, h, chunk_start[c], chunk_count[c]);
+    for (int64_t w = begin; w < end; ++w) {
+      for (int64_t item = w; item < items; item += workers) {
+        const int64_t h = item / num_chunks, c = item % num_chunks;
+        cache.trim();
+        attend_item(s, cache, g, tiles, q_data, o_data, h, chunk_start[c], chunk_count[c]);
+      }
     }
   });
 }
@@ -383,6 +348,7 @@ inline Geometry geometry(const at::Tensor& query, int64_t num_kv_heads, int64_t 
   g.row_of = token_row.data_ptr<int32_t>();
   g.pos_of = token_pos.data_ptr<int32_t>();
   g.scale = static_cast<float>(scale), g.window = window;
+  g.chunk = std::max<int64_t>(1, kTargetRows / g.group);
   return g;
 }
 

@@ -8,7 +8,7 @@
 // Each stored row a decode item reads is dequantised once (kv_codec_cpu.h, one function per format) into
 // the thread's [BS, D] float tile, which then serves all the item's queries (the GQA group); a prefill
 // row's chunks share one dequantised copy per block and thread (TileCache, paged_attention_cpu.h, bounded),
-// so a block is dequantised once per thread and call, not once per chunk of 8 tokens. Without `rotation`, the query
+// so a block is dequantised once per thread and call, not once per chunk. Without `rotation`, the query
 // arrives rotated (q R) and the output leaves rotated (sum p v R), as the padded PyTorch functions take them. KIVI: a block whose open slot (k_open_slot / v_open_slot [blocks], int64, -1 = sealed)
 // is set is read from k_open / v_open [Hkv, capacity, BS, D] (the query's dtype) instead of its codes.
 // With `rotation` R given, the query arrives unrotated and the output leaves unrotated: each query row is

@@ -155,3 +155,54 @@ def test_long_prefill_rows(backend, dtype):
     flat = query.transpose(1, 2).reshape(-1, num_q, head_dim).contiguous()
     direct = backend.op(flat, k_pool, v_pool, tables, rows, query_pos.reshape(-1).contiguous(), 0.125, 24)
     assert_close(direct.view(len(lengths), q_len, num_q, head_dim).transpose(1, 2), ref, dtype)
+
+
+# -- prefill tiles (paged_attention_cpu_tile.h) ---------------------------------------------------------
+# Rows of one extend call: (tokens stored before, new tokens). A fresh prompt that fills no tile evenly,
+# a chunk continuing a prefix, one new token (the decode path inside an extend) and two (the smallest tile).
+PREFILL_ROWS = [(0, 131), (45, 70), (130, 1), (7, 2)]
+# (head_dim, block_size, (query heads, KV heads), window, dtype): GQA 1 / 3 / 8; D 64 / 80 / 128 and 36 (a
+# channel tail on every vector width); blocks of 1 (64 per key tile), 5 and 7 (tiles end mid-row), 96 (one
+# block wider than a key tile); windows of 37 and 100 start and end inside tiles.
+PREFILL_CASES = [(64, 16, (9, 3), 0, torch.float32), (64, 16, (9, 3), 37, torch.bfloat16),
+                 (80, 5, (3, 3), 100, torch.float32), (128, 16, (16, 2), 37, torch.float32),
+                 (128, 96, (16, 2), 0, torch.float16), (36, 1, (9, 3), 37, torch.float32),
+                 (80, 32, (16, 2), 0, torch.bfloat16), (64, 7, (3, 3), 0, torch.float16)]
+
+
+def prefill_query(rows, num_q, head_dim, dtype, gen):
+    """query [B, Hq, Q, D] and query_pos [B, Q] (left pads -1) for PREFILL_ROWS-like (before, new) rows."""
+    q_len = max(new for _, new in rows)
+    query_pos = torch.full((len(rows), q_len), -1, dtype=torch.int32)
+    for row, (before, new) in enumerate(rows):
+        query_pos[row, q_len - new:] = torch.arange(before, before + new, dtype=torch.int32)
+    return torch.randn(len(rows), num_q, q_len, head_dim, generator=gen).to(dtype), query_pos
+
+
+@pytest.mark.parametrize("head_dim,block_size,heads,window,dtype", PREFILL_CASES,
+                         ids=[f"d{c[0]}-b{c[1]}-q{c[2][0]}kv{c[2][1]}-w{c[3]}-{str(c[4])[6:]}" for c in PREFILL_CASES])
+def test_prefill_tiles_match_torch(backend, head_dim, block_size, heads, window, dtype):
+    (num_q, num_kv), lengths = heads, [b + n for b, n in PREFILL_ROWS]
+    k_pool, v_pool, tables, lens, gen = make_cache(lengths, block_size, num_kv, head_dim, dtype, seed=head_dim + window)
+    query, query_pos = prefill_query(PREFILL_ROWS, num_q, head_dim, dtype, gen)
+    out = backend.extend_attention(query, k_pool, v_pool, tables, lens, query_pos, head_dim ** -0.5, window)
+    ref = ta.extend_attention(query, k_pool, v_pool, tables, lens, query_pos, head_dim ** -0.5, window)
+    assert_close(out, ref, dtype)
+
+
+@pytest.mark.parametrize("name,head_dim,heads,window", [("int8", 64, (9, 3), 0), ("int4", 128, (16, 2), 37),
+                                                        ("fp8_e4m3", 80, (3, 3), 0)])
+def test_prefill_tiles_over_quantised_pools(backend, name, head_dim, heads, window):
+    """Quantised pools take the same tiles (dequantised tiles from the thread's cache, several per key tile)."""
+    from test_cpu_kernel_quant import quantised_pool, shared_tables
+
+    from hf_paged import kv_formats
+    from hf_paged.backends import quantized_torch
+    (num_q, num_kv), fmt = heads, kv_formats.FORMATS[name]
+    gen = torch.Generator().manual_seed(head_dim)
+    num_blocks, tables, lens = shared_tables([b + n for b, n in PREFILL_ROWS], 16, gen)
+    k, v = (quantised_pool(fmt, (num_kv, num_blocks, 16, head_dim), gen) for _ in range(2))
+    query, query_pos = prefill_query(PREFILL_ROWS, num_q, head_dim, torch.float32, gen)
+    out = backend.extend_attention(query, k, v, tables, lens, query_pos, 0.3, window)
+    ref = quantized_torch.extend_attention(query, k, v, tables, lens, query_pos, 0.3, window)
+    assert_close(out, ref, torch.float32)

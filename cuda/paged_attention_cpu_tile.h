@@ -1,0 +1,181 @@
+// The prefill tile of the CPU paged-attention loop (paged_attention_cpu.h): a query tile of R rows (up to
+// kTargetRows: consecutive tokens of one row x the GQA group of one KV head) against a key tile of
+// consecutive blocks (up to kTileKeys keys), K and V read in place from the block tiles.
+//
+// Layout, chosen so that no micro-kernel reduces across lanes and no K/V is copied:
+//   qt [D][R]      the tile's queries transposed (once per work item), rows padded to kRowStep with zeros
+//   st [keys][R]   scores S^T = K Q^T: key-major, query-minor, so that the online softmax of a query row is
+//                  lane-wise across rows (running max, sum and correction are vectors of rows)
+//   acc [R][D]     the rows' accumulators, acc = acc * corr + P V
+// Micro-kernels (register tiles, kLanes = 16 AVX-512 / 8 AVX2 / 8 scalar fallback):
+//   scores: kKeyRegs keys x kRowStep rows, a broadcast K element times a row of qt, one K row per key in place
+//   values: kRowRegs rows x 2 vectors of channels, a broadcast weight times a V row segment in place
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+
+#include "paged_attention_cpu_simd.h"
+
+namespace hfp_cpu {
+
+constexpr int64_t kKeyRegs = 6;                        // keys per score register tile
+constexpr int64_t kRowRegs = 6;                        // query rows per value register tile
+constexpr int64_t kRowStep = 2 * simd::kLanes;         // query rows per score register tile; R is padded to it
+constexpr int64_t kTileKeys = 64;                      // keys per key tile (more when one block holds more)
+constexpr int64_t kTargetRows = 128;                   // query rows per work item: tokens = this / GQA group
+
+// One block of a key tile: its K and V rows ([keys, D] floats, where the tile source put them).
+struct TileBlock {
+  const float *k, *v;
+  int64_t keys;
+};
+
+// st[kb][r0 : r0 + kRowStep] = k[kb] . qt[:, r0 : r0 + kRowStep] for KB consecutive keys (rows of k).
+template <int KB>
+inline void score_keys(const float* k, const float* qt, int64_t head_dim, int64_t rows, int64_t r0, float* st) {
+  using namespace simd;
+  V a[KB][2];
+  for (int kb = 0; kb < KB; ++kb) a[kb][0] = a[kb][1] = set1(0.f);
+  for (int64_t d = 0; d < head_dim; ++d) {
+    const V q0 = load(qt + d * rows + r0), q1 = load(qt + d * rows + r0 + kLanes);
+    for (int kb = 0; kb < KB; ++kb) {
+      const V kd = set1(k[kb * head_dim + d]);
+      a[kb][0] = fma(kd, q0, a[kb][0]);
+      a[kb][1] = fma(kd, q1, a[kb][1]);
+    }
+  }
+  for (int kb = 0; kb < KB; ++kb) {
+    store(st + kb * rows + r0, a[kb][0]);
+    store(st + kb * rows + r0 + kLanes, a[kb][1]);
+  }
+}
+
+// Scores of one block's `keys` keys against all `rows` (padded) query rows, into st (this block's first row).
+inline void score_block(const float* k, int64_t keys, const float* qt, int64_t head_dim, int64_t rows, float* st) {
+  for (int64_t r0 = 0; r0 < rows; r0 += kRowStep) {
+    int64_t j = 0;
+    for (; j + kKeyRegs <= keys; j += kKeyRegs) score_keys<kKeyRegs>(k + j * head_dim, qt, head_dim, rows, r0, st + j * rows);
+    const float* kj = k + j * head_dim;
+    float* sj = st + j * rows;
+    switch (keys - j) {        // the block's last keys: a narrower tile, never a read past the block
+      case 5: score_keys<5>(kj, qt, head_dim, rows, r0, sj); break;
+      case 4: score_keys<4>(kj, qt, head_dim, rows, r0, sj); break;
+      case 3: score_keys<3>(kj, qt, head_dim, rows, r0, sj); break;
+      case 2: score_keys<2>(kj, qt, head_dim, rows, r0, sj); break;
+      case 1: score_keys<1>(kj, qt, head_dim, rows, r0, sj); break;
+      default: break;
+    }
+  }
+}
+
+// Per-row state of the online softmax, [R] each. lo/hi: the tile's keys row r sees, lo <= j < hi (tile
+// coordinates, as floats: exact below 2^24); padding rows have lo = hi = 0 and see none.
+struct RowState {
+  float *m, *l, *corr, *lo, *hi;
+};
+
+// Online softmax over the key tile's n keys for the first `live` rows (a multiple of kLanes): masks the
+// scores outside [lo, hi) (when `masked`; otherwise every row sees every key), updates m and l, turns st into
+// the weights exp(s - m_new) and sets corr = exp(m_old - m_new). A row that has seen no key keeps m = -inf,
+// l = 0 and gets corr = 0 (its accumulator is 0 anyway).
+inline void softmax_tile(float* st, int64_t n, int64_t rows, int64_t live, const RowState& rs, bool masked) {
+  using namespace simd;
+  for (int64_t r0 = 0; r0 < live; r0 += kLanes) {
+    const V lo = load(rs.lo + r0), hi = load(rs.hi + r0), old_max = load(rs.m + r0);
+    V tile_max = set1(-std::numeric_limits<float>::infinity());
+    for (int64_t j = 0; j < n; ++j) {
+      float* s = st + j * rows + r0;
+      V x = load(s);
+      if (masked) {
+        x = keep_between(x, set1(static_cast<float>(j)), lo, hi);
+        store(s, x);
+      }
+      tile_max = max(tile_max, x);
+    }
+    const V new_max = max(old_max, tile_max), shift = finite_or_zero(new_max);
+    const V corr = exp_nonpositive(sub(old_max, shift));
+    V sum = set1(0.f);
+    for (int64_t j = 0; j < n; ++j) {
+      float* s = st + j * rows + r0;
+      const V p = exp_nonpositive(sub(load(s), shift));
+      store(s, p);
+      sum = add(sum, p);
+    }
+    store(rs.l + r0, fma(load(rs.l + r0), corr, sum));
+    store(rs.m + r0, new_max);
+    store(rs.corr + r0, corr);
+  }
+}
+
+// acc[r0 + r][d0 : d0 + NV * kLanes] = acc * corr + sum_j p[j][r0 + r] v[j] for RB rows, keys of every block.
+template <int RB, int NV>
+inline void value_rows(float* acc, const float* corr, const float* pt, int64_t rows, const TileBlock* blocks,
+                       int64_t num_blocks, int64_t r0, int64_t d0, int64_t head_dim) {
+  using namespace simd;
+  V a[RB][NV];
+  for (int r = 0; r < RB; ++r) {
+    const V c = set1(corr[r0 + r]);
+    for (int e = 0; e < NV; ++e) a[r][e] = mul(load(acc + (r0 + r) * head_dim + d0 + e * kLanes), c);
+  }
+  const float* p = pt + r0;
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const float* v = blocks[b].v + d0;
+    for (int64_t j = 0; j < blocks[b].keys; ++j, p += rows, v += head_dim) {
+      V x[NV];
+      for (int e = 0; e < NV; ++e) x[e] = load(v + e * kLanes);
+      for (int r = 0; r < RB; ++r) {
+        const V w = set1(p[r]);
+        for (int e = 0; e < NV; ++e) a[r][e] = fma(w, x[e], a[r][e]);
+      }
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int e = 0; e < NV; ++e) store(acc + (r0 + r) * head_dim + d0 + e * kLanes, a[r][e]);
+}
+
+template <int NV>
+inline void value_block_rows(int64_t rb, float* acc, const float* corr, const float* pt, int64_t rows,
+                             const TileBlock* blocks, int64_t num_blocks, int64_t r0, int64_t d0, int64_t head_dim) {
+  switch (rb) {
+    case 6: return value_rows<6, NV>(acc, corr, pt, rows, blocks, num_blocks, r0, d0, head_dim);
+    case 5: return value_rows<5, NV>(acc, corr, pt, rows, blocks, num_blocks, r0, d0, head_dim);
+    case 4: return value_rows<4, NV>(acc, corr, pt, rows, blocks, num_blocks, r0, d0, head_dim);
+    case 3: return value_rows<3, NV>(acc, corr, pt, rows, blocks, num_blocks, r0, d0, head_dim);
+    case 2: return value_rows<2, NV>(acc, corr, pt, rows, blocks, num_blocks, r0, d0, head_dim);
+    default: return value_rows<1, NV>(acc, corr, pt, rows, blocks, num_blocks, r0, d0, head_dim);
+  }
+}
+
+// Channels [d0, D) that fill no vector (D not a multiple of kLanes): plain loops.
+inline void value_tail(float* acc, const float* corr, const float* pt, int64_t rows, const TileBlock* blocks,
+                       int64_t num_blocks, int64_t live, int64_t d0, int64_t head_dim) {
+  for (int64_t r = 0; r < live; ++r) {
+    for (int64_t d = d0; d < head_dim; ++d) {
+      float a = acc[r * head_dim + d] * corr[r];
+      const float* p = pt + r;
+      for (int64_t b = 0; b < num_blocks; ++b)
+        for (int64_t j = 0; j < blocks[b].keys; ++j, p += rows) a += *p * blocks[b].v[j * head_dim + d];
+      acc[r * head_dim + d] = a;
+    }
+  }
+}
+
+// The values of a key tile for the first `live` (unpadded) query rows.
+inline void value_tile(float* acc, const float* corr, const float* pt, int64_t rows, const TileBlock* blocks,
+                       int64_t num_blocks, int64_t live, int64_t head_dim) {
+  constexpr int64_t kWide = 2 * simd::kLanes;
+  for (int64_t r0 = 0; r0 < live; r0 += kRowRegs) {
+    const int64_t rb = std::min(kRowRegs, live - r0);
+    int64_t d0 = 0;
+    for (; d0 + kWide <= head_dim; d0 += kWide)
+      value_block_rows<2>(rb, acc, corr, pt, rows, blocks, num_blocks, r0, d0, head_dim);
+    for (; d0 + simd::kLanes <= head_dim; d0 += simd::kLanes)
+      value_block_rows<1>(rb, acc, corr, pt, rows, blocks, num_blocks, r0, d0, head_dim);
+  }
+  const int64_t tail = head_dim - head_dim % simd::kLanes;
+  if (tail < head_dim) value_tail(acc, corr, pt, rows, blocks, num_blocks, live, tail, head_dim);
+}
+
+}  // namespace hfp_cpu
