@@ -144,7 +144,8 @@ def test_engine_step_section_runs_on_the_cpu(tmp_path):
     import os
     env = {**os.environ, "HF_PAGED_CPU_KERNEL": "0", "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, "-m", "bench", "gpu", "--no-install", "--cpu-smoke", "--sections",
-                           "engine_step", "--out", str(tmp_path)], capture_output=True, text=True, timeout=170, check=False,
+                           "engine_step", "--out", str(tmp_path)], capture_output=True, text=True, timeout=170,
+                          check=False,
                           cwd=ROOT, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     record = lines(tmp_path)["engine_step"]
@@ -154,3 +155,24 @@ def test_engine_step_section_runs_on_the_cpu(tmp_path):
     assert all(c["ok"] and c["ms"] > 0 for c in cases), cases
     assert [line.split(":")[0] for line in record["figures"]["summary"]] == ["decode step, batch 1",
                                                                              "decode step, batch 3"]
+
+
+def test_quantised_section_reports_time_per_token_beside_the_roofline(tmp_path):
+    from bench.gpu_quant import per_token, per_token_line, predicted_ns_per_token
+    predicted = predicted_ns_per_token(64, 4096, 4)
+    assert set(predicted) == {"bf16", "fp8_e4m3", "fp8_e5m2", "int8", "int4"}
+    assert all(predicted[f] <= predicted["bf16"] for f in predicted)        # the roofline's own claim
+    auto, int8 = {"format": "auto", "ms": 0.262144}, {"format": "int8", "ms": 0.131072}
+    per_token(auto, 64, 4096, predicted["bf16"])
+    per_token(int8, 64, 4096, None)
+    assert auto["ns_per_token"] == pytest.approx(1.0) and int8["ns_per_token"] == pytest.approx(0.5)
+    line = per_token_line([auto, int8, {"format": "int4", "ok": False}])
+    assert line == (f"decode ns per token of context, measured (roofline): auto 1.000 ({predicted['bf16']:.3f} "
+                    "predicted), int8 0.500 = 0.50x bf16")
+    done = run("--no-install", "--cpu-smoke", "--sections", "quantised", "--out", str(tmp_path), timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    record = lines(tmp_path)["quantised"]
+    cases = {c["format"]: c for c in record["figures"]["cases"]}
+    assert set(cases) == {"auto", "fp8_e4m3", "fp8_e5m2", "int8", "int4"}
+    assert all(c["ok"] and c["ns_per_token"] > 0 and c["predicted_ns_per_token"] > 0 for c in cases.values())
+    assert record["figures"]["summary"][1].startswith("decode ns per token of context")
