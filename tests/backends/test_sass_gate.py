@@ -198,7 +198,8 @@ def test_registry_fp32_decode_has_no_cp_async():
 
 
 # cp_async_16's PTX (cuda/common.cuh) and a synchronous 16-byte copy in its place: what the negative control builds
-CP_ASYNC_PTX = 'asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\\n" :: "r"(addr), "l"(global), "r"(fill ? 16 : 0));'
+CP_ASYNC_PTX = ('asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\\n" :: "r"(addr), "l"(global), '
+                '"r"(fill ? 16 : 0));')
 SYNC_COPY = ("(void)addr; *reinterpret_cast<uint4*>(smem) = fill ? *reinterpret_cast<const uint4*>(global) "
              ": make_uint4(0u, 0u, 0u, 0u);")
 
