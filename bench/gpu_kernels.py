@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+from .gpu_quant import per_token, per_token_line, predicted_ns_per_token
 from .gpu_timing import (SectionContext, _compare, _tolerance, contiguous_kv, device_and_backend, guarded, heat_up,
                          kernel_choice, l2_bytes, measure, paged_kv, sdpa_runner)
 
@@ -182,7 +183,10 @@ def section_quantised(ctx: SectionContext) -> dict:
         m = measure(lambda i: backend.decode_attention(q, k_pool, v_pool, table, lens, scale, max_context=context),
                     device, graphs=ctx.graphs)
         case.update(ms=m["ms"], MB=2 * k_pool.nbytes / 1e6)
+        per_token(case, batch, context, predicted.get("bf16"))     # inside: the case is recorded on return
+    predicted = predicted_ns_per_token(batch, context, hq // hkv)
     guarded(ctx, auto, time_auto)
+    timed = [auto]
     summary = [f"quantised decode {batch}x{context}: auto {auto.get('ms', float('nan')):.3f} ms"]
     for name, fmt in kernel_formats().items():
         if ctx.time_left() < 8:
@@ -203,8 +207,12 @@ def section_quantised(ctx: SectionContext) -> dict:
             case["write_equal"] = bool(torch.equal(pools[0].data[:, 1], codes.transpose(0, 1))
                                        and torch.equal(pools[0].scales[:, 1], scales.transpose(0, 1)))
             case["ok"] = case["ok"] and case["write_equal"]
+            case["fast_decode"] = bool(getattr(backend, "uses_fast_quantised", lambda *a: False)(q, pools[0]))
+            per_token(case, batch, context, predicted.get(case["format"]))
         guarded(ctx, case, run)
+        timed.append(case)
         if "ms" in case:
             summary[0] += f", {name} {case['ms']:.3f} ms ({'ok' if case['ok'] else 'WRONG'})"
-    print(summary[0], flush=True)
-    return {"summary": summary}
+    summary.append(per_token_line(timed))
+    print("\n".join(summary), flush=True)
+    return {"summary": summary, "kernels": kernel_choice(backend), "predicted_ns_per_token": predicted}

@@ -57,3 +57,39 @@ def section_quantised_extend(ctx: SectionContext) -> dict:
             summary += f" {name} {case['ms']:.3f} ms {case['TFLOPS']:.1f} TFLOPS ({'ok' if case['ok'] else 'WRONG'})"
     print(summary, flush=True)
     return {"summary": [summary], "kernels": kernel_choice(backend)}
+
+
+def predicted_ns_per_token(batch: int, context: int, group: int) -> dict:
+    """The static roofline's decode time per token of context (ns) at this shape: "bf16" (hfp_decode_fast)
+    and each quantised format (bench/roofline_quant.py; H200 assumed). A model, not a measurement."""
+    from .roofline import DecodeFast, Machine, decode_row
+    from .roofline_quant import quant_designs, time_per_token
+    m = Machine()
+    out = {"bf16": time_per_token(decode_row(DecodeFast(), batch, context, group, m))}
+    for design in quant_designs():
+        out[design.fmt] = time_per_token(decode_row(design, batch, context, group, m))
+    return out
+
+
+def per_token(case: dict, batch: int, context: int, predicted: float | None) -> None:
+    """Add the measured ns per token of context (the whole batch's) and the roofline's prediction."""
+    if "ms" in case:
+        case["ns_per_token"] = case["ms"] * 1e6 / (batch * context)
+    if predicted is not None:
+        case["predicted_ns_per_token"] = predicted
+
+
+def per_token_line(cases: list[dict]) -> str:
+    """"ns per token of context, measured (predicted)": auto (bf16) first, then each format with its ratio."""
+    base = next((c.get("ns_per_token") for c in cases if c.get("format") == "auto"), None)
+    parts = []
+    for c in cases:
+        if "ns_per_token" not in c:
+            continue
+        part = f"{c['format']} {c['ns_per_token']:.3f}"
+        if "predicted_ns_per_token" in c:
+            part += f" ({c['predicted_ns_per_token']:.3f} predicted)"
+        if base and c.get("format") != "auto":
+            part += f" = {c['ns_per_token'] / base:.2f}x bf16"
+        parts.append(part)
+    return "decode ns per token of context, measured (roofline): " + (", ".join(parts) or "none measured")

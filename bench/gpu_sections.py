@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 
+from .gpu_engine_step import section_engine_step, section_generate_batch
 from .gpu_kernels import section_decode_bandwidth, section_extend, section_quantised
 from .gpu_models import section_engine, section_generate
 from .gpu_quant import section_quantised_extend
@@ -236,17 +237,23 @@ def _long_case(case, torch, device, backend, ref) -> None:
 
 
 
-# name -> (deadline s, needs CUDA, function, one line). Order = run order: the most wanted first.
+# name -> (deadline s, needs CUDA, function, one line). Order = run order: the most wanted first. The default
+# run (gpu_check.TOTAL_BUDGET_S) reaches the sections after generate_batch only when the earlier ones finish
+# before their deadlines; a section out of budget is reported as skipped (run it with --sections).
 SECTIONS = {
     "env": (20, False, section_env, "versions (driver, CUDA, cupy, NVRTC, torch), device, CuPy loader verdict"),
     "correctness": (90, True, section_correctness, "kernels vs torch_backend: dtypes, head dims, blocks, groups, "
                                                    "windows, split-K, long prompts"),
+    "quantised": (45, True, section_quantised, "quantised KV: decode vs PyTorch, write codes, ns per token of "
+                                               "context per format vs bf16 beside the static roofline"),
+    "engine_step": (75, True, section_engine_step, "engine decode step at batch 1/8/64 (graphs, eager) vs a "
+                                                   "captured SDPA forward of transformers"),
+    "generate_batch": (60, True, section_generate_batch, "hf_paged.LLM vs transformers' generate_batch, "
+                                                         "64 requests"),
     "decode_bandwidth": (90, True, section_decode_bandwidth, "decode GB/s vs copy and SDPA, 1x4k..256x2k, GQA 1-16"),
     "extend": (60, True, section_extend, "prefill TFLOPS vs SDPA flash (causal), 512..8k tokens"),
     "generate": (90, True, section_generate, "model.generate DynamicCache vs paged, random 8-layer Llama"),
     "engine": (90, True, section_engine, "hf_paged.LLM vs padded generate, 64 requests"),
-    "quantised": (45, True, section_quantised, "quantised KV: decode vs PyTorch, write codes, time per format "
-                                               "(runs only if the budget has room left)"),
     "quantised_extend": (40, True, section_quantised_extend, "quantised KV: prefill vs PyTorch, time and TFLOPS "
                                                              "per format beside bf16 (if the budget has room left)"),
 }

@@ -252,9 +252,10 @@ def _compare(case: dict, out, ref, tol: float) -> None:
 
 
 def kernel_choice(backend) -> dict:
-    """Which kernels served: per (device, dtype, head dim), whether the fp16/bf16 fast kernels passed their
-    first-use self-check (False: attention.cu served instead, and its figures are what was measured)."""
+    """Which kernels served: per (device, dtype, head dim[, KV format]), whether the fast kernels (fp16/bf16
+    model-dtype pools; the quantised fast decode per format) passed their first-use self-check (False:
+    attention.cu served instead, and its figures are what was measured)."""
     checked = getattr(backend, "checked", {})
     return {"fast_kernels": getattr(backend, "fast_kernels", None),
-            "self_check_passed": {f"{dev} {str(dtype).removeprefix('torch.')} d{dim}": ok
-                                  for (dev, dtype, dim), ok in checked.items()}}
+            "self_check_passed": {" ".join([str(dev), str(dtype).removeprefix("torch."), f"d{dim}", *fmt]): ok
+                                  for (dev, dtype, dim, *fmt), ok in checked.items()}}

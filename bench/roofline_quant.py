@@ -1,17 +1,21 @@
-"""Static roofline of the planned quantised fast decode (issue 24 item 5): PREDICTED, NOT MEASURED.
+"""Static roofline of the quantised fast decode (issue 24 item 5): PREDICTED, NOT MEASURED.
 
-Design (not yet implemented in cuda/fast_attention.cu; the counts are inputs, as in bench/roofline.py):
-hfp_decode_fast with the pool's codes and bf16 scales staged by 16-byte cp.async into the same K/V rings,
-each lane dequantising its head_dim / bdx elements of K and V in registers once and applying them to
-every query row of the group (``dequant_once``; dequantising per row makes G = 4 issue-bound and int8 /
-int4 slower than bf16 per token: set it False to see); the scale of
-an 8-bit (token, head) is applied once to the score (keys) and to p (values); int4 applies its group
-scale and minimum as ``s * (q . c) + m * sum(q)`` for keys and ``c * s + m`` per element for values.
-Conversions counted per element, on sm_90:
+The kernel is ``hfp_decode_fast_<fmt>_<dtype>_d<D>`` (cuda/fast_quant.cuh, routed by CudaBackend for groups
+up to 4; the counts below are inputs, as in bench/roofline.py): the pool's codes and bf16 scales staged by
+16-byte cp.async in runs of 8 stored tokens into 3-stage K and V rings (``tile_keys``: the bf16 kernel's
+code bytes per stage, kernel_registry.decode_fast_quant_keys), each lane dequantising its 8 elements of K
+and V in registers once for every query row of the group (``dequant_once``; dequantising per row makes
+G = 4 issue-bound and int8 / int4 slower than bf16 per token: set it False to see); the scale of an 8-bit
+(token, head) is applied once to the score (keys) and to p (values); int4 dequantises every element as
+``code * s + m`` (one FFMA) for keys and values alike. Registers and shared memory are the build's
+(ptxas, NVRTC 13.0 sm_90: 168 registers for every format at head dim 128; rings plus a key-group merge
+of [slots][4 heads][D + 2] fp32, kernel_registry.decode_fast_quant_smem_bytes).
+Conversions counted per element, on sm_90 (assumed instruction choices: the build converts fp8 by integer
+arithmetic in KvFormat<F>::decode, kv_quant.cuh, which may take more ALU than counted; the GPU check measures):
     fp8_e4m3  cvt.rn.f16x2.e4m3x2 per 2 elements + half -> float per element        ALU 1.5
     fp8_e5m2  PRMT per 2 elements (e5m2 is fp16's high byte) + half -> float          ALU 1.5
     int8      LOP3 (sign bias, 4 per word) + PRMT into 0x4B0000xx, then one FADD     ALU 1.25, FP32 1
-    int4      SHF + LOP3 (nibble into 0x4B00000x), then one FADD                     ALU 2,    FP32 1
+    int4      SHF + LOP3 (nibble), convert, then one FFMA (code * s + m)             ALU 2,    FP32 1
 The unit stays 32 KB of *stored* bytes (codes + scales), so a quantised tile holds more keys than a bf16
 one: fewer bytes per token of context, more lane work per byte. ``time_per_token`` is the figure the
 issue asks for: predicted decode time per token of context, to compare with bf16's.
@@ -26,9 +30,8 @@ from .roofline import DECODE_SHAPES, GROUPS, TILE_BYTES, DecodeFast, DecodeRow, 
 @dataclass(frozen=True)
 class DecodeFastQuant(DecodeFast):
     """``DecodeFast`` reading ``bits``-bit codes and ``scales`` bf16 values per (token, head)
-    (hf_paged/kv_formats.py). ``registers`` is the bf16 kernel's figure: an assumption until ptxas
-    reports the quantised build. ``tile_keys`` doubles per halving of the bytes, keeping each stage
-    near the bf16 kernel's 8 KB in flight."""
+    (hf_paged/kv_formats.py). ``tile_keys`` doubles per halving of the bytes, keeping each stage near the
+    bf16 kernel's 8 KB in flight (kernel_registry.decode_fast_quant_keys)."""
 
     name: str = "hfp_decode_fast_q"
     fmt: str = "fp8_e4m3"
@@ -40,6 +43,12 @@ class DecodeFastQuant(DecodeFast):
     scale_loads: float = 2           # per lane per (key, row): K and V scale (LDS.U16, broadcast)
     scale_fp32: float = 2            # per lane: score *= s_k, p *= s_v
     dequant_once: bool = True        # a lane serves all G rows of its key chunk: loads and converts once
+    registers: int = 168             # ptxas, NVRTC 13.0 sm_90, every format at d128 (sass_gate table)
+
+    def smem_bytes(self, group: int) -> int:
+        """K and V rings + the merge [slots][max_group][D + 2] fp32 (registry decode_fast_quant_smem_bytes)."""
+        merge = 4 * (self.threads // self.bdx) * self.max_group * (self.head_dim + 2)
+        return 2 * self.stages * self.stage_bytes() + merge
 
     @property
     def name_variant(self) -> str:

@@ -8,7 +8,8 @@ on a GPU, or the CPU shim in ``tests/backends`` (same kernels, same arguments).
 
 Pools are model-dtype tensors or :class:`~hf_paged.kv_formats.QuantizedPool` (codes + bf16 scales): then
 write_kv quantises from the keys' dtype, and the attention kernels dequantise into the query's dtype.
-fp16/bf16 model-dtype pools go to ``fast_attention.cu`` (``cuda_fast``), the rest to ``attention.cu``.
+fp16/bf16 model-dtype pools go to ``fast_attention.cu`` (``cuda_fast``), and so do decodes over quantised
+pools with fp16/bf16 queries and GQA groups up to 4 (its quantised decode); the rest to ``attention.cu``.
 """
 from __future__ import annotations
 
@@ -36,8 +37,9 @@ class CudaBackend:
     scalars; pointers as ``numpy.uint64``), ``sm_count(device)`` and ``device_limits(device)``.
     partition_size: keys per split-K split; ``None`` plans them per call so that the grid fills the
     device (``splits.plan_splits``).
-    fast_kernels: fp16/bf16 model-dtype pools on fast_attention.cu (the default); False keeps them on
-    attention.cu, the kernels the quantised formats share their compute with (for comparisons).
+    fast_kernels: fp16/bf16 model-dtype pools on fast_attention.cu, and decode over quantised pools on its
+    quantised decode (the default); False keeps them on attention.cu (the kernels the quantised formats
+    share their compute with, for comparisons).
     One backend serves a device for the whole process (``backends.backend_for``), so the kernel modules
     load and the fast kernels' first-use check runs once per (device, dtype, head dim).
     """
@@ -50,26 +52,42 @@ class CudaBackend:
         self.launcher = launcher
         self.partition_size = partition_size
         self.fast_kernels = fast_kernels
-        self.checked: dict[tuple, bool] = {}   # (device, dtype, head_dim) -> the fast kernels agreed
+        self.checked: dict[tuple, bool] = {}   # (device, dtype, head_dim[, format]) -> the kernels agreed
 
     def uses_fast_kernels(self, query: torch.Tensor, k_pool) -> bool:
         """Whether fast_attention.cu serves this call: eligible pools, and on a GPU a passed self-check."""
         if not (self.fast_kernels and cuda_fast.eligible(query, k_pool)):
             return False
-        device = k_pool.device
-        if device.type not in self.self_check_devices:
+        device, head_dim = k_pool.device, k_pool.shape[-1]
+        return self._first_use((device, k_pool.dtype, head_dim),
+                               "the sm_80+ kernels (cuda/fast_attention.cu) disagree with the PyTorch reference",
+                               lambda: cuda_fast.self_check(self, device, k_pool.dtype, head_dim))
+
+    def uses_fast_quantised(self, query: torch.Tensor, k_pool) -> bool:
+        """Whether the quantised fast decode (cuda/fast_quant.cuh) serves a decode over these pools
+        (``cuda_fast.eligible_quantised``), on a GPU after a passed self-check per (dtype, head dim, format)."""
+        if not (self.fast_kernels and cuda_fast.eligible_quantised(query, k_pool)):
+            return False
+        device, head_dim, fmt = k_pool.device, k_pool.shape[-1], k_pool.fmt
+        return self._first_use((device, query.dtype, head_dim, fmt.name),
+                               f"the quantised fast decode (cuda/fast_quant.cuh, {fmt.name}) disagrees with "
+                               "attention.cu's",
+                               lambda: cuda_fast.self_check_quantised(self, device, query.dtype, head_dim, fmt))
+
+    def _first_use(self, key: tuple, what: str, check) -> bool:
+        """``check()`` (None, or what disagreed) once per key on the self-check devices; a disagreement is
+        logged and the key stays on attention.cu for the process (``self.checked``)."""
+        if key[0].type not in self.self_check_devices:
             return True
-        key = (device, k_pool.dtype, k_pool.shape[-1])
         if key not in self.checked:
             self.checked[key] = True          # the check itself runs the fast kernels
             try:
-                problem = cuda_fast.self_check(self, device, k_pool.dtype, k_pool.shape[-1])
+                problem = check()
             except (RuntimeError, ValueError) as exc:   # e.g. a compiler the kernels do not build with
                 problem = f"{type(exc).__name__}: {exc}"
             if problem is not None:
-                logger.error("hf_paged: the sm_80+ kernels (cuda/fast_attention.cu) disagree with the PyTorch "
-                             "reference on %s: %s. Using attention.cu's kernels instead; please report this "
-                             "with the GPU's name.", device, problem)
+                logger.error("hf_paged: %s on %s: %s. Using attention.cu's kernels instead; please report this "
+                             "with the GPU's name.", what, key[0], problem)
                 self.checked[key] = False
         return self.checked[key]
 
@@ -230,6 +248,9 @@ class CudaBackend:
         span = min(length, sliding_window) if sliding_window > 0 else length
         if self.uses_fast_kernels(query, k_pool):
             return self._decode_fast(query, k_pool, v_pool, tables, lens, scale, sliding_window, span, workspace)
+        if self.uses_fast_quantised(query, k_pool):
+            return cuda_fast.decode_fast_quantised(self, query, k_pool, v_pool, tables, lens, scale, sliding_window,
+                                                   span, workspace)
         elem = query.element_size()
         group = num_q_heads // num_kv_heads
         split = self.plan_splits(query.device, batch * num_kv_heads, span, reg.tile_tokens(head_dim, elem))

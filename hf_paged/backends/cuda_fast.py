@@ -15,8 +15,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..kv_formats import QuantizedPool, quantize
 from . import kernel_registry as reg
-from ..kv_formats import QuantizedPool
 from .cuda_args import ptr
 from .splits import split_scratch
 from .synthetic import random_paged_kv
@@ -143,9 +143,14 @@ def decode_fast(backend, query: torch.Tensor, k_pool: torch.Tensor, v_pool: torc
 
 
 def eligible_quantised(query: torch.Tensor, k_pool) -> bool:
-    """Quantised pools (the formats with kernels) read by fp16/bf16 queries: the quantised fast decode."""
-    return (isinstance(k_pool, QuantizedPool) and k_pool.fmt.name in reg.KV_FORMAT_TAGS and k_pool.rotation is None
-            and reg.DTYPE_TAGS.get(query.dtype) in reg.FAST_DTYPE_TAGS)
+    """Decode over quantised pools that the quantised fast decode serves: a format with kernels (int8,
+    fp8_e4m3, fp8_e5m2, int4; not KIVI or nvfp4), fp16/bf16 queries, GQA groups up to
+    FAST_DECODE_MAX_GROUP (each lane group holds the whole group in registers; larger groups, and fp32
+    queries, stay on attention.cu). Rotated pools qualify: the backend's attention functions work in the
+    rotated space (``Step.attend`` rotates the query before them and unrotates their output)."""
+    return (isinstance(k_pool, QuantizedPool) and k_pool.fmt.name in reg.KV_FORMAT_TAGS
+            and reg.DTYPE_TAGS.get(query.dtype) in reg.FAST_DTYPE_TAGS
+            and query.shape[-2] // k_pool.shape[0] <= reg.FAST_DECODE_MAX_GROUP)
 
 
 def decode_fast_quantised(backend, query: torch.Tensor, k_pool: QuantizedPool, v_pool: QuantizedPool,
@@ -214,4 +219,30 @@ def self_check(backend, device: torch.device, dtype: torch.dtype, head_dim: int)
             error = (got.float() - want.float()).abs().max().item()
             if not error <= tolerance:        # NaN fails too
                 return f"{name}: max |error| {error:.3g} > {tolerance} ({dtype}, head_dim {head_dim})"
+    return None
+
+
+def self_check_quantised(backend, device: torch.device, dtype: torch.dtype, head_dim: int, fmt) -> str | None:
+    """The quantised fast decode once per (head dim, format), on small random pools, against attention.cu's
+    quantised decode (the kernels it replaces, whose compute equals the model-dtype kernels' bit for bit):
+    groups 1 and 4, a split-K case and a window. None when they agree, else what disagreed (the caller
+    then keeps attention.cu)."""
+    reference = type(backend)(backend.launcher, fast_kernels=False)    # attention.cu, the same loaded modules
+    gen = torch.Generator().manual_seed(0)
+    num_kv_heads, lengths = 2, [600, 5, 1, 0]
+    k, v, tables, lens = random_paged_kv(lengths, 16, num_kv_heads, head_dim, torch.float32, gen, spare_blocks=1)
+    k_pool, v_pool = (QuantizedPool(*(t.to(device) for t in quantize(fmt, x)), fmt, head_dim) for x in (k, v))
+    tables, lens = tables.to(device), lens.to(device)
+    # Error relative to each output row's largest element: both kernels round to the dtype once (one ulp:
+    # 2^-8 bf16, 2^-11 fp16), so 5x that passes, and a value off by 10% on any row fails.
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 2.5e-3
+    for group, window in ((1, 0), (4, 0), (4, 37)):       # row 600 splits on a GPU (MIN_PARTITION 256)
+        query = torch.randn(len(lengths), num_kv_heads * group, head_dim, generator=gen).to(device, dtype)
+        span = min(max(lengths), window) if window else max(lengths)
+        got = decode_fast_quantised(backend, query, k_pool, v_pool, tables, lens, 0.3, window, span).float()
+        want = reference.decode_attention(query, k_pool, v_pool, tables, lens, 0.3, window, max(lengths)).float()
+        error = ((got - want).abs().amax(-1) / want.abs().amax(-1).clamp_min(1e-3)).max().item()
+        if not error <= tolerance:            # NaN fails too
+            return (f"quantised decode ({fmt.name}), group {group}, window {window}: max relative error "
+                    f"{error:.3g} > {tolerance} ({dtype}, head_dim {head_dim})")
     return None

@@ -211,6 +211,19 @@ def compile_job(job: tuple[str, str, tuple]) -> tuple[tuple, bytes, str]:
     return job, cubin, log
 
 
+def compile_edited(job: tuple[str, str, tuple], old: str, new: str) -> tuple[tuple, bytes, str]:
+    """As compile_job, with ``old`` replaced by ``new`` in the module's expanded source (negative
+    controls: the production kernel without one of its instructions). ``old`` must occur."""
+    toolkit, arch, (source, head_dim, fmt) = job
+    text = reg.kernel_source(source)
+    if old not in text:
+        raise ValueError(f"compile_edited: {old!r} is not in {source}'s expanded source")
+    compiler = _compiler(toolkit)
+    options = production_options(arch, compiler.include, reg.KernelSpec("", source, head_dim, fmt).defines)
+    cubin, log = compiler.compile(text.replace(old, new), options)
+    return job, cubin, log
+
+
 def compile_source(toolkit: str, arch: str, source: str) -> tuple[bytes, str]:
     """(cubin, ptxas log) of a standalone source, built with the production options."""
     compiler = _compiler(toolkit)

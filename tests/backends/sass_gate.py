@@ -67,6 +67,8 @@ RULES = (
     Rule(r"hfp_decode_fast_(\w+_)?b?f16_d\d+", "pipelined decode: K/V tiles by cp.async", require=(("LDGSTS",),)),
     Rule(r"hfp_ragged_(\w+_)?b?f16_d\d+", "tensor-core attention: mma.sync and cp.async",
          require=(("HMMA", "HGMMA"), ("LDGSTS",))),
+    Rule(rf"hfp_decode_fast_({'|'.join(reg.KV_FORMAT_TAGS.values())})_b?f16_d\d+",
+         "quantised fast decode: codes and scales by cp.async", require=(("LDGSTS",),)),
     Rule(r"hfp_decode_\w+", "decode never spills", no_spill=True),
 )
 

@@ -10,7 +10,9 @@ nvrtc_gate.py); HF_PAGED_SKIP_NVRTC=1 skips them explicitly.
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing
 import os
+from concurrent.futures import ProcessPoolExecutor
 
 import nvrtc_gate
 import pytest
@@ -64,9 +66,11 @@ def test_rules_name_the_new_kernels():
     def rules(name):
         return [r.why for r in sass_gate.RULES if r.matches(name)]
 
-    local, fast, ragged, decode = (r.why for r in sass_gate.RULES)
+    local, fast, ragged, quantised, decode = (r.why for r in sass_gate.RULES)
     assert rules("hfp_decode_fast_bf16_d128") == [local, fast, decode]
-    assert rules("hfp_decode_fast_fp8e4m3_f16_d64") == [local, fast, decode]
+    assert rules("hfp_decode_fast_fp8e4m3_f16_d64") == [local, fast, quantised, decode]
+    assert rules("hfp_decode_fast_int4_bf16_d80") == [local, fast, quantised, decode]
+    assert rules("hfp_decode_fast_int8_f32_d128") == [local, decode]       # no such kernel; no cp.async asked
     assert rules("hfp_decode_fast_f32_d128") == [local, decode]          # no cp.async demanded of fp32
     assert rules("hfp_ragged_f16_d256") == [local, ragged]
     assert rules("hfp_decode_bf16_d128") == [decode]
@@ -138,7 +142,7 @@ def rule_for(kernel: str, template: sass_gate.Rule) -> sass_gate.Rule:
     return dataclasses.replace(template, pattern=kernel)
 
 
-FAST, RAGGED = sass_gate.RULES[1], sass_gate.RULES[2]
+FAST, RAGGED, QUANTISED = sass_gate.RULES[1], sass_gate.RULES[2], sass_gate.RULES[3]
 NO_LOCAL = dataclasses.replace(sass_gate.RULES[0], min_ctas=0)
 
 
@@ -191,3 +195,40 @@ def test_registry_fp32_decode_has_no_cp_async():
     assert sass.opcodes[("13.0", "sm_90", spec.name)]["LDGSTS"] == 0
     violations, _ = sass_gate.check(gate, sass, [rule_for(spec.name, FAST)])
     assert violations == [f"13.0/sm_90/{spec.name}: no LDGSTS in the SASS ({FAST.why})"]
+
+
+# cp_async_16's PTX (cuda/common.cuh) and a synchronous 16-byte copy in its place: what the negative control builds
+CP_ASYNC_PTX = ('asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\\n" :: "r"(addr), "l"(global), '
+                '"r"(fill ? 16 : 0));')
+SYNC_COPY = ("(void)addr; *reinterpret_cast<uint4*>(smem) = fill ? *reinterpret_cast<const uint4*>(global) "
+             ": make_uint4(0u, 0u, 0u, 0u);")
+
+
+@needs_tools
+def test_quantised_fast_decode_stages_by_cp_async():
+    """The quantised fast decode module as production builds it (int4 at head dim 128: 13.0, sm_90; every
+    format and head dim are checked by the registry gate in test_nvrtc_gate.py) passes every rule that
+    names its kernels: LDGSTS, no local memory, >= 2 CTAs/SM. Negative control: the same module with
+    cp_async_16's PTX replaced by a synchronous copy has no LDGSTS and fails the quantised rule. The two
+    compiles run side by side (~30 s each on a loaded 2-core machine)."""
+    job = ("13.0", "sm_90", (reg.FAST_SOURCE, 128, "int4"))
+    nvrtc_gate.install("13.0")
+    with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
+        real = pool.submit(nvrtc_gate.compile_job, job)
+        edited = pool.submit(nvrtc_gate.compile_edited, job, CP_ASYNC_PTX, SYNC_COPY)
+        results = {"real": real.result(), "edited": edited.result()}
+    kernels = {reg.decode_fast_kernel(t, 128, "int4").name for t in reg.FAST_DTYPE_TAGS}
+    checked = {}
+    for name, (_, cubin, log) in results.items():
+        gate = nvrtc_gate.GateResult()
+        gate.usage = {("13.0", "sm_90", k): u for k, u in nvrtc_gate.usage_from_log(log).items()}
+        sass = sass_gate.SassResult({("13.0", "sm_90", k): c for k, c in sass_gate.disassemble(cubin).items()})
+        assert kernels <= {k[2] for k in sass.opcodes}, (name, sorted(sass.opcodes))
+        rules = [r for r in sass_gate.RULES if any(r.matches(k) for k in kernels)]
+        checked[name] = sass_gate.check(gate, sass, rules)[0], {k: sass.opcodes[("13.0", "sm_90", k)] for k in kernels}
+    violations, ops = checked["real"]
+    assert violations == [] and all(c["LDGSTS"] > 0 for c in ops.values()), (violations, ops)
+    violations, ops = checked["edited"]
+    assert all(c["LDGSTS"] == 0 and c["LDS"] > 0 for c in ops.values()), ops
+    assert sorted(v for v in violations if QUANTISED.why in v) == sorted(
+        f"13.0/sm_90/{k}: no LDGSTS in the SASS ({QUANTISED.why})" for k in kernels), violations
