@@ -321,10 +321,58 @@ inline void encode_int4(const float* x, int64_t d, int64_t num_scales, uint8_t* 
   }
 }
 
+// The fp8 scale search, kv_formats._search_scale bit for bit: candidates bf16(amax / code_max * kScaleSteps[j])
+// (fp32 2^(j/8), the same bit patterns as kv_formats.SCALE_STEP_BITS), each scored by the exact squared error
+// of its dequantised group: x - code * scale is exact in fp32 (the product has <= 12 significant bits; the
+// difference is within a factor 2 of x, or x itself), scaled by two powers of two to units of 2^(e - 151)
+// (e: amax's biased exponent; below 2^21), rounded to an integer and squared into an int64 sum, which no
+// summation order or FMA contraction changes. Least error wins, ties the smallest j.
+constexpr uint32_t kScaleSteps[8] = {0x3F800000u, 0x3F8B95C2u, 0x3F9837F0u, 0x3FA5FED7u,
+                                     0x3FB504F3u, 0x3FC5672Au, 0x3FD744FDu, 0x3FEAC0C7u};
+
+template <uint8_t (*Code)(float), float (*Value)(uint8_t)>
+inline int64_t squared_error(const float* x, int64_t n, float code_max, float s, float first, float second) {
+  int64_t total = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const float residual = x[i] - Value(Code(std::min(std::max(x[i] / s, -code_max), code_max))) * s;
+    const int64_t q = round_even(residual * first * second);
+    total += q * q;
+  }
+  return total;
+}
+
+template <uint8_t (*Code)(float), float (*Value)(uint8_t)>
+inline void encode8_searched(const float* x, int64_t d, int64_t num_scales, float code_max, uint8_t* codes,
+                             uint16_t* scales) {
+  const int64_t group = d / num_scales;
+  for (int64_t g = 0; g < num_scales; ++g) {
+    const float* row = x + g * group;
+    float amax = 0.f;
+    for (int64_t i = 0; i < group; ++i) amax = std::max(amax, std::fabs(row[i]));
+    const uint32_t exponent = (bits_of(amax) >> 23) & 0xFFu, low = exponent >> 1;
+    const float first = from_bits((203u - low) << 23), second = from_bits((202u - (exponent - low)) << 23);
+    const float base = amax / code_max;
+    int64_t best_error = -1;
+    uint16_t best = 0;
+    for (const uint32_t step : kScaleSteps) {
+      const uint16_t candidate = stored_scale(base * from_bits(step));
+      const int64_t error = squared_error<Code, Value>(row, group, code_max, bf16(candidate), first, second);
+      if (best_error < 0 || error < best_error) best_error = error, best = candidate;
+    }
+    scales[g] = best;
+    const float s = bf16(best);
+    for (int64_t i = 0; i < group; ++i) codes[g * group + i] = Code(std::min(std::max(row[i] / s, -code_max), code_max));
+  }
+}
+
 using EncodeFn = void (*)(const float*, int64_t, int64_t, uint8_t*, uint16_t*);
 inline void encode_int8(const float* x, int64_t d, int64_t s, uint8_t* c, uint16_t* sc) { encode8<int8_code>(x, d, s, 127.f, c, sc); }
-inline void encode_e4m3(const float* x, int64_t d, int64_t s, uint8_t* c, uint16_t* sc) { encode8<fp8_code<3, 7>>(x, d, s, 448.f, c, sc); }
-inline void encode_e5m2(const float* x, int64_t d, int64_t s, uint8_t* c, uint16_t* sc) { encode8<fp8_code<2, 15>>(x, d, s, 57344.f, c, sc); }
+inline void encode_e4m3(const float* x, int64_t d, int64_t s, uint8_t* c, uint16_t* sc) {
+  encode8_searched<fp8_code<3, 7>, fp8_value<3, 7>>(x, d, s, 448.f, c, sc);
+}
+inline void encode_e5m2(const float* x, int64_t d, int64_t s, uint8_t* c, uint16_t* sc) {
+  encode8_searched<fp8_code<2, 15>, fp8_value<2, 15>>(x, d, s, 57344.f, c, sc);
+}
 
 // The row encoder of a row format (kInt8, kFp8E4M3, kFp8E5M2, kInt4); nullptr for others (KIVI seals whole
 // blocks in hf_paged.kivi).
