@@ -322,13 +322,13 @@ inline void encode_int4(const float* x, int64_t d, int64_t num_scales, uint8_t* 
 }
 
 // The fp8 scale search, kv_formats._search_scale bit for bit: candidates bf16(amax / code_max * kScaleSteps[j])
-// (fp32 2^(j/8), the same bit patterns as kv_formats.SCALE_STEP_BITS), each scored by the exact squared error
+// (fp32 2^(j/16), the same bit patterns as kv_formats.SCALE_STEP_BITS), each scored by the exact squared error
 // of its dequantised group: x - code * scale is exact in fp32 (the product has <= 12 significant bits; the
 // difference is within a factor 2 of x, or x itself), scaled by two powers of two to units of 2^(e - 151)
 // (e: amax's biased exponent; below 2^21), rounded to an integer and squared into an int64 sum, which no
 // summation order or FMA contraction changes. Least error wins, ties the smallest j.
-constexpr uint32_t kScaleSteps[8] = {0x3F800000u, 0x3F8B95C2u, 0x3F9837F0u, 0x3FA5FED7u,
-                                     0x3FB504F3u, 0x3FC5672Au, 0x3FD744FDu, 0x3FEAC0C7u};
+constexpr uint32_t kScaleSteps[16] = {0x3F800000u, 0x3F85AAC3u, 0x3F8B95C2u, 0x3F91C3D3u, 0x3F9837F0u, 0x3F9EF532u, 0x3FA5FED7u, 0x3FAD583Fu,
+                                      0x3FB504F3u, 0x3FBD08A4u, 0x3FC5672Au, 0x3FCE248Cu, 0x3FD744FDu, 0x3FE0CCDFu, 0x3FEAC0C7u, 0x3FF5257Du};
 
 template <uint8_t (*Code)(float), float (*Value)(uint8_t)>
 inline int64_t squared_error(const float* x, int64_t n, float code_max, float s, float first, float second) {
