@@ -253,8 +253,10 @@ inline const char* simd_name() {
 
 // ---------------------------------------------------------------------------------------------- encoding
 // The inverse direction, for the quantising write (kv_write_cpu.cpp): kv_formats.quantize bit for bit on
-// the same fp32 input (fp32 math, the scale rounded to bf16 before use, 1 where it is not positive, codes
-// from x / stored scale, clamped, then round-to-nearest-even or the fp8 conversion), as cuda/kv_quant.cuh.
+// the same fp32 input (fp32 math, the scale rounded to bf16 before use, 1 where it is not positive, fp8's
+// searched among 16 candidates, codes from x / stored scale, clamped, then round-to-nearest-even or the
+// fp8 conversion), as cuda/kv_quant.cuh. Scalar code without reductions over floats (the search's error
+// sum is int64), so no ISA variant of the -march=native build can change a code.
 // Scalar: a row is D elements, written once per token; the read side is what runs per step.
 inline uint32_t bits_of(float x) {
   uint32_t u;

@@ -5,7 +5,8 @@
 //   scales : bf16  [Hkv, num_blocks, BS, S]              8-bit: S = 1; int4: D/16 scales then D/16 minima
 //
 // Encoding matches kv_formats.quantize bit for bit (tests/backends/test_quantised_kernels.py): fp32
-// math, the scale rounded to bf16 before use (an all-zero row or group gets 1), codes from
+// math, the scale rounded to bf16 before use (an all-zero row or group gets 1; fp8: the least-error one
+// of 16 candidates, searched_scale below), codes from
 // x / stored scale (IEEE division: these kernels are never built with fast math), clamped, then
 // round-to-nearest-even (integers) or the fp8 conversion below. Decoding is exact in fp32 up to the
 // int4 minimum's addition: a code has at most 8 significant bits and a bf16 scale 8, so

@@ -3,8 +3,8 @@
 ``kv_cache_dtype`` (vLLM's knob and values) chooses how a paged pool stores keys and values:
 
     "auto"      the model's dtype (no quantisation)
-    "fp8"       = "fp8_e4m3": float8 e4m3fn codes, one bf16 scale per (token, head)
-    "fp8_e5m2"  float8 e5m2 codes, one bf16 scale per (token, head)
+    "fp8"       = "fp8_e4m3": float8 e4m3fn codes, one bf16 scale per (token, head), searched (below)
+    "fp8_e5m2"  float8 e5m2 codes, one bf16 scale per (token, head), searched (below)
     "int8"      symmetric int8 codes, one bf16 scale per (token, head)
     "int4"      asymmetric 4-bit codes, a bf16 scale and minimum per group of 16 along head_dim
     "nvfp4"     e2m1 4-bit float codes (+-{0, 0.5, 1, 1.5, 2, 3, 4, 6}) in groups of 16 along head_dim, each
@@ -13,7 +13,10 @@
     "kivi"      KIVI-style 4-bit: keys per channel over each full block, values per token, the open block
                 in the model's dtype (``hf_paged.kivi``, which owns its layout; block_size 32)
 
-Scales are computed on write from the values written (no calibration). Before quantising, each
+Scales are computed on write from the values written (no calibration): amax / code_max, except that the
+fp8 formats try 16 scales from there up to twice it and keep the one whose codes have the least squared
+error (``_search_scale``; float codes lose 2^-4 of each element whatever the scale, the scale only chooses
+where the row falls on the code grid). Before quantising, each
 (token, head) vector is rotated by a fixed orthogonal matrix R (a normalised Hadamard matrix for power-of-two
 head dims, else a seeded random orthogonal one): rotation spreads the outlier channels of keys over the
 whole head, and since ``(qR)·(kR) = q·k`` and ``sum p_j (v_j R) R^T = sum p_j v_j``, attention only rotates
@@ -34,7 +37,8 @@ A stored element dequantises as ``code * scale`` (8-bit), ``code * scale + minim
 ``e2m1(code) * e4m3(group scale) * row scale`` (nvfp4), in fp32.
 Both tensors are indexed by block on dimension 1, so a block's scales move with it (copy-on-write copies,
 pool growth, prefix-cache reuse). Quantisation uses the *stored* (bf16-rounded) scale, so that codes and
-scale agree exactly; an all-zero row gets scale 1.
+scale agree exactly; an all-zero row gets scale 1. The readers never see how a scale was chosen: the search
+changes the writers only (this module, cuda/kv_codec_cpu.h, cuda/kv_quant.cuh), which give equal codes.
 """
 from __future__ import annotations
 
