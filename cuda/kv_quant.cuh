@@ -117,7 +117,7 @@ __device__ __forceinline__ __nv_bfloat16 stored_scale(float scale) {
     return __bfloat162float(s) > 0.f ? s : __float2bfloat16_rn(1.f);
 }
 
-// The fp8 scale search, kv_formats._search_scale bit for bit (kv_codec_cpu.h encode8_searched is the CPU's):
+// The fp8 scale search, kv_formats._search_scale bit for bit (kv_encode_cpu.h encode8_searched is the CPU's):
 // candidates bf16(amax / code_max * 2^(j/16)), j < 16 (kv_formats.SCALE_STEP_BITS), each scored by the exact
 // squared error of the dequantised row: x - code * scale is exact in fp32 (so FMA contraction cannot change
 // it), scaled by two powers of two to units of 2^(e - 151) (e: amax's biased exponent field; |q| < 2^21),

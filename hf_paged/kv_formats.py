@@ -38,7 +38,7 @@ A stored element dequantises as ``code * scale`` (8-bit), ``code * scale + minim
 Both tensors are indexed by block on dimension 1, so a block's scales move with it (copy-on-write copies,
 pool growth, prefix-cache reuse). Quantisation uses the *stored* (bf16-rounded) scale, so that codes and
 scale agree exactly; an all-zero row gets scale 1. The readers never see how a scale was chosen: the search
-changes the writers only (this module, cuda/kv_codec_cpu.h, cuda/kv_quant.cuh), which give equal codes.
+changes the writers only (this module, cuda/kv_encode_cpu.h, cuda/kv_quant.cuh), which give equal codes.
 """
 from __future__ import annotations
 
@@ -246,7 +246,7 @@ def _stored_scale(scale: torch.Tensor) -> torch.Tensor:
 
 # The fp8 scale search's candidates: amax / code_max times these fp32 constants, 2^(j/16) for j < 16 (one octave:
 # float codes are scale-invariant under powers of two, so the octave holds every alignment of a row with the
-# code grid). The bit patterns are the kernels' too (kv_codec_cpu.h kScaleSteps, kv_quant.cuh kScaleSteps).
+# code grid). The bit patterns are the kernels' too (kv_encode_cpu.h kScaleSteps, kv_quant.cuh scale_step).
 SCALE_STEP_BITS = (0x3F800000, 0x3F85AAC3, 0x3F8B95C2, 0x3F91C3D3, 0x3F9837F0, 0x3F9EF532, 0x3FA5FED7, 0x3FAD583F,
                    0x3FB504F3, 0x3FBD08A4, 0x3FC5672A, 0x3FCE248C, 0x3FD744FD, 0x3FE0CCDF, 0x3FEAC0C7, 0x3FF5257D)
 

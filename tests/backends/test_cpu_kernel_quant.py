@@ -354,7 +354,7 @@ def scale_search_rows(n: int, heads: int, d: int, seed: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2"])
 def test_write_searches_the_fp8_scale_as_kv_formats(backend, name):
-    """The fused write's scale search (kv_codec_cpu.h encode8_searched) picks the PyTorch codec's scale and
+    """The fused write's scale search (kv_encode_cpu.h encode8_searched) picks the PyTorch codec's scale and
     codes bit for bit on its edge cases, and the searched scale is not just amax / code_max."""
     fmt = kv_formats.FORMATS[name]
     n, heads, d, bs, blocks = 16, 2, 64, 8, 3
