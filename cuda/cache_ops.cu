@@ -51,7 +51,7 @@ namespace hfp {
 
 // Quantise token n's keys (or values) [Hkv, D] into slot `slot` of a quantised pool, 8-bit formats:
 // one warp per head (a warp-uniform loop, so the reduction's shuffles always see the full warp), the
-// scale from the head's largest magnitude.
+// scale from the head's largest magnitude (fp8: searched from it, kv_quant.cuh searched_scale).
 template <typename T, int F>
 __device__ __forceinline__ void quantise_token_8bit(
     unsigned char* __restrict__ codes,      // [Hkv, num_blocks * BS, D]
@@ -64,7 +64,13 @@ __device__ __forceinline__ void quantise_token_8bit(
         const T* row = x + h * x_head_stride;
         float amax = 0.f;
         for (int d = lane; d < head_dim; d += 32) amax = fmaxf(amax, fabsf(to_float(row[d])));
-        const __nv_bfloat16 scale = stored_scale(warp_max(amax) / Fmt::kCodeMax);
+        amax = warp_max(amax);
+        __nv_bfloat16 scale;
+        if constexpr (Fmt::kScaleSearch) {
+            scale = searched_scale<F>(row, head_dim, lane, amax);
+        } else {
+            scale = stored_scale(amax / Fmt::kCodeMax);
+        }
         const float s = __bfloat162float(scale);
         const long long r = h * head_slots + slot;      // (head, slot) row of the pool
         for (int d = lane; d < head_dim; d += 32) {

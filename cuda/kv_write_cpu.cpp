@@ -6,7 +6,7 @@
 //   rotation        fp32 [D, D] or None: each row is stored as x R (kv_formats.rotation_matrix)
 // Each (token, head) row is converted to fp32, rotated (the fast Walsh-Hadamard transform when R is the
 // normalised Hadamard matrix, else y_j = sum_i x_i R_ij in i order; fp32), and encoded
-// by its format's function (kv_codec_cpu.h; kv_formats.quantize's codes bit for bit on the same rotated row;
+// by its format's function (kv_encode_cpu.h; kv_formats.quantize's codes bit for bit on the same rotated row;
 // the rotation's summation order differs from torch's matmul in the last bits, so a code at a rounding
 // boundary may differ by one step from the PyTorch path's). Replaces, per layer, the PyTorch path's ~10
 // small ops per pool (rotate, amax, divide, clamp, round, cast, two index_copy_).
@@ -19,7 +19,7 @@
 #include <optional>
 #include <vector>
 
-#include "kv_codec_cpu.h"
+#include "kv_encode_cpu.h"
 
 namespace {
 

@@ -3,8 +3,8 @@
 ``kv_cache_dtype`` (vLLM's knob and values) chooses how a paged pool stores keys and values:
 
     "auto"      the model's dtype (no quantisation)
-    "fp8"       = "fp8_e4m3": float8 e4m3fn codes, one bf16 scale per (token, head)
-    "fp8_e5m2"  float8 e5m2 codes, one bf16 scale per (token, head)
+    "fp8"       = "fp8_e4m3": float8 e4m3fn codes, one bf16 scale per (token, head), searched (below)
+    "fp8_e5m2"  float8 e5m2 codes, one bf16 scale per (token, head), searched (below)
     "int8"      symmetric int8 codes, one bf16 scale per (token, head)
     "int4"      asymmetric 4-bit codes, a bf16 scale and minimum per group of 16 along head_dim
     "nvfp4"     e2m1 4-bit float codes (+-{0, 0.5, 1, 1.5, 2, 3, 4, 6}) in groups of 16 along head_dim, each
@@ -13,7 +13,10 @@
     "kivi"      KIVI-style 4-bit: keys per channel over each full block, values per token, the open block
                 in the model's dtype (``hf_paged.kivi``, which owns its layout; block_size 32)
 
-Scales are computed on write from the values written (no calibration). Before quantising, each
+Scales are computed on write from the values written (no calibration): amax / code_max, except that the
+fp8 formats try 16 scales from there up to twice it and keep the one whose codes have the least squared
+error (``_search_scale``; float codes lose 2^-4 of each element whatever the scale, the scale only chooses
+where the row falls on the code grid). Before quantising, each
 (token, head) vector is rotated by a fixed orthogonal matrix R (a normalised Hadamard matrix for power-of-two
 head dims, else a seeded random orthogonal one): rotation spreads the outlier channels of keys over the
 whole head, and since ``(qR)·(kR) = q·k`` and ``sum p_j (v_j R) R^T = sum p_j v_j``, attention only rotates
@@ -34,7 +37,8 @@ A stored element dequantises as ``code * scale`` (8-bit), ``code * scale + minim
 ``e2m1(code) * e4m3(group scale) * row scale`` (nvfp4), in fp32.
 Both tensors are indexed by block on dimension 1, so a block's scales move with it (copy-on-write copies,
 pool growth, prefix-cache reuse). Quantisation uses the *stored* (bf16-rounded) scale, so that codes and
-scale agree exactly; an all-zero row gets scale 1.
+scale agree exactly; an all-zero row gets scale 1. The readers never see how a scale was chosen: the search
+changes the writers only (this module, cuda/kv_encode_cpu.h, cuda/kv_quant.cuh), which give equal codes.
 """
 from __future__ import annotations
 
@@ -55,6 +59,7 @@ class KVFormat:
     float_codes: torch.dtype | None      # float8 dtype of fp8 codes; None for integer codes
     rotate: bool = True                  # store R-rotated vectors (see above)
     fp8_group_scales: bool = False       # nvfp4: e4m3 group scales in ``data``, one bf16 row scale in ``scales``
+    scale_search: bool = False           # fp8: the row scale searched for the least error (``_search_scale``)
 
     @property
     def quantised(self) -> bool:
@@ -82,8 +87,8 @@ class KVFormat:
 
 
 FORMATS = {
-    "fp8_e4m3": KVFormat("fp8_e4m3", 8, 0, False, 448.0, torch.float8_e4m3fn),
-    "fp8_e5m2": KVFormat("fp8_e5m2", 8, 0, False, 57344.0, torch.float8_e5m2),
+    "fp8_e4m3": KVFormat("fp8_e4m3", 8, 0, False, 448.0, torch.float8_e4m3fn, scale_search=True),
+    "fp8_e5m2": KVFormat("fp8_e5m2", 8, 0, False, 57344.0, torch.float8_e5m2, scale_search=True),
     "int8": KVFormat("int8", 8, 0, False, 127.0, None),
     "int4": KVFormat("int4", 4, 16, True, 15.0, None),
     "nvfp4": KVFormat("nvfp4", 4, 16, False, 6.0, None, rotate=True, fp8_group_scales=True),
@@ -221,14 +226,68 @@ def quantize(fmt: KVFormat, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
         codes = codes.to(torch.uint8).flatten(-2)
         packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
         return packed, torch.cat([scale, low], dim=-1)
-    scale = (x.abs().amax(-1, keepdim=True) / fmt.code_max).to(torch.bfloat16)
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    amax = x.abs().amax(-1, keepdim=True)
+    if fmt.scale_search:
+        return _search_scale(fmt, x, amax)
+    scale = _stored_scale(amax / fmt.code_max)
     scaled = (x / scale.float()).clamp_(-fmt.code_max, fmt.code_max)
     if fmt.float_codes is not None:
         codes = scaled.to(fmt.float_codes).view(torch.uint8)
     else:
         codes = scaled.round_().to(torch.int8).view(torch.uint8)
     return codes, scale
+
+
+def _stored_scale(scale: torch.Tensor) -> torch.Tensor:
+    """fp32 scales -> bf16 as stored (round to nearest even; 1 where not positive: an all-zero row)."""
+    scale = scale.to(torch.bfloat16)
+    return torch.where(scale > 0, scale, torch.ones_like(scale))
+
+
+# The fp8 scale search's candidates: amax / code_max times these fp32 constants, 2^(j/16) for j < 16 (one octave:
+# float codes are scale-invariant under powers of two, so the octave holds every alignment of a row with the
+# code grid). The bit patterns are the kernels' too (kv_encode_cpu.h kScaleSteps, kv_quant.cuh scale_step).
+SCALE_STEP_BITS = (0x3F800000, 0x3F85AAC3, 0x3F8B95C2, 0x3F91C3D3, 0x3F9837F0, 0x3F9EF532, 0x3FA5FED7, 0x3FAD583F,
+                   0x3FB504F3, 0x3FBD08A4, 0x3FC5672A, 0x3FCE248C, 0x3FD744FD, 0x3FE0CCDF, 0x3FEAC0C7, 0x3FF5257D)
+
+
+def _fixed_point_unit(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two fp32 powers of two whose product is 2^(151 - e), e the biased exponent field of ``amax``: a row's
+    residuals (below amax / 8) times both are below 2^21, so their squares add up exactly in int64 in any
+    order. Two factors so that each stays a normal fp32 for every e in [0, 254] (e//2 and e - e//2)."""
+    exponent = (amax.view(torch.int32) >> 23) & 0xFF
+    low = exponent >> 1
+    first = ((203 - low) << 23).view(torch.float32)                  # 2^(76 - e//2)
+    second = ((202 - (exponent - low)) << 23).view(torch.float32)    # 2^(75 - (e - e//2))
+    return first, second
+
+
+def _search_scale(fmt: KVFormat, x: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8 codes with the row scale, among bf16(amax / code_max * 2^(j/16)) for j < 16, whose dequantised row
+    has the least squared error (ties: the smallest j; j = 0 is the plain amax scale). The error is made
+    exact so that every write path picks the same j: code * scale is exact in fp32 (<= 4 + 8 significant
+    bits), x - code * scale is exact (Sterbenz: within a factor 2 of x, or x itself for code 0), and the
+    residuals in units of 2^(e - 151) (``_fixed_point_unit``), rounded to integers, square and add in int64.
+    Why: e4m3's error is 2^-4 of each element whatever the scale; the scale only moves where the row falls
+    on the code grid, and the best of 16 alignments cuts the KL on held-out text by ~30% (README)."""
+    first, second = _fixed_point_unit(amax)
+    base = amax / fmt.code_max
+    steps = torch.tensor(SCALE_STEP_BITS, dtype=torch.int64).to(torch.int32).view(torch.float32).tolist()
+    best_codes = best_scale = best_error = None
+    for step in steps:
+        scale = _stored_scale(base * step)                            # fp32 x fp32 constant, one rounding
+        s = scale.float()
+        codes = (x / s).clamp_(-fmt.code_max, fmt.code_max).to(fmt.float_codes)
+        residual = x - codes.float() * s
+        error = (residual * first * second).round_().to(torch.int64).square_().sum(-1, keepdim=True)
+        if best_error is None:
+            best_codes, best_scale, best_error = codes.view(torch.uint8), scale, error
+            continue
+        better = error < best_error
+        best_codes = torch.where(better, codes.view(torch.uint8), best_codes)
+        best_scale = torch.where(better, scale, best_scale)
+        best_error = torch.where(better, error, best_error)
+    return best_codes, best_scale
 
 
 def dequantize(fmt: KVFormat, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

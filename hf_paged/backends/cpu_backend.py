@@ -37,8 +37,9 @@ log = logging.getLogger("hf_paged.backends")
 KERNEL_ENV = "HF_PAGED_CPU_KERNEL"
 SOURCE = "paged_attention_cpu.cpp"
 SOURCES = (SOURCE, "paged_attention_cpu_quant.cpp", "kv_write_cpu.cpp")      # compiled into one extension
+# part of the build's cache key
 HEADERS = ("paged_attention_cpu.h", "paged_attention_cpu_util.h", "paged_attention_cpu_tile.h",
-           "paged_attention_cpu_simd.h", "kv_codec_cpu.h")          # part of the build's cache key
+           "paged_attention_cpu_simd.h", "kv_codec_cpu.h", "kv_encode_cpu.h")
 # kv_formats / kivi format -> the op's k_format / v_format (kv_codec_cpu.h's enum Format).
 FORMAT_IDS = {"int8": 0, "fp8_e4m3": 1, "fp8_e5m2": 2, "int4": 3}
 KIVI_KEY_ID, KIVI_VALUE_ID = 4, 3     # KIVI values: asymmetric 4-bit groups along head_dim, int4's row layout

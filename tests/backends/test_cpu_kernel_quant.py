@@ -330,3 +330,43 @@ def test_kivi_pools_on_the_cpu_use_the_kernel_backend(backend, monkeypatch):
         pools = KVPools(config, kv_format=kv_formats.kv_format("kivi"))
         pools.allocate_pools(4, kv_formats.KIVI_BLOCK_SIZE, torch.float32, torch.device("cpu"))
         assert isinstance(pools.backend, kind)
+
+
+def scale_search_rows(n: int, heads: int, d: int, seed: int) -> torch.Tensor:
+    """fp32 [n, heads, d] rows for the fp8 scale search's edge cases: magnitudes from fp32 subnormals to
+    1e37 (the fixed-point error's two power-of-two factors at both ends of the exponent range), a lone
+    element, equal magnitudes and rows already on the code grid (candidates tie or one is exact: the
+    smallest j must win everywhere), negative zeros, and Gaussian rows."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, heads, d, generator=gen)
+    for i, magnitude in enumerate((1e-40, 1e-39, 1e-30, 1e-12, 1e12, 1e30, 1e37)):
+        x[i] *= magnitude
+    x[7] = 0
+    x[7, :, 3] = -2.5
+    x[8] = torch.where(torch.rand(heads, d, generator=gen) < 0.5, -1.0, 1.0) * 0.3
+    grid = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+    grid = grid[torch.isfinite(grid)]
+    x[9] = grid[torch.randint(len(grid), (heads, d), generator=gen)] * 2.0 ** -5
+    x[9, :, 0] = 448 * 2.0 ** -5
+    x[10, :, ::2] = -0.0
+    return x
+
+
+@pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2"])
+def test_write_searches_the_fp8_scale_as_kv_formats(backend, name):
+    """The fused write's scale search (kv_encode_cpu.h encode8_searched) picks the PyTorch codec's scale and
+    codes bit for bit on its edge cases, and the searched scale is not just amax / code_max."""
+    fmt = kv_formats.FORMATS[name]
+    n, heads, d, bs, blocks = 16, 2, 64, 8, 3
+    x = scale_search_rows(n, heads, d, seed=7)
+    slots = torch.randperm(blocks * bs, generator=torch.Generator().manual_seed(8))[:n]
+    ours = [kv_formats.QuantizedPool.zeros(fmt, heads, blocks, bs, d, "cpu") for _ in range(2)]
+    ref = [kv_formats.QuantizedPool.zeros(fmt, heads, blocks, bs, d, "cpu") for _ in range(2)]
+    backend.write_kv(ours[0], ours[1], x, -x.flip(0), slots)
+    quantized_torch.write_kv(ref[0], ref[1], x, -x.flip(0), slots)
+    for mine, theirs in zip(ours, ref):
+        assert torch.equal(mine.data, theirs.data)
+        assert torch.equal(mine.scales.view(torch.int16), theirs.scales.view(torch.int16))
+    plain = (x.abs().amax(-1) / fmt.code_max).to(torch.bfloat16)
+    stored = ours[0].scales.view(heads, -1)[:, slots].transpose(0, 1)
+    assert (stored != torch.where(plain > 0, plain, torch.ones_like(plain))).any(), "the search never moved"

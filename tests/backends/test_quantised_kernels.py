@@ -105,6 +105,28 @@ def test_write_kv_quantises_as_kv_formats(shim_libraries, name, dtype):
             assert mismatch.numel() == 0, f"head_dim {head_dim}: {what} differ at {mismatch[:5].tolist()}"
 
 
+@pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2"])
+def test_write_kv_searches_the_fp8_scale_as_kv_formats(shim_libraries, name):
+    """The write kernel's scale search (kv_quant.cuh searched_scale: one warp per row, an int64 warp sum)
+    picks kv_formats.quantize's scale and codes bit for bit on the search's edge cases (fp32 states)."""
+    from test_cpu_kernel_quant import scale_search_rows
+    fmt = fmt_of(name)
+    heads, blocks, block_size, n = 2, 4, 8, 16
+    for head_dim in (64, 128):
+        pools = [kv_formats.QuantizedPool.zeros(fmt, heads, blocks, block_size, head_dim, torch.device("cpu"))
+                 for _ in range(2)]
+        key = scale_search_rows(n, heads, head_dim, seed=head_dim)
+        value = -key.flip(0)
+        slots = torch.randperm(blocks * block_size, generator=torch.Generator().manual_seed(1))[:n]
+        harness.shim_backend(shim_libraries, schedule="random").write_kv(pools[0], pools[1], key, value, slots)
+        for pool, x in zip(pools, (key, value)):
+            want_codes, want_scales = kv_formats.quantize(fmt, x)
+            got_codes = pool.data.view(heads, -1, head_dim)[:, slots].transpose(0, 1)
+            got_scales = pool.scales.view(heads, -1, 1)[:, slots].transpose(0, 1)
+            assert torch.equal(got_codes, want_codes), f"head_dim {head_dim}: codes differ"
+            assert torch.equal(got_scales.view(torch.int16), want_scales.view(torch.int16)), f"head_dim {head_dim}"
+
+
 def test_write_kv_refuses_mismatched_pools(shim_libraries):
     cpu = torch.device("cpu")
     k_pool = kv_formats.QuantizedPool.zeros(fmt_of("int8"), 2, 4, 8, 64, cpu)

@@ -153,9 +153,11 @@ def test_negative_control_a_quarter_step_off_fails_the_bound(monkeypatch, one_to
 
 # Held-out real text on the real SmolLM2 (fp32): the mean KL against the default path per text kind, one
 # forward per passage (per-token formats store the same codes whatever the order of writes, so this equals
-# decoding token by token; kivi is measured by the bench only). Bounds ~1.5x what 2026-12-03 measured
-# (README "Quantised KV blocks"); int8 is also held to the issue's +0.5% perplexity on every kind.
-HELD_OUT_MAX_KL = {"int8": 6e-4, "fp8_e4m3": 1.2e-2}
+# decoding token by token; kivi is measured by the bench only). int8: ~1.5x what 2026-12-03 measured
+# (README "Quantised KV blocks"), also held to the issue's +0.5% perplexity on every kind. fp8_e4m3: per kind,
+# between the searched scale's KL (3.1e-3 / 5.7e-3 / 4.6e-3) and amax / 448's (4.5e-3 / 7.6e-3 / 5.8e-3), so
+# the codec without its scale search fails every kind.
+HELD_OUT_MAX_KL = {"int8": 6e-4, "fp8_e4m3": {"docstring": 4.0e-3, "comment": 6.8e-3, "license": 5.3e-3}}
 HELD_OUT_MAX_PPL_PCT = {"int8": 0.5}
 
 
@@ -191,5 +193,7 @@ def test_real_text_of_every_kind_stays_within_the_held_out_bounds():
     for (name, kind), parts in rows.items():
         kl = torch.cat([p[0] for p in parts]).mean()
         ppl_pct = 100 * (torch.cat([p[1] for p in parts]).mean().exp() - 1)
-        assert 0 < kl <= HELD_OUT_MAX_KL[name], (name, kind, kl.item())
+        bound = HELD_OUT_MAX_KL[name]
+        bound = bound[kind] if isinstance(bound, dict) else bound
+        assert 0 < kl <= bound, (name, kind, kl.item(), bound)
         assert ppl_pct <= HELD_OUT_MAX_PPL_PCT.get(name, float("inf")), (name, kind, ppl_pct.item())
