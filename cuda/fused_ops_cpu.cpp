@@ -21,11 +21,14 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -197,6 +200,74 @@ void rotary_(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor
   else rotate_all<c10::BFloat16>(q, k, cos, sin, interleaved);
 }
 
+// SIMD twins of exp_approx (the same steps and constants, so every lane equals the scalar result).
+#if defined(__AVX512F__)
+constexpr int64_t kLanes = 16;
+inline __m512 exp_simd(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3365447504f)), _mm512_set1_ps(88.3762626647f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                                      _mm512_set1_ps(0.5f)), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f)));
+  r = _mm512_sub_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(-2.12194440e-4f)));
+  __m512 p = _mm512_set1_ps(1.9875691500E-4f);
+  for (const float c : {1.3981999507E-3f, 8.3334519073E-3f, 4.1665795894E-2f, 1.6666665459E-1f, 5.0000001201E-1f})
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(c));
+  p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(p, r), r), r), _mm512_set1_ps(1.0f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+inline void silu_mul_block(const float* g, const float* u, float* o) {
+  const __m512 x = _mm512_loadu_ps(g);
+  const __m512 s = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_simd(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+  _mm512_storeu_ps(o, _mm512_mul_ps(s, _mm512_loadu_ps(u)));
+}
+#elif defined(__AVX2__)
+constexpr int64_t kLanes = 8;
+inline __m256 exp_simd(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3365447504f)), _mm256_set1_ps(88.3762626647f));
+  const __m256 n = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _mm256_set1_ps(0.5f)));
+  __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
+  r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(-2.12194440e-4f)));
+  __m256 p = _mm256_set1_ps(1.9875691500E-4f);
+  for (const float c : {1.3981999507E-3f, 8.3334519073E-3f, 4.1665795894E-2f, 1.6666665459E-1f, 5.0000001201E-1f})
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(c));
+  p = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(p, r), r), r), _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+inline void silu_mul_block(const float* g, const float* u, float* o) {
+  const __m256 x = _mm256_loadu_ps(g);
+  const __m256 s = _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), exp_simd(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+  _mm256_storeu_ps(o, _mm256_mul_ps(s, _mm256_loadu_ps(u)));
+}
+#else
+constexpr int64_t kLanes = 1;
+inline void silu_mul_block(const float* g, const float* u, float* o) { o[0] = g[0] / (1.0f + exp_approx(-g[0])) * u[0]; }
+#endif
+
+// One row. float32 goes kLanes at a time through silu_mul_block; bfloat16 converts a block of kLanes to
+// float32, rounds silu(gate) to bfloat16 as the eager op materialises it, then multiplies.
+template <typename T>
+inline void silu_mul_row(const T* g, const T* u, T* o, int64_t width) {
+  int64_t j = 0;
+  if constexpr (std::is_same_v<T, float>) {
+    for (; j + kLanes <= width; j += kLanes) silu_mul_block(g + j, u + j, o + j);
+  } else {
+    float gf[kLanes], uf[kLanes], sf[kLanes], one[kLanes];
+    std::fill(one, one + kLanes, 1.0f);
+    for (; j + kLanes <= width; j += kLanes) {
+      for (int64_t l = 0; l < kLanes; ++l) gf[l] = static_cast<float>(g[j + l]);
+      silu_mul_block(gf, one, sf);
+      for (int64_t l = 0; l < kLanes; ++l) uf[l] = static_cast<float>(u[j + l]);
+      for (int64_t l = 0; l < kLanes; ++l) o[j + l] = static_cast<T>(rnd<T>(sf[l]) * uf[l]);
+    }
+  }
+  for (; j < width; ++j) {
+    const float x = g[j];
+    o[j] = static_cast<T>(rnd<T>(x / (1.0f + exp_approx(-x))) * static_cast<float>(u[j]));
+  }
+}
+
 template <typename T>
 void silu_mul_rows(const at::Tensor& gate, const at::Tensor& up, at::Tensor& out) {
   const int64_t rows = gate.size(0), width = gate.size(1);
@@ -204,16 +275,7 @@ void silu_mul_rows(const at::Tensor& gate, const at::Tensor& up, at::Tensor& out
   const T* ud = up.data_ptr<T>();
   T* od = out.data_ptr<T>();
   at::parallel_for(0, rows, grain_rows(width), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const T* g = gd + t * gate.stride(0);
-      const T* u = ud + t * up.stride(0);
-      T* o = od + t * width;
-#pragma omp simd
-      for (int64_t j = 0; j < width; ++j) {
-        const float x = g[j];
-        o[j] = static_cast<T>(rnd<T>(x / (1.0f + exp_approx(-x))) * static_cast<float>(u[j]));
-      }
-    }
+    for (int64_t t = begin; t < end; ++t) silu_mul_row<T>(gd + t * gate.stride(0), ud + t * up.stride(0), od + t * width, width);
   });
 }
 
