@@ -75,28 +75,37 @@ def _registered():
         return None
 
 
+def build_extension(prefix: str, sources: tuple[str, ...], headers: tuple[str, ...] = (), cflags=CFLAGS,
+                    what: str = "the CPU paged-attention kernel") -> None:
+    """Build (or load from torch's extension cache) the C++ ``sources`` of ``hf_paged.cuda`` into this process.
+    The library name hashes the sources, ``headers``, the flags, torch's and Python's versions and the CPU's
+    features, so a changed source or another CPU builds anew. Raises RuntimeError with the compiler's
+    complaint when it cannot be built."""
+    from torch.utils import cpp_extension  # noqa: PLC0415  (pulls in setuptools; only when building)
+    folder = resources.files("hf_paged.cuda")
+    texts = [(folder / name).read_text() for name in sources + headers]
+    key = "\0".join([*texts, " ".join(cflags + LDFLAGS), torch.__version__, sys.version, _cpu_features()])
+    name = prefix + hashlib.sha1(key.encode()).hexdigest()[:12]
+    log.info("building or loading %s, %s (built once per machine, ~20 s; cached by torch)", what, name)
+    try:
+        with resources.as_file(folder) as path:        # the sources include their headers from this folder
+            cpp_extension.load(name=name, sources=[str(path / n) for n in sources], extra_cflags=list(cflags),
+                               extra_ldflags=LDFLAGS, is_python_module=False, verbose=False)
+    except Exception as err:    # compiler missing or failing: the caller decides whether to fall back
+        raise RuntimeError(f"could not build {what} ({', '.join(sources)}): {err}") from err
+    log.info("%s loaded", name)
+
+
 def load_kernel():
     """``torch.ops.hf_paged_cpu.paged_attention``, building and loading the extension if this process has
     not yet. Raises RuntimeError with the compiler's complaint when it cannot be built."""
     op = _registered()
     if op is not None:
         return op
-    from torch.utils import cpp_extension  # noqa: PLC0415  (pulls in setuptools; only when building)
-    folder = resources.files("hf_paged.cuda")
-    texts = [(folder / name).read_text() for name in SOURCES + HEADERS]
-    key = "\0".join([*texts, " ".join(CFLAGS + LDFLAGS), torch.__version__, sys.version, _cpu_features()])
-    name = "hf_paged_cpu_" + hashlib.sha1(key.encode()).hexdigest()[:12]
-    log.info("building or loading the CPU paged-attention kernel %s (built once per machine, ~20 s; cached by torch)",
-             name)
-    try:
-        with resources.as_file(folder) as path:        # the sources include their headers from this folder
-            cpp_extension.load(name=name, sources=[str(path / n) for n in SOURCES], extra_cflags=CFLAGS,
-                               extra_ldflags=LDFLAGS, is_python_module=False, verbose=False)
-    except Exception as err:    # compiler missing or failing: the caller decides whether to fall back
-        raise RuntimeError(f"could not build the CPU paged-attention kernel ({', '.join(SOURCES)}): {err}") from err
+    build_extension("hf_paged_cpu_", SOURCES, HEADERS)
     op = _registered()
     if op is None:
-        raise RuntimeError(f"{name} loaded but registered no torch.ops.hf_paged_cpu.paged_attention(_quant)")
+        raise RuntimeError("the CPU kernel loaded but registered no torch.ops.hf_paged_cpu.paged_attention(_quant)")
     # Shape propagation for torch.compile: each op is one opaque node in a traced graph (no graph break).
     for qualname, fake in (("hf_paged_cpu::paged_attention", _fake_paged_attention),
                            ("hf_paged_cpu::paged_attention_quant", _fake_paged_attention_quant),
@@ -105,7 +114,6 @@ def load_kernel():
             torch.library.register_fake(qualname)(fake)
         except RuntimeError:        # another thread loading at the same time registered it first
             pass
-    log.info("%s loaded", name)
     return op
 
 

@@ -31,7 +31,9 @@ class EngineConfig:
     ~2.7x (int4) or ~3.4x (nvfp4) the tokens in the same memory. enforce_eager: run the model's forward as
     it is; by default the engine prepacks the linear weights of a CPU model for oneDNN
     (``hf_paged.engine.prepack``) and, on one CUDA device, replays decode steps as CUDA graphs per
-    batch-size bucket (``hf_paged.engine.graphs``). max_logprobs: the
+    batch-size bucket (``hf_paged.engine.graphs``). fused_ops: on the CPU, run RMSNorm (with the residual
+    add), rotary embedding and SiLU·mul as fused C++ ops inside the engine's steps (``hf_paged.engine.fused``;
+    False, or enforce_eager, keeps the model's own module forwards). max_logprobs: the
     most top tokens a request may ask per log-probability entry (``logprobs``, ``prompt_logprobs``), as vLLM's."""
     block_size: int = 16
     max_num_seqs: int = 64
@@ -43,12 +45,14 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"
     enforce_eager: bool = False
+    fused_ops: bool = True
     max_logprobs: int = 20
 
     def validate(self) -> None:
         kv_format(self.kv_cache_dtype)          # raises with the known values
-        if not isinstance(self.enforce_eager, bool):
-            raise ValueError(f"enforce_eager must be True or False, got {self.enforce_eager!r}")
+        for name in ("enforce_eager", "fused_ops"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be an int >= 0, got {self.max_logprobs!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):

@@ -37,6 +37,7 @@ from ..kivi import split_budget
 from ..kv_formats import kv_format
 from ..parallel import tensor_parallel_ranks
 from .config import EngineConfig, kv_pool_blocks
+from .fused import FusedOps
 from .graphs import DecodeGraphs, capture_sizes, cuda_capture
 from .intake import never_fits, token_ids
 from .logprobs import TokenTexts, logprob_entries
@@ -91,6 +92,7 @@ class Engine:
             width = min(-(-self.max_model_len // config.block_size), blocks)
             self.runner.graphs = DecodeGraphs(self.runner, capture_sizes(config.max_num_seqs), width, blocks, capture)
         self.prepacked = None if config.enforce_eager or device.type != "cpu" else PrepackedLinears(model)
+        self.fused = FusedOps(model) if config.fused_ops and not config.enforce_eager and device.type == "cpu" else None
         self.requests: dict[int, Request] = {}
         self._ids = itertools.count()
         self.token_texts = TokenTexts(tokenizer)       # decoded tokens of log-probability entries
@@ -237,8 +239,10 @@ class Engine:
 
     @contextlib.contextmanager
     def _forward_mode(self):
-        """The model as the engine runs it: paged attention and, unless enforce_eager, prepacked linears."""
-        with use_paged_attention(self.model), (self.prepacked.installed() if self.prepacked else contextlib.nullcontext()):
+        """The model as the engine runs it: paged attention and, unless enforce_eager, prepacked linears and
+        (unless fused_ops=False) the fused CPU ops."""
+        with use_paged_attention(self.model), (self.prepacked.installed() if self.prepacked else contextlib.nullcontext()), \
+                (self.fused.installed() if self.fused else contextlib.nullcontext()):
             yield
 
     def _step(self) -> list[TokenEvent]:

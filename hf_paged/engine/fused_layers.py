@@ -1,0 +1,89 @@
+"""The fused attention and decoder-layer forwards of ``hf_paged.engine.fused`` (see its module doc).
+
+Both restate transformers 5.24's forwards of the five families (llama, qwen2, qwen3, glm, glm4) step by
+step, with rotary embedding as one in-place op on the fresh q/k projections and the layer's residual add
+fused with the norm that follows it; every other step is the module's own (sub-modules are called as
+modules, so prepacked linears, fused norms and their hooks apply).
+"""
+from __future__ import annotations
+
+import torch
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from .fused import _Fused, _rows, _usable, norm_fusible
+
+
+class Attention(_Fused):
+    """spec: qk_norm (Qwen3's q_norm/k_norm before rotary), interleaved (GLM's pairwise, partial rotary),
+    window (the class passes ``sliding_window`` to the attention function), eager (the family's eager
+    attention, transformers' default when no implementation is registered)."""
+
+    def __init__(self, module, ops, **spec):
+        super().__init__(module, ops, **spec)
+        # rotary_ writes the projections' (or Qwen3's norms') outputs in place: hooks there must not see that
+        self.bypassed = ("q_proj", "k_proj") + (("q_norm", "k_norm") if spec["qk_norm"] else ())
+
+    def __call__(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None,
+                 past_key_values=None, **kwargs):
+        m, spec = self.module, self.spec
+        cache = cache if cache is not None else past_key_values
+        if position_embeddings is None or not _usable(hidden_states, m) or position_embeddings[0].dtype != hidden_states.dtype:
+            return self.own(hidden_states, position_embeddings, attention_mask, cache=cache, **kwargs)
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, m.head_dim)
+        query = m.q_proj(hidden_states).view(hidden_shape)
+        key = m.k_proj(hidden_states).view(hidden_shape)
+        if spec["qk_norm"]:
+            query, key = m.q_norm(query), m.k_norm(key)
+        value = m.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        query, key = self._rotated(query, key, *position_embeddings)
+        if cache is not None:
+            key, value = cache.update(key, value, m.layer_idx, kwargs=kwargs)
+        attend = ALL_ATTENTION_FUNCTIONS.get_interface(m.config._attn_implementation, spec["eager"])
+        if spec["window"]:
+            kwargs = {**kwargs, "sliding_window": m.sliding_window}
+        out, weights = attend(m, query, key, value, attention_mask,
+                              dropout=0.0 if not m.training else m.attention_dropout, scaling=m.scaling, **kwargs)
+        return m.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
+
+    def _rotated(self, query, key, cos, sin):
+        """q, k [B, S, H, D] (fresh tensors) rotated in place, returned as [B, H, S, D] views."""
+        query, key = query.contiguous(), key.contiguous()        # no copy for the projections' outputs
+        tokens, d = query.shape[0] * query.shape[1], query.shape[-1]
+        cos = cos.expand(*query.shape[:2], cos.shape[-1]).reshape(tokens, -1)
+        sin = sin.expand(*query.shape[:2], sin.shape[-1]).reshape(tokens, -1)
+        self.ops.rotary_(query.view(tokens, -1, d), key.view(tokens, -1, d), cos.contiguous(), sin.contiguous(),
+                         self.spec["interleaved"])
+        return query.transpose(1, 2), key.transpose(1, 2)
+
+
+class DecoderLayer(_Fused):
+    """spec: sandwich (GLM-4-0414's post_self_attn_layernorm and post_mlp_layernorm)."""
+
+    def __call__(self, hidden_states, attention_mask=None, position_ids=None, cache=None, use_cache=False,
+                 position_embeddings=None, past_key_values=None, **kwargs):
+        m = self.module
+        cache = cache if cache is not None else past_key_values
+        if not _usable(hidden_states, m):
+            return self.own(hidden_states, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+                            use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
+        residual = hidden_states
+        hidden_states, _ = m.self_attn(hidden_states=m.input_layernorm(hidden_states), attention_mask=attention_mask,
+                                       position_ids=position_ids, cache=cache, use_cache=use_cache,
+                                       position_embeddings=position_embeddings, **kwargs)
+        if self.spec["sandwich"]:
+            hidden_states = m.post_self_attn_layernorm(hidden_states)
+        residual, hidden_states = self._add_norm(m.post_attention_layernorm, hidden_states, residual)
+        hidden_states = m.mlp(hidden_states)
+        if self.spec["sandwich"]:
+            hidden_states = m.post_mlp_layernorm(hidden_states)
+        return residual + hidden_states
+
+    def _add_norm(self, norm, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual + x, norm(residual + x)), in one op when ``norm`` is a known, hook-free RMSNorm."""
+        if not (norm_fusible(norm, x) and residual.shape == x.shape and residual.dtype == x.dtype):
+            total = residual + x
+            return total, norm(total)
+        total, normed = self.ops.add_rms_norm(_rows(x), _rows(residual), norm.weight, norm.variance_epsilon)
+        return total.view(x.shape), normed.view(x.shape)
+
