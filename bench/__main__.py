@@ -17,6 +17,7 @@ COMMANDS = {
     "serve": ("serve_load", "bounded load test of OpenAI servers: hf_paged vs transformers serve, vllm serve", {}),
     "vllm-client": ("vllm_client", "vLLM's own benchmark client (vllm bench serve) vs hf-paged serve and vllm serve", {}),
     "kv-quant": ("kv_quant", "quantised KV blocks on SmolLM2: perplexity/KL/agreement, requests held, speed", {}),
+    "weight-quant": ("weight_quant", "weight-quantised SmolLM2 (torchao, bitsandbytes, compressed-tensors): bytes, speed, perplexity, exactness", {}),
     "structured": ("structured", "structured output's throughput cost on SmolLM2: 0, half, all requests constrained", {}),
     "prefix": ("prefix_caching", "prefix caching across generate calls on SmolLM2: lm-eval few-shot, chat loop", {}),
     "gpu": ("gpu_check", "the prepared GPU check: kernels, decode bandwidth, prefill (CUDA only)", {}),

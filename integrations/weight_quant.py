@@ -136,7 +136,7 @@ def save_compressed_tensors(model, directory: str, preset: str = "W4A16", group_
         scheme.weights.group_size = group_size
     config = QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"],
                                 quantization_status=QuantizationStatus.INITIALIZED)
-    model = copy.deepcopy(model)
+    model = _copy(model)
     apply_quantization_config(model, config, show_progress=False)
     for name, module in model.named_modules():
         if getattr(module, "quantization_scheme", None) is not None:
@@ -145,6 +145,18 @@ def save_compressed_tensors(model, directory: str, preset: str = "W4A16", group_
     compressor.compress_model(model)
     model.save_pretrained(directory)
     compressor.update_config(directory)     # writes quantization_config into config.json
+
+
+def _copy(model):
+    """A copy of ``model``'s weights in a new module of its class (deepcopy fails on a model an engine or a
+    patch has touched: they attach locks); tensors shared in ``model`` (tied embeddings) stay shared."""
+    with torch.device("meta"):
+        fresh = type(model)(model.config)
+    clones: dict[int, torch.Tensor] = {}
+    state = {name: clones.setdefault(t.data_ptr(), t.detach().clone()) for name, t in model.state_dict().items()}
+    fresh.load_state_dict(state, assign=True)
+    fresh.generation_config = copy.deepcopy(model.generation_config)
+    return fresh.eval()
 
 
 def _set_weight_qparams(name: str, module) -> None:
