@@ -9,12 +9,12 @@ checkpoints written from it by ``save_compressed_tensors`` and loaded back by ``
 Per scheme:
 weights     bytes of the model's tensors in memory (tied embeddings once; quantised tensors by their
             storage: packed codes, scales, zero points), and a checkpoint's safetensors bytes on disk.
-perplexity  teacher-forced, the default path, one forward per passage: the 24 held-out passages of
-            ``kv_quant_texts`` (32-token prompt + 128 scored tokens each; 3,072 tokens).
-exactness   the demo's 8 chat prompts x 24 greedy tokens: patched paged generate against the same model's
+perplexity  teacher-forced, the default path, one forward per passage: ``--per-kind`` held-out passages of each kind of
+            ``kv_quant_texts`` (32-token prompt + 128 scored tokens each; 8 per kind: 3,072 tokens).
+exactness   the demo's 8 chat prompts x ``--tokens`` greedy tokens: patched paged generate against the same model's
             default path as one left-padded batch (rows equal, first-step logits' largest difference), and the
             engine's tokens against each prompt alone through the default path (rows equal).
-speed       the engine (``hf_paged.LLM``, prefix caching off) on the 8 prompts x 32 tokens (ignore_eos),
+speed       the engine (``hf_paged.LLM``, prefix caching off) on the 8 prompts x ``--tokens`` tokens (ignore_eos),
             every scheme once per round, order alternating, ``--rounds`` rounds: useful tokens/s
             min/median/max. Figures taken on a shared machine are under load (the load average is recorded).
 Writes ``weight-quant-<stamp>.json`` and ``.md`` under bench/results.
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import functools
 import json
 import tempfile
@@ -40,7 +39,6 @@ from .kv_quant_texts import PROMPT, held_out_passages
 
 SCHEMES = ["none", "torchao-int8", "bnb-int8", "bnb-nf4", "bnb-fp4", "ct-w4a16", "ct-w8a8"]
 CT_PRESETS = {"ct-w4a16": ("W4A16", 64), "ct-w8a8": ("W8A8", None)}     # preset, group size
-NEW_TOKENS, SPEED_TOKENS = 24, 32
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
@@ -65,7 +63,7 @@ def weight_bytes(model) -> int:
 @contextlib.contextmanager
 def quantised(base, scheme: str):
     """(model, checkpoint bytes on disk or None) for ``scheme``, built from the fp32 ``base``."""
-    from hf_paged.integrations.weight_quant import quantize_model, save_compressed_tensors
+    from hf_paged.integrations.weight_quant import copy_model, quantize_model, save_compressed_tensors
 
     if scheme == "none":
         yield base, None
@@ -79,7 +77,7 @@ def quantised(base, scheme: str):
             model.generation_config = base.generation_config
             yield model.eval(), disk
     else:
-        model = copy.deepcopy(base) if scheme.startswith("torchao") else base
+        model = copy_model(base) if scheme.startswith("torchao") else base     # torchao quantises in place
         yield quantize_model(model, scheme), None
 
 
@@ -94,9 +92,9 @@ def perplexity(model, passages) -> dict:
     return {"ppl": float(nll.mean().exp()), "tokens": int(nll.numel())}
 
 
-def exactness(model, tokenizer, inputs, prompts) -> dict:
+def exactness(model, tokenizer, inputs, prompts, new_tokens: int) -> dict:
     """Paged generate against the default path (one batch), the engine against each prompt alone."""
-    kw = dict(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    kw = dict(**inputs, max_new_tokens=new_tokens, do_sample=False, output_logits=True, return_dict_in_generate=True)
     ref = model.generate(**kw)
     hf_paged.patch(model)
     try:
@@ -105,11 +103,11 @@ def exactness(model, tokenizer, inputs, prompts) -> dict:
         hf_paged.unpatch(model)
     batch_rows = sum(torch.equal(a, b) for a, b in zip(out.sequences, ref.sequences))
     engine = hf_paged.LLM(model, tokenizer, enable_prefix_caching=False)
-    outs = engine.generate(prompts, [{"max_new_tokens": NEW_TOKENS, "do_sample": False}] * len(prompts),
+    outs = engine.generate(prompts, [{"max_new_tokens": new_tokens, "do_sample": False}] * len(prompts),
                            use_tqdm=False)
     alone_rows = 0
     for prompt, o in zip(prompts, outs):
-        alone = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False)[0]
+        alone = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False)[0]
         n = min(len(o.sequences[0]), len(alone))
         alone_rows += int(torch.equal(o.sequences[0][:n], alone[:n]))
     return {"rows": len(prompts), "paged_batch_rows_equal": batch_rows,
@@ -117,10 +115,10 @@ def exactness(model, tokenizer, inputs, prompts) -> dict:
             "engine_rows_equal_alone": alone_rows}
 
 
-def speed(engines: dict, prompts, rounds: int, progress) -> dict:
+def speed(engines: dict, prompts, rounds: int, tokens: int, progress) -> dict:
     """Useful tokens/s of each engine, interleaved rounds (alternating order)."""
-    settings = [{"max_new_tokens": SPEED_TOKENS, "ignore_eos": True, "do_sample": False}] * len(prompts)
-    useful = SPEED_TOKENS * len(prompts)
+    settings = [{"max_new_tokens": tokens, "ignore_eos": True, "do_sample": False}] * len(prompts)
+    useful = tokens * len(prompts)
     for llm in engines.values():                                # warm-up, not timed
         llm.generate(prompts[:2], settings[:2], use_tqdm=False)
     rates = {name: [] for name in engines}
@@ -134,26 +132,26 @@ def speed(engines: dict, prompts, rounds: int, progress) -> dict:
     return {"useful_tokens": useful, "requests": len(prompts), **{n: spread(v) for n, v in rates.items()}}
 
 
-def measure(schemes: list[str], rounds: int, progress) -> dict:
+def measure(schemes: list[str], args, progress) -> dict:
     """Every figure for every scheme; the models stay loaded so that the speed rounds interleave."""
     from hf_paged.integrations.smollm2 import chat_inputs, load_smollm2
 
     base, tokenizer = load_smollm2(dtype=torch.float32, verbose=False)
     inputs = chat_inputs(tokenizer, DEFAULT_PROMPTS)
     prompts = [row[mask.bool()].tolist() for row, mask in zip(inputs["input_ids"], inputs["attention_mask"])]
-    passages = held_out_passages(tokenizer)
+    passages = held_out_passages(tokenizer, per_kind=args.per_kind)
     result, engines = {}, {}
     with contextlib.ExitStack() as stack:
         for scheme in schemes:
             t0 = time.perf_counter()
             model, disk = stack.enter_context(quantised(base, scheme))
             row = {"weight_bytes": weight_bytes(model), "checkpoint_bytes": disk, **perplexity(model, passages),
-                   **exactness(model, tokenizer, inputs, prompts)}
+                   **exactness(model, tokenizer, inputs, prompts, args.tokens)}
             row["weight_bytes_after_forward"] = weight_bytes(model)     # compressed-tensors unpacks on the first
             engines[scheme] = hf_paged.LLM(model, tokenizer, enable_prefix_caching=False)
             result[scheme] = row
             progress(f"{scheme}: {row} ({time.perf_counter() - t0:.0f} s)")
-        speeds = speed(engines, prompts, rounds, progress)
+        speeds = speed(engines, prompts, args.rounds, args.tokens, progress)
     for scheme in schemes:
         result[scheme]["tokens_per_s"] = speeds[scheme]
     return {"schemes": result, "speed": {k: v for k, v in speeds.items() if k not in schemes}}
@@ -184,6 +182,8 @@ def main(argv=None, prog: str = "python -m bench weight-quant") -> None:
     parser.add_argument("--schemes", default=",".join(SCHEMES), help=f"comma-separated, of {','.join(SCHEMES)}")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (recorded)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved speed rounds")
+    parser.add_argument("--tokens", type=int, default=24, help="greedy tokens per prompt (exactness and speed)")
+    parser.add_argument("--per-kind", type=int, default=8, help="held-out passages per text kind (3 kinds)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     schemes = args.schemes.split(",")
@@ -194,8 +194,9 @@ def main(argv=None, prog: str = "python -m bench weight-quant") -> None:
     progress = functools.partial(print, flush=True)
     result = {"date": time.strftime("%Y-%m-%d %H:%M"), "threads": torch.get_num_threads(), "host": machine(),
               "versions": versions("torch", "transformers", "bitsandbytes", "torchao", "compressed_tensors"),
-              "command": f"{prog} --schemes {args.schemes} --threads {args.threads} --rounds {args.rounds}"}
-    result.update(measure(schemes, args.rounds, progress))
+              "command": f"{prog} --schemes {args.schemes} --threads {args.threads} --rounds {args.rounds} --tokens {args.tokens} "
+                          f"--per-kind {args.per_kind}"}
+    result.update(measure(schemes, args, progress))
     result["load_avg_end"] = load_avg()
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"weight-quant-{stamp()}"

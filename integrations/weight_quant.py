@@ -136,7 +136,7 @@ def save_compressed_tensors(model, directory: str, preset: str = "W4A16", group_
         scheme.weights.group_size = group_size
     config = QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"],
                                 quantization_status=QuantizationStatus.INITIALIZED)
-    model = _copy(model)
+    model = copy_model(model)
     apply_quantization_config(model, config, show_progress=False)
     for name, module in model.named_modules():
         if getattr(module, "quantization_scheme", None) is not None:
@@ -147,7 +147,7 @@ def save_compressed_tensors(model, directory: str, preset: str = "W4A16", group_
     compressor.update_config(directory)     # writes quantization_config into config.json
 
 
-def _copy(model):
+def copy_model(model):
     """A copy of ``model``'s weights in a new module of its class (deepcopy fails on a model an engine or a
     patch has touched: they attach locks); tensors shared in ``model`` (tied embeddings) stay shared."""
     with torch.device("meta"):
