@@ -19,6 +19,7 @@ COMMANDS = {
     "fused-ops": ("fused_ops", "one SmolLM2 decoder layer: the model's own module forwards vs the fused CPU ops", {}),
     "compile-cache": ("compile_cache", "whole-forward torch.compile with an on-disk cache: first/warm start, tokens/s vs fused ops", {}),
     "kv-quant": ("kv_quant", "quantised KV blocks on SmolLM2: perplexity/KL/agreement, requests held, speed", {}),
+    "weight-quant": ("weight_quant", "weight-quantised SmolLM2 (torchao, bitsandbytes, compressed-tensors): bytes, speed, perplexity, exactness", {}),
     "structured": ("structured", "structured output's throughput cost on SmolLM2: 0, half, all requests constrained", {}),
     "prefix": ("prefix_caching", "prefix caching across generate calls on SmolLM2: lm-eval few-shot, chat loop", {}),
     "gpu": ("gpu_check", "the prepared GPU check: kernels, decode bandwidth, prefill (CUDA only)", {}),

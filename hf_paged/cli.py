@@ -63,7 +63,9 @@ SERVE_FLAGS = [
     (ServeConfig, "api_key", {}),
     (ServeConfig, "served_model_name", dict(help="the model's name in the API (default: MODEL_DIR)")),
     (ServeConfig, "dtype", dict(choices=list(DTYPES))),
-    (ServeConfig, "quantization", dict(choices=list(SCHEMES), help="weight quantisation at load (pip extra 'quant')")),
+    (ServeConfig, "quantization", dict(choices=list(SCHEMES),
+        help="weight quantisation at load (pip extra 'quant'); a pre-quantised checkpoint (its config.json "
+             "has a quantization_config, e.g. compressed-tensors) needs none")),
     (EngineConfig, "gpu_memory_utilization",
      dict(type=float, help="fraction of the GPU's memory for the weights, a profiled forward and the KV pool")),
     (EngineConfig, "max_num_batched_tokens", dict(type=POSITIVE_INT)),

@@ -50,18 +50,30 @@ def attention_modules(model, num_layers: int) -> list:
     return [found[i] for i in range(num_layers)]
 
 
+def _k_weight(k_proj) -> torch.Tensor:
+    """``k_proj``'s weight as stored: a compressed-tensors "pack-quantized" linear that has not run yet has
+    no ``weight`` but ``weight_packed`` (int32 words of 4-bit codes) until its first forward unpacks it."""
+    weight = getattr(k_proj, "weight", None)
+    return weight if weight is not None else k_proj.weight_packed
+
+
 def _local_kv_heads(attention, head_dim: int) -> int:
-    weight = attention.k_proj.weight
+    k_proj = attention.k_proj
+    weight = _k_weight(k_proj)
     if hasattr(weight, "to_local"):         # a DTensor shard of transformers' tensor parallelism
         weight = weight.to_local()
     # bitsandbytes' 4-bit Params4bit is stored packed ([out*in/2, 1] uint8); its quant_state keeps the
-    # logical [out, in] shape. Every other weight (torchao subclasses, int8, DTensor shards) has it as shape.
-    shape = getattr(getattr(weight, "quant_state", None), "shape", None) or weight.shape
+    # logical [out, in] shape. compressed-tensors' packed weight keeps it in the ``weight_shape`` buffer.
+    # Every other weight (torchao subclasses, int8, DTensor shards) has it as shape.
+    shape = getattr(getattr(weight, "quant_state", None), "shape", None)
+    if shape is None and getattr(k_proj, "weight", None) is None:
+        shape = [int(n) for n in k_proj.weight_shape]
+    shape = shape or weight.shape
     return shape[0] // head_dim
 
 
 def _execution_device(attention, layer: int) -> torch.device:
-    device = attention.k_proj.weight.device
+    device = _k_weight(attention.k_proj).device
     if device.type != "meta":
         return device
     hook = getattr(attention, "_hf_hook", None) or getattr(attention.k_proj, "_hf_hook", None)

@@ -25,10 +25,18 @@ pad positions, in the default path too; each prompt alone is its defined referen
 invariant (same linear inputs up to attention rounding) and the tokens where no boundary is hit.
 
 A pre-quantised checkpoint (its config.json has a ``quantization_config``) needs no scheme: transformers
-loads it as it is. Libraries are optional: a missing one raises ImportError naming the pip extra.
+loads it as it is. ``save_compressed_tensors`` writes one in compressed-tensors' format (vLLM's
+``W4A16`` "pack-quantized" or ``W8A8`` "int-quantized"): transformers loads its packed codes and unpacks them
+into float weights on the first forward (compressed-tensors has no CPU kernel for packed weights, so in
+memory the model is as large as unquantised; the saving is on disk). W4A16's weights are then fixed values, as
+exact on the paged path as any float model. W8A8 also rounds each linear's input to int8 per token on every
+call (dynamic, one scale per row, so no row depends on another), which, like LLM.int8's rounding, can turn
+attention's float rounding into a code flip. Libraries are optional: a missing one raises ImportError naming
+the pip extra.
 """
 from __future__ import annotations
 
+import copy
 import importlib.util
 import tempfile
 
@@ -105,3 +113,67 @@ def quantize_model(model, scheme: str):
         quantised = load_quantized(directory, scheme, model.dtype, str(model.device), local_files_only=True)
     quantised.generation_config = model.generation_config
     return quantised
+
+
+# compressed-tensors presets written by save_compressed_tensors, and the checkpoint format of each.
+CT_FORMATS = {"W4A16": "pack-quantized", "W8A8": "int-quantized"}
+
+
+def save_compressed_tensors(model, directory: str, preset: str = "W4A16", group_size: int | None = None) -> None:
+    """Write ``model`` (unchanged) to ``directory`` as a compressed-tensors checkpoint of ``preset``, every
+    linear but ``lm_head`` quantised. Round to nearest from each weight's own min/max (no calibration data, no
+    GPTQ): the scales are what compressed-tensors computes for a dynamic tensor of the preset's strategy.
+    ``group_size``: for W4A16's groups (default the preset's, 128); it must divide every linear's in_features."""
+    require("compressed_tensors")
+    if preset not in CT_FORMATS:
+        raise ValueError(f"unknown compressed-tensors preset {preset!r}; known: {', '.join(CT_FORMATS)}")
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (QuantizationConfig, QuantizationStatus, apply_quantization_config,
+                                                 preset_name_to_scheme)
+
+    scheme = preset_name_to_scheme(preset, ["Linear"])
+    if group_size is not None and scheme.weights.group_size is not None:
+        scheme.weights.group_size = group_size
+    config = QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"],
+                                quantization_status=QuantizationStatus.INITIALIZED)
+    model = copy_model(model)
+    apply_quantization_config(model, config, show_progress=False)
+    for name, module in model.named_modules():
+        if getattr(module, "quantization_scheme", None) is not None:
+            _set_weight_qparams(name, module)
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format=CT_FORMATS[preset])
+    compressor.compress_model(model)
+    model.save_pretrained(directory)
+    compressor.update_config(directory)     # writes quantization_config into config.json
+
+
+def copy_model(model):
+    """A copy of ``model``'s weights in a new module of its class (deepcopy fails on a model an engine or a
+    patch has touched: they attach locks); tensors shared in ``model`` (tied embeddings) stay shared."""
+    with torch.device("meta"):
+        fresh = type(model)(model.config)
+    clones: dict[int, torch.Tensor] = {}
+    state = {name: clones.setdefault(t.data_ptr(), t.detach().clone()) for name, t in model.state_dict().items()}
+    fresh.load_state_dict(state, assign=True)
+    fresh.generation_config = copy.deepcopy(model.generation_config)
+    return fresh.eval()
+
+
+def _set_weight_qparams(name: str, module) -> None:
+    """One quantised linear's ``weight_scale`` / ``weight_zero_point`` from its weight's min/max."""
+    from compressed_tensors.quantization import QuantizationStatus
+    from compressed_tensors.quantization.utils import calculate_qparams, compute_dynamic_scales_and_zp
+
+    args = module.quantization_scheme.weights
+    weight = module.weight.detach()
+    if args.group_size is not None and weight.shape[-1] % args.group_size:
+        raise ValueError(f"{name}: in_features {weight.shape[-1]} is not a multiple of the group size "
+                         f"{args.group_size}; pass save_compressed_tensors(..., group_size=G) with G dividing it")
+    if args.strategy == "channel":      # one scale per output row (W8A8)
+        scale, zero = calculate_qparams(weight.amin(1, keepdim=True), weight.amax(1, keepdim=True), args)
+    else:
+        scale, zero = compute_dynamic_scales_and_zp(weight, args, module)
+    module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
+    if hasattr(module, "weight_zero_point"):
+        module.weight_zero_point.data.copy_(zero.reshape(module.weight_zero_point.shape))
+    module.quantization_status = QuantizationStatus.FROZEN     # compress_model quantises FROZEN modules

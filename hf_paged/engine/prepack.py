@@ -52,7 +52,10 @@ def _packable(module) -> bool:
     weight = getattr(module, "weight", None)
     return (type(module) is torch.nn.Linear and type(weight) in (torch.Tensor, torch.nn.Parameter)
             and weight.device.type == "cpu" and prepack_available(weight.dtype)
-            and not hasattr(module, "_hf_hook"))         # accelerate-offloaded modules move their weights
+            and not hasattr(module, "_hf_hook")          # accelerate-offloaded modules move their weights
+            # A forward set on the instance (compressed-tensors' quantising forward) is someone else's: packing
+            # would bypass it while installed and delete it on exit.
+            and "forward" not in module.__dict__)
 
 
 class _PackedLinear:
@@ -73,11 +76,22 @@ class _PackedLinear:
         return out.view(*x.shape[:-1], m.out_features)
 
 
+def unpack_pending_weights(model: torch.nn.Module) -> None:
+    """Unpack a compressed-tensors checkpoint now if it has not run yet. Its linears hold packed codes
+    until a forward pre-hook of the model unpacks them on the first forward, and that unpacking re-wraps each
+    module's ``forward``, which fails on a packed forward installed in its place; done first, packing sees
+    the float weights (and skips the modules whose forward compressed-tensors set, see ``_packable``)."""
+    quantizer = getattr(model, "hf_quantizer", None)
+    if getattr(model, "ct_decompress_hook", None) is not None and hasattr(quantizer, "compressor"):
+        quantizer.compressor.decompress_model(model)
+
+
 class PrepackedLinears:
     """Packed copies of a model's CPU linear weights (see the module doc)."""
 
     def __init__(self, model: torch.nn.Module):
         start = time.perf_counter()
+        unpack_pending_weights(model)
         modules = [m for m in model.modules() if _packable(m)]
         need = sum(m.weight.numel() * m.weight.element_size() for m in modules)
         available = available_bytes()
