@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .fused import _Fused, _rows, _usable, norm_fusible
+from .fused_base import _Fused, _rows, _usable, norm_fusible
 
 
 class Attention(_Fused):

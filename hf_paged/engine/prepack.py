@@ -31,6 +31,39 @@ from .config import available_bytes
 log = logging.getLogger("hf_paged.engine")
 
 
+class SharedForwards:
+    """Instance-level ``forward``s set on modules while at least one block is inside ``installed``.
+
+    Invariant: the forwards are set by the first block to enter and removed by the last to leave (nested
+    and concurrent blocks share one installation); a module whose ``forward`` was replaced meanwhile by
+    someone else keeps that replacement. Each forward object names its module as ``.module``."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._users = 0
+        self._installed: list = []
+
+    @contextlib.contextmanager
+    def installed(self, pick):
+        """``pick()`` -> the forwards to set, asked once per installation."""
+        with self._lock:
+            if self._users == 0:
+                self._installed = list(pick())
+                for forward in self._installed:
+                    forward.module.forward = forward
+            self._users += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._users -= 1
+                if self._users == 0:
+                    for forward in self._installed:
+                        if forward.module.__dict__.get("forward") is forward:
+                            del forward.module.forward
+                    self._installed = []
+
+
 def prepack_available(dtype: torch.dtype) -> bool:
     """Whether this torch build has oneDNN's prepacked linear for ``dtype`` on this CPU."""
     if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
@@ -101,27 +134,12 @@ class PrepackedLinears:
                         "check)", need / 2**20, available / 2**20)
             modules = []
         self.layers: list[_PackedLinear] = [_PackedLinear(m) for m in modules]
-        self._lock = threading.Lock()
-        self._users = 0
+        self._forwards = SharedForwards()
         self.seconds = time.perf_counter() - start
         self.bytes = sum(p.packed.numel() * p.packed.element_size() for p in self.layers)
         log.info("prepacked %d linear layers for oneDNN in %.2f s (%.0f MiB beside the model's weights; "
                  "enforce_eager=True skips this)", len(self.layers), self.seconds, self.bytes / 2**20)
 
-    @contextlib.contextmanager
     def installed(self):
         """The packed forwards for the block (nested and concurrent blocks share one installation)."""
-        with self._lock:
-            if self._users == 0:
-                for layer in self.layers:
-                    layer.module.forward = layer
-            self._users += 1
-        try:
-            yield self
-        finally:
-            with self._lock:
-                self._users -= 1
-                if self._users == 0:
-                    for layer in self.layers:
-                        if layer.module.__dict__.get("forward") is layer:
-                            del layer.module.forward
+        return self._forwards.installed(lambda: self.layers)

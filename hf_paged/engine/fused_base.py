@@ -1,0 +1,89 @@
+"""The pieces every fused forward shares (``hf_paged.engine.fused``): when a fused forward may run, the
+base class that falls back to the module's own forward, and the norm and MLP forwards. The decoder-layer
+and attention forwards are in ``fused_layers``; both import from here, nothing here imports them."""
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _has_hooks(module) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks or getattr(module, "_hf_hook", None) is not None)
+
+
+def _usable(x: torch.Tensor, module) -> bool:
+    """Whether a fused forward may run: inference (no grad), eval, a CPU tensor of a dtype the ops know."""
+    return (not torch.is_grad_enabled() and not module.training and x.device.type == "cpu" and x.dtype in _DTYPES)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as [rows, last dim] with a contiguous last dimension (a view when x allows it)."""
+    flat = x.reshape(-1, x.shape[-1])
+    return flat if flat.stride(-1) == 1 else flat.contiguous()
+
+
+class _Fused:
+    """An instance forward for ``module``. ``bypassed``: its sub-modules this forward does not call, or whose
+    outputs it changes in place; a hook on any of them keeps the module's own forward."""
+    bypassed: tuple[str, ...] = ()
+
+    def __init__(self, module, ops, **spec):
+        self.module, self.ops, self.spec = module, ops, spec
+
+    def installable(self) -> bool:
+        return not _has_hooks(self.module) and not any(_has_hooks(getattr(self.module, n)) for n in self.bypassed)
+
+    def own(self, *args, **kwargs):
+        return type(self.module).forward(self.module, *args, **kwargs)
+
+
+class _Norm(_Fused):
+    def __call__(self, x):
+        m = self.module
+        if not (_usable(x, m) and m.weight.dtype == x.dtype and m.weight.is_contiguous()):
+            return self.own(x)
+        return self.ops.rms_norm(_rows(x), m.weight, m.variance_epsilon).view(x.shape)
+
+
+def norm_fusible(norm, x: torch.Tensor) -> bool:
+    """Whether ``add_rms_norm`` may stand for the norm module ``norm`` on ``x``."""
+    return type(norm) in _known_norms() and not _has_hooks(norm) and norm.weight.dtype == x.dtype \
+        and norm.weight.is_contiguous()
+
+
+class _Mlp(_Fused):
+    """SiLU(gate) * up in one op; the linears are called as modules (prepacked, hooks kept)."""
+
+    def __init__(self, module, ops, split: bool):
+        super().__init__(module, ops)
+        self.split = split
+        self.bypassed = ("activation_fn",) if split else ("act_fn",)
+
+    def __call__(self, x):
+        m = self.module
+        if not _usable(x, m):
+            return self.own(x)
+        if self.split:              # GLM: gate_up_proj, gate = first half, up = second (chunk(2))
+            gate_up = m.gate_up_proj(x)
+            half = gate_up.shape[-1] // 2
+            rows = _rows(gate_up)
+            gate, up = rows[:, :half], rows[:, half:]
+        else:
+            gate, up = _rows(m.gate_proj(x)), _rows(m.up_proj(x))
+            half = gate.shape[-1]
+        if gate.dtype not in _DTYPES or gate.dtype != up.dtype:
+            return self.own(x)
+        return m.down_proj(self.ops.silu_mul(gate, up).view(*x.shape[:-1], half))
+
+
+def _known_norms() -> tuple[type, ...]:
+    return tuple(getattr(_modeling(f), cls) for f, cls in (("llama", "LlamaRMSNorm"), ("qwen2", "Qwen2RMSNorm"),
+                                                          ("qwen3", "Qwen3RMSNorm"), ("glm", "GlmRMSNorm"),
+                                                          ("glm4", "Glm4RMSNorm")))
+
+
+def _modeling(family: str):
+    return importlib.import_module(f"transformers.models.{family}.modeling_{family}")
