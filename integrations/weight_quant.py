@@ -149,12 +149,16 @@ def save_compressed_tensors(model, directory: str, preset: str = "W4A16", group_
 
 def copy_model(model):
     """A copy of ``model``'s weights in a new module of its class (deepcopy fails on a model an engine or a
-    patch has touched: they attach locks); tensors shared in ``model`` (tied embeddings) stay shared."""
+    patch has touched: they attach locks). Tied tensors are cloned once but come back as separate parameters."""
     with torch.device("meta"):
         fresh = type(model)(model.config)
     clones: dict[int, torch.Tensor] = {}
     state = {name: clones.setdefault(t.data_ptr(), t.detach().clone()) for name, t in model.state_dict().items()}
     fresh.load_state_dict(state, assign=True)
+    for name, buffer in model.named_buffers():      # non-persistent buffers (RoPE's inv_freq) are no state
+        if name not in state:
+            owner, _, attr = name.rpartition(".")
+            fresh.get_submodule(owner).register_buffer(attr, buffer.clone(), persistent=False)
     fresh.generation_config = copy.deepcopy(model.generation_config)
     return fresh.eval()
 

@@ -126,3 +126,18 @@ def test_server_completion_equals_generate(checkpoints):
 def test_group_size_that_does_not_divide_is_refused(tmp_path):
     with pytest.raises(ValueError, match="not a multiple of the group size 96.*group_size="):
         save_compressed_tensors(make_model("llama"), str(tmp_path), "W4A16", group_size=96)
+
+
+def test_copy_model_runs_like_the_original_after_a_patch():
+    """copy_model (the writer's copy; deepcopy fails on a model a patch or an engine touched): same tokens,
+    RoPE's non-persistent buffers included, the original's tensors not shared."""
+    from hf_paged.integrations.weight_quant import copy_model
+
+    model = make_model("llama", tie_word_embeddings=True)
+    ids, mask = make_batch([5, 3], seed=2)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    with patched(model):
+        model.generate(cache_implementation="paged", **kw)
+    copied = copy_model(model)
+    assert torch.equal(copied.generate(**kw), model.generate(**kw))
+    assert copied.lm_head.weight.data_ptr() != model.lm_head.weight.data_ptr()
