@@ -92,16 +92,8 @@ def hf_captured_ms(case: dict, model, batch: int, prompt: int, timed: int, devic
                          past_key_values=cache, use_cache=True).logits
         run, how = forward, "eager"
         if graphs and device.type == "cuda":
-            side = torch.cuda.Stream(device)
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    forward()
-            torch.cuda.current_stream(device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                forward()
-            run, how = graph.replay, "cuda graph"
+            from hf_paged.engine.graphs import cuda_capture     # the engine's own capture: warm-up, record
+            run, how = cuda_capture(forward, device), "cuda graph"
         run()
         _sync(torch, device)
         t0 = time.perf_counter()
