@@ -446,7 +446,7 @@ __device__ __forceinline__ void merge_splits_kernel(T* __restrict__ out, const f
 
 }  // namespace hfp
 
-#include "fast_quant.cuh"
+#include "fast_quant_extend.cuh"   // and fast_quant.cuh
 
 #define HFP_RAGGED_ENTRY(TN, D)                                                                \
     extern "C" __global__ void __launch_bounds__(hfp::kThreads, 2) hfp_ragged_##TN##_d##D(        \
@@ -494,6 +494,21 @@ __device__ __forceinline__ void merge_splits_kernel(T* __restrict__ out, const f
     }                                                                                          \
     HFP_EXPORT_LAUNCHER(hfp_decode_fast_##FN##_##TN##_d##D)
 
+#define HFP_RAGGED_QUANT_ENTRY(FN, F, TN, D)                                                   \
+    extern "C" __global__ void __launch_bounds__(hfp::kThreads, 2) hfp_ragged_##FN##_##TN##_d##D( \
+        HFP_T(TN)* out, float* part_out, float* part_lse, const HFP_T(TN)* query,              \
+        long long q_token_stride, long long q_head_stride, const unsigned char* k_codes,       \
+        const hfp_bf16* k_scales, const unsigned char* v_codes, const hfp_bf16* v_scales,      \
+        long long head_slots, const int* block_tables, int max_blocks, int block_shift,        \
+        const int* token_row, const int* token_pos, const int* chunks, int num_kv_heads,       \
+        int group, int window, int partition, float scale_log2) {                              \
+        hfp::ragged_quant_kernel<F, HFP_T(TN), D>(out, part_out, part_lse, query, q_token_stride, \
+            q_head_stride, k_codes, k_scales, v_codes, v_scales, head_slots, block_tables,     \
+            max_blocks, block_shift, token_row, token_pos, chunks, num_kv_heads, group, window, \
+            partition, scale_log2);                                                            \
+    }                                                                                          \
+    HFP_EXPORT_LAUNCHER(hfp_ragged_##FN##_##TN##_d##D)
+
 // One (head dim, KV format) per module: -DHFP_ONLY_KV_FORMAT as attention.cu (1 or undefined: the
 // model-dtype kernels; a quantised format: its kernels; 0: everything).
 #ifndef HFP_ONLY_KV_FORMAT
@@ -506,7 +521,8 @@ __device__ __forceinline__ void merge_splits_kernel(T* __restrict__ out, const f
 #else
 #define HFP_FAST_MODEL(D)
 #endif
-#define HFP_FAST_QUANT_PAIR(FN, F, D) HFP_DECODE_FAST_QUANT_ENTRY(FN, F, f16, D) HFP_DECODE_FAST_QUANT_ENTRY(FN, F, bf16, D)
+#define HFP_FAST_QUANT_PAIR(FN, F, D) HFP_DECODE_FAST_QUANT_ENTRY(FN, F, f16, D) HFP_DECODE_FAST_QUANT_ENTRY(FN, F, bf16, D) \
+    HFP_RAGGED_QUANT_ENTRY(FN, F, f16, D) HFP_RAGGED_QUANT_ENTRY(FN, F, bf16, D)
 #if HFP_FAST_FORMAT(HFP_KV_FP8E4M3)
 #define HFP_FAST_FP8E4M3(D) HFP_FAST_QUANT_PAIR(fp8e4m3, HFP_KV_FP8E4M3, D)
 #else

@@ -8,8 +8,9 @@ on a GPU, or the CPU shim in ``tests/backends`` (same kernels, same arguments).
 
 Pools are model-dtype tensors or :class:`~hf_paged.kv_formats.QuantizedPool` (codes + bf16 scales): then
 write_kv quantises from the keys' dtype, and the attention kernels dequantise into the query's dtype.
-fp16/bf16 model-dtype pools go to ``fast_attention.cu`` (``cuda_fast``), and so do decodes over quantised
-pools with fp16/bf16 queries and GQA groups up to 4 (its quantised decode); the rest to ``attention.cu``.
+fp16/bf16 model-dtype pools go to ``fast_attention.cu`` (``cuda_fast``), and so do quantised pools with
+fp16/bf16 queries: decodes with GQA groups up to 4 (its quantised decode) and every extend (its quantised
+tensor-core kernel); the rest to ``attention.cu``.
 """
 from __future__ import annotations
 
@@ -37,8 +38,8 @@ class CudaBackend:
     scalars; pointers as ``numpy.uint64``), ``sm_count(device)`` and ``device_limits(device)``.
     partition_size: keys per split-K split; ``None`` plans them per call so that the grid fills the
     device (``splits.plan_splits``).
-    fast_kernels: fp16/bf16 model-dtype pools on fast_attention.cu, and decode over quantised pools on its
-    quantised decode (the default); False keeps them on attention.cu (the kernels the quantised formats
+    fast_kernels: fp16/bf16 model-dtype pools on fast_attention.cu, and decode and extend over quantised
+    pools on its quantised kernels (the default); False keeps them on attention.cu (the kernels the quantised formats
     share their compute with, for comparisons).
     One backend serves a device for the whole process (``backends.backend_for``), so the kernel modules
     load and the fast kernels' first-use check runs once per (device, dtype, head dim).
@@ -73,6 +74,18 @@ class CudaBackend:
                                f"the quantised fast decode (cuda/fast_quant.cuh, {fmt.name}) disagrees with "
                                "attention.cu's",
                                lambda: cuda_fast.self_check_quantised(self, device, query.dtype, head_dim, fmt))
+
+    def uses_fast_quantised_extend(self, query: torch.Tensor, k_pool) -> bool:
+        """Whether the quantised tensor-core extend (cuda/fast_quant_extend.cuh) serves an extend over these
+        pools (``cuda_fast.eligible_quantised_extend``), on a GPU after a passed self-check per (dtype, head
+        dim, format) against attention.cu's quantised extend."""
+        if not (self.fast_kernels and cuda_fast.eligible_quantised_extend(query, k_pool)):
+            return False
+        device, head_dim, fmt = k_pool.device, k_pool.shape[-1], k_pool.fmt
+        return self._first_use((device, query.dtype, head_dim, fmt.name, "extend"),
+                               f"the quantised tensor-core extend (cuda/fast_quant_extend.cuh, {fmt.name}) "
+                               "disagrees with attention.cu's",
+                               lambda: cuda_fast.self_check_quantised_extend(self, device, query.dtype, head_dim, fmt))
 
     def _first_use(self, key: tuple, what: str, check) -> bool:
         """``check()`` (None, or what disagreed) once per key on the self-check devices; a disagreement is
@@ -192,11 +205,16 @@ class CudaBackend:
                          block_tables: torch.Tensor, token_row: torch.Tensor, token_pos: torch.Tensor,
                          scale: float, sliding_window: int = 0, span: int | None = None,
                          workspace: Workspace | None = None) -> torch.Tensor:
-        """query [T, Hq, D] for fp16/bf16 model-dtype pools -> out [T, Hq, D]: every query token with its
-        block-table row and stored index (int32 [T], -1 = pad), tokens of a row consecutive. ``span``:
-        a bound on the keys any token sees (default: the table's width in tokens). ``workspace``: the
-        step's, when the token list is its plan's (the work chunks are then built once per step)."""
-        check_pools(k_pool, v_pool)
+        """query [T, Hq, D] for fp16/bf16 model-dtype pools, or fp16/bf16 queries over quantised pools ->
+        out [T, Hq, D]: every query token with its block-table row and stored index (int32 [T], -1 = pad),
+        tokens of a row consecutive. ``span``: a bound on the keys any token sees (default: the table's
+        width in tokens). ``workspace``: the step's, when the token list is its plan's (the work chunks
+        are then built once per step)."""
+        quantised = isinstance(k_pool, QuantizedPool)
+        if quantised:
+            check_quantized_pools(k_pool, v_pool)
+        else:
+            check_pools(k_pool, v_pool)
         group = query.shape[1] // k_pool.shape[0]
         block_size = k_pool.shape[2]
         tables = block_tables.to(torch.int32).contiguous()
@@ -211,8 +229,9 @@ class CudaBackend:
         span = tables.shape[1] * block_size if span is None else span
         if sliding_window > 0:
             span = min(span, sliding_window + reg.RAGGED_ROWS)   # a chunk's tokens span < 64 positions
-        return cuda_fast.ragged_attention(self, query, k_pool, v_pool, tables, rows, pos, chunks, scale,
-                                          sliding_window, max(span, 1), workspace)
+        run = cuda_fast.ragged_attention_quantised if quantised else cuda_fast.ragged_attention
+        return run(self, query, k_pool, v_pool, tables, rows, pos, chunks, scale, sliding_window, max(span, 1),
+                   workspace)
 
     def _attention_pools(self, query: torch.Tensor, k_pool, v_pool) -> tuple:
         """(query in the kernels' dtype, dtype tag, format tag ("" unquantised), pool arguments) after
@@ -299,7 +318,7 @@ class CudaBackend:
         length = int(context_lens.max()) if max_context is None else int(max_context)
         if batch == 0 or q_len == 0 or length == 0:
             return torch.zeros_like(query)
-        if self.uses_fast_kernels(query, k_pool):
+        if self.uses_fast_kernels(query, k_pool) or self.uses_fast_quantised_extend(query, k_pool):
             flat = query.transpose(1, 2).reshape(batch * q_len, num_q_heads, head_dim)
             rows = torch.arange(batch, dtype=torch.int32, device=query.device).repeat_interleave(q_len)
             out = self.ragged_attention(flat, k_pool, v_pool, block_tables, rows, query_pos.reshape(-1), scale,

@@ -5,9 +5,11 @@
   its block-table row and stored index; no padding, no scatter.
 * :func:`decode_fast` — the cp.async-pipelined CUDA-core decode for groups up to
   ``kernel_registry.FAST_DECODE_MAX_GROUP``.
+* :func:`decode_fast_quantised` / :func:`ragged_attention_quantised` — the same two over quantised pools
+  (``cuda/fast_quant.cuh``, ``cuda/fast_quant_extend.cuh``).
 
 Work lists (:func:`ragged_chunks`) are built on the device without a host sync, once per step and
-chunk size (see :class:`~hf_paged.backends.cuda_backend.CudaStep`). Fp32 and quantised pools stay on
+chunk size (see :class:`~hf_paged.backends.cuda_backend.CudaStep`). Fp32 queries and pools stay on
 ``attention.cu`` (:class:`~hf_paged.backends.cuda_backend.CudaBackend`).
 """
 from __future__ import annotations
@@ -188,6 +190,54 @@ def decode_fast_quantised(backend, query: torch.Tensor, k_pool: QuantizedPool, v
     return out
 
 
+def eligible_quantised_extend(query: torch.Tensor, k_pool) -> bool:
+    """Extend (multi-token queries) over quantised pools that the quantised tensor-core kernel serves:
+    a format with kernels, fp16/bf16 queries, any supported GQA group (a CTA's 64 rows hold
+    64 // group tokens). Rotated pools qualify, as for :func:`eligible_quantised`."""
+    return (isinstance(k_pool, QuantizedPool) and k_pool.fmt.name in reg.KV_FORMAT_TAGS
+            and reg.DTYPE_TAGS.get(query.dtype) in reg.FAST_DTYPE_TAGS)
+
+
+def ragged_attention_quantised(backend, query: torch.Tensor, k_pool: QuantizedPool, v_pool: QuantizedPool,
+                               block_tables: torch.Tensor, token_row: torch.Tensor, token_pos: torch.Tensor,
+                               chunks: torch.Tensor, scale: float, window: int, span: int,
+                               workspace=None) -> torch.Tensor:
+    """:func:`ragged_attention` over quantised pools (cuda/fast_quant_extend.cuh: codes and scales staged by
+    cp.async, dequantised once per CTA into the tiles the mma reads); out in the query's dtype (fp16/bf16)."""
+    total, num_q_heads, head_dim = query.shape
+    num_kv_heads, num_blocks, block_size, _ = k_pool.shape
+    group = num_q_heads // num_kv_heads
+    fmt_tag = reg.kv_format_tag(k_pool.fmt)
+    tag = reg.check_attention_shape(query.dtype, head_dim, block_size, num_q_heads, num_kv_heads, k_pool.fmt)
+    query = _aligned_tokens(query)
+    out = torch.empty(total, num_q_heads, head_dim, dtype=query.dtype, device=query.device)
+    if total == 0 or chunks.shape[0] == 0:
+        return out.zero_()
+    ctas = chunks.shape[0] * num_kv_heads
+    split = backend.plan_splits(query.device, ctas, span, reg.ragged_tile_keys(head_dim))
+    partition, splits = (_SPLIT_CAP, 1) if split.splits == 1 else (split.partition, split.splits)
+    part_out, part_lse = split_scratch(workspace.splits if workspace is not None else None,
+                                       ("ragged", total, num_q_heads, head_dim, splits),
+                                       total * num_q_heads, splits, head_dim, query.device)
+    args = (ptr(out), ptr(part_out), ptr(part_lse), ptr(query), np.int64(query.stride(0)),
+            np.int64(query.stride(1)), ptr(k_pool.data), ptr(k_pool.scales), ptr(v_pool.data), ptr(v_pool.scales),
+            np.int64(num_blocks * block_size), ptr(block_tables), np.int32(block_tables.shape[1]),
+            np.int32(block_size.bit_length() - 1), ptr(token_row), ptr(token_pos), ptr(chunks),
+            np.int32(num_kv_heads), np.int32(group), np.int32(window), np.int32(partition),
+            np.float32(scale * np.log2(np.e)))
+    tensors = {"out": (out, 16), "query": (query, 16), "k_codes": (k_pool.data, 16), "k_scales": (k_pool.scales, 16),
+               "v_codes": (v_pool.data, 16), "v_scales": (v_pool.scales, 16), "block_tables": (block_tables, 4),
+               "token_row": (token_row, 4), "token_pos": (token_pos, 4), "chunks": (chunks, 4),
+               "part_out": (part_out, 16), "part_lse": (part_lse, 4)}
+    explain = {"grid.x": f"{chunks.shape[0]} work chunks x {num_kv_heads} KV heads",
+               "grid.y": f"ceil({span} keys / partition {partition}): raise partition_size"}
+    backend.launch(reg.ragged_kernel(tag, head_dim, fmt_tag), query.device, (ctas, splits, 1), (reg.THREADS, 1, 1),
+                   args, reg.ragged_quant_smem_bytes(head_dim, fmt_tag), tensors, explain)
+    if splits > 1:
+        _merge(backend, tag, head_dim, out, part_out, part_lse, splits, fmt_tag)
+    return out
+
+
 def self_check(backend, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
     """Both kernels once, on a small random case, against ``torch_backend``: the first use of the PTX paths
     (mma.sync fragments, ldmatrix, cp.async) on a real device is checked before any model output depends
@@ -244,5 +294,29 @@ def self_check_quantised(backend, device: torch.device, dtype: torch.dtype, head
         error = ((got - want).abs().amax(-1) / want.abs().amax(-1).clamp_min(1e-3)).max().item()
         if not error <= tolerance:            # NaN fails too
             return (f"quantised decode ({fmt.name}), group {group}, window {window}: max relative error "
+                    f"{error:.3g} > {tolerance} ({dtype}, head_dim {head_dim})")
+    return None
+
+
+def self_check_quantised_extend(backend, device: torch.device, dtype: torch.dtype, head_dim: int, fmt) -> str | None:
+    """The quantised tensor-core extend once per (dtype, head dim, format), on small random pools, against
+    attention.cu's quantised extend: groups 1 and 8, a prefix + chunk row (positions 520..599 over 600
+    stored tokens: split-K on a GPU), a short row, a window. None when they agree, else what disagreed."""
+    reference = type(backend)(backend.launcher, fast_kernels=False)
+    gen = torch.Generator().manual_seed(0)
+    num_kv_heads, lengths, q_len = 2, [600, 5], 80
+    k, v, tables, lens = random_paged_kv(lengths, 16, num_kv_heads, head_dim, torch.float32, gen, spare_blocks=1)
+    k_pool, v_pool = (QuantizedPool(*(t.to(device) for t in quantize(fmt, x)), fmt, head_dim) for x in (k, v))
+    tables, lens = tables.to(device), lens.to(device)
+    pos = torch.stack([torch.arange(520, 600), torch.cat([torch.arange(5), torch.full((q_len - 5,), -1)])])
+    pos = pos.to(device, torch.int32)
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 2.5e-3       # relative to each row's largest element
+    for group, window in ((1, 0), (8, 0), (8, 37)):
+        query = torch.randn(len(lengths), num_kv_heads * group, q_len, head_dim, generator=gen).to(device, dtype)
+        got = backend.extend_attention(query, k_pool, v_pool, tables, lens, pos, 0.3, window).float()
+        want = reference.extend_attention(query, k_pool, v_pool, tables, lens, pos, 0.3, window).float()
+        error = ((got - want).abs().amax(-1) / want.abs().amax(-1).clamp_min(1e-3)).max().item()
+        if not error <= tolerance:            # NaN fails too
+            return (f"quantised extend ({fmt.name}), group {group}, window {window}: max relative error "
                     f"{error:.3g} > {tolerance} ({dtype}, head_dim {head_dim})")
     return None

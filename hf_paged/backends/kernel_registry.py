@@ -77,8 +77,10 @@ def reduce_kernel(tag: str, head_dim: int, kv_format: str = "") -> KernelSpec:
     return KernelSpec(f"hfp_decode_reduce_{tag}", ATTENTION_SOURCE, head_dim, kv_format)
 
 
-def ragged_kernel(tag: str, head_dim: int) -> KernelSpec:
-    return KernelSpec(f"hfp_ragged_{tag}_d{head_dim}", FAST_SOURCE, head_dim)
+def ragged_kernel(tag: str, head_dim: int, kv_format: str = "") -> KernelSpec:
+    """The tensor-core kernel; ``kv_format``: over quantised pools (cuda/fast_quant_extend.cuh), ``tag`` the
+    query's dtype."""
+    return KernelSpec(f"{_prefix('ragged', kv_format)}{tag}_d{head_dim}", FAST_SOURCE, head_dim, kv_format)
 
 
 def decode_fast_kernel(tag: str, head_dim: int, kv_format: str = "") -> KernelSpec:
@@ -121,6 +123,7 @@ def all_kernels() -> list[KernelSpec]:
         for d in kv_format_head_dims(f):
             specs += [decode_kernel(t, d, f) for t in tags] + [extend_kernel(t, d, f) for t in tags]
             specs += [decode_fast_kernel(t, d, f) for t in FAST_DTYPE_TAGS]
+            specs += [ragged_kernel(t, d, f) for t in FAST_DTYPE_TAGS]
     specs += [write_kv_kernel(t) for t in tags]
     specs += [write_kv_kernel(t, f) for f in KV_FORMAT_TAGS.values() for t in tags]
     return specs + list(COPY_BLOCKS_BY_WORD.values())
@@ -276,6 +279,16 @@ def decode_fast_quant_smem_bytes(head_dim: int, kv_format: str) -> int:
     return 2 * DECODE_FAST_STAGES * stage + 4 * decode_fast_slots(head_dim) * FAST_DECODE_MAX_GROUP * (head_dim + 2)
 
 
+def ragged_quant_smem_bytes(head_dim: int, kv_format: str) -> int:
+    """Quantised tensor-core extend (mirror of QuantRaggedShape): q [64][D + 8] + single K and V tiles
+    [keys][D + 8] (fp16/bf16) + raw codes and scales [2 buffers][K, V][keys][code bytes + 2 x scales]
+    + 64 int positions."""
+    bits, scales = _format_bits_scales(kv_format, head_dim)
+    keys = ragged_tile_keys(head_dim)
+    raw = 4 * keys * (head_dim * bits // 8 + 2 * scales)
+    return (RAGGED_ROWS + 2 * keys) * (head_dim + 8) * 2 + raw + 4 * RAGGED_ROWS
+
+
 def uses_decode_fast(group: int, head_dim: int) -> bool:
     """Decode on CUDA cores (one lane group per query head) or, for larger groups, on tensor cores."""
     return group <= min(FAST_DECODE_MAX_GROUP, decode_fast_slots(head_dim))
@@ -291,7 +304,8 @@ def kernel_smem_bytes(spec: KernelSpec, group: int, q_per_cta: int = 1) -> int:
     """Dynamic shared memory of one launch of ``spec`` for a GQA group (extend: rows = group x q_per_cta)."""
     if spec.source == FAST_SOURCE:
         if spec.name.startswith("hfp_ragged_"):
-            return ragged_smem_bytes(spec.head_dim)
+            return ragged_quant_smem_bytes(spec.head_dim, spec.kv_format) if spec.kv_format else \
+                ragged_smem_bytes(spec.head_dim)
         if spec.name.startswith("hfp_decode_fast_"):
             if spec.kv_format:
                 return decode_fast_quant_smem_bytes(spec.head_dim, spec.kv_format)
