@@ -446,7 +446,7 @@ __device__ __forceinline__ void merge_splits_kernel(T* __restrict__ out, const f
 
 }  // namespace hfp
 
-#include "fast_quant_extend.cuh"   // and fast_quant.cuh
+#include "fast_quant_extend.cuh"
 
 #define HFP_RAGGED_ENTRY(TN, D)                                                                \
     extern "C" __global__ void __launch_bounds__(hfp::kThreads, 2) hfp_ragged_##TN##_d##D(        \

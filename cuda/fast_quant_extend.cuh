@@ -1,4 +1,4 @@
-// Quantised-pool extend on tensor cores (issue 24 item 5), included by fast_attention.cu after fast_quant.cuh.
+// Quantised-pool extend on tensor cores (issue 24 item 5), included by fast_attention.cu (it includes fast_quant.cuh).
 //
 // ragged_kernel's work items, rows, tiles and mma.sync / ldmatrix compute, over pools of format F: each K/V
 // tile's codes and bf16 scales are staged by 16-byte cp.async, as the quantised decode stages them (runs of
