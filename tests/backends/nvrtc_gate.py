@@ -211,16 +211,19 @@ def compile_job(job: tuple[str, str, tuple]) -> tuple[tuple, bytes, str]:
     return job, cubin, log
 
 
-def compile_edited(job: tuple[str, str, tuple], old: str, new: str) -> tuple[tuple, bytes, str]:
-    """As compile_job, with ``old`` replaced by ``new`` in the module's expanded source (negative
-    controls: the production kernel without one of its instructions). ``old`` must occur."""
+def compile_edited(job: tuple[str, str, tuple], old: str, new: str, *more: tuple[str, str]) -> tuple[tuple, bytes, str]:
+    """As compile_job, with every ``old`` replaced by ``new`` in the module's expanded source, then each
+    further (old, new) pair of ``more`` (negative controls: the production kernel without some of its
+    instructions). Each ``old`` must occur."""
     toolkit, arch, (source, head_dim, fmt) = job
     text = reg.kernel_source(source)
-    if old not in text:
-        raise ValueError(f"compile_edited: {old!r} is not in {source}'s expanded source")
+    for before, after in ((old, new), *more):
+        if before not in text:
+            raise ValueError(f"compile_edited: {before!r} is not in {source}'s expanded source")
+        text = text.replace(before, after)
     compiler = _compiler(toolkit)
     options = production_options(arch, compiler.include, reg.KernelSpec("", source, head_dim, fmt).defines)
-    cubin, log = compiler.compile(text.replace(old, new), options)
+    cubin, log = compiler.compile(text, options)
     return job, cubin, log
 
 

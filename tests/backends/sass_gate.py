@@ -69,6 +69,9 @@ RULES = (
          require=(("HMMA", "HGMMA"), ("LDGSTS",))),
     Rule(rf"hfp_decode_fast_({'|'.join(reg.KV_FORMAT_TAGS.values())})_b?f16_d\d+",
          "quantised fast decode: codes and scales by cp.async", require=(("LDGSTS",),)),
+    Rule(rf"hfp_ragged_({'|'.join(reg.KV_FORMAT_TAGS.values())})_b?f16_d\d+",
+         "quantised tensor-core extend: codes and scales by cp.async, mma.sync on the dequantised tiles",
+         require=(("HMMA", "HGMMA"), ("LDGSTS",))),
     Rule(r"hfp_decode_\w+", "decode never spills", no_spill=True),
 )
 

@@ -66,13 +66,16 @@ def test_rules_name_the_new_kernels():
     def rules(name):
         return [r.why for r in sass_gate.RULES if r.matches(name)]
 
-    local, fast, ragged, quantised, decode = (r.why for r in sass_gate.RULES)
+    local, fast, ragged, quantised, quantised_extend, decode = (r.why for r in sass_gate.RULES)
     assert rules("hfp_decode_fast_bf16_d128") == [local, fast, decode]
     assert rules("hfp_decode_fast_fp8e4m3_f16_d64") == [local, fast, quantised, decode]
     assert rules("hfp_decode_fast_int4_bf16_d80") == [local, fast, quantised, decode]
     assert rules("hfp_decode_fast_int8_f32_d128") == [local, decode]       # no such kernel; no cp.async asked
     assert rules("hfp_decode_fast_f32_d128") == [local, decode]          # no cp.async demanded of fp32
     assert rules("hfp_ragged_f16_d256") == [local, ragged]
+    assert rules("hfp_ragged_int8_bf16_d128") == [local, ragged, quantised_extend]
+    assert rules("hfp_ragged_fp8e5m2_f16_d80") == [local, ragged, quantised_extend]
+    assert rules("hfp_extend_int8_bf16_d128") == []          # attention.cu's quantised extend: no rule
     assert rules("hfp_decode_bf16_d128") == [decode]
     assert rules("hfp_extend_bf16_d128") == [] and rules("hfp_copy_blocks") == []
 
@@ -142,7 +145,7 @@ def rule_for(kernel: str, template: sass_gate.Rule) -> sass_gate.Rule:
     return dataclasses.replace(template, pattern=kernel)
 
 
-FAST, RAGGED, QUANTISED = sass_gate.RULES[1], sass_gate.RULES[2], sass_gate.RULES[3]
+FAST, RAGGED, QUANTISED, QUANTISED_EXTEND = sass_gate.RULES[1:5]
 NO_LOCAL = dataclasses.replace(sass_gate.RULES[0], min_ctas=0)
 
 
@@ -204,31 +207,43 @@ SYNC_COPY = ("(void)addr; *reinterpret_cast<uint4*>(smem) = fill ? *reinterpret_
              ": make_uint4(0u, 0u, 0u, 0u);")
 
 
+# mma_16816's two PTX strings (cuda/common.cuh) turned into PTX comments: the kernel then has no HMMA
+MMA_PTX = 'asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.'
+NO_MMA = 'asm volatile("// no mma (negative control): '
+
+
 @needs_tools
-def test_quantised_fast_decode_stages_by_cp_async():
-    """The quantised fast decode module as production builds it (int4 at head dim 128: 13.0, sm_90; every
-    format and head dim are checked by the registry gate in test_nvrtc_gate.py) passes every rule that
-    names its kernels: LDGSTS, no local memory, >= 2 CTAs/SM. Negative control: the same module with
-    cp_async_16's PTX replaced by a synchronous copy has no LDGSTS and fails the quantised rule. The two
-    compiles run side by side (~30 s each on a loaded 2-core machine)."""
+def test_quantised_fast_kernels_stage_by_cp_async_and_extend_on_tensor_cores():
+    """The quantised fast module as production builds it (int4 at head dim 128: 13.0, sm_90; every format
+    and head dim are checked by the registry gate in test_nvrtc_gate.py) passes every rule that names its
+    kernels: LDGSTS in the decode, HMMA and LDGSTS in the extend, no local memory, >= 2 CTAs/SM. Negative
+    control: the same module with cp_async_16's PTX replaced by a synchronous copy and mma_16816's by a
+    PTX comment has neither, and fails exactly the quantised decode and extend rules' opcode demands. The
+    two compiles run side by side (~30-60 s each on a loaded 2-core machine)."""
     job = ("13.0", "sm_90", (reg.FAST_SOURCE, 128, "int4"))
     nvrtc_gate.install("13.0")
     with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
         real = pool.submit(nvrtc_gate.compile_job, job)
-        edited = pool.submit(nvrtc_gate.compile_edited, job, CP_ASYNC_PTX, SYNC_COPY)
+        edited = pool.submit(nvrtc_gate.compile_edited, job, CP_ASYNC_PTX, SYNC_COPY, (MMA_PTX, NO_MMA))
         results = {"real": real.result(), "edited": edited.result()}
-    kernels = {reg.decode_fast_kernel(t, 128, "int4").name for t in reg.FAST_DTYPE_TAGS}
+    decode = {reg.decode_fast_kernel(t, 128, "int4").name for t in reg.FAST_DTYPE_TAGS}
+    extend = {reg.ragged_kernel(t, 128, "int4").name for t in reg.FAST_DTYPE_TAGS}
     checked = {}
     for name, (_, cubin, log) in results.items():
         gate = nvrtc_gate.GateResult()
         gate.usage = {("13.0", "sm_90", k): u for k, u in nvrtc_gate.usage_from_log(log).items()}
         sass = sass_gate.SassResult({("13.0", "sm_90", k): c for k, c in sass_gate.disassemble(cubin).items()})
-        assert kernels <= {k[2] for k in sass.opcodes}, (name, sorted(sass.opcodes))
-        rules = [r for r in sass_gate.RULES if any(r.matches(k) for k in kernels)]
-        checked[name] = sass_gate.check(gate, sass, rules)[0], {k: sass.opcodes[("13.0", "sm_90", k)] for k in kernels}
+        assert decode | extend <= {k[2] for k in sass.opcodes}, (name, sorted(sass.opcodes))
+        rules = [r for r in sass_gate.RULES if any(r.matches(k) for k in decode | extend)]
+        checked[name] = (sass_gate.check(gate, sass, rules)[0],
+                         {k: sass.opcodes[("13.0", "sm_90", k)] for k in decode | extend})
     violations, ops = checked["real"]
-    assert violations == [] and all(c["LDGSTS"] > 0 for c in ops.values()), (violations, ops)
+    assert violations == [] and all(ops[k]["LDGSTS"] > 0 for k in decode | extend), (violations, ops)
+    assert all(ops[k]["HMMA"] + ops[k]["HGMMA"] > 0 for k in extend), ops
     violations, ops = checked["edited"]
-    assert all(c["LDGSTS"] == 0 and c["LDS"] > 0 for c in ops.values()), ops
-    assert sorted(v for v in violations if QUANTISED.why in v) == sorted(
-        f"13.0/sm_90/{k}: no LDGSTS in the SASS ({QUANTISED.why})" for k in kernels), violations
+    assert all(c["LDGSTS"] == 0 and c["HMMA"] == c["HGMMA"] == 0 and c["LDS"] > 0 for c in ops.values()), ops
+    want = [f"13.0/sm_90/{k}: no LDGSTS in the SASS ({QUANTISED.why})" for k in decode]
+    want += [f"13.0/sm_90/{k}: no {ops_} in the SASS ({QUANTISED_EXTEND.why})" for k in extend
+             for ops_ in ("HMMA/HGMMA", "LDGSTS")]
+    got = [v for v in violations if QUANTISED.why in v or QUANTISED_EXTEND.why in v]
+    assert sorted(got) == sorted(want), violations
