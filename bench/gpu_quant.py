@@ -23,9 +23,24 @@ def extend_flops(tokens: int, q_heads: int = 32, head_dim: int = 128) -> float:
     return 4 * head_dim * q_heads * tokens * (tokens + 1) / 2
 
 
+def predicted_extend_tflops(tokens: int) -> dict:
+    """The static roofline's extend TFLOPS for one causal sequence of ``tokens`` (group 4, d128): "auto"
+    (hfp_ragged, bf16) and each format's quantised tensor-core extend (bench/roofline_quant.py, H200
+    assumed). A model, not a measurement."""
+    from .roofline import Machine, Ragged, extend_row
+    from .roofline_quant import quant_extend_designs
+    m = Machine()
+    out = {"auto": extend_row(Ragged(), tokens, m).tflops}
+    for design in quant_extend_designs():
+        out[design.fmt] = extend_row(design, tokens, m).tflops
+    return out
+
+
 def section_quantised_extend(ctx: SectionContext) -> dict:
     """Extend (prefill) of one 2048-token sequence per kv_cache_dtype: correctness against the PyTorch
-    path on the same quantised pools, then time and TFLOPS beside "auto" (bf16 pools)."""
+    path on the same quantised pools, then time and TFLOPS beside "auto" (bf16 pools), with the kernel
+    that served it (``tensor_cores``: fast_attention.cu's ragged kernels, model-dtype or quantised, after
+    their first-use self-check; False: attention.cu) and the roofline's predicted TFLOPS."""
     import torch
 
     from hf_paged.kv_formats import QuantizedPool, quantize
@@ -35,6 +50,7 @@ def section_quantised_extend(ctx: SectionContext) -> dict:
     tokens = SMOKE_TOKENS if ctx.smoke else EXTEND_TOKENS
     q, k_pool, v_pool, table, lens, pos, scale = _extend_inputs(torch, device, tokens)
     flops = extend_flops(tokens)
+    predicted = predicted_extend_tflops(tokens)
     summary = f"quantised extend {tokens} tokens:"
     formats = kernel_formats()             # nvfp4 / kivi have no kernel: the PyTorch path serves them
     for name in ("auto", *formats):
@@ -50,11 +66,15 @@ def section_quantised_extend(ctx: SectionContext) -> dict:
                 return backend.extend_attention(q, kp, vp, table, lens, pos, scale, max_context=tokens)
             _compare(case, call(0), ref.extend_attention(q, kp, vp, table, lens, pos, scale, max_context=tokens),
                      _tolerance(torch, q.dtype))
+            chooser = "uses_fast_kernels" if name == "auto" else "uses_fast_quantised_extend"
+            case["tensor_cores"] = bool(getattr(backend, chooser, lambda *a: False)(q, kp))   # smoke: the PyTorch path
             m = measure(call, device, graphs=ctx.graphs)
-            case.update(ms=m["ms"], timing=m, TFLOPS=flops / m["ms"] / 1e9)
+            case.update(ms=m["ms"], timing=m, TFLOPS=flops / m["ms"] / 1e9,
+                        predicted_TFLOPS=predicted.get(name) if tokens == EXTEND_TOKENS else None)
         guarded(ctx, case, run)
         if "ms" in case:
-            summary += f" {name} {case['ms']:.3f} ms {case['TFLOPS']:.1f} TFLOPS ({'ok' if case['ok'] else 'WRONG'})"
+            summary += (f" {name} {case['ms']:.3f} ms {case['TFLOPS']:.1f} TFLOPS"
+                        f" ({'ok' if case['ok'] else 'WRONG'}{', tensor cores' if case['tensor_cores'] else ''})")
     print(summary, flush=True)
     return {"summary": [summary], "kernels": kernel_choice(backend)}
 

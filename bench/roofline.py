@@ -363,7 +363,7 @@ def main(argv=None, prog: str = "python -m bench roofline") -> dict:
         if isinstance(value, float):
             parser.add_argument(f"--{name.replace('_', '-')}", type=float, default=value)
     args = parser.parse_args(argv)
-    from .roofline_quant import quant_decode_table
+    from .roofline_quant import quant_decode_table, quant_extend_table
     from .roofline_report import findings, markdown
     m = replace(Machine(), **{k: getattr(args, k) for k, v in asdict(Machine()).items() if isinstance(v, float)})
     decode = decode_table(m)
@@ -372,7 +372,8 @@ def main(argv=None, prog: str = "python -m bench roofline") -> dict:
     report = {"label": LABEL, "machine": asdict(m), "designs": [asdict(d) for d in decode_designs()],
               "decode": [asdict(r) | {"verdict": r.verdict} for r in decode], "extend": [asdict(r) for r in extend],
               "findings": findings(decode, extend, m), "markdown": markdown(decode, extend, m),
-              "decode_quantised": [asdict(r) for r in quant_decode_table(m)]}
+              "decode_quantised": [asdict(r) for r in quant_decode_table(m)],
+              "extend_quantised": [asdict(r) for r in quant_extend_table(m)]}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

@@ -1,4 +1,4 @@
-"""Static roofline of the quantised fast decode (issue 24 item 5): PREDICTED, NOT MEASURED.
+"""Static roofline of the quantised fast decode and extend (issue 24 item 5): PREDICTED, NOT MEASURED.
 
 The kernel is ``hfp_decode_fast_<fmt>_<dtype>_d<D>`` (cuda/fast_quant.cuh, routed by CudaBackend for groups
 up to 4; the counts below are inputs, as in bench/roofline.py): the pool's codes and bf16 scales staged by
@@ -19,12 +19,20 @@ arithmetic in KvFormat<F>::decode, kv_quant.cuh, which may take more ALU than co
 The unit stays 32 KB of *stored* bytes (codes + scales), so a quantised tile holds more keys than a bf16
 one: fewer bytes per token of context, more lane work per byte. ``time_per_token`` is the figure the
 issue asks for: predicted decode time per token of context, to compare with bf16's.
+
+Extend: ``RaggedQuant`` is ``hfp_ragged_<fmt>_<dtype>_d<D>`` (cuda/fast_quant_extend.cuh): Ragged's mma
+loop unchanged, plus per 64-key tile one pass over its K and V (2 x 64 x D elements, once per CTA for its
+64 rows) that reads the staged codes, dequantises (the same per-element ALU as decode, one FMUL/FFMA for
+the scale, half an F2FP per element to pack) and writes the bf16 tiles (STS.128); raw codes and scales
+arrive by cp.async (their bytes, not bf16's, cross L2) and one barrier more per tile. ``quant_extend_table``
+gives predicted TFLOPS per format beside bf16's at the extend shapes.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from .roofline import DECODE_SHAPES, GROUPS, TILE_BYTES, DecodeFast, DecodeRow, Load, Machine, decode_row
+from .roofline import (DECODE_SHAPES, EXTEND_TOKENS, GROUPS, TILE_BYTES, DecodeFast, DecodeRow, ExtendRow, Load,
+                       Machine, Ragged, decode_row, extend_row)
 
 
 @dataclass(frozen=True)
@@ -96,3 +104,63 @@ def quant_decode_table(m: Machine) -> list[DecodeRow]:
             if group <= design.max_group:
                 rows += [decode_row(design, b, ctx, group, m) for b, ctx in DECODE_SHAPES]
     return rows
+
+
+@dataclass(frozen=True)
+class RaggedQuant(Ragged):
+    """``Ragged`` over ``bits``-bit codes with ``scales`` bf16 values per (token, head): the dequantise pass
+    per tile (module docstring). Per-element costs as the decode designs (``quant_designs``), plus the
+    scale's multiply for 8-bit formats (applied per element here, where decode applies it per score)."""
+
+    name: str = "hfp_ragged_q"
+    fmt: str = "fp8_e4m3"
+    bits: int = 8
+    scales: int = 1
+    alu_per_elem: float = 1.5
+    fp32_per_elem: float = 1.0
+    registers: int = 190         # ptxas, NVRTC 13.0 sm_90, int8 at d128 (int4: 181; sass_gate table)
+
+    @property
+    def name_variant(self) -> str:
+        return f"{self.name} ({self.fmt})"
+
+    def bytes_per_head_token(self) -> float:
+        return self.head_dim * self.bits / 8 + 2 * self.scales
+
+    def raw_bytes(self) -> float:
+        """K and V codes + scales of one tile, as staged (and read from L2)."""
+        return 2 * self.tile_keys * self.bytes_per_head_token()
+
+    def smem_bytes(self, group: int) -> int:
+        """Q, single K and V tiles [keys][D + 8], raw [2][K, V] (kernel_registry.ragged_quant_smem_bytes)."""
+        rows = self.warps * self.rows_per_warp
+        return int((rows + 2 * self.tile_keys) * (self.head_dim + 8) * self.elem_bytes + 2 * self.raw_bytes()
+                   + 4 * rows)
+
+    def load(self, group: int | None = None) -> Load:
+        base = super().load(group)
+        elems = 2 * self.tile_keys * self.head_dim            # K and V of the tile, once per CTA
+        chunks = elems / 8                                    # one lane's 8 elements: 3 loads/stores + addressing
+        alu = elems * (self.alu_per_elem + 0.5)               # decode + F2FP pack (2 per instruction)
+        fp32 = elems * self.fp32_per_elem
+        wavefronts = (base.wavefronts - TILE_BYTES / 128 + 2 * self.raw_bytes() / 128   # cp.async in, LDS out
+                      + elems * self.elem_bytes / 128)                                    # STS.128 of the tiles
+        return replace(base, wavefronts=wavefronts, alu=base.alu + alu, fp32=base.fp32 + fp32,
+                       warp_instructions=base.warp_instructions + (alu + fp32) / 32 + chunks * 5 / 32,
+                       l2_bytes=self.raw_bytes())
+
+
+def quant_extend_designs(head_dim: int = 128) -> list[RaggedQuant]:
+    """One extend design per format with kernels, the per-element costs of ``quant_designs``."""
+    out = []
+    for d in quant_designs(head_dim):
+        fp32 = d.fp32_per_elem if d.bits == 4 else d.fp32_per_elem + 1.0    # 8-bit: + the scale's FMUL
+        out.append(RaggedQuant(name=f"hfp_ragged_{d.fmt}", fmt=d.fmt, bits=d.bits, scales=d.scales,
+                               alu_per_elem=d.alu_per_elem, fp32_per_elem=fp32,
+                               registers=181 if d.bits == 4 else 190))
+    return out
+
+
+def quant_extend_table(m: Machine) -> list[ExtendRow]:
+    """bf16 Ragged and every quantised extend design, one causal sequence per EXTEND_TOKENS, group 4."""
+    return [extend_row(design, n, m) for design in [Ragged(), *quant_extend_designs()] for n in EXTEND_TOKENS]

@@ -94,7 +94,16 @@ def test_quantised_extend_runs_every_format_on_the_cpu(tmp_path):
     cases = {c["format"]: c for c in record["figures"]["cases"]}
     assert set(cases) == {"auto", *KV_FORMAT_TAGS}       # the formats with kernels (not nvfp4/kivi)
     assert all(c["ok"] and c["ms"] > 0 and c["tokens"] == 48 for c in cases.values()), cases
+    assert not any(c["tensor_cores"] for c in cases.values())      # the PyTorch path stood in
     assert "quantised_extend" in run("--list").stdout
+
+
+def test_quantised_extend_predictions_name_every_format():
+    from bench.gpu_quant import EXTEND_TOKENS, predicted_extend_tflops
+    from hf_paged.backends.kernel_registry import KV_FORMAT_TAGS
+    predicted = predicted_extend_tflops(EXTEND_TOKENS)
+    assert set(predicted) == {"auto", *KV_FORMAT_TAGS} and all(v > 0 for v in predicted.values())
+    assert all(predicted[f] < predicted["auto"] for f in KV_FORMAT_TAGS)   # the dequantise pass costs shared memory
 
 
 def test_extend_flops_by_hand():

@@ -54,3 +54,28 @@ def test_report_carries_the_quantised_rows(tmp_path, capsys):
     capsys.readouterr()
     names = {r["design"] for r in report["decode_quantised"]}
     assert {f"hfp_decode_fast_q ({f})" for f in ("fp8_e4m3", "fp8_e5m2", "int8", "int4")} <= names
+
+
+def test_quantised_extend_tile_by_hand():
+    """int8 at d128: a 64-key tile's K and V are 2 x 64 x 130 B staged (and read from L2), read back once
+    and written as 2 x 64 x 128 bf16 (STS.128) by the dequantise pass; Ragged's mma work is unchanged."""
+    bf16 = roofline.Ragged().load(None)
+    int8 = next(d for d in roofline_quant.quant_extend_designs() if d.fmt == "int8")
+    load = int8.load(None)
+    raw = 2 * 64 * 130
+    assert int8.smem_bytes(64) == 85760                      # = kernel_registry.ragged_quant_smem_bytes(128, "int8")
+    assert load.l2_bytes == raw and load.mma_flop == bf16.mma_flop
+    assert load.wavefronts == pytest.approx(bf16.wavefronts - 32768 / 128 + 2 * raw / 128 + 2 * 64 * 128 * 2 / 128)
+    elems = 2 * 64 * 128
+    assert load.alu == pytest.approx(bf16.alu + elems * (1.25 + 0.5))
+    assert load.fp32 == pytest.approx(bf16.fp32 + elems * 2.0)       # int8 -> float, x scale
+
+
+def test_report_carries_the_quantised_extend_rows(tmp_path, capsys):
+    from hf_paged.backends import kernel_registry as reg
+    report = roofline.main(["--json", str(tmp_path / "r.json")])
+    capsys.readouterr()
+    names = {r["design"] for r in report["extend_quantised"]}
+    assert names == {"hfp_ragged", *(f"hfp_ragged_{f}" for f in reg.KV_FORMAT_TAGS)}
+    for design in roofline_quant.quant_extend_designs():      # the registry's shared memory, per format
+        assert design.smem_bytes(64) == reg.ragged_quant_smem_bytes(128, reg.KV_FORMAT_TAGS[design.fmt])
