@@ -83,7 +83,7 @@ def test_quantised_extend_matches_the_reference(shim_libraries, case, variant):
 def test_equals_the_model_dtype_kernel_on_dequantised_pools(shim_libraries, fmt_name, partition):
     """Same tiles, same mma loop: the quantised kernel over the codes and hfp_ragged_<T> over
     kv_formats.dequantize(codes, T) give the same bits (tiles start at the same keys without a window)."""
-    query, (k_pool, v_pool), (k_plain, v_plain), tables, lens, pos = extend_case(fmt_name, 64, torch.bfloat16, 4, 16)
+    query, (k_pool, v_pool), (k_plain, v_plain), tables, _, pos = extend_case(fmt_name, 64, torch.bfloat16, 4, 16)
     backend = harness.shim_backend(shim_libraries, schedule="warp_ahead", partition_size=partition)
     flat = query.transpose(1, 2).reshape(-1, query.shape[1], query.shape[-1])
     rows = torch.arange(len(ROWS), dtype=torch.int32).repeat_interleave(query.shape[2])
