@@ -24,8 +24,8 @@ Extend: ``RaggedQuant`` is ``hfp_ragged_<fmt>_<dtype>_d<D>`` (cuda/fast_quant_ex
 loop unchanged, plus per 64-key tile one pass over its K and V (2 x 64 x D elements, once per CTA for its
 64 rows) that reads the staged codes, dequantises (the same per-element ALU as decode, one FMUL/FFMA for
 the scale, half an F2FP per element to pack) and writes the bf16 tiles (STS.128); raw codes and scales
-arrive by cp.async (their bytes, not bf16's, cross L2) and one barrier more per tile. ``quant_extend_table``
-gives predicted TFLOPS per format beside bf16's at the extend shapes.
+arrive by cp.async (their bytes, not bf16's, cross L2); two barriers per tile (bf16: three), not modelled.
+``quant_extend_table`` gives predicted TFLOPS per format beside bf16's at the extend shapes.
 """
 from __future__ import annotations
 

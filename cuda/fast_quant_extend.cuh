@@ -12,8 +12,8 @@
 // fragments run along keys (two tokens per register), which would need per-element byte gathers and two
 // 8-bit scales per register; and the mma/ldmatrix loop stays the model-dtype kernel's, bit for bit (the
 // tiles equal the dequantised pool in T, so the output equals hfp_ragged_<T> over that pool). The cost:
-// one extra barrier per tile and T tiles beside the raw ring (85 KB at head dim 128: 2 CTAs per SM on
-// sm_90). The next tile's copies are in flight during the whole dequantise + QK^T + PV of this one.
+// the pass itself, two barriers per tile (the model-dtype kernel has three), and T tiles beside the raw
+// ring (85 KB at head dim 128: 2 CTAs per SM on sm_90). The next tile's copies are in flight during the whole dequantise + QK^T + PV of this one.
 // Keys outside [beg, end) are written as zeros, so unwritten pool slots (NaN bits) never reach the mma.
 #pragma once
 #include "fast_quant.cuh"
@@ -235,16 +235,18 @@ __device__ __forceinline__ void ragged_quant_kernel(
         const int buf = t & 1, k0 = first_key + t * kKeys;
         stage_or_empty(t + 1 < num_tiles, stage, t + 1, buf ^ 1);
         cp_async_wait<2>();  // Q, K(t), V(t) have landed (K(t+1), V(t+1) may be in flight)
-        __syncthreads();
+        __syncthreads();     // raw(t) visible to all, and every warp is done reading tile t - 1's sk, sv
         const unsigned char* kr = raw + buf * 2 * Q::kRawBytes;
         dequant_tile<F, T, D>(sk, kr, k0, beg, end);
         dequant_tile<F, T, D>(sv, kr + Q::kRawBytes, k0, beg, end);
-        __syncthreads();     // the T tiles are complete
+        __syncthreads();     // the T tiles are complete, and raw buffer `buf` is free for tile t + 2's copies
         if (active) {
             const int pos[2] = {spos[r0], spos[r0 + 8]};
             ragged_tile_mma<T, D>(sq, sk, sv, pos, k0, beg, end, window, scale_log2, o, m, l);
         }
-        __syncthreads();     // sk, sv and raw buffer `buf` are free for tile t + 1's pass and tile t + 2's copies
+        // No barrier here: tile t + 1's pass writes sk, sv only after the next iteration's first barrier,
+        // which every warp reaches after its mma of tile t; the raw buffer it refills was last read
+        // before this iteration's second barrier.
     }
     cp_async_wait<0>();
     __syncthreads();         // spos visible even when there were no tiles

@@ -104,3 +104,35 @@ def test_eligibility():
         assert cuda_fast.eligible_quantised_extend(query, pool) == (name in reg.KV_FORMAT_TAGS), name
         assert not cuda_fast.eligible_quantised_extend(query.float(), pool)        # fp32 queries: attention.cu
     assert not cuda_fast.eligible_quantised_extend(query, torch.zeros(2, 4, 16, 64, dtype=torch.bfloat16))
+
+
+# --- mutations of the pipeline: each must make the kernel's output wrong on the shim ----------------------
+MUTATIONS = {  # name: (statement as written in fast_quant_extend.cuh, with its comment; replacement statement)
+    "no wait for the raw tile": ("cp_async_wait<2>();  // Q, K(t), V(t) have landed", "(void)0;"),
+    "mma before the dequantised tiles are complete": ("__syncthreads();     // the T tiles are complete", "(void)0;"),
+    "next tile dequantised while readers remain": ("__syncthreads();     // raw(t) visible to all", "(void)0;"),
+}
+
+
+@pytest.mark.parametrize("name", list(MUTATIONS))
+def test_pipeline_mutations_are_caught(tmp_path, name):
+    """A deleted cp.async wait or barrier: the shim's poisoned cp.async destinations (NaN until waited for)
+    and the warp-ahead schedule turn it into a wrong output (or a reported error)."""
+    import shutil  # noqa: PLC0415
+    old, statement = MUTATIONS[name]
+    sources = tmp_path / "cuda"
+    shutil.copytree(harness.CUDA_DIR, sources, ignore=shutil.ignore_patterns("__pycache__", "*.py", "*.cpp"))
+    header = sources / "fast_quant_extend.cuh"
+    text = header.read_text()
+    assert text.count(old) == 1, old
+    header.write_text(text.replace(old, statement + old[old.index(";") + 1:]))   # line numbers kept
+    libs = harness.build(sources_dir=sources, units=[(reg.FAST_SOURCE, 64, "int8")])
+    query, (k_pool, v_pool), _, tables, lens, pos = extend_case("int8", 64, torch.float16, 4, 16)
+    backend = harness.shim_backend(libs, schedule="warp_ahead")
+    ref = qt.extend_attention(query, k_pool, v_pool, tables, lens, pos, 0.125).float()
+    try:
+        out = backend.extend_attention(query, k_pool, v_pool, tables, lens, pos, 0.125).float()
+    except harness.KernelError:
+        return                                        # the shim reported it (e.g. copies never waited for)
+    assert backend.launcher.launches == [reg.ragged_kernel("f16", 64, "int8").name]
+    assert not torch.allclose(out, ref, atol=1.5 * 2 ** -10 * ref.abs().max().item(), rtol=0)
