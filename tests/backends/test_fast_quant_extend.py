@@ -136,3 +136,29 @@ def test_pipeline_mutations_are_caught(tmp_path, name):
         return                                        # the shim reported it (e.g. copies never waited for)
     assert backend.launcher.launches == [reg.ragged_kernel("f16", 64, "int8").name]
     assert not torch.allclose(out, ref, atol=1.5 * 2 ** -10 * ref.abs().max().item(), rtol=0)
+
+
+@pytest.mark.parametrize("fmt_name", list(reg.KV_FORMAT_TAGS))
+def test_launch_arguments_match_the_kernel_signature(fmt_name):
+    """Recorded, not run (recording_launcher): a 4k-token prompt, group 8, split-K, on an H200's limits —
+    grid, shared memory, one numpy scalar of the right C type per parameter of the .cu signature, every
+    pointer aligned as the kernel reads it."""
+    from recording_launcher import RecordingLauncher  # noqa: PLC0415
+
+    from hf_paged.backends.cuda_backend import CudaBackend  # noqa: PLC0415
+    from hf_paged.backends.launch_checks import DeviceLimits  # noqa: PLC0415
+    fmt = kv_formats.FORMATS[fmt_name]
+    codes, scales = kv_formats.quantize(fmt, torch.zeros(2, 8, 16, 128))
+    k_pool = v_pool = kv_formats.QuantizedPool(codes, scales, fmt, 128)
+    query = torch.zeros(1, 16, 4096, 128, dtype=torch.bfloat16)
+    tables = torch.zeros(1, 256, dtype=torch.int32)
+    launcher = RecordingLauncher(DeviceLimits.for_arch("sm_90", sm_count=132))
+    CudaBackend(launcher, partition_size=1024).extend_attention(
+        query, k_pool, v_pool, tables, torch.tensor([4096], dtype=torch.int32),
+        torch.arange(4096, dtype=torch.int32).view(1, -1), 0.1)
+    names = [launch.name for launch in launcher.launches]
+    assert names == [reg.ragged_kernel("bf16", 128, reg.KV_FORMAT_TAGS[fmt_name]).name, "hfp_merge_splits_bf16"]
+    launch = launcher.launches[0]
+    assert launch.shared_mem == reg.ragged_quant_smem_bytes(128, reg.KV_FORMAT_TAGS[fmt_name])
+    assert launch.arg("head_slots") == 8 * 16 and launch.arg("partition") == 1024   # read from the .cu signature
+    assert launch.grid[1] == 4 and launch.arg("k_codes") == codes.data_ptr()
