@@ -72,6 +72,19 @@ def _aligned_tokens(query: torch.Tensor) -> torch.Tensor:
     return query if ok else query.contiguous()
 
 
+def _ragged_split(backend, query: torch.Tensor, chunks: torch.Tensor, num_kv_heads: int, span: int, workspace):
+    """The split-K plan of a ragged launch (one CTA per chunk and KV head) and its scratch: (partition,
+    splits, part_out, part_lse); one split means a partition longer than any key range."""
+    total, num_q_heads, head_dim = query.shape
+    ctas = chunks.shape[0] * num_kv_heads
+    split = backend.plan_splits(query.device, ctas, span, reg.ragged_tile_keys(head_dim))
+    partition, splits = (_SPLIT_CAP, 1) if split.splits == 1 else (split.partition, split.splits)
+    part_out, part_lse = split_scratch(workspace.splits if workspace is not None else None,
+                                       ("ragged", total, num_q_heads, head_dim, splits),
+                                       total * num_q_heads, splits, head_dim, query.device)
+    return partition, splits, part_out, part_lse
+
+
 def ragged_attention(backend, query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                      block_tables: torch.Tensor, token_row: torch.Tensor, token_pos: torch.Tensor,
                      chunks: torch.Tensor, scale: float, window: int, span: int,
@@ -88,12 +101,7 @@ def ragged_attention(backend, query: torch.Tensor, k_pool: torch.Tensor, v_pool:
     out = torch.empty(total, num_q_heads, head_dim, dtype=k_pool.dtype, device=query.device)
     if total == 0 or chunks.shape[0] == 0:
         return out.zero_()
-    ctas = chunks.shape[0] * num_kv_heads
-    split = backend.plan_splits(query.device, ctas, span, reg.ragged_tile_keys(head_dim))
-    partition, splits = (_SPLIT_CAP, 1) if split.splits == 1 else (split.partition, split.splits)
-    part_out, part_lse = split_scratch(workspace.splits if workspace is not None else None,
-                                       ("ragged", total, num_q_heads, head_dim, splits),
-                                       total * num_q_heads, splits, head_dim, query.device)
+    partition, splits, part_out, part_lse = _ragged_split(backend, query, chunks, num_kv_heads, span, workspace)
     args = (ptr(out), ptr(part_out), ptr(part_lse), ptr(query), np.int64(query.stride(0)),
             np.int64(query.stride(1)), ptr(k_pool), ptr(v_pool), np.int64(k_pool.stride(0)),
             ptr(block_tables), np.int32(block_tables.shape[1]), np.int32(block_size.bit_length() - 1),
@@ -104,7 +112,8 @@ def ragged_attention(backend, query: torch.Tensor, k_pool: torch.Tensor, v_pool:
                "chunks": (chunks, 4), "part_out": (part_out, 16), "part_lse": (part_lse, 4)}
     explain = {"grid.x": f"{chunks.shape[0]} work chunks x {num_kv_heads} KV heads",
                "grid.y": f"ceil({span} keys / partition {partition}): raise partition_size"}
-    backend.launch(reg.ragged_kernel(tag, head_dim), query.device, (ctas, splits, 1), (reg.THREADS, 1, 1), args,
+    backend.launch(reg.ragged_kernel(tag, head_dim), query.device,
+                   (chunks.shape[0] * num_kv_heads, splits, 1), (reg.THREADS, 1, 1), args,
                    reg.ragged_smem_bytes(head_dim), tensors, explain)
     if splits > 1:
         _merge(backend, tag, head_dim, out, part_out, part_lse, splits)
@@ -213,12 +222,7 @@ def ragged_attention_quantised(backend, query: torch.Tensor, k_pool: QuantizedPo
     out = torch.empty(total, num_q_heads, head_dim, dtype=query.dtype, device=query.device)
     if total == 0 or chunks.shape[0] == 0:
         return out.zero_()
-    ctas = chunks.shape[0] * num_kv_heads
-    split = backend.plan_splits(query.device, ctas, span, reg.ragged_tile_keys(head_dim))
-    partition, splits = (_SPLIT_CAP, 1) if split.splits == 1 else (split.partition, split.splits)
-    part_out, part_lse = split_scratch(workspace.splits if workspace is not None else None,
-                                       ("ragged", total, num_q_heads, head_dim, splits),
-                                       total * num_q_heads, splits, head_dim, query.device)
+    partition, splits, part_out, part_lse = _ragged_split(backend, query, chunks, num_kv_heads, span, workspace)
     args = (ptr(out), ptr(part_out), ptr(part_lse), ptr(query), np.int64(query.stride(0)),
             np.int64(query.stride(1)), ptr(k_pool.data), ptr(k_pool.scales), ptr(v_pool.data), ptr(v_pool.scales),
             np.int64(num_blocks * block_size), ptr(block_tables), np.int32(block_tables.shape[1]),
@@ -231,8 +235,9 @@ def ragged_attention_quantised(backend, query: torch.Tensor, k_pool: QuantizedPo
                "part_out": (part_out, 16), "part_lse": (part_lse, 4)}
     explain = {"grid.x": f"{chunks.shape[0]} work chunks x {num_kv_heads} KV heads",
                "grid.y": f"ceil({span} keys / partition {partition}): raise partition_size"}
-    backend.launch(reg.ragged_kernel(tag, head_dim, fmt_tag), query.device, (ctas, splits, 1), (reg.THREADS, 1, 1),
-                   args, reg.ragged_quant_smem_bytes(head_dim, fmt_tag), tensors, explain)
+    backend.launch(reg.ragged_kernel(tag, head_dim, fmt_tag), query.device,
+                   (chunks.shape[0] * num_kv_heads, splits, 1), (reg.THREADS, 1, 1), args,
+                   reg.ragged_quant_smem_bytes(head_dim, fmt_tag), tensors, explain)
     if splits > 1:
         _merge(backend, tag, head_dim, out, part_out, part_lse, splits, fmt_tag)
     return out
