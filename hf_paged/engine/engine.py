@@ -37,6 +37,7 @@ from ..kivi import split_budget
 from ..kv_formats import kv_format
 from ..parallel import tensor_parallel_ranks
 from .config import EngineConfig, kv_pool_blocks
+from .cpu_bf16 import bf16_warning
 from .fused import FusedOps
 from .graphs import DecodeGraphs, capture_sizes, cuda_capture
 from .intake import never_fits, token_ids
@@ -91,6 +92,8 @@ class Engine:
         if capture is not None:
             width = min(-(-self.max_model_len // config.block_size), blocks)
             self.runner.graphs = DecodeGraphs(self.runner, capture_sizes(config.max_num_seqs), width, blocks, capture)
+        if (slow := bf16_warning(dtype, device)) is not None:
+            log.warning("%s", slow)
         self.prepacked = None if config.enforce_eager or device.type != "cpu" else PrepackedLinears(model)
         self.fused = FusedOps(model) if config.fused_ops and not config.enforce_eager and device.type == "cpu" else None
         self.requests: dict[int, Request] = {}
