@@ -20,6 +20,8 @@ COMMANDS = {
     "compile-cache": ("compile_cache", "whole-forward torch.compile with an on-disk cache: first/warm start, tokens/s vs fused ops", {}),
     "kv-quant": ("kv_quant", "quantised KV blocks on SmolLM2: perplexity/KL/agreement, requests held, speed", {}),
     "weight-quant": ("weight_quant", "weight-quantised SmolLM2 (torchao, bitsandbytes, compressed-tensors): bytes, speed, perplexity, exactness", {}),
+    "bf16": ("bf16", "bf16 vs fp32 on SmolLM2 on the CPU: perplexity, greedy agreement, engine speed", {}),
+    "w8a8-control": ("w8a8_control", "compressed-tensors W8A8 on SmolLM2: eager vs sdpa on the default path beside paged", {}),
     "structured": ("structured", "structured output's throughput cost on SmolLM2: 0, half, all requests constrained", {}),
     "prefix": ("prefix_caching", "prefix caching across generate calls on SmolLM2: lm-eval few-shot, chat loop", {}),
     "gpu": ("gpu_check", "the prepared GPU check: kernels, decode bandwidth, prefill (CUDA only)", {}),
