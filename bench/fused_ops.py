@@ -77,7 +77,8 @@ def main(argv=None, prog: str = "python -m bench fused-ops") -> dict:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args(argv)
-    from hf_paged.engine.fused import FusedOps, load_fused_ops
+    from hf_paged.engine.cpu_ops import load_fused_ops
+from hf_paged.engine.fused import FusedOps
     from hf_paged.engine.prepack import PrepackedLinears
     if args.threads:
         torch.set_num_threads(args.threads)

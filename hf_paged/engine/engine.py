@@ -94,8 +94,10 @@ class Engine:
             self.runner.graphs = DecodeGraphs(self.runner, capture_sizes(config.max_num_seqs), width, blocks, capture)
         if (slow := bf16_warning(dtype, device)) is not None:
             log.warning("%s", slow)
-        self.prepacked = None if config.enforce_eager or device.type != "cpu" else PrepackedLinears(model)
         self.fused = FusedOps(model) if config.fused_ops and not config.enforce_eager and device.type == "cpu" else None
+        # q/k/v and gate/up as one packed weight each when the fused forwards (which call them as one) run
+        self.prepacked = None if config.enforce_eager or device.type != "cpu" else \
+            PrepackedLinears(model, group_siblings=bool(self.fused and self.fused.forwards))
         self.requests: dict[int, Request] = {}
         self._ids = itertools.count()
         self.token_texts = TokenTexts(tokenizer)       # decoded tokens of log-probability entries

@@ -24,34 +24,11 @@ import logging
 
 import torch
 
+from .cpu_ops import load_fused_ops
 from .fused_base import _Fused, _has_hooks, _known_norms, _Mlp, _modeling, _Norm
 from .prepack import SharedForwards
 
 log = logging.getLogger("hf_paged.engine")
-SOURCES = ("fused_ops_cpu.cpp",)
-
-
-def load_fused_ops():
-    """``torch.ops.hf_paged_fused``, building the extension if this process has not loaded it. Raises
-    RuntimeError with the compiler's complaint when it cannot be built."""
-    try:
-        torch.ops.hf_paged_fused.silu_mul  # noqa: B018  (raises when not loaded)
-        return torch.ops.hf_paged_fused
-    except (AttributeError, RuntimeError):
-        pass
-    from ..backends.cpu_backend import CFLAGS, build_extension
-    # -ffp-contract=off: a*b + c stays two roundings, as eager PyTorch computes it
-    build_extension("hf_paged_fused_", SOURCES, cflags=[*CFLAGS, "-ffp-contract=off"], what="the fused CPU ops")
-    for name, fake in (("rms_norm", lambda x, w, eps: torch.empty_like(x, memory_format=torch.contiguous_format)),
-                       ("add_rms_norm", lambda x, r, w, eps: (torch.empty_like(x, memory_format=torch.contiguous_format),
-                                                              torch.empty_like(x, memory_format=torch.contiguous_format))),
-                       ("rotary_", lambda q, k, c, s, interleaved: None),
-                       ("silu_mul", lambda g, u: torch.empty_like(g, memory_format=torch.contiguous_format))):
-        try:
-            torch.library.register_fake(f"hf_paged_fused::{name}")(fake)
-        except RuntimeError:        # registered already (another thread loading at the same time)
-            pass
-    return torch.ops.hf_paged_fused
 
 
 def _specs() -> dict[type, tuple[type, dict]]:

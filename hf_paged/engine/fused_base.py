@@ -7,6 +7,8 @@ import importlib
 
 import torch
 
+from .prepack import sibling_outputs
+
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -72,7 +74,9 @@ class _Mlp(_Fused):
             rows = _rows(gate_up)
             gate, up = rows[:, :half], rows[:, half:]
         else:
-            gate, up = _rows(m.gate_proj(x)), _rows(m.up_proj(x))
+            pair = None if _has_hooks(m.gate_proj) or _has_hooks(m.up_proj) else \
+                sibling_outputs((m.gate_proj, m.up_proj), x)                # one packed call for both
+            gate, up = (_rows(y) for y in (pair if pair is not None else (m.gate_proj(x), m.up_proj(x))))
             half = gate.shape[-1]
         if gate.dtype not in _DTYPES or gate.dtype != up.dtype:
             return self.own(x)

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .fused_base import _Fused, _rows, _usable, norm_fusible
+from .fused_base import _Fused, _has_hooks, _rows, _usable, norm_fusible
+from .prepack import sibling_outputs
 
 
 class Attention(_Fused):
@@ -31,11 +32,13 @@ class Attention(_Fused):
             return self.own(hidden_states, position_embeddings, attention_mask, cache=cache, **kwargs)
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, m.head_dim)
-        query = m.q_proj(hidden_states).view(hidden_shape)
-        key = m.k_proj(hidden_states).view(hidden_shape)
+        projections = (m.q_proj, m.k_proj, m.v_proj)
+        qkv = None if any(_has_hooks(p) for p in projections) else sibling_outputs(projections, hidden_states)
+        query, key, value = qkv if qkv is not None else (p(hidden_states) for p in projections)
+        query, key = query.view(hidden_shape), key.view(hidden_shape)
         if spec["qk_norm"]:
             query, key = m.q_norm(query), m.k_norm(key)
-        value = m.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        value = value.view(hidden_shape).transpose(1, 2)
         query, key = self._rotated(query, key, *position_embeddings)
         if cache is not None:
             key, value = cache.update(key, value, m.layer_idx, kwargs=kwargs)
@@ -47,8 +50,9 @@ class Attention(_Fused):
         return m.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
 
     def _rotated(self, query, key, cos, sin):
-        """q, k [B, S, H, D] (fresh tensors) rotated in place, returned as [B, H, S, D] views."""
-        query, key = query.contiguous(), key.contiguous()        # no copy for the projections' outputs
+        """q, k [B, S, H, D] (fresh tensors, or views of one fresh q/k/v product) rotated in place, returned as
+        [B, H, S, D] views. rotary_ takes any row strides with contiguous heads (rows of a packed product)."""
+        query, key = (x if x.stride(-1) == 1 and x.stride(-2) == x.shape[-1] else x.contiguous() for x in (query, key))
         tokens, d = query.shape[0] * query.shape[1], query.shape[-1]
         cos = cos.expand(*query.shape[:2], cos.shape[-1]).reshape(tokens, -1)
         sin = sin.expand(*query.shape[:2], sin.shape[-1]).reshape(tokens, -1)

@@ -1,18 +1,24 @@
-"""Weights prepacked for the CPU's matmul library: the engine's linear layers through oneDNN.
+"""Weights prepacked once for the engine's CPU steps: its linear layers without per-call re-layout.
 
-On the CPU most of a forward is the linear layers. Torch's default ``F.linear`` re-lays the weight out
-for every call; oneDNN's ``_linear_pointwise`` takes a weight reordered once into its blocked layout.
-Measured on SmolLM2-135M's layer shapes (2 threads, AMD EPYC with AVX2, 2026-12-01), one decoder layer's
-seven linears: 1.7-2.4x faster at 8-32 tokens, 2.2x at 1 token, equal at 512. This is the part of
-inductor's CPU "freezing" that pays here, without its start-up cost (88-115 s per token-count bucket on
-this machine for SmolLM2). Fusing sibling linears (q/k/v, gate/up) into one packed matmul was tried and
-measured no faster end to end, so it is not done.
+On the CPU most of a forward is the linear layers, and at decode steps a forward streams every weight from
+memory once. float32 weights go to ``cuda/linear_cpu.cpp`` (``torch.ops.hf_paged_fused.linear``: panels of 32
+output columns streamed with prefetch, registers for up to 14 rows; see its header for why not oneDNN and
+for its summation order, which makes a row's result independent of the batch it came in); bfloat16 weights
+to oneDNN's ``_linear_pointwise`` where oneDNN has bf16 kernels (AVX-512 BF16 / AMX), and float32 ones too
+when the extension cannot be built. Torch's default ``F.linear`` re-lays the weight out for every call.
+Measured on SmolLM2-135M's 30 layers and LM head (2 threads, Xeon with AVX-512 and AMX, 2026-12-05,
+``python -m bench linear``): 1.15-1.29x oneDNN's prepacked fp32 matmul at 1-64 rows, 1.07x at 128,
+0.96x at 512.
+
+Siblings: with ``group_siblings`` (the engine sets it when its fused forwards run, which ask for it through
+``sibling_outputs``), a module's q/k/v projections and an MLP's gate/up projections are packed as one
+weight (their rows concatenated; the outputs are the same numbers, one call instead of three or two).
 
 ``PrepackedLinears(model)`` packs every plain ``nn.Linear`` on the CPU (float32, and bfloat16 where oneDNN
 has bf16 kernels) once; the packed copies belong to it (extra memory = those weights, logged).
 ``with packed.installed():`` gives those modules an instance ``forward`` using them and removes it on exit,
-so the model is untouched outside the block. A module whose weight was replaced or changed in place since
-packing (``weight._version``), or that is called with another dtype, device or with grad, runs plain
+so the model is untouched outside the block. A module whose weight or bias was replaced or changed in
+place since packing (``_version``), or that is called with another dtype, device or with grad, runs plain
 ``F.linear``. The engine enters it around its steps unless ``enforce_eager=True``. When the copies would take
 more than half of the memory available, nothing is packed (with a warning).
 """
@@ -27,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import available_bytes
+from .cpu_ops import load_fused_ops
 
 log = logging.getLogger("hf_paged.engine")
 
@@ -91,22 +98,85 @@ def _packable(module) -> bool:
             and "forward" not in module.__dict__)
 
 
-class _PackedLinear:
-    """The forward of one nn.Linear over its packed weight (falls back to F.linear when it cannot apply)."""
+class _Packed:
+    """One packed weight: a module's, or sibling modules' (same input) with their rows concatenated.
+    ``sizes``: each module's output features, in order; ``ops``: the float32 kernel, or None for oneDNN."""
 
-    def __init__(self, module: torch.nn.Linear):
-        self.module = module
-        self.weight, self.version = module.weight, _version(module.weight)
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), None)
+    def __init__(self, modules: tuple[torch.nn.Linear, ...], ops):
+        self.modules = modules
+        self.params = [(m.weight, _version(m.weight), m.bias, None if m.bias is None else _version(m.bias))
+                       for m in modules]
+        weight = torch.cat([m.weight.detach() for m in modules]) if len(modules) > 1 else modules[0].weight.detach()
+        has_bias = modules[0].bias is not None
+        self.bias = torch.cat([m.bias.detach() for m in modules]).contiguous() if has_bias else None
+        self.sizes = [m.out_features for m in modules]
+        self.n, self.dtype = sum(self.sizes), weight.dtype
+        self.ops = ops if ops is not None and weight.dtype == torch.float32 else None
+        self.packed = (self.ops.pack_linear(weight) if self.ops is not None
+                       else torch.ops.mkldnn._reorder_linear_weight(weight, None))
+
+    def applies(self, x: torch.Tensor) -> bool:
+        """Packed numbers are the modules' current parameters and x is what the packed op takes."""
+        if x.dtype != self.dtype or x.device.type != "cpu":
+            return False
+        for m, (weight, version, bias, bias_version) in zip(self.modules, self.params):
+            if (m.weight is not weight or _version(weight) != version or m.bias is not bias
+                    or (bias is not None and _version(bias) != bias_version)):
+                return False
+            if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+                return False
+        return True
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        m = self.module
-        if (m.weight is not self.weight or _version(m.weight) != self.version or x.dtype != self.weight.dtype
-                or x.device.type != "cpu" or (torch.is_grad_enabled() and (x.requires_grad or m.weight.requires_grad))):
-            return F.linear(x, m.weight, m.bias)
+        """x [..., K] -> [..., n] (every module's output, concatenated)."""
         flat = x.reshape(-1, x.shape[-1])
-        out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, m.bias, "none", [], "")
-        return out.view(*x.shape[:-1], m.out_features)
+        if self.ops is not None:
+            out = self.ops.linear(flat if flat.stride(-1) == 1 else flat.contiguous(), self.packed, self.bias, self.n)
+        else:
+            out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
+        return out.view(*x.shape[:-1], self.n)
+
+
+class _PackedLinear:
+    """The forward of one nn.Linear over its packed weight (F.linear when that cannot apply). A member of a
+    sibling group computes the group's product and keeps its own columns: correct, but the fused forwards
+    call the group once for all members instead (``sibling_outputs``)."""
+
+    def __init__(self, module: torch.nn.Linear, packed: _Packed, index: int = 0):
+        self.module, self.packed, self.index = module, packed, index
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        m, packed = self.module, self.packed
+        if not packed.applies(x):
+            return F.linear(x, m.weight, m.bias)
+        out = packed(x)
+        return out if len(packed.sizes) == 1 else out.split(packed.sizes, -1)[self.index].contiguous()
+
+
+def sibling_outputs(modules: tuple, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+    """Each of ``modules``' outputs on x (views of one product) when they are one packed group, installed
+    and applicable to x; else None (call the modules). The caller answers for the modules' hooks."""
+    forward = modules[0].__dict__.get("forward")
+    packed = getattr(forward, "packed", None)
+    if packed is None or packed.modules != modules or not packed.applies(x):
+        return None
+    return packed(x).split(packed.sizes, -1)
+
+
+SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))     # attention, MLP
+
+
+def _sibling_groups(model: torch.nn.Module) -> list[tuple[torch.nn.Linear, ...]]:
+    """Groups of packable linears that read the same input and can be one weight (same input size and
+    dtype, biases all present or all absent)."""
+    groups = []
+    for module in model.modules():
+        for names in SIBLINGS:
+            members = tuple(getattr(module, n, None) for n in names)
+            if all(m is not None and _packable(m) for m in members) and \
+                    len({(m.in_features, m.weight.dtype, m.bias is None) for m in members}) == 1:
+                groups.append(members)
+    return groups
 
 
 def unpack_pending_weights(model: torch.nn.Module) -> None:
@@ -122,24 +192,38 @@ def unpack_pending_weights(model: torch.nn.Module) -> None:
 class PrepackedLinears:
     """Packed copies of a model's CPU linear weights (see the module doc)."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, group_siblings: bool = False):
         start = time.perf_counter()
         unpack_pending_weights(model)
-        modules = [m for m in model.modules() if _packable(m)]
-        need = sum(m.weight.numel() * m.weight.element_size() for m in modules)
+        groups = _sibling_groups(model) if group_siblings else []
+        grouped = {id(m) for g in groups for m in g}
+        units = groups + [(m,) for m in model.modules() if _packable(m) and id(m) not in grouped]
+        need = sum(m.weight.numel() * m.weight.element_size() for unit in units for m in unit)
         available = available_bytes()
         if need > available // 2:       # the copies must not crowd out the KV pool or push the machine to swap
             log.warning("not prepacking the linear weights: the copies need %.0f MiB and %.0f MiB is available "
                         "(at most half of it is used); the engine runs plain F.linear (enforce_eager=True skips this "
                         "check)", need / 2**20, available / 2**20)
-            modules = []
-        self.layers: list[_PackedLinear] = [_PackedLinear(m) for m in modules]
+            units = []
+        ops = _linear_ops() if any(m.weight.dtype == torch.float32 for unit in units for m in unit) else None
+        packed = [_Packed(unit, ops) for unit in units]
+        self.layers: list[_PackedLinear] = [_PackedLinear(m, p, i) for p in packed for i, m in enumerate(p.modules)]
         self._forwards = SharedForwards()
         self.seconds = time.perf_counter() - start
-        self.bytes = sum(p.packed.numel() * p.packed.element_size() for p in self.layers)
-        log.info("prepacked %d linear layers for oneDNN in %.2f s (%.0f MiB beside the model's weights; "
-                 "enforce_eager=True skips this)", len(self.layers), self.seconds, self.bytes / 2**20)
+        self.bytes = sum(p.packed.numel() * p.packed.element_size() for p in packed)
+        log.info("prepacked %d linear layers (%d sibling groups; %s) in %.2f s (%.0f MiB beside the model's "
+                 "weights; enforce_eager=True skips this)", len(self.layers), len(groups),
+                 "float32 through hf_paged's kernel" if ops is not None else "oneDNN", self.seconds, self.bytes / 2**20)
 
     def installed(self):
         """The packed forwards for the block (nested and concurrent blocks share one installation)."""
         return self._forwards.installed(lambda: self.layers)
+
+
+def _linear_ops():
+    """The float32 linear kernel (``cpu_ops``), or None (oneDNN then packs float32 too) when it cannot be built."""
+    try:
+        return load_fused_ops()
+    except RuntimeError as err:
+        log.warning("hf_paged's CPU linear kernel unavailable, float32 linears go through oneDNN: %s", err)
+        return None

@@ -11,7 +11,7 @@ from tiny_models import FAMILIES, make_model
 
 from hf_paged.engine import LLM
 from hf_paged.engine.cpu_bf16 import NATIVE_FLAGS, bf16_warning, native_bf16
-from hf_paged.engine.fused import load_fused_ops
+from hf_paged.engine.cpu_ops import load_fused_ops
 
 
 @pytest.fixture(scope="module")

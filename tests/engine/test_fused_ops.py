@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from hf_paged.engine import LLM, Engine
-from hf_paged.engine.fused import FusedOps, load_fused_ops
+from hf_paged.engine.cpu_ops import load_fused_ops
+from hf_paged.engine.fused import FusedOps
 from tiny_models import FAMILIES, make_model
 
 

@@ -85,3 +85,41 @@ def test_no_packing_when_the_copies_would_crowd_memory(monkeypatch, caplog):
     assert packed.layers == [] and "not prepacking" in caplog.text and "enforce_eager" in caplog.text
     monkeypatch.setattr(prepack, "available_bytes", lambda: 2 * 64 * 64 * 4)
     assert len(PrepackedLinears(layer).layers) == 1
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "glm"])
+def test_sibling_groups_give_each_modules_own_numbers(family):
+    """q/k/v (with biases in qwen2 and glm) and gate/up packed as one weight: the same bits as packed apart."""
+    from hf_paged.engine.prepack import sibling_outputs
+    model = make_model(family, seed=4)
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    x = torch.randn(5, model.config.hidden_size)
+    apart = PrepackedLinears(model)
+    with apart.installed(), torch.inference_mode():
+        ref = [m(x) for m in (attn.q_proj, attn.k_proj, attn.v_proj)]
+        mlp_ref = None if family == "glm" else [m(x) for m in (mlp.gate_proj, mlp.up_proj)]   # glm: gate_up_proj
+        assert sibling_outputs((attn.q_proj, attn.k_proj, attn.v_proj), x) is None      # not grouped
+    grouped = PrepackedLinears(model, group_siblings=True)
+    assert grouped.bytes == apart.bytes, "a group holds its members' weights once"
+    with grouped.installed(), torch.inference_mode():
+        got = sibling_outputs((attn.q_proj, attn.k_proj, attn.v_proj), x)
+        assert got is not None and all(torch.equal(a, b) for a, b in zip(got, ref))
+        assert all(torch.equal(m(x), r) for m, r in zip((attn.q_proj, attn.k_proj, attn.v_proj), ref))   # alone
+        assert sibling_outputs((attn.k_proj, attn.q_proj, attn.v_proj), x) is None                     # other order
+        if mlp_ref is not None:
+            pair = sibling_outputs((mlp.gate_proj, mlp.up_proj), x)
+            assert pair is not None and all(torch.equal(a, b) for a, b in zip(pair, mlp_ref))
+        with torch.no_grad():
+            attn.k_proj.weight.mul_(2)                                       # a stale member: the group stands down
+        assert sibling_outputs((attn.q_proj, attn.k_proj, attn.v_proj), x) is None
+        torch.testing.assert_close(attn.k_proj(x), torch.nn.functional.linear(x, attn.k_proj.weight, attn.k_proj.bias))
+
+
+def test_a_hooked_sibling_keeps_its_call_in_the_fused_forward():
+    """The fused attention calls q/k/v as one packed group only when none of them has hooks."""
+    model = make_model("llama", seed=2)
+    seen = []
+    model.model.layers[1].self_attn.v_proj.register_forward_hook(lambda m, i, o: seen.append(o.shape))
+    llm = LLM(model, max_num_batched_tokens=32, num_blocks=64)
+    llm.generate([[3, 9, 27, 4, 11]], max_new_tokens=3, do_sample=False, ignore_eos=True, use_tqdm=False)
+    assert len(seen) == 3, "the hook ran at every step"

@@ -1,0 +1,104 @@
+"""The engine's float32 linear kernel against oneDNN on a model's layer shapes (``python -m bench linear``).
+
+One "step" is what a forward of T tokens asks of the linear layers: every decoder layer's projections (each
+layer its own weights, so that, as in a real forward, the weights stream from memory rather than sit in
+cache) and the LM head on min(T, --head-rows) rows (the engine computes logits only for the sampled rows).
+Three ways, interleaved in every round: ``hf_paged`` (cuda/linear_cpu.cpp, q/k/v and gate/up packed as one
+weight each, as the engine's fused forwards call them), ``onednn`` (torch's mkldnn ``_linear_pointwise`` over
+weights reordered once, what the engine used before, siblings apart) and ``onednn_grouped`` (the same with
+the siblings concatenated). Reported per row count T: ms per step min / median / max over rounds, the
+ratio to hf_paged within each round, and the weight bytes streamed per second.
+
+    python -m bench linear --rows 1,8,14,32,64,128,512 --rounds 5 --threads 2 --json FILE
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from .common import fmt_spread, load_avg, machine, spread
+
+SMOLLM2 = dict(hidden=576, intermediate=1536, heads=9, kv_heads=3, head_dim=64, layers=30, vocab=49152)
+
+
+def layer_shapes(m: dict, grouped: bool) -> list[tuple[int, int]]:
+    """(out, in) of one decoder layer's projections, siblings concatenated when ``grouped``."""
+    q, kv = m["heads"] * m["head_dim"], m["kv_heads"] * m["head_dim"]
+    attn = [(q + 2 * kv, m["hidden"])] if grouped else [(q, m["hidden"]), (kv, m["hidden"]), (kv, m["hidden"])]
+    mlp = [(2 * m["intermediate"], m["hidden"])] if grouped else [(m["intermediate"], m["hidden"])] * 2
+    return attn + [(m["hidden"], q)] + mlp + [(m["hidden"], m["intermediate"])]
+
+
+class Way:
+    """One way of running a step: packed weights per layer and the call that runs one of them."""
+
+    def __init__(self, name: str, m: dict, grouped: bool, ops, gen: torch.Generator):
+        self.name, self.ops = name, ops
+        pack = ops.pack_linear if ops is not None else (lambda w: torch.ops.mkldnn._reorder_linear_weight(w, None))
+        self.layers = [[(pack(torch.randn(n, k, generator=gen) / k ** 0.5), n, k) for n, k in layer_shapes(m, grouped)]
+                       for _ in range(m["layers"])]
+        self.head = (pack(torch.randn(m["vocab"], m["hidden"], generator=gen) / m["hidden"] ** 0.5), m["vocab"], m["hidden"])
+        self.bytes = sum(4 * n * k for layer in self.layers for _, n, k in layer) + 4 * m["vocab"] * m["hidden"]
+
+    def call(self, packed, n, x):
+        if self.ops is not None:
+            return self.ops.linear(x, packed, None, n)
+        return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+    def step(self, inputs: dict[int, torch.Tensor], head_rows: int) -> None:
+        for layer in self.layers:
+            for packed, n, k in layer:
+                self.call(packed, n, inputs[k])
+        packed, n, k = self.head
+        self.call(packed, n, inputs[k][:head_rows])
+
+
+def main(argv=None, prog: str = "python -m bench linear") -> dict:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", default="1,8,14,32,64,128,512", help="token counts T (comma list)")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    ap.add_argument("--head-rows", type=int, default=32, help="rows the LM head computes at most (sampled rows)")
+    ap.add_argument("--json", help="write the figures here")
+    args = ap.parse_args(argv)
+    torch.set_grad_enabled(False)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from hf_paged.engine.cpu_ops import load_fused_ops
+    ops = load_fused_ops()
+    gen = torch.Generator().manual_seed(0)
+    ways = [Way("hf_paged", SMOLLM2, True, ops, gen), Way("onednn", SMOLLM2, False, None, gen),
+            Way("onednn_grouped", SMOLLM2, True, None, gen)]
+    start_load = load_avg()
+    print(f"SmolLM2-135M shapes, {SMOLLM2['layers']} layers + LM head ({ways[0].bytes / 2**20:.0f} MiB of fp32 weights "
+          f"per step), {torch.get_num_threads()} threads, {args.rounds} interleaved rounds", flush=True)
+    result = {"machine": machine(), "threads": torch.get_num_threads(), "rounds": args.rounds, "shapes": SMOLLM2,
+              "head_rows": args.head_rows, "rows": {}}
+    for rows in (int(r) for r in args.rows.split(",")):
+        inputs = {k: torch.randn(rows, k, generator=gen) for k in {k for w in ways for layer in w.layers for _, _, k in layer}}
+        head_rows = min(rows, args.head_rows)
+        for w in ways:
+            w.step(inputs, head_rows)                       # warm-up
+        times = {w.name: [] for w in ways}
+        for r in range(args.rounds):
+            for w in ways[r % len(ways):] + ways[:r % len(ways)]:   # rotated order
+                t = time.perf_counter()
+                w.step(inputs, head_rows)
+                times[w.name].append(time.perf_counter() - t)
+        entry = {name: {"ms": spread([1000 * s for s in secs]),
+                        "ratio_to_hf_paged": spread([s / h for s, h in zip(secs, times["hf_paged"])]),
+                        "weight_gb_per_s": spread([ways[0].bytes / s / 1e9 for s in secs])}
+                 for name, secs in times.items()}
+        result["rows"][rows] = entry
+        print(f"T={rows:4d}  " + "   ".join(f"{name} {fmt_spread(e['ms'])} ms (x{e['ratio_to_hf_paged']['median']:.2f})"
+                                           for name, e in entry.items()), flush=True)
+    result["load_avg"] = {"start": start_load, "end": load_avg()}
+    print(f"load average {start_load} -> {result['load_avg']['end']}; (xN: that way's time / hf_paged's, per round)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1, default=str)
+        print(f"wrote {args.json}")
+    return result

@@ -1,0 +1,116 @@
+"""The engine's float32 linear kernel (cuda/linear_cpu.cpp, torch.ops.hf_paged_fused.linear): every output is
+the sequential fused multiply-add over k, bit for bit, whatever the batch, the thread count and the ISA it
+was built for; packing pads panels with zeros; bad arguments are refused by name."""
+from __future__ import annotations
+
+import platform
+
+import pytest
+import torch
+
+from hf_paged.engine.cpu_ops import load_fused_ops
+
+
+@pytest.fixture(scope="module")
+def ops():
+    try:
+        return load_fused_ops()
+    except RuntimeError as err:          # no compiler: the engine falls back to oneDNN, nothing to test here
+        pytest.skip(str(err))
+
+
+def sequential_fma(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """acc = fma(x[:, k], w[:, k], acc) for k = 0..K-1 in float32, then + bias: each product is exact in float64
+    and the sum rounded once to float32 (differs from a true fma only by a double rounding, ~2^-29 per step)."""
+    acc = torch.zeros(x.shape[0], weight.shape[0], dtype=torch.float32)
+    for k in range(x.shape[1]):
+        acc = (x[:, k, None].double() * weight[None, :, k].double() + acc.double()).float()
+    return acc if bias is None else acc + bias
+
+
+@pytest.mark.parametrize("rows,n,k,bias", [(1, 64, 64, False), (13, 100, 37, True), (14, 96, 70, False),
+                                           (15, 33, 16, True), (29, 200, 64, True), (64, 32, 9, False)])
+def test_linear_is_the_sequential_fma_sum(ops, rows, n, k, bias):
+    gen = torch.Generator().manual_seed(rows * 1000 + n + k)
+    x, w = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen)
+    b = torch.randn(n, generator=gen) if bias else None
+    got = ops.linear(x, ops.pack_linear(w), b, n)
+    assert torch.equal(got, sequential_fma(x, w, b))
+
+
+def test_packing_pads_the_last_panel_with_zeros(ops):
+    w = torch.arange(40 * 3, dtype=torch.float32).view(40, 3)
+    packed = ops.pack_linear(w)
+    assert packed.shape == (2, 3, 32)
+    assert torch.equal(packed[0], w[:32].t()) and torch.equal(packed[1, :, :8], w[32:].t())
+    assert not packed[1, :, 8:].any()
+
+
+def test_a_row_gives_the_same_bits_alone_in_any_batch_and_with_any_threads(ops):
+    gen = torch.Generator().manual_seed(5)
+    w, b = torch.randn(96, 80, generator=gen), torch.randn(96, generator=gen)
+    x = torch.randn(45, 80, generator=gen)
+    packed = ops.pack_linear(w)
+    threads = torch.get_num_threads()
+    try:
+        batch = ops.linear(x, packed, b, 96)
+        torch.set_num_threads(1)
+        single_thread = ops.linear(x, packed, b, 96)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(batch, single_thread)
+    for i in (0, 13, 14, 44):
+        assert torch.equal(ops.linear(x[i:i + 1], packed, b, 96)[0], batch[i])
+        assert torch.equal(ops.linear(x[i:i + 3], packed, b, 96)[0], batch[i])
+
+
+def test_rows_with_a_stride_and_no_rows(ops):
+    w = torch.randn(40, 24)
+    wide = torch.randn(7, 30)
+    x = wide[:, :24]                                    # row stride 30
+    assert torch.equal(ops.linear(x, ops.pack_linear(w), None, 40), ops.linear(x.contiguous(), ops.pack_linear(w), None, 40))
+    assert ops.linear(torch.empty(0, 24), ops.pack_linear(w), None, 40).shape == (0, 40)
+
+
+def test_bad_arguments_are_refused_by_name(ops):
+    w = torch.randn(40, 24)
+    packed = ops.pack_linear(w)
+    with pytest.raises(RuntimeError, match="x must be a float32"):
+        ops.linear(torch.randn(2, 24, dtype=torch.float64), packed, None, 40)
+    with pytest.raises(RuntimeError, match="packed must be pack_linear's"):
+        ops.linear(torch.randn(2, 24), packed, None, 70)
+    with pytest.raises(RuntimeError, match="packed must be pack_linear's"):
+        ops.linear(torch.randn(2, 25), packed, None, 40)
+    with pytest.raises(RuntimeError, match="bias must be"):
+        ops.linear(torch.randn(2, 24), packed, torch.randn(39), 40)
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return set(next(line for line in f if line.startswith("flags")).split(":", 1)[1].split())
+    except (OSError, StopIteration):
+        return set()
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the ISA variants are x86-64 builds")
+@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"], ids=["avx2", "scalar"])
+def test_every_isa_build_gives_the_same_bits(ops, tmp_path, march):
+    """The same source built for AVX2 + FMA and for plain x86-64 (its scalar std::fma path) agrees with the
+    native build bit for bit (the kernel's invariant: one summation order on every CPU)."""
+    if march == "x86-64-v3" and not {"avx2", "fma"} <= _cpu_flags():
+        pytest.skip("this CPU cannot run an AVX2 build")
+    from importlib import resources
+
+    from torch.utils import cpp_extension
+    source = (resources.files("hf_paged.cuda") / "linear_cpu.cpp").read_text()
+    path = tmp_path / "linear_variant.cpp"
+    path.write_text(source.replace("hf_paged_fused", f"hfp_linear_{march.replace('-', '_')}"))
+    name = f"hfp_linear_{march.replace('-', '_')}"
+    cpp_extension.load(name=name, sources=[str(path)], extra_cflags=["-O2", f"-march={march}", "-fopenmp"],
+                       extra_ldflags=["-fopenmp"], build_directory=str(tmp_path), is_python_module=False)
+    variant = getattr(torch.ops, name)
+    gen = torch.Generator().manual_seed(11)
+    w, b, x = torch.randn(100, 70, generator=gen), torch.randn(100, generator=gen), torch.randn(31, 70, generator=gen)
+    assert torch.equal(variant.pack_linear(w), ops.pack_linear(w))
+    assert torch.equal(variant.linear(x, variant.pack_linear(w), b, 100), ops.linear(x, ops.pack_linear(w), b, 100))
