@@ -132,11 +132,11 @@ def copy_blocks_between(src: KVPools, dst: KVPools, src_blocks: list[int], dst_b
     and values (codes and scales of quantised pools); both hold the same geometry and format."""
     if not src_blocks:
         return
-    dst.release_blocks(dst_blocks)         # kivi: the copied (full, sealed) blocks are read from their codes
     for source, target in zip(src.pool_tensors(), dst.pool_tensors()):
         rows = torch.tensor(src_blocks, dtype=torch.int64, device=source.device)
         picked = source.index_select(1, rows).to(target.device)
         target.index_copy_(1, torch.tensor(dst_blocks, dtype=torch.int64, device=target.device), picked)
+    dst.copy_side_from(src, src_blocks, dst_blocks)     # kivi: sinks travel with their (full, sealed) blocks
 
 
 def attention_mask_or_ones(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
