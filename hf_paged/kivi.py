@@ -332,6 +332,16 @@ def write_kv(k_pool: KiviPool, v_pool: KiviPool, key: torch.Tensor, value: torch
     v_pool.write(value, slot_mapping, positions)
 
 
+def aligned_hit(columns: int, pads: list[int], block_size: int) -> int:
+    """The most columns c <= ``columns`` at which each left-padded row's cached prefix (c - pad tokens) ends on
+    a block boundary or holds nothing. A row continuing inside a cached block would reopen it from its codes,
+    and its queries there would not read that block in full precision as without the hit (the read rule)."""
+    for c in range(columns, -1, -1):
+        if all(c <= pad or (c - pad) % block_size == 0 for pad in pads):
+            return c
+    return 0
+
+
 def split_budget(blocks: int, block_bytes: int, sequence_bytes: int, max_num_seqs: int,
                  open_share: float = 1 / 3) -> tuple[int, int]:
     """The engine's KV budget (``blocks`` sealed blocks of ``block_bytes``) split into sealed blocks and

@@ -24,6 +24,7 @@ import threading
 import torch
 
 from ..blocks import BlockPool, BlockTable, PrefixCache, blocks_for_budget
+from ..kivi import KIVI, aligned_hit
 from .pools import KVPools
 
 DEFAULT_PREFIX_CACHE_BYTES = 256 * 2**20
@@ -72,6 +73,8 @@ class PrefixStore(KVPools):
         cache.prefix_source = (self, [tokens for _, tokens in prompts for _ in range(expand)])
         hits = [self.index.match(tokens, len(tokens) - 1)[0] for _, tokens in prompts]
         common = min(pad + len(blocks) * self.block_size for (pad, _), blocks in zip(prompts, hits))
+        if self.kv_format is KIVI:          # each row's hit ends on a block boundary (kivi.aligned_hit)
+            common = aligned_hit(common, [pad for pad, _ in prompts], self.block_size)
         cache.prefix_stats["query_tokens"] += sum(len(t) for _, t in prompts) * expand
         if common == 0 or not self.key_pools:
             return 0
