@@ -356,15 +356,33 @@ def test_the_engine_gives_one_prefills_logits_with_chunks_prefix_hits_and_preemp
     assert_same_outputs([r[:10] for r in ref], got, ref_seals, log.take(), "prefix hits")
 
 
-def test_beams_copy_sinks_on_write(one_torch_thread):
-    """Beam search forks a short prompt's open block 0 (position 0 in it): each copy keeps a sink, and the
-    outputs follow the same rule as greedy rows (beams run; sinks held once per distinct block)."""
+def test_a_forked_row_reads_what_a_row_of_its_own_reads(one_torch_thread, monkeypatch):
+    """Two identical prompt rows (as generate expands beams or num_return_sequences) share one 5-token block 0
+    holding position 0; they then decode different tokens, so the second row's first write copies that open
+    block (slot and sink) on write, and block 0 is later sealed in both. Each row's logits equal those of a
+    cache holding that row alone, fed token by token, and both blocks keep a sink equal to position 0."""
     model = make_model("llama", seed=9)
-    ids, mask = left_padded([[5, 6, 7, 8, 9], list(range(10, 50))])
-    with patched(model, block_size=BS, kv_cache_dtype="kivi"):
-        out = model.generate(input_ids=ids, attention_mask=mask, cache_implementation="paged", max_new_tokens=40,
-                             num_beams=3, do_sample=False)
-    assert out.shape == (2, 40 + 40)
+    gen = torch.Generator().manual_seed(10)
+    prompt = torch.randint(3, VOCAB, (1, 5), generator=gen)
+    new = torch.randint(3, VOCAB, (2, 40), generator=gen)
+    log = SealLog(monkeypatch)
+    cache = hf_paged.PagedCache(model.config, kv_cache_dtype="kivi", block_size=BS, dtype=model.dtype)
+    with torch.no_grad(), patched(model), hf_paged.use_paged_attention(model):
+        ids = prompt.repeat(2, 1)
+        logits = [model(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache).logits[:, -1]]
+        for t in range(new.shape[1]):
+            ids = torch.cat([ids, new[:, t:t + 1]], 1)
+            logits.append(model(input_ids=new[:, t:t + 1], attention_mask=torch.ones_like(ids),
+                                past_key_values=cache).logits[:, -1])
+    forked, seals = torch.stack(logits, 1).float(), log.take()
+    first = [table.blocks[0] for table in cache.rows.tables]
+    assert first[0] != first[1], "the second row wrote into a copy of block 0"
+    for pool in cache.key_pools + cache.value_pools:
+        sinks = [pool.sink.slot(b) for b in first]
+        assert min(sinks) >= 0 and torch.equal(pool.sink.rows[:, sinks[0]], pool.sink.rows[:, sinks[1]])
+    for row in range(2):
+        alone = cache_logits(model, torch.cat([prompt[0], new[row]]), [1] * 45)[4:]
+        assert_same_outputs([alone], [forked[row]], seals, log.take(), f"row {row}")
 
 
 # ------------------------------------------------------------------------------------ negative controls
