@@ -7,8 +7,8 @@ quality  fp32 and bf16 model: teacher-forced perplexity of real text (the Python
          against the model-dtype KV; the mean KL divergence of next-token distributions; greedy agreement
          (new tokens until the first that differs from the model-dtype run, 64 at most). One forward per
          passage reads every position's keys from the quantised pool, as decoding token by token would
-         (scales are per token, so the stored codes do not depend on the order of writes; not so for kivi,
-         whose one-forward figure is pessimistic: every query sees its own block quantised). (The study of
+         (scales are per token, so the stored codes do not depend on the order of writes; kivi's reads depend
+         only on positions: hf_paged.kivi). (The study of
          int4 groups of 32/64 and of no rotation that chose the defaults is in results/kv-quant-20261201-*.)
 held-out fp32 model: 24 passages of stdlib docstrings, stdlib source comments and the stdlib's license
          (``kv_quant_texts``), decoded token by token (``kv_quant_decode``): perplexity change and KL per kind.

@@ -1,9 +1,10 @@
 """Held-out quality of quantised KV, decoded token by token (``python -m bench kv-quant --sections held-out``).
 
-Why not one forward: a format whose stored codes depend on the order of writes (kivi keeps each open block
-in the model's dtype and quantises it when it fills) is read differently by a 512-token forward than by
-decoding; here every passage is a 32-token prompt (one prefill) then 128 forced tokens, one forward each,
-through a PagedCache of each format, against the same run with model-dtype KV ("auto").
+Decoded as a server would: every passage is a 32-token prompt (one prefill) then 128 forced tokens, one
+forward each, through a PagedCache of each format, against the same run with model-dtype KV ("auto"). (Every
+format now reads the same by one forward: per-token formats store the same codes whatever the order of
+writes, and kivi's reads depend only on positions since 2026-12-05; before, one forward read kivi's own
+blocks from codes.)
 
 Texts (``kv_quant_texts``): three kinds of real text from the running interpreter, 8 passages each. Per
 kind and over all: the perplexity change and the mean KL divergence of the next-token distributions
