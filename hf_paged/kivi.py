@@ -29,7 +29,7 @@ Layout (per layer; keys and values each a ``KiviPool``, a ``kv_formats.Quantized
     fresh.rows : model dtype [Hkv, n, BS, D]          fresh.block_slot: int64 [num_blocks], -1 = none
 ``data`` and ``scales`` are indexed by block on dimension 1, so copy-on-write, pool growth and prefix
 copies move a sealed block's scales with it; ``KVPools`` calls ``copy_open`` / ``release_blocks`` /
-``with_tensors`` / ``copy_side_from`` for the side stores.
+``with_tensors`` / ``copy_side_from`` for the side stores (``hf_paged.kivi_stores``).
 
 Invariants:
 - a block has an open slot exactly while it is open; a slot is held by at most one block, and ``free`` and
@@ -54,94 +54,15 @@ are needed at once (sinks of kept prefix-cache blocks), and ``pool_bytes`` repor
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
+from .kivi_stores import FreshRows, SideStore
 from .kv_formats import KIVI, KiviFormat, QuantizedPool  # noqa: F401  (re-exported)
 from .kv_formats import KIVI_BLOCK_SIZE as BLOCK_SIZE, KIVI_CODE_MAX as CODE_MAX  # noqa: F401  (BLOCK_SIZE re-exported)
 
 log = logging.getLogger("hf_paged.kivi")
-
-
-@dataclass
-class SideStore:
-    """Model-dtype rows kept for some blocks (open blocks, sinks): ``rows`` [Hkv, capacity, *row], the
-    entry of each block in ``block_slot`` (-1 = none). Mutable, one per pool and kind."""
-    rows: torch.Tensor
-    block_slot: torch.Tensor               # int64 [num_blocks]
-    free: list[int] = field(default_factory=list)
-
-    @classmethod
-    def empty(cls, heads: int, num_blocks: int, row: tuple[int, ...], capacity: int, dtype, device) -> SideStore:
-        rows = torch.zeros((heads, capacity, *row), dtype=dtype, device=device)
-        return cls(rows, torch.full((num_blocks,), -1, dtype=torch.int64, device=device), list(range(capacity)))
-
-    @property
-    def num_held(self) -> int:
-        return self.rows.shape[1] - len(self.free)
-
-    def slot(self, block: int) -> int:
-        return int(self.block_slot[block])
-
-    def take(self, block: int) -> int:
-        """``block``'s entry, a new one if it has none (the store doubles when none is free)."""
-        slot = self.slot(block)
-        if slot >= 0:
-            return slot
-        if not self.free:
-            capacity = self.rows.shape[1]
-            self.rows = torch.cat([self.rows, torch.zeros_like(self.rows[:, :max(1, capacity)])], 1)
-            self.free = list(range(capacity, self.rows.shape[1]))
-        slot = self.free.pop()
-        self.block_slot[block] = slot
-        return slot
-
-    def release(self, block: int) -> None:
-        slot = self.slot(block)
-        if slot >= 0:
-            self.block_slot[block] = -1
-            self.free.append(slot)
-
-    def copy(self, src: SideStore, src_block: int, dst_block: int) -> None:
-        """``dst_block`` holds what ``src_block`` holds in ``src`` (this store or another's), or nothing."""
-        slot = src.slot(src_block)
-        if slot < 0:
-            return self.release(dst_block)
-        row = src.rows[:, slot].to(self.rows.device)
-        entry = self.take(dst_block)            # (may grow self.rows: index it afterwards)
-        self.rows[:, entry] = row
-
-    def grow(self, extra_blocks: int) -> None:
-        self.block_slot = torch.cat([self.block_slot, self.block_slot.new_full((extra_blocks,), -1)])
-
-
-@dataclass
-class FreshRows:
-    """The full rows ``rows`` [Hkv, n, BS, D] of the blocks the latest write sealed (``block_slot``: block ->
-    its index in ``rows``, -1 = none), read by the same step's queries in those blocks."""
-    rows: torch.Tensor
-    block_slot: torch.Tensor
-    blocks: list[int] = field(default_factory=list)
-
-    def set(self, blocks: list[int], rows: torch.Tensor) -> None:
-        self.clear()
-        self.rows, self.blocks = rows, blocks
-        self.block_slot[torch.tensor(blocks, device=rows.device)] = torch.arange(len(blocks), device=rows.device)
-
-    def clear(self) -> None:
-        if self.blocks:
-            self.block_slot[torch.tensor(self.blocks, device=self.block_slot.device)] = -1
-            self.blocks = []
-            self.rows = self.rows[:, :0]
-
-    def grow(self, extra_blocks: int) -> None:
-        self.block_slot = torch.cat([self.block_slot, self.block_slot.new_full((extra_blocks,), -1)])
-
-    def drop(self, blocks) -> None:
-        """Blocks freed while their fresh rows are kept: forget them (their ids may be reused)."""
-        if self.blocks and set(blocks) & set(self.blocks):
-            self.clear()
 
 
 @dataclass(frozen=True)
