@@ -75,15 +75,17 @@ class KiviPool(QuantizedPool):
 
     @classmethod
     def new(cls, is_key: bool, heads: int, num_blocks: int, block_size: int, head_dim: int, dtype,
-            device, open_capacity: int) -> KiviPool:
-        """``open_capacity``: open slots and sink rows reserved (the running sequences)."""
+            device, open_capacity: int, sink_capacity: int | None = None) -> KiviPool:
+        """``open_capacity``: open slots reserved (the running sequences); ``sink_capacity``: sink rows
+        (default the same)."""
         KIVI.check_head_dim(head_dim)
         KIVI.check_block_size(block_size)
         data = torch.zeros((heads, num_blocks, block_size, head_dim // 2), dtype=torch.uint8, device=device)
         scale_shape = (2, head_dim) if is_key else (block_size, KIVI.num_scales(head_dim))
         scales = torch.ones((heads, num_blocks, *scale_shape), dtype=torch.bfloat16, device=device)
         open_ = SideStore.empty(heads, num_blocks, (block_size, head_dim), open_capacity, dtype, device)
-        sink = SideStore.empty(heads, num_blocks, (head_dim,), open_capacity, dtype, device)
+        sinks = open_capacity if sink_capacity is None else sink_capacity
+        sink = SideStore.empty(heads, num_blocks, (head_dim,), sinks, dtype, device)
         fresh = FreshRows(open_.rows[:, :0], torch.full((num_blocks,), -1, dtype=torch.int64, device=device))
         return cls(data, scales, KIVI, head_dim, None, is_key, open_, sink, fresh)
 

@@ -49,7 +49,8 @@ class KVPools(Cache):
         self.value_pools: list[torch.Tensor | QuantizedPool] = []
         self.peer_backends: dict = {}     # device -> backend of layers on other devices than ``device``
         self.step: Step | None = None     # the running forward's step (set by whoever planned it)
-        self.open_slots = 8               # kivi: open slots and sinks reserved per layer (the engine: max_num_seqs)
+        self.open_slots = 8               # kivi: open slots reserved per layer (the engine: max_num_seqs)
+        self.sink_slots: int | None = None  # kivi: sink rows reserved per layer (None: open_slots)
 
     def allocate_pools(self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device) -> None:
         """Pools on ``device``, or on each layer's own device where the geometry names one (device_map)."""
@@ -95,9 +96,9 @@ class KVPools(Cache):
         """KIVI pools (``hf_paged.kivi``): on the CPU the kernel backend reads them in place (sealed blocks and
         open slots; writes and sealing are kivi's own); elsewhere the PyTorch path (no CUDA kernel reads them)."""
         heads, blocks, block_size, head_dim = shape
-        self.key_pools = [KiviPool.new(True, heads, blocks, block_size, head_dim, dtype, d, self.open_slots)
-                          for d in devices]
-        self.value_pools = [KiviPool.new(False, heads, blocks, block_size, head_dim, dtype, d, self.open_slots)
+        reserved = (self.open_slots, self.sink_slots)
+        self.key_pools = [KiviPool.new(True, heads, blocks, block_size, head_dim, dtype, d, *reserved) for d in devices]
+        self.value_pools = [KiviPool.new(False, heads, blocks, block_size, head_dim, dtype, d, *reserved)
                             for d in devices]
         self._without_cuda_kernels(device, devices)
 

@@ -42,7 +42,10 @@ class PrefixStore(KVPools):
         super().__init__(config, None, geometry, kv_format)
         self.block_size, self.budget_bytes = block_size, budget_bytes
         per_token = self.geometry.bytes_per_token(dtype, kv_format)
+        if kv_format is KIVI:       # each block may hold a sequence's position 0: one model-dtype sink row
+            per_token += -(-self.geometry.bytes_per_token(dtype) // block_size)
         self.num_blocks = blocks_for_budget(budget_bytes, per_token, block_size, "prefix_cache_bytes")
+        self.open_slots, self.sink_slots = 0, self.num_blocks      # kivi: full blocks only, never open
         self.pool = BlockPool(self.num_blocks, block_size)
         self.pool.free_listeners.append(self.release_blocks)      # kivi's open slots (hf_paged.kivi)
         self.index = PrefixCache(self.pool)

@@ -21,7 +21,7 @@ import hf_paged
 from hf_paged.backends import TorchBackend
 from hf_paged.blocks import BlockPool, BlockTable
 from hf_paged.cache import KVPools
-from hf_paged.cache.prefix_store import PrefixStore
+from hf_paged.cache.prefix_store import PrefixStore, copy_blocks_between
 from hf_paged.kivi import BLOCK_SIZE, KiviPool
 from hf_paged.kv_formats import kv_format
 from hf_paged.plan import packed_plan
@@ -130,8 +130,9 @@ def test_copy_on_write_growth_release_and_the_prefix_store_move_sinks():
     assert pools.key_pools[0].sink.block_slot.tolist()[4:] == [-1, -1, -1]
     _write(pools, list(range(5, BS)), list(range(5, BS)), seed=10)            # block 0 sealed: the sink stays
     store = PrefixStore(make_model("llama").config, pools.geometry, pools.kv_format, BS, 2**20, torch.float32)
-    store.allocate_pools(3, BS, torch.float32, torch.device("cpu"))
-    from hf_paged.cache.prefix_store import copy_blocks_between
+    store.allocate_pools(store.num_blocks, BS, torch.float32, torch.device("cpu"))
+    assert store.pool_bytes <= 2**20, "a sink row per block is within the store's budget"
+    assert store.key_pools[0].open.rows.shape[1] == 0 and store.key_pools[0].sink.rows.shape[1] == store.num_blocks
     copy_blocks_between(pools, store, [0], [1])
     for mine, theirs in zip(store.key_pools + store.value_pools, pools.key_pools + pools.value_pools):
         assert mine.open.num_held == 0 and mine.sink.slot(1) >= 0
