@@ -93,8 +93,8 @@ class KVPools(Cache):
         self.peer_backends = {d: self.backend for d in set(devices) - {device}}
 
     def _allocate_kivi(self, shape, dtype, device, devices) -> None:
-        """KIVI pools (``hf_paged.kivi``): on the CPU the kernel backend reads them in place (sealed blocks and
-        open slots; writes and sealing are kivi's own); elsewhere the PyTorch path (no CUDA kernel reads them)."""
+        """KIVI pools (``hf_paged.kivi``): on the CPU the kernel backend reads them in place (codes and side
+        rows; writes and sealing are kivi's own); elsewhere the PyTorch path (no CUDA kernel reads them)."""
         heads, blocks, block_size, head_dim = shape
         reserved = (self.open_slots, self.sink_slots)
         self.key_pools = [KiviPool.new(True, heads, blocks, block_size, head_dim, dtype, d, *reserved) for d in devices]
