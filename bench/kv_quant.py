@@ -7,11 +7,12 @@ quality  fp32 and bf16 model: teacher-forced perplexity of real text (the Python
          against the model-dtype KV; the mean KL divergence of next-token distributions; greedy agreement
          (new tokens until the first that differs from the model-dtype run, 64 at most). One forward per
          passage reads every position's keys from the quantised pool, as decoding token by token would
-         (scales are per token, so the stored codes do not depend on the order of writes; not so for kivi,
-         whose one-forward figure is pessimistic: every query sees its own block quantised). (The study of
+         (scales are per token, so the stored codes do not depend on the order of writes; kivi's reads depend
+         only on positions: hf_paged.kivi). (The study of
          int4 groups of 32/64 and of no rotation that chose the defaults is in results/kv-quant-20261201-*.)
 held-out fp32 model: 24 passages of stdlib docstrings, stdlib source comments and the stdlib's license
          (``kv_quant_texts``), decoded token by token (``kv_quant_decode``): perplexity change and KL per kind.
+         ``--prompt N`` (not 32): 18 passages of the license, comments and stdlib code with N-token prompts.
 capacity bf16 model, the engine with a fixed 24 MiB KV budget and 96 requests of 64 + 16 tokens (more than
          any format holds): blocks, bytes per token (scales included), requests that fit whole, and the
          most requests running at once, per format.
@@ -39,6 +40,7 @@ import hf_paged
 
 from .common import RESULTS, machine, pyplot, spread, stamp
 from .kv_quant_decode import held_out, held_out_table
+from .kv_quant_texts import PROMPT
 
 NAMES = ["auto", "fp8_e4m3", "fp8_e5m2", "int8", "int4", "kivi", "nvfp4"]
 
@@ -288,6 +290,9 @@ def main(argv=None, prog: str = "python -m bench kv-quant") -> None:
     parser.add_argument("--sections", default="quality,held-out,capacity,speed,quantized-cache")
     parser.add_argument("--formats", default=",".join(NAMES), help="kv_cache_dtype values to measure ('auto' first)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (recorded)")
+    parser.add_argument("--prompt", type=int, default=PROMPT,
+                        help="held-out: prompt tokens per passage (other than 32: the long set of license, comment "
+                             "and code passages, 6 each)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -300,7 +305,7 @@ def main(argv=None, prog: str = "python -m bench kv-quant") -> None:
               "threads": args.threads, "torch": torch.__version__, "host": machine()}
     runs = [  # section, model dtype, result key, what it runs; fp32 first, the bf16 model loaded when needed
         ("quality", torch.float32, "quality_fp32", lambda m, tok: quality(m, tok, names, progress)),
-        ("held-out", torch.float32, "held_out", lambda m, tok: held_out(m, tok, names, progress)),
+        ("held-out", torch.float32, "held_out", lambda m, tok: held_out(m, tok, names, progress, args.prompt)),
         ("speed", torch.float32, "speed", lambda m, tok: speed(m, names, progress)),
         ("quantized-cache", torch.float32, "quantized_cache", lambda m, tok: quantized_cache(m, tok, progress)),
         ("quality", torch.bfloat16, "quality_bf16", lambda m, tok: quality(m, tok, names, progress)),

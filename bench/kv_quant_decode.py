@@ -1,9 +1,10 @@
 """Held-out quality of quantised KV, decoded token by token (``python -m bench kv-quant --sections held-out``).
 
-Why not one forward: a format whose stored codes depend on the order of writes (kivi keeps each open block
-in the model's dtype and quantises it when it fills) is read differently by a 512-token forward than by
-decoding; here every passage is a 32-token prompt (one prefill) then 128 forced tokens, one forward each,
-through a PagedCache of each format, against the same run with model-dtype KV ("auto").
+Decoded as a server would: every passage is a 32-token prompt (one prefill) then 128 forced tokens, one
+forward each, through a PagedCache of each format, against the same run with model-dtype KV ("auto"). (Every
+format now reads the same by one forward: per-token formats store the same codes whatever the order of
+writes, and kivi's reads depend only on positions since 2026-12-05; before, one forward read kivi's own
+blocks from codes.)
 
 Texts (``kv_quant_texts``): three kinds of real text from the running interpreter, 8 passages each. Per
 kind and over all: the perplexity change and the mean KL divergence of the next-token distributions
@@ -18,16 +19,16 @@ import torch
 
 import hf_paged
 
-from .kv_quant_texts import FORCED, PROMPT, held_out_passages
+from .kv_quant_texts import FORCED, LONG_KINDS, PROMPT, held_out_passages
 
 
-def decoded_log_probs(model, ids: torch.Tensor, name: str) -> torch.Tensor:
+def decoded_log_probs(model, ids: torch.Tensor, name: str, prompt: int = PROMPT) -> torch.Tensor:
     """log-softmax [FORCED, V] of each forced position given the prompt, one forward per forced token."""
     block_size = 32 if name == "kivi" else 16
     cache = hf_paged.PagedCache(model.config, kv_cache_dtype=name, dtype=model.dtype, block_size=block_size)
     with torch.no_grad(), hf_paged.use_paged_attention(model):
-        logits = [model(input_ids=ids[None, :PROMPT], past_key_values=cache).logits[0, -1]]
-        for t in range(PROMPT, len(ids) - 1):
+        logits = [model(input_ids=ids[None, :prompt], past_key_values=cache).logits[0, -1]]
+        for t in range(prompt, len(ids) - 1):
             logits.append(model(input_ids=ids[None, t:t + 1], past_key_values=cache).logits[0, -1])
     return torch.stack(logits).float().log_softmax(-1)
 
@@ -38,9 +39,10 @@ def _summary(nll: list[torch.Tensor], kl: list[torch.Tensor], ref_nll: list[torc
             "kl_mean": float(kl.mean()), "tokens": int(nll.numel())}
 
 
-def held_out(model, tokenizer, names: list[str], progress) -> dict:
-    """Passages outer, formats inner: only one passage's reference distributions are held at a time."""
-    texts = held_out_passages(tokenizer)
+def held_out(model, tokenizer, names: list[str], progress, prompt: int = PROMPT) -> dict:
+    """Passages outer, formats inner: only one passage's reference distributions are held at a time.
+    ``prompt``: tokens before the forced ones; other than the default, the long set (``LONG_KINDS``, 6 each)."""
+    texts = held_out_passages(tokenizer) if prompt == PROMPT else held_out_passages(tokenizer, LONG_KINDS, 6, prompt)
     kinds = list(dict.fromkeys(kind for kind, _, _ in texts))
     names = ["auto", *[n for n in names if n != "auto"]]
     nll = {(n, k): [] for n in names for k in kinds}
@@ -50,12 +52,12 @@ def held_out(model, tokenizer, names: list[str], progress) -> dict:
         ref = None
         for name in names:
             t0 = time.perf_counter()
-            got = decoded_log_probs(model, ids, name)
+            got = decoded_log_probs(model, ids, name, prompt)
             seconds[name] += time.perf_counter() - t0
             ref = got if name == "auto" else ref
-            nll[name, kind].append(-got.gather(-1, ids[PROMPT:, None])[:, 0])
+            nll[name, kind].append(-got.gather(-1, ids[prompt:, None])[:, 0])
             kl[name, kind].append((ref.exp() * (ref - got)).sum(-1))
-    out = {"passages": [label for _, label, _ in texts], "kinds": kinds, "prompt": PROMPT, "forced": FORCED}
+    out = {"passages": [label for _, label, _ in texts], "kinds": kinds, "prompt": prompt, "forced": FORCED}
     for name in names:
         row = {"seconds": seconds[name]}
         for kind in [*kinds, "all"]:

@@ -31,10 +31,10 @@ template <typename T>
 struct PlainTiles {
   const T *k, *v;
   int64_t num_blocks, tile, head_dim;
-  const float* keys(int64_t h, int64_t block, int64_t rows, float* buffer) const {
+  const float* keys(int64_t h, int64_t block, int64_t rows, float* buffer, bool) const {
     return float_tile(k + (h * num_blocks + block) * tile, buffer, rows * head_dim);
   }
-  const float* values(int64_t h, int64_t block, int64_t rows, float* buffer) const {
+  const float* values(int64_t h, int64_t block, int64_t rows, float* buffer, bool) const {
     return float_tile(v + (h * num_blocks + block) * tile, buffer, rows * head_dim);
   }
   const float* rotation() const { return nullptr; }

@@ -1,15 +1,17 @@
 // The CPU paged-attention loop (see paged_attention_cpu.cpp for the op and its layout), shared by the
 // model-dtype op and the quantised one (paged_attention_cpu_quant.cpp). It is written against a *tile
 // source*: anything with
-//   const float* keys(int64_t h, int64_t block, int64_t rows, float* buffer) const
-//   const float* values(int64_t h, int64_t block, int64_t rows, float* buffer) const
+//   const float* keys(int64_t h, int64_t block, int64_t rows, float* buffer, bool own) const
+//   const float* values(int64_t h, int64_t block, int64_t rows, float* buffer, bool own) const
 //   const float* rotation() const        fp32 [D, D] R or nullptr: the pools hold x R (kv_formats), so each
 //                                        query row is rotated once on entry and each output once on exit
 //   bool hadamard() const                R is_hadamard (then rotated by the fast transform)
 //   static constexpr bool kConverts      tiles are made (dequantised), not read in place; then also
-//   void key_rows(h, block, from, to, float* dst) const / value_rows(...): rows [from, to) into dst
+//   void key_rows(h, block, from, to, float* dst, bool own) const / value_rows(...): rows [from, to) into dst
 // returning the first `rows` rows of KV head h's block as a float [rows, D] tile, either where they are
-// (f32 pools) or converted / dequantised into `buffer` ([block_size, D] of this thread's scratch). Each
+// (f32 pools) or converted / dequantised into `buffer` ([block_size, D] of this thread's scratch). `own`:
+// the block holds the item's queries (Geometry::own_blocks: KIVI reads it in full precision, the blocks
+// before it from codes; other sources read a block one way and never get own = true). Each
 // tile is produced once per (KV head, block, work item) and serves every query of the item (the GQA
 // group, and the tokens of a prefill row's chunk), so dequantisation costs once per stored row read.
 // Decode items (one token) take dot products per key; prefill chunks go through the register-tiled query
@@ -155,29 +157,33 @@ inline void single_token(Scratch& s, int64_t pos, int64_t window, int64_t base, 
 // the row's chunks); decode items (one token, each block read once) convert into the scratch.
 template <typename Tiles>
 inline void block_tiles(const Tiles& tiles, TileCache& cache, int64_t h, int64_t block, int64_t num_blocks,
-                        int64_t keys, int64_t head_dim, bool chunk, float* kbuf, float* vbuf, const float*& k,
-                        const float*& v) {
+                        int64_t keys, int64_t head_dim, bool chunk, bool own, float* kbuf, float* vbuf,
+                        const float*& k, const float*& v) {
   if constexpr (Tiles::kConverts) {
     if (chunk) {
-      const int64_t id = (h * num_blocks + block) * 2;
-      k = cache.get(id, keys, head_dim, [&](int64_t a, int64_t b, float* dst) { tiles.key_rows(h, block, a, b, dst); });
+      const int64_t id = ((h * num_blocks + block) * 2 + own) * 2;     // own and coded reads are other tiles
+      k = cache.get(id, keys, head_dim,
+                    [&](int64_t a, int64_t b, float* dst) { tiles.key_rows(h, block, a, b, dst, own); });
       v = cache.get(id + 1, keys, head_dim,
-                    [&](int64_t a, int64_t b, float* dst) { tiles.value_rows(h, block, a, b, dst); });
+                    [&](int64_t a, int64_t b, float* dst) { tiles.value_rows(h, block, a, b, dst, own); });
       return;
     }
   }
   (void)cache, (void)chunk, (void)num_blocks;
-  k = tiles.keys(h, block, keys, kbuf);
-  v = tiles.values(h, block, keys, vbuf);
+  k = tiles.keys(h, block, keys, kbuf, own);
+  v = tiles.values(h, block, keys, vbuf, own);
 }
 
 // The step's geometry and metadata, read once per call. chunk: tokens per prefill work item (kTargetRows
-// query rows over the GQA group).
+// query rows over the GQA group). own_blocks: a query reads its own block (position / block_size) otherwise
+// than the earlier ones (KIVI), so a prefill item never spans two blocks of queries and each key block has
+// one reading per item.
 struct Geometry {
   int64_t tokens, num_q_heads, head_dim, num_kv_heads, num_blocks, block_size, group, width, rows, chunk;
   const int32_t *tables, *row_of, *pos_of;
   float scale;
   int64_t window;
+  bool own_blocks = false;
 };
 
 // The block of table index b of `row`, checked against the pool.
@@ -198,7 +204,8 @@ inline void make_chunks(const Geometry& g, std::vector<int64_t>& start, std::vec
     TORCH_CHECK(pos / g.block_size < g.width, "token ", t, " at position ", pos, " needs block ", pos / g.block_size,
                 " but its block-table row has ", g.width, " entries");
     const int64_t last = start.empty() ? -1 : start.back() + count.back() - 1;
-    if (last == t - 1 && last >= 0 && g.row_of[last] == row && count.back() < g.chunk) {
+    const bool same_block = !g.own_blocks || (last >= 0 && g.pos_of[last] / g.block_size == pos / g.block_size);
+    if (last == t - 1 && last >= 0 && g.row_of[last] == row && count.back() < g.chunk && same_block) {
       ++count.back();
     } else {
       start.push_back(t);
@@ -231,6 +238,7 @@ template <typename Tiles>
 void chunk_item(Scratch& s, TileCache& cache, const Geometry& g, const Tiles& tiles, int64_t h, int64_t t0,
                 int64_t count, int64_t lo_key, int64_t hi_key) {
   const int64_t head_dim = g.head_dim, live = count * g.group, rows = s.rows, row = g.row_of[t0];
+  const int64_t own = g.own_blocks ? g.pos_of[t0] / g.block_size : -1;     // every query's block (make_chunks)
   for (int64_t d = 0; d < head_dim; ++d) {
     float* column = s.qt.data() + d * rows;
     for (int64_t r = 0; r < live; ++r) column[r] = s.q[r * head_dim + d];
@@ -245,7 +253,7 @@ void chunk_item(Scratch& s, TileCache& cache, const Geometry& g, const Tiles& ti
     for (int64_t b = b0; b < b0 + per_tile && b * g.block_size < hi_key; ++b, ++nb) {
       const int64_t keys = std::min(g.block_size, hi_key - b * g.block_size);     // keys anyone sees
       const float *k, *v;
-      block_tiles(tiles, cache, h, table_block(g, row, b), g.num_blocks, keys, head_dim, true,
+      block_tiles(tiles, cache, h, table_block(g, row, b), g.num_blocks, keys, head_dim, true, b == own,
                   s.kbuf.data() + n * head_dim, s.vbuf.data() + n * head_dim, k, v);
       s.blocks[nb] = TileBlock{k, v, keys};
       score_block(k, keys, s.qt.data(), head_dim, rows, s.scores.data() + n * rows);
@@ -264,10 +272,11 @@ void decode_item(Scratch& s, TileCache& cache, const Geometry& g, const Tiles& t
                  int64_t lo_key, int64_t hi_key) {
   std::fill(s.m.begin(), s.m.begin() + g.group, -std::numeric_limits<float>::infinity());
   std::fill(s.l.begin(), s.l.begin() + g.group, 0.f);
+  const int64_t own = g.own_blocks ? g.pos_of[t0] / g.block_size : -1;
   for (int64_t b = lo_key / g.block_size; b * g.block_size < hi_key; ++b) {
     const int64_t base = b * g.block_size, keys = std::min(g.block_size, hi_key - base);
     const float *k, *v;
-    block_tiles(tiles, cache, h, table_block(g, g.row_of[t0], b), g.num_blocks, keys, g.head_dim, false,
+    block_tiles(tiles, cache, h, table_block(g, g.row_of[t0], b), g.num_blocks, keys, g.head_dim, false, b == own,
                 s.kbuf.data(), s.vbuf.data(), k, v);
     single_token(s, g.pos_of[t0], g.window, base, keys, g.group, g.head_dim, k, v);
   }

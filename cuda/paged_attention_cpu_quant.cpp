@@ -9,8 +9,14 @@
 // the thread's [BS, D] float tile, which then serves all the item's queries (the GQA group); a prefill
 // row's chunks share one dequantised copy per block and thread (TileCache, paged_attention_cpu.h, bounded),
 // so a block is dequantised once per thread and call, not once per chunk. Without `rotation`, the query
-// arrives rotated (q R) and the output leaves rotated (sum p v R), as the padded PyTorch functions take them. KIVI: a block whose open slot (k_open_slot / v_open_slot [blocks], int64, -1 = sealed)
-// is set is read from k_open / v_open [Hkv, capacity, BS, D] (the query's dtype) instead of its codes.
+// arrives rotated (q R) and the output leaves rotated (sum p v R), as the padded PyTorch functions take them.
+// KIVI (hf_paged/kivi.py's read rule): k_kivi / v_kivi = [open, open_slot, fresh, fresh_slot, sink, sink_slot],
+// model-dtype rows in the query's dtype found per block through int64 [blocks] maps (-1 = none):
+//   open  [Hkv, capacity, BS, D]  open blocks        fresh [Hkv, n, BS, D]  blocks the latest write sealed
+//   sink  [Hkv, capacity, D]      row 0 of the block holding a sequence's position 0
+// A query reads its own block (position / BS) from open, else fresh, else codes; earlier blocks from codes,
+// row 0 from sink where the block has one. Prefill items then never span two blocks of queries
+// (Geometry::own_blocks), so that each key block is read one way per item.
 // With `rotation` R given, the query arrives unrotated and the output leaves unrotated: each query row is
 // rotated once per work item and each output row unrotated once (paged_attention_cpu.h), never per key.
 // dequantize_rows is the test hook that runs one format's row function (SIMD or scalar) alone.
@@ -29,6 +35,23 @@ namespace {
 using namespace hfp_cpu;
 using hfp_codec::RowFn;
 
+// KIVI rows kept beside the codes in the model's dtype, found per block (see the top of this file).
+template <typename T>
+struct SideRows {
+  const T* rows = nullptr;                // [Hkv, capacity, entry_rows, D]
+  const int64_t* slot = nullptr;          // [blocks], -1 = none; null: no such store
+  int64_t capacity = 0, entry_rows = 0;
+
+  // The rows of KV head h kept for `block`, or nullptr.
+  const T* find(int64_t h, int64_t block, int64_t head_dim) const {
+    if (slot == nullptr) return nullptr;
+    const int64_t s = slot[block];
+    if (s < 0) return nullptr;
+    TORCH_CHECK(s < capacity, "block ", block, " names side entry ", s, " of ", capacity);
+    return rows + (h * capacity + s) * entry_rows * head_dim;
+  }
+};
+
 // One pool (keys or values) as the loop reads it.
 template <typename T>
 struct QuantSide {
@@ -38,9 +61,7 @@ struct QuantSide {
   int64_t scale_row, scale_tile;          // bf16 per stored row (0: one set per block) / per (head, block)
   int64_t num_scales;                     // S, as the row function reads it
   RowFn row;
-  const T* open = nullptr;                // KIVI open slots, or none
-  const int64_t* open_slot = nullptr;
-  int64_t open_capacity = 0;
+  SideRows<T> open, fresh, sink;          // KIVI's, or none
 };
 
 template <typename T>
@@ -54,36 +75,46 @@ struct QuantTiles {
 
   static constexpr bool kConverts = true;
 
-  // The open slot of `block` (KIVI), or -1: its rows are then read from the codes.
-  int64_t open_slot(const QuantSide<T>& side, int64_t block) const {
-    if (side.open_slot == nullptr) return -1;
-    const int64_t slot = side.open_slot[block];
-    TORCH_CHECK(slot < side.open_capacity, "block ", block, " names open slot ", slot, " of ", side.open_capacity);
-    return slot;
+  // The full-precision rows of KV head h's block for a query inside it (KIVI): its open slot, else the rows
+  // the latest write sealed it with; nullptr when it has neither (then it is read from its codes).
+  const T* full_rows(const QuantSide<T>& side, int64_t h, int64_t block) const {
+    const T* rows = side.open.find(h, block, head_dim);
+    return rows != nullptr ? rows : side.fresh.find(h, block, head_dim);
   }
-  const T* open_rows(const QuantSide<T>& side, int64_t h, int64_t slot) const {
-    return side.open + (h * side.open_capacity + slot) * block_size * head_dim;
-  }
-  // Rows [from, to) of KV head h's block as floats into dst.
-  void rows(const QuantSide<T>& side, int64_t h, int64_t block, int64_t from, int64_t to, float* dst) const {
-    const int64_t slot = open_slot(side, block);
-    if (slot >= 0) return to_float(open_rows(side, h, slot) + from * head_dim, dst, (to - from) * head_dim);
+  // Rows [from, to) of KV head h's block as floats into dst; `own`: read by a query inside the block.
+  void rows(const QuantSide<T>& side, int64_t h, int64_t block, int64_t from, int64_t to, float* dst, bool own) const {
+    if (own) {
+      if (const T* full = full_rows(side, h, block)) return to_float(full + from * head_dim, dst, (to - from) * head_dim);
+    }
     const int64_t at = h * num_blocks + block;
     const uint8_t* codes = side.codes + at * side.code_tile;
     const uint16_t* scales = side.scales + at * side.scale_tile;
-    for (int64_t r = from; r < to; ++r)
+    int64_t r = from;
+    if (r == 0 && r < to) {                 // a sequence's position 0: the sink row, never its code
+      if (const T* sink = side.sink.find(h, block, head_dim)) to_float(sink, dst, head_dim), ++r;
+    }
+    for (; r < to; ++r)
       side.row(codes + r * side.code_row, scales + r * side.scale_row, side.num_scales, head_dim, dst + (r - from) * head_dim);
   }
-  const float* tile(const QuantSide<T>& side, int64_t h, int64_t block, int64_t n, float* buffer) const {
-    const int64_t slot = open_slot(side, block);
-    if (slot >= 0) return float_tile(open_rows(side, h, slot), buffer, n * head_dim);     // f32: in place
-    rows(side, h, block, 0, n, buffer);
+  const float* tile(const QuantSide<T>& side, int64_t h, int64_t block, int64_t n, float* buffer, bool own) const {
+    if (own) {
+      if (const T* full = full_rows(side, h, block)) return float_tile(full, buffer, n * head_dim);   // f32: in place
+    }
+    rows(side, h, block, 0, n, buffer, false);
     return buffer;
   }
-  void key_rows(int64_t h, int64_t block, int64_t from, int64_t to, float* dst) const { rows(k, h, block, from, to, dst); }
-  void value_rows(int64_t h, int64_t block, int64_t from, int64_t to, float* dst) const { rows(v, h, block, from, to, dst); }
-  const float* keys(int64_t h, int64_t block, int64_t rows, float* buffer) const { return tile(k, h, block, rows, buffer); }
-  const float* values(int64_t h, int64_t block, int64_t rows, float* buffer) const { return tile(v, h, block, rows, buffer); }
+  void key_rows(int64_t h, int64_t block, int64_t from, int64_t to, float* dst, bool own) const {
+    rows(k, h, block, from, to, dst, own);
+  }
+  void value_rows(int64_t h, int64_t block, int64_t from, int64_t to, float* dst, bool own) const {
+    rows(v, h, block, from, to, dst, own);
+  }
+  const float* keys(int64_t h, int64_t block, int64_t rows, float* buffer, bool own) const {
+    return tile(k, h, block, rows, buffer, own);
+  }
+  const float* values(int64_t h, int64_t block, int64_t rows, float* buffer, bool own) const {
+    return tile(v, h, block, rows, buffer, own);
+  }
 };
 
 // Checks one side's tensors against the format and geometry; names what was wrong.
@@ -116,10 +147,27 @@ void check_side(const char* which, const at::Tensor& codes, const at::Tensor& sc
   }
 }
 
+// One KIVI side store: rows [Hkv, capacity, (BS,) D] in the query's dtype and its int64 [blocks] map.
+template <typename T>
+SideRows<T> side_rows(const char* which, const char* name, const at::Tensor& rows, const at::Tensor& slot,
+                      const at::Tensor& codes, const at::Tensor& query, bool per_block) {
+  const int64_t dims = per_block ? 4 : 3;
+  TORCH_CHECK(rows.scalar_type() == query.scalar_type() && rows.is_contiguous() && rows.dim() == dims &&
+                  rows.size(0) == codes.size(0) && rows.size(dims - 1) == query.size(2) &&
+                  (!per_block || rows.size(2) == codes.size(2)),
+              which, "_kivi ", name, " must be contiguous [Hkv, capacity, ", (per_block ? "BS, " : ""),
+              "D] in the query's dtype, got ", rows.scalar_type(), " ", rows.sizes());
+  TORCH_CHECK(slot.scalar_type() == at::kLong && slot.is_contiguous() && slot.numel() == codes.size(1), which,
+              "_kivi ", name, " map must be contiguous int64 [blocks] (", codes.size(1), "), got ", slot.sizes());
+  SideRows<T> side;
+  side.rows = rows.numel() ? rows.data_ptr<T>() : nullptr;
+  side.slot = slot.data_ptr<int64_t>(), side.capacity = rows.size(1), side.entry_rows = per_block ? rows.size(2) : 1;
+  return side;
+}
+
 template <typename T>
 QuantSide<T> make_side(const char* which, const at::Tensor& codes, const at::Tensor& scales, int64_t format,
-                       const at::Tensor& query, const std::optional<at::Tensor>& open,
-                       const std::optional<at::Tensor>& open_slot) {
+                       const at::Tensor& query, at::TensorList kivi) {
   check_side(which, codes, scales, format, query.size(2));
   QuantSide<T> side;
   side.codes = codes.data_ptr<uint8_t>();
@@ -128,16 +176,12 @@ QuantSide<T> make_side(const char* which, const at::Tensor& codes, const at::Ten
   side.scale_row = format == hfp_codec::kKiviKey ? 0 : scales.size(3);
   side.scale_tile = scales.size(2) * scales.size(3), side.num_scales = scales.size(3);
   side.row = hfp_codec::row_function(format, true);
-  TORCH_CHECK(open.has_value() == open_slot.has_value(), which, "_open and ", which, "_open_slot go together");
-  if (open.has_value()) {
-    const at::Tensor &slots = *open, &slot_of = *open_slot;
-    TORCH_CHECK(slots.scalar_type() == query.scalar_type() && slots.is_contiguous() && slots.dim() == 4 &&
-                slots.size(0) == codes.size(0) && slots.size(2) == codes.size(2) && slots.size(3) == query.size(2),
-                which, "_open must be contiguous [Hkv, capacity, BS, D] in the query's dtype, got ",
-                slots.scalar_type(), " ", slots.sizes());
-    TORCH_CHECK(slot_of.scalar_type() == at::kLong && slot_of.is_contiguous() && slot_of.numel() == codes.size(1),
-                which, "_open_slot must be contiguous int64 [blocks] (", codes.size(1), "), got ", slot_of.sizes());
-    side.open = slots.data_ptr<T>(), side.open_slot = slot_of.data_ptr<int64_t>(), side.open_capacity = slots.size(1);
+  TORCH_CHECK(kivi.empty() || kivi.size() == 6, which, "_kivi must be empty or [open, open_slot, fresh, fresh_slot, "
+              "sink, sink_slot], got ", kivi.size(), " tensors");
+  if (!kivi.empty()) {
+    side.open = side_rows<T>(which, "open", kivi[0], kivi[1], codes, query, true);
+    side.fresh = side_rows<T>(which, "fresh", kivi[2], kivi[3], codes, query, true);
+    side.sink = side_rows<T>(which, "sink", kivi[4], kivi[5], codes, query, false);
   }
   return side;
 }
@@ -161,11 +205,9 @@ void run(const at::Tensor& query, const Geometry& g, const QuantSide<T>& k, cons
 template <typename T>
 void dispatch(const at::Tensor& query, const Geometry& g, const at::Tensor& k_codes, const at::Tensor& k_scales,
               const at::Tensor& v_codes, const at::Tensor& v_scales, int64_t k_format, int64_t v_format,
-              const std::optional<at::Tensor>& k_open, const std::optional<at::Tensor>& k_open_slot,
-              const std::optional<at::Tensor>& v_open, const std::optional<at::Tensor>& v_open_slot,
-              const std::optional<at::Tensor>& rotation, at::Tensor& out) {
-  const QuantSide<T> k = make_side<T>("k", k_codes, k_scales, k_format, query, k_open, k_open_slot);
-  const QuantSide<T> v = make_side<T>("v", v_codes, v_scales, v_format, query, v_open, v_open_slot);
+              at::TensorList k_kivi, at::TensorList v_kivi, const std::optional<at::Tensor>& rotation, at::Tensor& out) {
+  const QuantSide<T> k = make_side<T>("k", k_codes, k_scales, k_format, query, k_kivi);
+  const QuantSide<T> v = make_side<T>("v", v_codes, v_scales, v_format, query, v_kivi);
   run<T>(query, g, k, v, rotation, out);
 }
 
@@ -173,22 +215,22 @@ at::Tensor paged_attention_quant(const at::Tensor& query, const at::Tensor& k_co
                                  const at::Tensor& v_codes, const at::Tensor& v_scales,
                                  const at::Tensor& block_tables, const at::Tensor& token_row,
                                  const at::Tensor& token_pos, double scale, int64_t window, int64_t k_format,
-                                 int64_t v_format, const std::optional<at::Tensor>& k_open,
-                                 const std::optional<at::Tensor>& k_open_slot, const std::optional<at::Tensor>& v_open,
-                                 const std::optional<at::Tensor>& v_open_slot,
-                                 const std::optional<at::Tensor>& rotation) {
+                                 int64_t v_format, std::optional<at::TensorList> k_kivi,
+                                 std::optional<at::TensorList> v_kivi, const std::optional<at::Tensor>& rotation) {
   TORCH_CHECK(k_codes.dim() == 4 && k_codes.sizes() == v_codes.sizes(),
               "k_codes and v_codes must be [Hkv, blocks, BS, bytes] alike, got ", k_codes.sizes(), " and ",
               v_codes.sizes());
   check_step(query, k_codes.size(0), query.size(2), block_tables, token_row, token_pos);
-  const Geometry g = geometry(query, k_codes.size(0), k_codes.size(1), k_codes.size(2), block_tables, token_row,
-                              token_pos, scale, window);
+  Geometry g = geometry(query, k_codes.size(0), k_codes.size(1), k_codes.size(2), block_tables, token_row, token_pos,
+                        scale, window);
+  const at::TensorList k_side = k_kivi.value_or(at::TensorList()), v_side = v_kivi.value_or(at::TensorList());
+  g.own_blocks = !k_side.empty() || !v_side.empty();
   at::Tensor out = at::empty(query.sizes(), query.options());
   switch (query.scalar_type()) {
 #define HFP_CASE(kind, type)                                                                                    \
   case kind:                                                                                                    \
-    dispatch<type>(query, g, k_codes, k_scales, v_codes, v_scales, k_format, v_format, k_open, k_open_slot,     \
-                   v_open, v_open_slot, rotation, out);                                                         \
+    dispatch<type>(query, g, k_codes, k_scales, v_codes, v_scales, k_format, v_format, k_side, v_side, rotation, \
+                   out);                                                                                        \
     break;
     HFP_CASE(at::kFloat, float)
     HFP_CASE(at::kBFloat16, c10::BFloat16)
@@ -231,8 +273,7 @@ int64_t codec_lanes() {
 TORCH_LIBRARY_FRAGMENT(hf_paged_cpu, m) {
   m.def("paged_attention_quant(Tensor query, Tensor k_codes, Tensor k_scales, Tensor v_codes, Tensor v_scales, "
         "Tensor block_tables, Tensor token_row, Tensor token_pos, float scale, int window, int k_format, "
-        "int v_format, Tensor? k_open=None, Tensor? k_open_slot=None, Tensor? v_open=None, "
-        "Tensor? v_open_slot=None, Tensor? rotation=None) -> Tensor");
+        "int v_format, Tensor[]? k_kivi=None, Tensor[]? v_kivi=None, Tensor? rotation=None) -> Tensor");
   m.def("dequantize_rows(Tensor codes, Tensor scales, int format, int head_dim, bool simd) -> Tensor");
   m.def("codec_lanes() -> int", &codec_lanes);       // no tensor argument: a catch-all kernel
 }

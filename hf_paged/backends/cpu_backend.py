@@ -6,11 +6,11 @@ CPU (``-O3 -march=native``; the build is cached under ``$TORCH_EXTENSIONS_DIR``,
 registered as ``torch.ops.hf_paged_cpu.paged_attention`` (with a fake implementation, so that ``torch.compile``
 traces through it without a graph break). It replaces the PyTorch path's per-layer gather
 of every row's whole context: one ragged call per layer serves decode, prefill and packed steps.
-Quantised pools (``kv_cache_dtype``: int8, fp8_e4m3, fp8_e5m2, int4 and KIVI's sealed blocks and open slots)
+Quantised pools (``kv_cache_dtype``: int8, fp8_e4m3, fp8_e5m2, int4 and KIVI's sealed blocks and side rows)
 go to ``torch.ops.hf_paged_cpu.paged_attention_quant`` (``paged_attention_cpu_quant.cpp``), which reads codes
 and scales in place and dequantises each stored row once per work item (``kv_codec_cpu.h``, AVX-512 / AVX2 /
 scalar as the build's ``-march=native`` allows); their writes go to ``write_kv_quant`` (``kv_write_cpu.cpp``:
-rotation and quantisation fused, one pass per row; KIVI's block sealing stays in ``hf_paged.kivi``). Other
+rotation and quantisation fused, one pass per row; KIVI's writes and sealing stay in ``hf_paged.kivi``). Other
 writes and copy-on-write stay on :mod:`torch_backend` (same pool layout).
 
 ``HF_PAGED_CPU_KERNEL=0`` keeps the PyTorch path; when the build fails (no compiler), ``select_backend``
@@ -130,24 +130,30 @@ def _fake_write_kv_quant(*args, **kwargs):        # writes its pool arguments in
 
 
 def _side(pool: QuantizedPool, dtype: torch.dtype):
-    """(codes, scales, format id, open slots, open slot of each block) of one pool for the quantised op;
-    None when the op cannot read it (a format it does not know, open slots in another dtype)."""
+    """(codes, scales, format id, KIVI side tensors) of one pool for the quantised op; None when the op cannot
+    read it (a format it does not know, KIVI side rows in another dtype than the query's)."""
     if isinstance(pool, KiviPool):
-        if pool.open.slots.dtype != dtype:
+        if pool.open.rows.dtype != dtype:
             return None
         fmt = KIVI_KEY_ID if pool.is_key else KIVI_VALUE_ID
-        return pool.data, pool.scales, fmt, pool.open.slots, pool.open.block_slot
+        return pool.data, pool.scales, fmt, kivi_side(pool)
     fmt = FORMAT_IDS.get(pool.fmt.name)
-    return None if fmt is None else (pool.data, pool.scales, fmt, None, None)
+    return None if fmt is None else (pool.data, pool.scales, fmt, [])
+
+
+def kivi_side(pool: KiviPool) -> list[torch.Tensor]:
+    """The op's k_kivi / v_kivi: [open, open_slot, fresh, fresh_slot, sink, sink_slot] (paged_attention_cpu_quant.cpp)."""
+    stores = (pool.open, pool.fresh, pool.sink)
+    return [t for store in stores for t in (store.rows.contiguous(), store.block_slot)]
 
 
 def quantised_args(k_pool, v_pool, dtype: torch.dtype):
-    """The quantised op's pool arguments (k_codes, k_scales, v_codes, v_scales, k_format, v_format, k_open,
-    k_open_slot, v_open, v_open_slot), or None to leave these pools to the PyTorch path."""
+    """The quantised op's pool arguments (k_codes, k_scales, v_codes, v_scales, k_format, v_format, k_kivi,
+    v_kivi), or None to leave these pools to the PyTorch path."""
     k, v = _side(k_pool, dtype), _side(v_pool, dtype)
     if k is None or v is None or dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return None
-    return k[0], k[1], v[0], v[1], k[2], v[2], k[3], k[4], v[3], v[4]
+    return k[0], k[1], v[0], v[1], k[2], v[2], k[3], v[3]
 
 
 def kernel_call(backend, query, k_pool, v_pool, rotation=None):
@@ -210,11 +216,11 @@ class CpuKernelBackend:
 
     def write_kv(self, k_pool, v_pool, key, value, slot_mapping, writes_all: bool = False):
         """As torch_backend.write_kv, but quantised pools get unrotated states: row formats are rotated and
-        quantised in one C++ pass; other quantised pools (KIVI, which does not rotate) are rotated here and
-        handed to torch_backend."""
+        quantised in one C++ pass; other quantised pools (nvfp4) are rotated here and handed to torch_backend.
+        (KIVI pools never come here: ``KVPools.write`` hands them to ``hf_paged.kivi``.)"""
         if isinstance(k_pool, QuantizedPool):
             ids = (FORMAT_IDS.get(k_pool.fmt.name), FORMAT_IDS.get(v_pool.fmt.name))
-            if not isinstance(k_pool, KiviPool) and None not in ids and key.device.type == "cpu":
+            if None not in ids and key.device.type == "cpu":
                 return self.write_op(key, value, slot_mapping.contiguous(), k_pool.data, k_pool.scales, v_pool.data,
                                      v_pool.scales, ids[0], ids[1], k_pool.rotation)
             key, value = k_pool.rotate(key), v_pool.rotate(value)

@@ -2,7 +2,8 @@
 the quantised CUDA kernels are tested against.
 
 Same semantics as ``torch_backend`` (pool layout, step metadata, masking, zeros for pad queries and rows
-without keys); keys and values are the dequantised stored ones. The context is read in chunks of
+without keys); keys and values are the dequantised stored ones (KIVI: as ``hf_paged.kivi``'s read rule says,
+the query's own block in full precision, earlier blocks from codes and sink). The context is read in chunks of
 ``CHUNK_TOKENS`` stored tokens: each chunk's codes are gathered through the block tables, dequantised,
 and folded into a running (max, sum, output) softmax, so no full-precision copy of a whole context is
 ever made. Scores and accumulation are fp32.
@@ -31,11 +32,10 @@ def write_kv(k_pool: QuantizedPool, v_pool: QuantizedPool, key: torch.Tensor, va
              slot_mapping: torch.Tensor, writes_all: bool = False) -> None:
     """Quantise new keys/values [N, Hkv, D] and store codes and scales at ``slot_mapping`` (-1 = skip;
     ``writes_all``: see :func:`kept_writes`)."""
+    if isinstance(k_pool, KiviPool):
+        raise TypeError("KIVI pools are written by hf_paged.kivi.write_kv (KVPools.write), which needs the tokens' "
+                        "positions")
     slot_mapping, key, value = kept_writes(slot_mapping, key, value, writes_all)
-    if isinstance(k_pool, KiviPool):        # open slots, sealed per block (hf_paged.kivi)
-        k_pool.write(key, slot_mapping)
-        v_pool.write(value, slot_mapping)
-        return
     for pool, states in ((k_pool, key), (v_pool, value)):
         codes, scales = quantize(pool.fmt, states)                      # [N, Hkv, *]
         for stored, new in ((pool.data, codes), (pool.scales, scales)):
@@ -43,13 +43,15 @@ def write_kv(k_pool: QuantizedPool, v_pool: QuantizedPool, key: torch.Tensor, va
             stored.view(heads, -1, stored.shape[-1]).index_copy_(1, slot_mapping, new.transpose(0, 1))
 
 
-def _gather(pool: QuantizedPool, table: torch.Tensor) -> torch.Tensor:
-    """Blocks ``table`` [B, W] of every head, dequantised: fp32 [Hkv, B, W*BS, D]."""
+def _gather(pool: QuantizedPool, table: torch.Tensor, own: bool = False) -> torch.Tensor:
+    """Blocks ``table`` [B, W] of every head, dequantised: fp32 [Hkv, B, W*BS, D]. ``own``: KIVI blocks as
+    read by a query inside them (``KiviPool.own_blocks``)."""
     heads, _, block_size, head_dim = pool.shape
     batch, width = table.shape
     index = table.reshape(-1).long()
     if isinstance(pool, KiviPool):
-        return pool.dequantize_blocks(index).view(heads, batch, width * block_size, head_dim)
+        blocks = pool.own_blocks(index) if own else pool.dequantize_blocks(index)
+        return blocks.view(heads, batch, width * block_size, head_dim)
     values = dequantize(pool.fmt, pool.data.index_select(1, index), pool.scales.index_select(1, index), torch.float32)
     return values.view(heads, batch, width * block_size, head_dim)
 
@@ -77,13 +79,26 @@ def attention(query: torch.Tensor, k_pool: QuantizedPool, v_pool: QuantizedPool,
         visible = (key_index <= pos) & (pos >= 0) & (key_index < length)
         if sliding_window > 0:
             visible &= key_index > pos - sliding_window
-        scores = torch.matmul(q, keys.transpose(-1, -2)).masked_fill_(~visible, float("-inf"))
+        scores = torch.matmul(q, keys.transpose(-1, -2))
+        own = None
+        if isinstance(k_pool, KiviPool):        # each query's own block: its full-precision rows
+            own = (key_index // block_size == pos.div(block_size, rounding_mode="floor")) & visible
+            if bool(own.any()):
+                own_keys, own_values = _gather(k_pool, table, own=True), _gather(v_pool, table, own=True)
+                scores = torch.where(own, torch.matmul(q, own_keys.transpose(-1, -2)), scores)
+            else:
+                own = None
+        scores = scores.masked_fill_(~visible, float("-inf"))
         new_best = torch.maximum(best, scores.amax(-1, keepdim=True))
         shift = torch.where(new_best == float("-inf"), torch.zeros_like(new_best), new_best)
         probs = torch.exp(scores - shift)
         rescale = torch.exp(best - shift)
         total = total * rescale + probs.sum(-1, keepdim=True)
-        acc = acc * rescale + torch.matmul(probs, values)
+        if own is None:
+            acc = acc * rescale + torch.matmul(probs, values)
+        else:
+            acc = (acc * rescale + torch.matmul(probs.masked_fill(own, 0), values)
+                   + torch.matmul(probs.masked_fill(~own, 0), own_values))
         best = new_best
     out = torch.where(total > 0, acc / total.clamp_min(1e-30), torch.zeros_like(acc))
     out = out.view(num_kv_heads, batch, group, q_len, head_dim).transpose(0, 1)

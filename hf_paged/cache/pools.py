@@ -19,7 +19,7 @@ from ..backends.cpu_backend import CpuKernelBackend
 from ..backends.kernel_registry import has_kernels
 from ..backends.step import PagedLayer, Step
 from ..families import KVGeometry, config_geometry
-from ..kivi import KIVI, KiviPool
+from ..kivi import KIVI, KiviPool, write_kv as write_kivi
 from ..kv_formats import KVFormat, QuantizedPool, kv_format, rotation_matrix
 
 log = logging.getLogger("hf_paged.cache")
@@ -49,7 +49,8 @@ class KVPools(Cache):
         self.value_pools: list[torch.Tensor | QuantizedPool] = []
         self.peer_backends: dict = {}     # device -> backend of layers on other devices than ``device``
         self.step: Step | None = None     # the running forward's step (set by whoever planned it)
-        self.open_slots = 8               # kivi: open-block slots reserved per layer (the engine: max_num_seqs)
+        self.open_slots = 8               # kivi: open slots reserved per layer (the engine: max_num_seqs)
+        self.sink_slots: int | None = None  # kivi: sink rows reserved per layer (None: open_slots)
 
     def allocate_pools(self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device) -> None:
         """Pools on ``device``, or on each layer's own device where the geometry names one (device_map)."""
@@ -92,24 +93,32 @@ class KVPools(Cache):
         self.peer_backends = {d: self.backend for d in set(devices) - {device}}
 
     def _allocate_kivi(self, shape, dtype, device, devices) -> None:
-        """KIVI pools (``hf_paged.kivi``): on the CPU the kernel backend reads them in place (sealed blocks and
-        open slots; writes and sealing are kivi's own); elsewhere the PyTorch path (no CUDA kernel reads them)."""
+        """KIVI pools (``hf_paged.kivi``): on the CPU the kernel backend reads them in place (codes and side
+        rows; writes and sealing are kivi's own); elsewhere the PyTorch path (no CUDA kernel reads them)."""
         heads, blocks, block_size, head_dim = shape
-        self.key_pools = [KiviPool.new(True, heads, blocks, block_size, head_dim, dtype, d, self.open_slots)
-                          for d in devices]
-        self.value_pools = [KiviPool.new(False, heads, blocks, block_size, head_dim, dtype, d, self.open_slots)
+        reserved = (self.open_slots, self.sink_slots)
+        self.key_pools = [KiviPool.new(True, heads, blocks, block_size, head_dim, dtype, d, *reserved) for d in devices]
+        self.value_pools = [KiviPool.new(False, heads, blocks, block_size, head_dim, dtype, d, *reserved)
                             for d in devices]
         self._without_cuda_kernels(device, devices)
 
     def release_blocks(self, blocks) -> None:
-        """Blocks the block pool made plain free (``BlockPool.free_listeners``): KIVI open slots go back."""
+        """Blocks the block pool made plain free (``BlockPool.free_listeners``): KIVI open slots and sinks go
+        back."""
         for pool in self.key_pools + self.value_pools:
             if isinstance(pool, KiviPool):
                 pool.release_blocks(blocks)
 
+    def copy_side_from(self, src: KVPools, src_blocks: list[int], dst_blocks: list[int]) -> None:
+        """Blocks ``dst_blocks`` were copied from ``src``'s ``src_blocks`` (codes and scales): KIVI sinks
+        travel with them (the blocks are full, hence sealed: no open slot)."""
+        for mine, theirs in zip(self.key_pools + self.value_pools, src.key_pools + src.value_pools):
+            if isinstance(mine, KiviPool):
+                mine.copy_side_from(theirs, src_blocks, dst_blocks)
+
     @property
     def open_bytes(self) -> int:
-        """Bytes of KIVI open-block slots (model dtype), all layers; 0 for other formats."""
+        """Bytes of KIVI open slots and sinks (model dtype), all layers; 0 for other formats."""
         return sum(p.open_bytes for p in self.key_pools + self.value_pools if isinstance(p, KiviPool))
 
     def grow_pools(self, extra_blocks: int) -> None:
@@ -158,8 +167,11 @@ class KVPools(Cache):
         return self.step
 
     def end_step(self) -> None:
-        """The forward is over: its plan may not be used again."""
+        """The forward is over: its plan may not be used again (and KIVI's fresh rows are not needed)."""
         self.step = None
+        for pool in self.key_pools + self.value_pools:
+            if isinstance(pool, KiviPool):
+                pool.fresh.clear()
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args, **kwargs) -> tuple[PagedLayer, PagedLayer]:
@@ -169,16 +181,19 @@ class KVPools(Cache):
             raise RuntimeError(self.no_step_message)
         k_pool = self.key_pools[layer_idx]
         step = self.step.on(k_pool.device)      # the plan where this layer's pool is
-        self.write(layer_idx, key_states, value_states, step.plan.slot_mapping, step.plan.writes_all)
+        self.write(layer_idx, key_states, value_states, step.plan.slot_mapping, step.plan.writes_all,
+                   step.plan.token_pos)
         layer = PagedLayer(k_pool, self.value_pools[layer_idx], step)
         return layer, layer
 
     no_step_message = "a paged cache's update ran outside a planned forward"
 
     def write(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor,
-              slot_mapping: torch.Tensor, writes_all: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+              slot_mapping: torch.Tensor, writes_all: bool = False,
+              positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Write [B, Hkv, Q, D] keys/values at ``slot_mapping`` (int64 [B*Q] on the layer's device, -1 = skip;
-        ``writes_all``: none is, known on the host); return the pools.
+        ``writes_all``: none is, known on the host); return the pools. ``positions``: int [B*Q], the stored
+        index of each token (the plan's ``token_pos``); KIVI pools need it (their sinks are position 0).
 
         Inference only: the pools hold detached values, so no autograd graph grows across steps."""
         k_pool, v_pool = self.key_pools[layer_idx], self.value_pools[layer_idx]
@@ -195,6 +210,13 @@ class KVPools(Cache):
                 "cache with the model's own geometry: PagedCache(model.config, geometry=hf_paged.model_geometry(model))"
                 " (the patched generate and the engine do this).")
         batch, heads, q_len, dim = key_states.shape
+        if isinstance(k_pool, KiviPool):        # on every backend: no kernel writes or seals KIVI blocks
+            if positions is None:
+                raise ValueError("kv_cache_dtype='kivi' writes need each token's position (the plan's token_pos)")
+            write_kivi(k_pool, v_pool, key_states.detach().transpose(1, 2).reshape(batch * q_len, heads, dim),
+                       value_states.detach().transpose(1, 2).reshape(batch * q_len, heads, dim),
+                       slot_mapping, positions.reshape(-1), writes_all)
+            return k_pool, v_pool
         if quantised and not getattr(self.backend, "rotates_on_write", False):
             # rotated in fp32, quantised from fp32 (see kv_formats); a backend that rotates on write
             # (the CPU kernel's, fused with quantisation) gets the states as they are.

@@ -24,6 +24,7 @@ import threading
 import torch
 
 from ..blocks import BlockPool, BlockTable, PrefixCache, blocks_for_budget
+from ..kivi import KIVI, aligned_hit
 from .pools import KVPools
 
 DEFAULT_PREFIX_CACHE_BYTES = 256 * 2**20
@@ -41,7 +42,10 @@ class PrefixStore(KVPools):
         super().__init__(config, None, geometry, kv_format)
         self.block_size, self.budget_bytes = block_size, budget_bytes
         per_token = self.geometry.bytes_per_token(dtype, kv_format)
+        if kv_format is KIVI:       # each block may hold a sequence's position 0: one model-dtype sink row
+            per_token += -(-self.geometry.bytes_per_token(dtype) // block_size)
         self.num_blocks = blocks_for_budget(budget_bytes, per_token, block_size, "prefix_cache_bytes")
+        self.open_slots, self.sink_slots = 0, self.num_blocks      # kivi: full blocks only, never open
         self.pool = BlockPool(self.num_blocks, block_size)
         self.pool.free_listeners.append(self.release_blocks)      # kivi's open slots (hf_paged.kivi)
         self.index = PrefixCache(self.pool)
@@ -72,6 +76,8 @@ class PrefixStore(KVPools):
         cache.prefix_source = (self, [tokens for _, tokens in prompts for _ in range(expand)])
         hits = [self.index.match(tokens, len(tokens) - 1)[0] for _, tokens in prompts]
         common = min(pad + len(blocks) * self.block_size for (pad, _), blocks in zip(prompts, hits))
+        if self.kv_format is KIVI:          # each row's hit ends on a block boundary (kivi.aligned_hit)
+            common = aligned_hit(common, [pad for pad, _ in prompts], self.block_size)
         cache.prefix_stats["query_tokens"] += sum(len(t) for _, t in prompts) * expand
         if common == 0 or not self.key_pools:
             return 0
@@ -132,11 +138,11 @@ def copy_blocks_between(src: KVPools, dst: KVPools, src_blocks: list[int], dst_b
     and values (codes and scales of quantised pools); both hold the same geometry and format."""
     if not src_blocks:
         return
-    dst.release_blocks(dst_blocks)         # kivi: the copied (full, sealed) blocks are read from their codes
     for source, target in zip(src.pool_tensors(), dst.pool_tensors()):
         rows = torch.tensor(src_blocks, dtype=torch.int64, device=source.device)
         picked = source.index_select(1, rows).to(target.device)
         target.index_copy_(1, torch.tensor(dst_blocks, dtype=torch.int64, device=target.device), picked)
+    dst.copy_side_from(src, src_blocks, dst_blocks)     # kivi: sinks travel with their (full, sealed) blocks
 
 
 def attention_mask_or_ones(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:

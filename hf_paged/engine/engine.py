@@ -75,7 +75,7 @@ class Engine:
         self.tp_ranks = tensor_parallel_ranks(model)
         fmt = kv_format(config.kv_cache_dtype)
         self.bytes_per_token = geometry.bytes_per_token(dtype, fmt)
-        self.open_slots = config.max_num_seqs        # kivi: open blocks the cache holds (see _minus_open_slots)
+        self.open_slots = config.max_num_seqs        # kivi: open slots and sinks the cache holds (_minus_open_slots)
         blocks = self._num_blocks(geometry, device)
         capture = self._graph_capture(device, geometry)
         # With decode graphs the pools get one block more than the block pool manages: the scratch block
@@ -122,13 +122,14 @@ class Engine:
         return cuda_capture
 
     def _minus_open_slots(self, geometry, blocks: int) -> int:
-        """kivi: the open-block store is paid for out of the KV budget and caps the running sequences
-        (``kivi.split_budget``); an explicit ``num_blocks`` counts sealed blocks, the store comes on top."""
+        """kivi: the side rows of running sequences (an open block and a sink row each, the model's dtype) are
+        paid for out of the KV budget and cap the running sequences (``kivi.split_budget``); an explicit
+        ``num_blocks`` counts sealed blocks, the side rows come on top."""
         if self.config.kv_cache_dtype != "kivi" or self.config.num_blocks is not None:
             return blocks
         dtype = self.model.get_input_embeddings().weight.dtype
         blocks, self.open_slots = split_budget(blocks, self.bytes_per_token * self.config.block_size,
-                                               self.config.block_size * geometry.bytes_per_token(dtype),
+                                               (self.config.block_size + 1) * geometry.bytes_per_token(dtype),
                                                self.config.max_num_seqs)
         return blocks
 

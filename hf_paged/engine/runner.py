@@ -30,7 +30,7 @@ class EngineCache(KVPools):
                  geometry=None, kv_format=None, open_slots: int = 8):
         super().__init__(config, geometry=geometry, kv_format=kv_format)
         self.block_size = block_size
-        self.open_slots = open_slots        # kivi: one open block per running sequence
+        self.open_slots = open_slots        # kivi: one open slot and sink per running sequence
         self.allocate_pools(num_blocks, block_size, dtype, device)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:

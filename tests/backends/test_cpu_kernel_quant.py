@@ -5,7 +5,10 @@ against the PyTorch reference (hf_paged.backends.quantized_torch) and the codec 
   scales read through the layout (several 8-bit scales per row, as a finer scale granularity would store);
 - decode, extend and packed steps per format: GQA 1..16, block sizes 1..32, ragged lengths, windows,
   pads, rows sharing blocks (copy-on-write prefixes), the rotation through Step.attend;
-- KIVI: sealed blocks and open slots, written through KiviPool.write, with a copied (CoW) open block;
+- KIVI (hf_paged.kivi's read rule): a packed step whose queries read their own block from an open slot, from
+  the rows the step's write sealed (a block open before it, a block started and filled by it) or, gone, from
+  codes, earlier blocks from codes and sink rows; GQA 1..4 (prefill items aligned to blocks), windows, rows
+  sharing sealed blocks and a copied (CoW) open block; negative controls (fresh rows or sinks dropped);
 - routing (quantised pools reach the quantised op) and refusals that name the problem.
 """
 from __future__ import annotations
@@ -185,7 +188,7 @@ def kivi_pools(lengths, num_kv, head_dim, dtype, gen, open_capacity=2):
     for row, n in enumerate(lengths):
         slots = torch.tensor([int(tables[row, j // bs]) * bs + j % bs for j in range(n)], dtype=torch.int64)
         for pool in (k, v):
-            pool.write(torch.randn(n, num_kv, head_dim, generator=gen).to(dtype), slots)
+            pool.write(torch.randn(n, num_kv, head_dim, generator=gen).to(dtype), slots, torch.arange(n))
     return k, v, tables, lens
 
 
@@ -212,6 +215,76 @@ def test_kivi_sealed_and_open_blocks(backend, dtype):
     q4 = torch.randn(5, 8, 4, 64, generator=gen).to(dtype)
     out = backend.extend_attention(q4, k, v, tables2, lens2, query_pos, 0.125, 0)
     assert_close(out, quantized_torch.extend_attention(q4, k, v, tables2, lens2, query_pos, 0.125, 0), dtype)
+
+
+# Rows (tokens stored before the step, tokens of the step), decode rows first, and where each query's own block
+# is: 0 an open slot; 1 sealed from its slot by the step (open before); 2 after a write of 30 that seals block 0
+# (open before) and opens block 1; 3 a fresh prompt of 70 (blocks 0, 1 started and sealed by the write, block 2
+# open); 4 blocks sealed earlier, block 2 open; 5 shares row 4's sealed blocks 0 and 1 and holds a CoW copy of
+# its open block 2; 6 block 1 (8 rows before) sealed by the step. Every row's block 0 holds a sink.
+KIVI_STEP = [(33, 1), (31, 1), (10, 30), (0, 70), (70, 5), (70, 3), (40, 24)]
+
+
+def kivi_step(num_q, num_kv, head_dim, dtype, seed):
+    """KIVI pools after earlier writes (one per row) and the step's one packed write, and the step's plan and
+    queries: (k, v, plan, query [T, Hq, D])."""
+    from hf_paged.blocks import BlockTable
+    from hf_paged.plan import packed_plan
+    bs = kv_formats.KIVI_BLOCK_SIZE
+    gen = torch.Generator().manual_seed(seed)
+    need = [-(-(b + n) // bs) for b, n in KIVI_STEP]
+    num_blocks = sum(need) + 3
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = [order[sum(need[:r]):sum(need[:r + 1])] for r in range(len(need))]
+    tables[5][:2] = tables[4][:2]                               # shared sealed blocks (a forked prefix)
+    k, v = (KiviPool.new(is_key, num_kv, num_blocks, bs, head_dim, dtype, "cpu", 2) for is_key in (True, False))
+
+    def write(rows_tokens):
+        slots = torch.tensor([tables[r][p // bs] * bs + p % bs for r, p in rows_tokens], dtype=torch.int64)
+        positions = torch.tensor([p for _, p in rows_tokens])
+        for pool in (k, v):                                    # GQA heads differ in magnitude; keys get outliers
+            x = torch.randn(len(slots), num_kv, head_dim, generator=gen) * torch.logspace(-0.5, 0.5, num_kv).view(1, -1, 1)
+            x[:, :, 3] += 4 * pool.is_key
+            pool.write(x.to(dtype), slots, positions)
+
+    for row, (before, _) in enumerate(KIVI_STEP):
+        if before and row != 5:
+            write([(row, p) for p in range(before)])
+    src, dst = tables[4][2], tables[5][2]
+    for pool in (k, v):                                        # copy-on-write of row 4's open block for row 5
+        pool.data[:, dst], pool.scales[:, dst] = pool.data[:, src], pool.scales[:, src]
+        pool.copy_open([(src, dst)])
+    write([(row, p) for row, (before, new) in enumerate(KIVI_STEP) for p in range(before, before + new)])
+    entries = [(BlockTable(tables[r], b + n), b, n) for r, (b, n) in enumerate(KIVI_STEP)]
+    plan = packed_plan(entries, bs, torch.device("cpu"))
+    query = torch.randn(plan.num_tokens, num_q, head_dim, generator=gen).to(dtype)
+    return k, v, plan, query
+
+
+@pytest.mark.parametrize("window", [0, 20])
+@pytest.mark.parametrize("heads", [(8, 2), (3, 1), (2, 2)], ids=["gqa4", "gqa3", "mha"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kivi_reads_follow_the_position_rule(backend, dtype, heads, window):
+    """The kernel equals the PyTorch path on a packed step over every source of a KIVI row; dropping the
+    step's fresh rows or the sinks changes both (the test sees them)."""
+    (num_q, num_kv), head_dim = heads, 64
+    k, v, plan, query = kivi_step(num_q, num_kv, head_dim, dtype, seed=num_q * 10 + window)
+    assert k.open.num_held == 5 and k.sink.num_held == 6, "rows 0, 2, 3, 4, 5 hold open blocks; 6 distinct block 0s"
+    assert len(k.fresh.blocks) == 5, "sealed by the step: rows 1 and 2's block 0, row 3's blocks 0 and 1, row 6's block 1"
+    out = backend.prepare(plan).attend(query, k, v, 0.125, window)
+    ref = ta.TorchBackend().prepare(plan).attend(query, k, v, 0.125, window)
+    assert_close(out, ref, dtype)
+    for pool in (k, v):
+        pool.fresh.clear()
+    without_fresh = backend.prepare(plan).attend(query, k, v, 0.125, window)
+    assert_close(without_fresh, ta.TorchBackend().prepare(plan).attend(query, k, v, 0.125, window), dtype)
+    assert (without_fresh.float() - out.float()).abs().max() > 1e-2, "own blocks sealed by the step read in full"
+    for pool in (k, v):
+        pool.sink.block_slot.fill_(-1)
+    without_sinks = backend.prepare(plan).attend(query, k, v, 0.125, window)
+    assert_close(without_sinks, ta.TorchBackend().prepare(plan).attend(query, k, v, 0.125, window), dtype)
+    if window == 0:
+        assert (without_sinks.float() - without_fresh.float()).abs().max() > 1e-2, "row 0 of block 0 from the sink"
 
 
 # -- routing and refusals -----------------------------------------------------------------------------

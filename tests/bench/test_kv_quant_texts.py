@@ -30,3 +30,13 @@ def test_comment_passages_are_comments_not_code():
     for _, label, ids in passages:
         text = bytes(ids.tolist()).decode(errors="replace")
         assert "def " not in text and "import " not in text.split("\n")[0], label
+
+
+def test_the_long_prompt_set_has_six_full_length_passages_of_each_kind():
+    """``--prompt 480``: license, comments and stdlib code (the middle of a module's source), 6 each."""
+    from bench.kv_quant_texts import LONG_KINDS
+    passages = held_out_passages(ByteTokenizer(), LONG_KINDS, 6, prompt=480)
+    kinds = [kind for kind, _, _ in passages]
+    assert {kind: kinds.count(kind) for kind in set(kinds)} == {"license": 6, "comment": 6, "code": 6}
+    assert all(ids.shape == (480 + FORCED,) for _, _, ids in passages)
+    assert len({bytes(ids.tolist()) for _, _, ids in passages}) == len(passages)

@@ -1,5 +1,6 @@
 """KIVI blocks (hf_paged.kivi): the codec, sealing on fill, copy-on-write of open and sealed blocks, pool
-growth, open slots released by the block pool, generate and the engine against the default path."""
+growth, open slots released by the block pool, generate and the engine against the default path. (The read
+rule and the sink: test_kivi_rule.py.)"""
 import pytest
 import torch
 
@@ -19,18 +20,27 @@ def _pools(blocks=4):
     return pools
 
 
-def _write(pools, slots, seed=0):
-    """Random K/V rows written at ``slots`` in every layer; returns (keys, values) [N, H, D]."""
+def _write(pools, slots, seed=0, positions=None):
+    """Random K/V rows written at ``slots`` in every layer, at ``positions`` (default: the slots, as if one
+    sequence's table were blocks 0, 1, ...); returns (keys, values) [N, H, D]."""
     gen = torch.Generator().manual_seed(seed)
     key, value = (torch.randn(len(slots), H, D, generator=gen) for _ in range(2))
     slot_mapping = torch.tensor(slots)
+    positions = slot_mapping if positions is None else torch.tensor(positions)
     for layer in range(len(pools.key_pools)):
-        pools.write(layer, key.view(1, -1, H, D).transpose(1, 2), value.view(1, -1, H, D).transpose(1, 2), slot_mapping)
+        pools.write(layer, key.view(1, -1, H, D).transpose(1, 2), value.view(1, -1, H, D).transpose(1, 2), slot_mapping,
+                    positions=positions)
     return key, value
 
 
 def _read(pool: KiviPool, block: int) -> torch.Tensor:
-    return pool.dequantize_blocks(torch.tensor([block]))[:, 0].transpose(0, 1)     # [BS, H, D]
+    """The block as a query in a later block reads it (codes, sink row): [BS, H, D]."""
+    return pool.dequantize_blocks(torch.tensor([block]))[:, 0].transpose(0, 1)
+
+
+def _own(pool: KiviPool, block: int) -> torch.Tensor:
+    """The block as a query inside it reads it (open slot or fresh rows, else codes): [BS, H, D]."""
+    return pool.own_blocks(torch.tensor([block]))[:, 0].transpose(0, 1)
 
 
 def test_bytes_are_under_0_30_of_bf16_with_scales():
@@ -47,11 +57,12 @@ def test_open_block_is_exact_and_sealing_quantises_per_channel_and_per_token():
     pools = _pools()
     key, value = _write(pools, list(range(BS, 2 * BS - 1)))           # block 1 but its last position
     k_pool, v_pool = pools.key_pools[0], pools.value_pools[0]
-    assert k_pool.open.num_open == 1 and int(k_pool.open.block_slot[1]) >= 0
-    assert torch.equal(_read(k_pool, 1)[:BS - 1], key) and torch.equal(_read(v_pool, 1)[:BS - 1], value)
+    assert k_pool.open.num_held == 1 and int(k_pool.open.block_slot[1]) >= 0
+    assert torch.equal(_own(k_pool, 1)[:BS - 1], key) and torch.equal(_own(v_pool, 1)[:BS - 1], value)
     last_key, last_value = _write(pools, [2 * BS - 1], seed=1)         # fills it: sealed, slot back
-    assert k_pool.open.num_open == 0 and int(k_pool.open.block_slot[1]) == -1
+    assert k_pool.open.num_held == 0 and int(k_pool.open.block_slot[1]) == -1
     keys, values = torch.cat([key, last_key]), torch.cat([value, last_value])
+    assert torch.equal(_own(k_pool, 1), keys) and torch.equal(_own(v_pool, 1), values)    # this step: fresh rows
     # keys: uniform step per (head, channel) over the block's tokens; values: per token over the head
     k_span = keys.amax(0) - keys.amin(0)
     assert ((_read(k_pool, 1) - keys).abs() <= k_span / 30 * 1.02 + 1e-6).all()
@@ -72,23 +83,23 @@ def test_copy_on_write_of_open_and_sealed_blocks():
     _write(pools, list(range(0, BS)) + list(range(BS, BS + 3)))       # block 0 sealed, block 1 open
     pools.copy_blocks([(0, 2), (1, 3)])
     for pool in pools.key_pools + pools.value_pools:
-        assert torch.equal(_read(pool, 2), _read(pool, 0)) and torch.equal(_read(pool, 3), _read(pool, 1))
+        assert torch.equal(_read(pool, 2), _read(pool, 0)) and torch.equal(_own(pool, 3), _own(pool, 1))
         assert int(pool.open.block_slot[2]) == -1 and int(pool.open.block_slot[3]) not in (-1, int(pool.open.block_slot[1]))
-    before = _read(pools.key_pools[0], 1).clone()
-    _write(pools, [3 * BS + 3], seed=5)                                 # the copy diverges, the source does not
-    assert torch.equal(_read(pools.key_pools[0], 1), before)
+    before = _own(pools.key_pools[0], 1).clone()
+    _write(pools, [3 * BS + 3], seed=5, positions=[BS + 3])            # the copy diverges, the source does not
+    assert torch.equal(_own(pools.key_pools[0], 1), before)
     pools.copy_blocks([(0, 3)])                                        # a sealed source: dst's slot goes back
-    assert pools.key_pools[0].open.num_open == 1
+    assert pools.key_pools[0].open.num_held == 1
 
 
 def test_growth_keeps_open_and_sealed_blocks():
     pools = _pools(blocks=2)
     _write(pools, list(range(0, BS + 4)))
-    before = [(_read(p, 0), _read(p, 1)) for p in pools.key_pools + pools.value_pools]
+    before = [(_read(p, 0), _own(p, 1)) for p in pools.key_pools + pools.value_pools]
     pools.grow_pools(3)
     for pool, (b0, b1) in zip(pools.key_pools + pools.value_pools, before):
         assert pool.data.shape[1] == 5 and pool.open.block_slot.tolist()[2:] == [-1, -1, -1]
-        assert torch.equal(_read(pool, 0), b0) and torch.equal(_read(pool, 1), b1)
+        assert torch.equal(_read(pool, 0), b0) and torch.equal(_own(pool, 1), b1)
     _write(pools, list(range(4 * BS, 4 * BS + 2)))                     # a grown block opens
     assert int(pools.key_pools[0].open.block_slot[4]) >= 0
 
@@ -96,9 +107,9 @@ def test_growth_keeps_open_and_sealed_blocks():
 def test_a_rewrite_into_a_sealed_block_keeps_its_earlier_rows():
     pools = _pools()
     _write(pools, list(range(BS)))
-    kept = _read(pools.key_pools[0], 0)[:5].clone()
+    kept = _read(pools.key_pools[0], 0)[:5].clone()                    # codes, and row 0 from the sink
     _write(pools, [5, 6], seed=2)                                      # truncated to 5 tokens, rewritten
-    assert torch.equal(_read(pools.key_pools[0], 0)[:5], kept)
+    assert torch.equal(_own(pools.key_pools[0], 0)[:5], kept)
 
 
 def test_the_block_pool_releases_slots_of_freed_and_evicted_blocks():
@@ -107,9 +118,9 @@ def test_the_block_pool_releases_slots_of_freed_and_evicted_blocks():
     pool.free_listeners.append(pools.release_blocks)
     blocks = [pool.take(), pool.take()]
     _write(pools, [blocks[0] * BS, blocks[1] * BS + 1])
-    assert pools.key_pools[0].open.num_open == 2
+    assert pools.key_pools[0].open.num_held == 2 and pools.key_pools[0].sink.num_held == 1     # block 0: position 0
     pool.release(blocks)
-    assert all(p.open.num_open == 0 for p in pools.key_pools + pools.value_pools)
+    assert all(p.open.num_held == 0 and p.sink.num_held == 0 for p in pools.key_pools + pools.value_pools)
 
 
 def test_the_open_store_grows_when_more_blocks_are_open_than_reserved():
@@ -117,8 +128,8 @@ def test_the_open_store_grows_when_more_blocks_are_open_than_reserved():
     pools.open_slots = 1
     pools.allocate_pools(4, BS, torch.float32, torch.device("cpu"))
     key, _ = _write(pools, [0, BS, 2 * BS])
-    assert pools.key_pools[0].open.num_open == 3
-    assert torch.equal(_read(pools.key_pools[0], 2)[0], key[2])
+    assert pools.key_pools[0].open.num_held == 3
+    assert torch.equal(_own(pools.key_pools[0], 2)[0], key[2])
 
 
 def test_block_size_other_than_32_is_refused_with_the_knob():
@@ -154,7 +165,7 @@ def test_engine_with_preemption_and_prefix_hits_leaks_no_slot(one_torch_thread):
     assert all(len(o.outputs[0].token_ids) == 30 for o in outs)
     assert outs[0].outputs[0].token_ids == outs[4].outputs[0].token_ids     # a recomputed/hit prefix agrees
     for pool in engine.cache.key_pools + engine.cache.value_pools:
-        assert pool.open.num_open == 0                                     # every request ended: no slot held
+        assert pool.open.num_held == 0                                     # every request ended: no slot held
 
 
 def test_the_engine_budget_pays_for_open_slots_and_caps_running_sequences(one_torch_thread):

@@ -152,13 +152,16 @@ def test_negative_control_a_quarter_step_off_fails_the_bound(monkeypatch, one_to
 
 
 # Held-out real text on the real SmolLM2 (fp32): the mean KL against the default path per text kind, one
-# forward per passage (per-token formats store the same codes whatever the order of writes, so this equals
-# decoding token by token; kivi is measured by the bench only). int8: ~1.5x what 2026-12-03 measured
+# forward per passage (per-token formats store the same codes whatever the order of writes, and kivi's reads
+# depend only on positions, so this equals decoding token by token). int8: ~1.5x what 2026-12-03 measured
 # (README "Quantised KV blocks"), also held to the issue's +0.5% perplexity on every kind. fp8_e4m3: per kind,
 # between the searched scale's KL (3.1e-3 / 5.7e-3 / 4.6e-3) and amax / 448's (4.5e-3 / 7.6e-3 / 5.8e-3), so
-# the codec without its scale search fails every kind.
-HELD_OUT_MAX_KL = {"int8": 6e-4, "fp8_e4m3": {"docstring": 4.0e-3, "comment": 6.8e-3, "license": 5.3e-3}}
-HELD_OUT_MAX_PPL_PCT = {"int8": 0.5}
+# the codec without its scale search fails every kind. kivi: ~1.3x what the bench decoded on 2026-12-05
+# (4.1e-3 / 5.8e-3 / 5.8e-3), below what it measured before the read rule and sink (9.5e-3 / 1.5e-2 / 1.6e-2),
+# and the issue's +1% perplexity on every kind.
+HELD_OUT_MAX_KL = {"int8": 6e-4, "fp8_e4m3": {"docstring": 4.0e-3, "comment": 6.8e-3, "license": 5.3e-3},
+                   "kivi": {"docstring": 5.5e-3, "comment": 7.5e-3, "license": 7.5e-3}}
+HELD_OUT_MAX_PPL_PCT = {"int8": 0.5, "kivi": 1.0}
 
 
 @pytest.mark.slow
@@ -180,7 +183,8 @@ def test_real_text_of_every_kind_stays_within_the_held_out_bounds():
             with torch.no_grad():
                 ref = model(input_ids=ids[None], use_cache=False).logits[0, PROMPT - 1:-1].float().log_softmax(-1)
             for name in HELD_OUT_MAX_KL:
-                cache = hf_paged.PagedCache(model.config, kv_cache_dtype=name, dtype=model.dtype)
+                cache = hf_paged.PagedCache(model.config, kv_cache_dtype=name, dtype=model.dtype,
+                                            block_size=32 if name == "kivi" else 16)
                 with torch.no_grad(), hf_paged.use_paged_attention(model):
                     logits = model(input_ids=ids[None], past_key_values=cache).logits[0, PROMPT - 1:-1]
                 got = logits.float().log_softmax(-1)
