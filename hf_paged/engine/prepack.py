@@ -98,6 +98,13 @@ def _packable(module) -> bool:
             and "forward" not in module.__dict__)
 
 
+# Steps of more rows than this (prefill chunks) run hf_paged's float32 kernel's modules through F.linear: the
+# library's blocked GEMM (which copies blocks of x into its own layout) keeps its speed among an engine step's
+# other ops, where the kernel, reading x in place, measured 14% slower on 512-row steps (SmolLM2, 2 threads,
+# AVX-512 Xeon, 2026-12-05; 4% in isolation). At up to 128 rows the kernel is 1.1-1.4x the library.
+LIBRARY_ROWS = 128
+
+
 class _Packed:
     """One packed weight: a module's, or sibling modules' (same input) with their rows concatenated.
     ``sizes``: each module's output features, in order; ``ops``: the float32 kernel, or None for oneDNN."""
@@ -127,14 +134,18 @@ class _Packed:
                 return False
         return True
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., K] -> [..., n] (every module's output, concatenated)."""
+    def outputs(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Each module's output on x [..., K]: views of one packed product; or, for more than LIBRARY_ROWS
+        rows when the packed op is hf_paged's kernel, ``F.linear`` per module (see LIBRARY_ROWS)."""
         flat = x.reshape(-1, x.shape[-1])
+        if self.ops is not None and flat.shape[0] > LIBRARY_ROWS:
+            return tuple(F.linear(x, m.weight, m.bias) for m in self.modules)
         if self.ops is not None:
             out = self.ops.linear(flat if flat.stride(-1) == 1 else flat.contiguous(), self.packed, self.bias, self.n)
         else:
             out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
-        return out.view(*x.shape[:-1], self.n)
+        out = out.view(*x.shape[:-1], self.n)
+        return (out,) if len(self.sizes) == 1 else out.split(self.sizes, -1)
 
 
 class _PackedLinear:
@@ -147,10 +158,10 @@ class _PackedLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         m, packed = self.module, self.packed
-        if not packed.applies(x):
+        if not packed.applies(x) or (packed.ops is not None and x.numel() > LIBRARY_ROWS * x.shape[-1]):
             return F.linear(x, m.weight, m.bias)
-        out = packed(x)
-        return out if len(packed.sizes) == 1 else out.split(packed.sizes, -1)[self.index].contiguous()
+        out = packed.outputs(x)[self.index]
+        return out if out.is_contiguous() else out.contiguous()
 
 
 def sibling_outputs(modules: tuple, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
@@ -160,7 +171,7 @@ def sibling_outputs(modules: tuple, x: torch.Tensor) -> tuple[torch.Tensor, ...]
     packed = getattr(forward, "packed", None)
     if packed is None or packed.modules != modules or not packed.applies(x):
         return None
-    return packed(x).split(packed.sizes, -1)
+    return packed.outputs(x)
 
 
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))     # attention, MLP

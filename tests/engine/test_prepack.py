@@ -90,7 +90,7 @@ def test_no_packing_when_the_copies_would_crowd_memory(monkeypatch, caplog):
 @pytest.mark.parametrize("family", ["llama", "qwen2", "glm"])
 def test_sibling_groups_give_each_modules_own_numbers(family):
     """q/k/v (with biases in qwen2 and glm) and gate/up packed as one weight: the same bits as packed apart."""
-    from hf_paged.engine.prepack import sibling_outputs
+    from hf_paged.engine.prepack import LIBRARY_ROWS, sibling_outputs
     model = make_model(family, seed=4)
     attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
     x = torch.randn(5, model.config.hidden_size)
@@ -106,6 +106,9 @@ def test_sibling_groups_give_each_modules_own_numbers(family):
         assert got is not None and all(torch.equal(a, b) for a, b in zip(got, ref))
         assert all(torch.equal(m(x), r) for m, r in zip((attn.q_proj, attn.k_proj, attn.v_proj), ref))   # alone
         assert sibling_outputs((attn.k_proj, attn.q_proj, attn.v_proj), x) is None                     # other order
+        wide = torch.randn(LIBRARY_ROWS + 1, model.config.hidden_size)        # prefill-sized: F.linear per module
+        assert all(torch.equal(a, torch.nn.functional.linear(wide, m.weight, m.bias)) for a, m in
+                   zip(sibling_outputs((attn.q_proj, attn.k_proj, attn.v_proj), wide), (attn.q_proj, attn.k_proj, attn.v_proj)))
         if mlp_ref is not None:
             pair = sibling_outputs((mlp.gate_proj, mlp.up_proj), x)
             assert pair is not None and all(torch.equal(a, b) for a, b in zip(pair, mlp_ref))
