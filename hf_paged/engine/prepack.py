@@ -3,7 +3,8 @@
 On the CPU most of a forward is the linear layers, and at decode steps a forward streams every weight from
 memory once. float32 weights go to ``cuda/linear_cpu.cpp`` (``torch.ops.hf_paged_fused.linear``: panels of 32
 output columns streamed with prefetch, registers for up to 14 rows; see its header for why not oneDNN and
-for its summation order, which makes a row's result independent of the batch it came in); bfloat16 weights
+for its summation order, which makes a row's result independent of the batch it came in) for steps of up to
+``LIBRARY_ROWS`` rows, and larger steps (prefill chunks) to ``F.linear`` on the modules' weights; bfloat16 weights
 to oneDNN's ``_linear_pointwise`` where oneDNN has bf16 kernels (AVX-512 BF16 / AMX), and float32 ones too
 when the extension cannot be built. Torch's default ``F.linear`` re-lays the weight out for every call.
 Measured on SmolLM2-135M's 30 layers and LM head (2 threads, Xeon with AVX-512 and AMX, 2026-12-05,
