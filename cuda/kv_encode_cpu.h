@@ -87,18 +87,34 @@ inline void encode_int4(const float* x, int64_t d, int64_t num_scales, uint8_t* 
 constexpr uint32_t kScaleSteps[16] = {0x3F800000u, 0x3F85AAC3u, 0x3F8B95C2u, 0x3F91C3D3u, 0x3F9837F0u, 0x3F9EF532u, 0x3FA5FED7u, 0x3FAD583Fu,
                                       0x3FB504F3u, 0x3FBD08A4u, 0x3FC5672Au, 0x3FCE248Cu, 0x3FD744FDu, 0x3FE0CCDFu, 0x3FEAC0C7u, 0x3FF5257Du};
 
-template <uint8_t (*Code)(float), float (*Value)(uint8_t)>
+// Value(Code(y)) for |y| within the finite range, branch-free so that the search loop vectorises: a normal
+// magnitude rounds to nearest even by adding below the kept mantissa bits and clearing them (the same
+// integer steps as fp8_code, whose decoded value is that fp32 pattern); a subnormal one is a multiple of
+// 2^(1 - B - M), rounded by an exact scaling. Equal to fp8_value(fp8_code(y)) bit for bit.
+template <int M, int B>
+inline float fp8_rounded(float y) {
+  const uint32_t bits = bits_of(y), sign = bits & 0x80000000u, mag = bits & 0x7FFFFFFFu;
+  constexpr uint32_t kMinNormal = static_cast<uint32_t>(128 - B) << 23;
+  constexpr int kDrop = 23 - M;
+  constexpr float kUp = static_cast<float>(1 << (B - 1 + M)), kDown = 1.0f / kUp;
+  const uint32_t normal = (mag + ((1u << (kDrop - 1)) - 1u) + ((mag >> kDrop) & 1u)) & ~((1u << kDrop) - 1u);
+  const uint32_t small = bits_of(std::nearbyint(from_bits(mag) * kUp) * kDown);
+  return from_bits(sign | (mag < kMinNormal ? small : normal));
+}
+
+template <int M, int B>
 inline int64_t squared_error(const float* x, int64_t n, float code_max, float s, float first, float second) {
   int64_t total = 0;
+#pragma omp simd reduction(+ : total)
   for (int64_t i = 0; i < n; ++i) {
-    const float residual = x[i] - Value(Code(std::min(std::max(x[i] / s, -code_max), code_max))) * s;
-    const int64_t q = round_even(residual * first * second);
+    const float residual = x[i] - fp8_rounded<M, B>(std::min(std::max(x[i] / s, -code_max), code_max)) * s;
+    const int64_t q = static_cast<int32_t>(std::nearbyint(residual * first * second));
     total += q * q;
   }
   return total;
 }
 
-template <uint8_t (*Code)(float), float (*Value)(uint8_t)>
+template <uint8_t (*Code)(float), int M, int B>
 inline void encode8_searched(const float* x, int64_t d, int64_t num_scales, float code_max, uint8_t* codes,
                              uint16_t* scales) {
   const int64_t group = d / num_scales;
@@ -113,7 +129,7 @@ inline void encode8_searched(const float* x, int64_t d, int64_t num_scales, floa
     uint16_t best = 0;
     for (const uint32_t step : kScaleSteps) {
       const uint16_t candidate = stored_scale(base * from_bits(step));
-      const int64_t error = squared_error<Code, Value>(row, group, code_max, bf16(candidate), first, second);
+      const int64_t error = squared_error<M, B>(row, group, code_max, bf16(candidate), first, second);
       if (best_error < 0 || error < best_error) best_error = error, best = candidate;
     }
     scales[g] = best;
@@ -125,10 +141,10 @@ inline void encode8_searched(const float* x, int64_t d, int64_t num_scales, floa
 using EncodeFn = void (*)(const float*, int64_t, int64_t, uint8_t*, uint16_t*);
 inline void encode_int8(const float* x, int64_t d, int64_t s, uint8_t* c, uint16_t* sc) { encode8<int8_code>(x, d, s, 127.f, c, sc); }
 inline void encode_e4m3(const float* x, int64_t d, int64_t s, uint8_t* c, uint16_t* sc) {
-  encode8_searched<fp8_code<3, 7>, fp8_value<3, 7>>(x, d, s, 448.f, c, sc);
+  encode8_searched<fp8_code<3, 7>, 3, 7>(x, d, s, 448.f, c, sc);
 }
 inline void encode_e5m2(const float* x, int64_t d, int64_t s, uint8_t* c, uint16_t* sc) {
-  encode8_searched<fp8_code<2, 15>, fp8_value<2, 15>>(x, d, s, 57344.f, c, sc);
+  encode8_searched<fp8_code<2, 15>, 2, 15>(x, d, s, 57344.f, c, sc);
 }
 
 // The row encoder of a row format (kInt8, kFp8E4M3, kFp8E5M2, kInt4); nullptr for others (KIVI seals whole
