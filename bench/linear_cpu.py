@@ -10,6 +10,13 @@ the siblings concatenated). Reported per row count T: ms per step min / median /
 ratio to hf_paged within each round, and the weight bytes streamed per second.
 
     python -m bench linear --rows 1,8,14,32,64,128,512 --rounds 5 --threads 2 --json FILE
+    python -m bench linear --engine --rounds 4 --threads 2      # the engine with the kernel vs with oneDNN
+
+``--engine``: SmolLM2 itself, the short ShareGPT workload of ``python -m bench engine`` (32 requests, prompts
+<= 192), through two engines in one process: hf_paged's kernel (as shipped) and oneDNN's prepacked matmul for
+every float32 linear (the kernel unavailable; siblings still grouped), interleaved rounds; the seconds spent
+in forwards of prefill-sized steps (more than 32 tokens) and of decode-sized ones, and whether the greedy
+tokens agree.
 """
 from __future__ import annotations
 
@@ -56,17 +63,75 @@ class Way:
         self.call(packed, n, inputs[k][:head_rows])
 
 
+def engine_ab(rounds: int) -> dict:
+    """The --engine comparison (see the module doc)."""
+    from hf_paged.engine import LLM, prepack
+
+    from . import models
+    from .workloads import sharegpt_short
+    model = models.smollm2(torch.float32)
+    wl = sharegpt_short(32, 0, model.config.vocab_size)
+    knobs = dict(max_num_seqs=32, max_num_batched_tokens=512, enable_prefix_caching=False)
+    engines = {"hf_paged": LLM(model, **knobs)}
+    kernel = prepack._linear_ops
+    prepack._linear_ops = lambda: None           # the fallback the engine takes when the kernel cannot be built
+    try:
+        engines["onednn"] = LLM(model, **knobs)
+    finally:
+        prepack._linear_ops = kernel
+    steps = {name: [] for name in engines}
+    for name, llm in engines.items():           # time each forward, by its size
+        runner, forward = llm.engine.runner, llm.engine.runner.forward
+
+        def timed(ids, positions, plan, keep, forward=forward, out=steps[name]):
+            start = time.perf_counter()
+            logits = forward(ids, positions, plan, keep)
+            out.append((ids.shape[1], time.perf_counter() - start))
+            return logits
+        runner.forward = timed
+
+    def run(llm):
+        return [o.outputs[0].token_ids for o in llm.generate(
+            [r.prompt for r in wl.requests], [dict(max_new_tokens=r.output_len) for r in wl.requests],
+            do_sample=False, ignore_eos=True, use_tqdm=False)]
+    tokens = {name: run(llm) for name, llm in engines.items()}          # warm-up
+    figures = {name: {"wall": [], "prefill": [], "decode": []} for name in engines}
+    for r in range(rounds):
+        for name in (list(engines) if r % 2 == 0 else list(engines)[::-1]):
+            steps[name].clear()
+            start = time.perf_counter()
+            run(engines[name])
+            figures[name]["wall"].append(time.perf_counter() - start)
+            figures[name]["prefill"].append(sum(s for n, s in steps[name] if n > 32))
+            figures[name]["decode"].append(sum(s for n, s in steps[name] if n <= 32))
+    same = sum(a == b for a, b in zip(tokens["hf_paged"], tokens["onednn"]))
+    out = {name: {k: spread(v) for k, v in f.items()} for name, f in figures.items()}
+    out["tokens_equal"] = f"{same}/{len(wl.requests)}"
+    for name in engines:
+        print(f"{name:9s} " + "  ".join(f"{k} {fmt_spread(out[name][k], '{:.2f}')} s" for k in ("wall", "prefill", "decode")))
+    print(f"greedy tokens equal: {out['tokens_equal']} requests")
+    return out
+
+
 def main(argv=None, prog: str = "python -m bench linear") -> dict:
     ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="1,8,14,32,64,128,512", help="token counts T (comma list)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument("--head-rows", type=int, default=32, help="rows the LM head computes at most (sampled rows)")
+    ap.add_argument("--engine", action="store_true", help="the engine with the kernel vs with oneDNN (module doc)")
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args(argv)
     torch.set_grad_enabled(False)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.engine:
+        result = {"machine": machine(), "threads": torch.get_num_threads(), "rounds": args.rounds,
+                  "engine": engine_ab(args.rounds)}
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1, default=str)
+        return result
     from hf_paged.engine.cpu_ops import load_fused_ops
     ops = load_fused_ops()
     gen = torch.Generator().manual_seed(0)
