@@ -37,10 +37,26 @@ constexpr int64_t kGrainElements = 32768;    // below this much work per chunk, 
 
 inline int64_t grain_rows(int64_t row_elements) { return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(row_elements, 1)); }
 
+// float <-> T. bfloat16 by bit operations, branch-free so that the loops around them vectorise: to<T> rounds
+// to nearest even and maps NaN to c10's 0x7FC0 (c10::BFloat16's own conversion, bit for bit); from widens.
 template <typename T>
-inline float rnd(float x) { return static_cast<float>(static_cast<T>(x)); }
+inline T to(float x) { return x; }
 template <>
-inline float rnd<float>(float x) { return x; }
+inline c10::BFloat16 to<c10::BFloat16>(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return c10::BFloat16(static_cast<uint16_t>((u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : rounded), c10::BFloat16::from_bits());
+}
+inline float from(float x) { return x; }
+inline float from(c10::BFloat16 x) {
+  const uint32_t u = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+template <typename T>
+inline float rnd(float x) { return from(to<T>(x)); }       // x rounded as the eager op's T result is
 
 // exp(x) in float32 to ~1 ulp (Cephes' expf: x = n ln2 + r, |r| <= ln2/2, degree-6 polynomial, 2^n by
 // exponent bits), written branch-free so that the SiLU loop vectorises. Clamped to the finite range.
@@ -82,7 +98,7 @@ inline void norm_row(const float* x, const T* w, T* out, int64_t h, float eps) {
   for (int l = 0; l < 16; ++l) ss += lanes[l];
   const float r = 1.0f / std::sqrt(ss / static_cast<float>(h) + eps);
 #pragma omp simd
-  for (int64_t j = 0; j < h; ++j) out[j] = static_cast<T>(static_cast<float>(w[j]) * rnd<T>(x[j] * r));
+  for (int64_t j = 0; j < h; ++j) out[j] = to<T>(from(w[j]) * rnd<T>(x[j] * r));
 }
 
 template <typename T>
@@ -103,11 +119,12 @@ void norm_rows(const at::Tensor& x, const at::Tensor* residual, const at::Tensor
         T* sr = sd + t * h;
 #pragma omp simd
         for (int64_t j = 0; j < h; ++j) {
-          sr[j] = static_cast<T>(static_cast<float>(rr[j]) + static_cast<float>(xr[j]));
-          row[j] = static_cast<float>(sr[j]);
+          sr[j] = to<T>(from(rr[j]) + from(xr[j]));
+          row[j] = from(sr[j]);
         }
       } else {
-        for (int64_t j = 0; j < h; ++j) row[j] = static_cast<float>(xr[j]);
+#pragma omp simd
+        for (int64_t j = 0; j < h; ++j) row[j] = from(xr[j]);
       }
       norm_row<T>(row.data(), wd, od + t * h, h, eps);
     }
@@ -152,17 +169,17 @@ inline void rotate_row(T* x, const T* c, const T* s, int64_t r, bool interleaved
   const int64_t half = r / 2;
   if (interleaved) {
     for (int64_t j = 0; j < half; ++j) {
-      const float a = x[2 * j], b = x[2 * j + 1], cj = c[j], sj = s[j];
-      x[2 * j] = static_cast<T>(rnd<T>(a * cj) - rnd<T>(b * sj));
-      x[2 * j + 1] = static_cast<T>(rnd<T>(b * cj) + rnd<T>(a * sj));
+      const float a = from(x[2 * j]), b = from(x[2 * j + 1]), cj = from(c[j]), sj = from(s[j]);
+      x[2 * j] = to<T>(rnd<T>(a * cj) - rnd<T>(b * sj));
+      x[2 * j + 1] = to<T>(rnd<T>(b * cj) + rnd<T>(a * sj));
     }
     return;
   }
 #pragma omp simd
   for (int64_t i = 0; i < half; ++i) {
-    const float a = x[i], b = x[i + half];
-    x[i] = static_cast<T>(rnd<T>(a * static_cast<float>(c[i])) - rnd<T>(b * static_cast<float>(s[i])));
-    x[i + half] = static_cast<T>(rnd<T>(b * static_cast<float>(c[i + half])) + rnd<T>(a * static_cast<float>(s[i + half])));
+    const float a = from(x[i]), b = from(x[i + half]);
+    x[i] = to<T>(rnd<T>(a * from(c[i])) - rnd<T>(b * from(s[i])));
+    x[i + half] = to<T>(rnd<T>(b * from(c[i + half])) + rnd<T>(a * from(s[i + half])));
   }
 }
 
@@ -221,6 +238,24 @@ inline void silu_mul_block(const float* g, const float* u, float* o) {
   const __m512 s = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_simd(_mm512_sub_ps(_mm512_setzero_ps(), x))));
   _mm512_storeu_ps(o, _mm512_mul_ps(s, _mm512_loadu_ps(u)));
 }
+// bfloat16 lanes: widened exactly, rounded as to<BFloat16> (nearest even; NaN to 0x7FC0), in registers.
+inline __m512 widen_bf16(const c10::BFloat16* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+inline __m512i bf16_rounded_bits(__m512 x) {          // the bf16 pattern in each lane's high 16 bits
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i bias = _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)));
+  const __m512i rounded = _mm512_and_si512(_mm512_add_epi32(u, bias), _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u)));
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)), _mm512_set1_epi32(0x7F800000));
+  return _mm512_mask_blend_epi32(nan, rounded, _mm512_set1_epi32(0x7FC00000));
+}
+inline void silu_mul_block(const c10::BFloat16* g, const c10::BFloat16* u, c10::BFloat16* o) {
+  const __m512 x = widen_bf16(g);
+  const __m512 s = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_simd(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+  const __m512 product = _mm512_mul_ps(_mm512_castsi512_ps(bf16_rounded_bits(s)), widen_bf16(u));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_rounded_bits(product), 16)));
+}
+#define HFP_SILU_BF16_BLOCK 1
 #elif defined(__AVX2__)
 constexpr int64_t kLanes = 8;
 inline __m256 exp_simd(__m256 x) {
@@ -250,21 +285,13 @@ inline void silu_mul_block(const float* g, const float* u, float* o) { o[0] = g[
 template <typename T>
 inline void silu_mul_row(const T* g, const T* u, T* o, int64_t width) {
   int64_t j = 0;
-  if constexpr (std::is_same_v<T, float>) {
+#ifndef HFP_SILU_BF16_BLOCK
+  if constexpr (std::is_same_v<T, float>)          // (bfloat16 blocks exist with AVX-512 only)
+#endif
     for (; j + kLanes <= width; j += kLanes) silu_mul_block(g + j, u + j, o + j);
-  } else {
-    float gf[kLanes], uf[kLanes], sf[kLanes], one[kLanes];
-    std::fill(one, one + kLanes, 1.0f);
-    for (; j + kLanes <= width; j += kLanes) {
-      for (int64_t l = 0; l < kLanes; ++l) gf[l] = static_cast<float>(g[j + l]);
-      silu_mul_block(gf, one, sf);
-      for (int64_t l = 0; l < kLanes; ++l) uf[l] = static_cast<float>(u[j + l]);
-      for (int64_t l = 0; l < kLanes; ++l) o[j + l] = static_cast<T>(rnd<T>(sf[l]) * uf[l]);
-    }
-  }
-  for (; j < width; ++j) {
-    const float x = g[j];
-    o[j] = static_cast<T>(rnd<T>(x / (1.0f + exp_approx(-x))) * static_cast<float>(u[j]));
+  for (; j < width; ++j) {                   // tails; exp_approx is exp_simd's arithmetic lane by lane
+    const float x = from(g[j]);
+    o[j] = to<T>(rnd<T>(x / (1.0f + exp_approx(-x))) * from(u[j]));
   }
 }
 

@@ -77,3 +77,40 @@ def test_engine_warns_for_bf16_only_where_the_cpu_lacks_it(caplog):
         LLM(make_model("llama", seed=0), num_blocks=16)
     warned = [r for r in caplog.records if "bf16 instructions" in r.getMessage()]
     assert len(warned) == (0 if native_bf16() else 1)
+
+
+@pytest.mark.parametrize("op", ["silu_mul", "rotary_", "rms_norm"])
+def test_bf16_vector_blocks_equal_the_scalar_path(ops, op):
+    """The bf16 ops' vector paths (AVX-512 SiLU blocks, vectorised conversions: nearest even, NaN to c10's 0x7FC0):
+    silu_mul gives the bits of the same op one column at a time (each column a scalar tail), NaN and inf
+    included; rotary_ the module formula's numbers; rms_norm the formula within a bf16 step (its sum of squares
+    runs in another order than torch's)."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(40, 70, generator=gen).to(torch.bfloat16)
+    x[0, :4] = float("nan")
+    x[1, :3], x[1, 3:6] = float("inf"), -float("inf")
+    if op == "silu_mul":
+        whole = ops.silu_mul(x, x)
+        cols = torch.stack([ops.silu_mul(x[:, i:i + 1].contiguous(), x[:, i:i + 1].contiguous())[:, 0]
+                            for i in range(x.shape[1])], 1)
+        assert torch.equal(whole.view(torch.int16), cols.view(torch.int16))
+    elif op == "rotary_":      # against the module formula, rounded where the eager ops round
+        q, k = x[:, :64].reshape(40, 2, 32).clone(), x[:, 4:36].reshape(40, 1, 32).clone()
+        cos, sin = torch.randn(40, 32, generator=gen).to(torch.bfloat16), torch.randn(40, 32, generator=gen).to(torch.bfloat16)
+        ref_q, ref_k = q.float(), k.float()
+        ops.rotary_(q, k, cos, sin, False)
+
+        def formula(t):
+            half = t.shape[-1] // 2
+            rot = torch.cat([-t[..., half:], t[..., :half]], -1)
+            return ((t * cos.float()[:, None]).to(torch.bfloat16).float() + (rot * sin.float()[:, None]).to(torch.bfloat16).float()).to(torch.bfloat16)
+        # the same numbers (NaN where NaN: torch's own vector conversion keeps a NaN's sign, c10's scalar one and ours
+        # give 0x7FC0)
+        torch.testing.assert_close(q, formula(ref_q), rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(k, formula(ref_k), rtol=0, atol=0, equal_nan=True)
+    else:
+        w = torch.randn(70, generator=gen).to(torch.bfloat16)
+        got = ops.rms_norm(x[2:], w, 1e-6)
+        xf = x[2:].float()
+        ref = (w.float() * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16).float()).to(torch.bfloat16)
+        assert (got.float() - ref.float()).abs().max() <= 2 ** -6 * ref.float().abs().max(), "within a bf16 step of the formula"
