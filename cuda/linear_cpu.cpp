@@ -79,24 +79,22 @@ inline void prefetch(const float*) {}
 constexpr int kVecs = 2;                          // vectors per row of a micro-kernel: 2 * kLanes columns
 constexpr int kSlices = kPanel / (kVecs * kLanes);  // column slices of a panel (1 with AVX-512, 2 otherwise)
 
-// rows x (kVecs * kLanes) outputs of one column slice of a panel: x element (r, k) at x[r * xr + k * xk] (row-major
-// x: xr = its row stride, xk = 1; a packed chunk: xr = 1, xk = kRows), panel slice w (k-th row at w + k * kPanel),
-// results to out (row stride ldo; `width` of the slice's columns are kept), plus bias when given.
+// rows x (kVecs * kLanes) outputs of one column slice of a panel: x rows [ROWS][ldx], panel slice w (k-th row at
+// w + k * kPanel), results to out (row stride ldo; `width` of the slice's columns are kept), plus bias when given.
 template <int ROWS>
-void micro(const float* x, int64_t xr, int64_t xk, int64_t K, const float* w, float* out, int64_t ldo, int64_t width,
+void micro(const float* x, int64_t ldx, int64_t K, const float* w, float* out, int64_t ldo, int64_t width,
            const float* bias) {
   V acc[ROWS][kVecs];
   for (int r = 0; r < ROWS; ++r)
     for (int v = 0; v < kVecs; ++v) acc[r][v] = vzero();
   for (int64_t k = 0; k < K; ++k) {
     const float* wk = w + k * kPanel;
-    const float* xk_ = x + k * xk;
     prefetch(wk + kPrefetch);
     prefetch(wk + kPrefetch + 16);
     V wv[kVecs];
     for (int v = 0; v < kVecs; ++v) wv[v] = vload(wk + v * kLanes);
     for (int r = 0; r < ROWS; ++r) {
-      const V xv = vset1(xk_[r * xr]);
+      const V xv = vset1(x[r * ldx + k]);
       for (int v = 0; v < kVecs; ++v) acc[r][v] = vfma(xv, wv[v], acc[r][v]);
     }
   }
@@ -108,7 +106,7 @@ void micro(const float* x, int64_t xr, int64_t xk, int64_t K, const float* w, fl
   }
 }
 
-using Micro = void (*)(const float*, int64_t, int64_t, int64_t, const float*, float*, int64_t, int64_t, const float*);
+using Micro = void (*)(const float*, int64_t, int64_t, const float*, float*, int64_t, int64_t, const float*);
 
 template <int... R>
 constexpr auto micro_table(std::integer_sequence<int, R...>) {
@@ -168,7 +166,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::opti
       for (int64_t s = 0; s < kSlices; ++s) {
         const int64_t col = p * kPanel + s * slice, width = std::min<int64_t>(slice, n - col);
         if (width <= 0) break;
-        kMicro[count - 1](xd + r0 * ldx, ldx, 1, k, wd + p * k * kPanel + s * slice, od + r0 * n + col, n, width,
+        kMicro[count - 1](xd + r0 * ldx, ldx, k, wd + p * k * kPanel + s * slice, od + r0 * n + col, n, width,
                           bias_ptr ? bias_ptr + col : nullptr);
       }
     }

@@ -135,12 +135,16 @@ class _Packed:
                 return False
         return True
 
+    def library_sized(self, x: torch.Tensor) -> bool:
+        """Whether x has more rows than the kernel takes (see LIBRARY_ROWS): F.linear on each module then."""
+        return self.ops is not None and x.numel() > LIBRARY_ROWS * x.shape[-1]
+
     def outputs(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Each module's output on x [..., K]: views of one packed product; or, for more than LIBRARY_ROWS
-        rows when the packed op is hf_paged's kernel, ``F.linear`` per module (see LIBRARY_ROWS)."""
-        flat = x.reshape(-1, x.shape[-1])
-        if self.ops is not None and flat.shape[0] > LIBRARY_ROWS:
+        """Each module's output on x [..., K]: views of one packed product, or ``F.linear`` per module when
+        ``library_sized(x)``."""
+        if self.library_sized(x):
             return tuple(F.linear(x, m.weight, m.bias) for m in self.modules)
+        flat = x.reshape(-1, x.shape[-1])
         if self.ops is not None:
             out = self.ops.linear(flat if flat.stride(-1) == 1 else flat.contiguous(), self.packed, self.bias, self.n)
         else:
@@ -159,7 +163,7 @@ class _PackedLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         m, packed = self.module, self.packed
-        if not packed.applies(x) or (packed.ops is not None and x.numel() > LIBRARY_ROWS * x.shape[-1]):
+        if not packed.applies(x) or packed.library_sized(x):
             return F.linear(x, m.weight, m.bias)
         out = packed.outputs(x)[self.index]
         return out if out.is_contiguous() else out.contiguous()
