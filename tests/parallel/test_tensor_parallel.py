@@ -35,14 +35,20 @@ def test_generate_and_engine_match_one_process(tmp_path):
 def test_kv_heads_fewer_than_ranks_refused(tmp_path):
     make_model("glm4").save_pretrained(tmp_path / "glm4")      # one KV head, two ranks
     script = tmp_path / "refuse.py"
+    # Each rank writes its own file: two ranks printing to one pipe interleave their words.
     script.write_text(
-        "import sys, hf_paged\n"
+        "import os, sys, hf_paged\n"
+        "from pathlib import Path\n"
         "from transformers import AutoModelForCausalLM\n"
         "model = AutoModelForCausalLM.from_pretrained(sys.argv[1], tp_plan='auto')\n"
+        "out = Path(sys.argv[2]) / f\"rank{os.environ['RANK']}.txt\"\n"
         "try:\n"
         "    hf_paged.model_geometry(model)\n"
+        "    out.write_text('accepted')\n"
         "except hf_paged.families.UnsupportedModelError as e:\n"
-        "    print('refused:', e, flush=True)\n")
-    run = torchrun(script, str(tmp_path / "glm4"))
+        "    out.write_text(f'refused: {e}')\n")
+    run = torchrun(script, str(tmp_path / "glm4"), str(tmp_path))
     assert run.returncode == 0, run.stderr[-4000:]
-    assert "refused: tensor parallelism over 2 ranks needs num_key_value_heads (1)" in run.stdout
+    for rank in range(2):
+        said = (tmp_path / f"rank{rank}.txt").read_text()
+        assert said.startswith("refused: tensor parallelism over 2 ranks needs num_key_value_heads (1)"), said
