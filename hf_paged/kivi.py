@@ -54,7 +54,7 @@ are needed at once (sinks of kept prefix-cache blocks), and ``pool_bytes`` repor
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -160,56 +160,81 @@ class KiviPool(QuantizedPool):
     # ------------------------------------------------------------- lifecycle
     def write(self, states: torch.Tensor, slot_mapping: torch.Tensor, positions: torch.Tensor) -> None:
         """states [N, Hkv, D] at ``slot_mapping`` [N] (all >= 0, each once), stored indices ``positions`` [N]
-        (= position ids): into open slots and the sink store, sealing the blocks whose last row is written."""
+        (= position ids): as :meth:`write_planned` with the plan of those slots."""
+        self.write_planned(states, KiviWrite.of(slot_mapping, positions, self.data.shape[2]))
+
+    def write_planned(self, states: torch.Tensor, plan: KiviWrite, op=None) -> None:
+        """states [N, Hkv, D], the rows ``plan`` describes (each slot once): into open slots and the sink
+        store, sealing the blocks whose last row is written. ``op``: the CPU's ``hf_paged_cpu.kivi_write``
+        (``CpuKernelBackend.kivi_write``), which moves the rows and seals in one call; None: PyTorch ops."""
         self.fresh.clear()
-        bs = self.data.shape[2]
         states = states.to(self.open.rows.dtype)
-        blocks, offsets = slot_mapping // bs, slot_mapping % bs
-        for i in (positions == 0).nonzero()[:, 0].tolist():        # a sequence's position 0: its sink
-            entry = self.sink.take(int(blocks[i]))
-            self.sink.rows[:, entry] = states[i]
-        written, counts = torch.unique(blocks, return_counts=True)
-        sealing = set(torch.unique(blocks[offsets == bs - 1]).tolist())
-        whole = [b for b, n in zip(written.tolist(), counts.tolist())
-                 if n == bs and b in sealing and self.open.slot(b) < 0]      # started and filled by this write
-        for block in sorted(sealing - set(whole)):
+        if plan.sink_rows:                                      # a sequence's position 0: its sink
+            entries = [self.sink.take(block) for block in plan.sink_blocks]   # (may grow: index afterwards)
+            self.sink.rows[:, entries] = states[plan.sink_rows].transpose(0, 1)
+        # Sealed by this write: from the rows it writes alone (``whole``), else from the block's open slot.
+        whole = [b for b in plan.sealing if b in plan.whole and self.open.slot(b) < 0]
+        from_slots = [b for b in plan.sealing if b not in whole]
+        for block in from_slots:
             if self.open.slot(block) < 0:
                 self._reopen(block)
-        self._into_slots(states, blocks, offsets)
-        if sealing:
-            self._seal(sorted(sealing - set(whole)), whole, states, blocks, offsets)
-        new = [b for b in written.tolist() if b not in sealing and self.open.slot(b) < 0]
+        if op is not None:
+            self._write_op(op, states, plan, from_slots, whole)
+        else:
+            self._into_slots(states, plan, plan.written)
+            if plan.sealing:
+                self._seal(from_slots, whole, states, plan)
+        new = [b for b in plan.unsealed if self.open.slot(b) < 0]
         for block in new:                                      # after sealing, which frees slots
-            self._reopen(block)
+            if plan.first_offset[block] > 0:                   # earlier rows to keep (a rewrite)
+                self._reopen(block)
+            else:                                              # later rows are written before any read
+                self.open.take(block)
         if new:
-            self._into_slots(states, blocks, offsets)
+            self._into_slots(states, plan, new)
 
-    def _into_slots(self, states, blocks, offsets) -> None:
-        """The written rows whose block has an open slot, into it."""
-        slots = self.open.block_slot.index_select(0, blocks)
-        held = slots >= 0
-        self.open.rows[:, slots[held], offsets[held]] = states[held].transpose(0, 1)
+    def _into_slots(self, states: torch.Tensor, plan: KiviWrite, blocks: list[int]) -> None:
+        """The written rows of ``blocks`` that have an open slot, into it."""
+        slots = tuple(self.open.slot(b) for b in blocks)
+        src, dst = plan.slot_rows(blocks, slots, self.data.shape[2], states.device)
+        if src is not None:
+            flat = self.open.rows.view(self.open.rows.shape[0], -1, self.open.rows.shape[-1])
+            flat.index_copy_(1, dst, states.index_select(0, src).transpose(0, 1))
 
-    def _seal(self, from_slots: list[int], whole: list[int], states, blocks, offsets) -> None:
+    def _write_op(self, op, states: torch.Tensor, plan: KiviWrite, from_slots: list[int], whole: list[int]) -> None:
+        """``_into_slots`` and ``_seal`` in one call of the C++ op (the same slot rows, codes, scales and
+        fresh rows: kivi_write_cpu.cpp equals ``quantize_blocks`` bit for bit)."""
+        slot, sink = self.open.held.get, self.sink.held
+        args = plan.op_args(tuple(slot(b, -1) for b in plan.written), from_slots, tuple(slot(b, -1) for b in from_slots),
+                            whole, tuple(b in sink for b in from_slots + whole), self.data.shape[2])
+        if args is None:
+            return
+        sealed = from_slots + whole
+        fresh = (self.open.rows.new_empty((self.open.rows.shape[0], len(sealed), *self.open.rows.shape[2:])) if sealed
+                 else self.fresh.rows)                       # (cleared: [Hkv, 0, BS, D])
+        src, dst, blocks, slots, rows, sinks = args
+        op(states, src, dst, self.open.rows, blocks, slots, rows, sinks, self.data, self.scales, self.is_key, fresh)
+        if sealed:
+            self.fresh.set(sealed, fresh)
+        for block in from_slots:
+            self.open.release(block)
+
+    def _seal(self, from_slots: list[int], whole: list[int], states: torch.Tensor, plan: KiviWrite) -> None:
         """Quantise the blocks ``from_slots`` (rows in their open slot) and ``whole`` (rows in ``states``);
         their rows become the fresh rows, their slots go back."""
         device = self.data.device
         parts = []
         if from_slots:
-            slots = self.open.block_slot[torch.tensor(from_slots, device=device)]
+            slots = torch.tensor([self.open.slot(b) for b in from_slots], device=device)
             parts.append(self.open.rows.index_select(1, slots))
-        if whole:
-            local = torch.full_like(self.open.block_slot, -1)
-            local[torch.tensor(whole, device=device)] = torch.arange(len(whole), device=device)
-            where = local.index_select(0, blocks)
-            picked = where >= 0
-            rows = states.new_empty((len(whole), self.data.shape[2], *states.shape[1:]))
-            rows[where[picked], offsets[picked]] = states[picked]
-            parts.append(rows.permute(2, 0, 1, 3))                        # [Hkv, n, BS, D]
+        if whole:                                              # rows in offset order, block after block
+            order = [i for b in whole for i in sorted(plan.block_rows[b], key=plan.offsets.__getitem__)]
+            rows = states[order].unflatten(0, (len(whole), self.data.shape[2]))   # [n, BS, Hkv, D]
+            parts.append(rows.permute(2, 0, 1, 3))                                # [Hkv, n, BS, D]
         sealed = from_slots + whole
         rows = torch.cat(parts, 1) if len(parts) > 1 else parts[0].contiguous()
         index = torch.tensor(sealed, device=device)
-        codes, scales = self.quantize_blocks(rows, self.sink.block_slot.index_select(0, index) >= 0)
+        codes, scales = self.quantize_blocks(rows, torch.tensor([self.sink.slot(b) >= 0 for b in sealed], device=device))
         self.data.index_copy_(1, index, codes)
         self.scales.index_copy_(1, index, scales)
         self.fresh.set(sealed, rows)
@@ -243,16 +268,92 @@ class KiviPool(QuantizedPool):
         self.fresh.drop(blocks)
 
 
-def write_kv(k_pool: KiviPool, v_pool: KiviPool, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
-             positions: torch.Tensor, writes_all: bool = False) -> None:
-    """New keys/values [N, Hkv, D] at ``slot_mapping`` int64 [N] (-1 = skip; ``writes_all``: none is, known
-    on the host), stored indices ``positions`` int [N]."""
-    if not writes_all:
-        keep = slot_mapping >= 0
-        if not bool(keep.all()):
-            slot_mapping, key, value, positions = slot_mapping[keep], key[keep], value[keep], positions[keep]
-    k_pool.write(key, slot_mapping, positions)
-    v_pool.write(value, slot_mapping, positions)
+@dataclass(frozen=True)
+class KiviWrite:
+    """What a write does to blocks, from its slots and positions alone: the same for every KIVI pool a step
+    writes (``KVPools.write`` makes it once per step). Host lists; rows are indices into the written states
+    (the tokens with a slot, in order)."""
+    keep: torch.Tensor | None           # the tokens with a slot (slot_mapping >= 0), None: all
+    offsets: list[int]                  # row -> its offset in its block
+    block_rows: dict[int, list[int]]    # block -> its rows
+    first_offset: dict[int, int]        # block -> the lowest offset written
+    written: list[int]                  # the distinct blocks written, ascending
+    sealing: list[int]                  # those whose last offset (BS-1) is written, ascending
+    unsealed: list[int]                 # the others, ascending
+    whole: frozenset[int]               # sealing blocks whose BS rows are all written here
+    sink_rows: list[int]                # rows at position 0
+    sink_blocks: list[int]              # their blocks
+    # (blocks, their open slots) -> the rows of those blocks with a slot and where they go in the flattened
+    # slot rows: every pool of a step holds the same slots, so the first pool's index tensors serve all.
+    _slot_rows: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def slot_rows(self, blocks: list[int], slots: tuple[int, ...], block_size: int, device):
+        """(rows, slot * block_size + offset) index tensors of the rows of ``blocks`` whose slot (``slots``,
+        -1 = none) holds them, or (None, None) when none does."""
+        key = (tuple(blocks), slots)
+        if key not in self._slot_rows:
+            src, dst = [], []
+            for block, slot in zip(blocks, slots):
+                if slot >= 0:
+                    rows = self.block_rows[block]
+                    src.extend(rows)
+                    dst.extend(slot * block_size + self.offsets[i] for i in rows)
+            self._slot_rows[key] = ((torch.tensor(src, device=device), torch.tensor(dst, device=device)) if src
+                                    else (None, None))
+        return self._slot_rows[key]
+
+    @classmethod
+    def of(cls, slot_mapping: torch.Tensor, positions: torch.Tensor, block_size: int) -> KiviWrite:
+        """``slot_mapping`` int64 [N] (-1 = skip), ``positions`` int [N] (stored indices)."""
+        slots, where = slot_mapping.tolist(), positions.tolist()
+        kept = [i for i, s in enumerate(slots) if s >= 0]
+        keep = None if len(kept) == len(slots) else torch.tensor(kept, device=slot_mapping.device)
+        offsets, block_rows, sink_rows, sink_blocks = [], {}, [], []
+        for row, i in enumerate(kept):
+            block, offset = divmod(slots[i], block_size)
+            offsets.append(offset)
+            block_rows.setdefault(block, []).append(row)
+            if where[i] == 0:
+                sink_rows.append(row)
+                sink_blocks.append(block)
+        first = {b: min(offsets[r] for r in rows) for b, rows in block_rows.items()}
+        written = sorted(block_rows)
+        sealing = [b for b in written if any(offsets[r] == block_size - 1 for r in block_rows[b])]
+        whole = frozenset(b for b in sealing if len(block_rows[b]) == block_size)
+        unsealed = [b for b in written if b not in set(sealing)]
+        return cls(keep, offsets, block_rows, first, written, sealing, unsealed, whole, sink_rows, sink_blocks)
+
+
+    def op_args(self, written_slots: tuple[int, ...], from_slots: list[int], their_slots: tuple[int, ...],
+                whole: list[int], sinks: tuple[bool, ...], block_size: int):
+        """The index tensors of ``kivi_write`` (kivi_write_cpu.cpp) for a pool whose written blocks hold
+        ``written_slots``, sealing ``from_slots`` (in ``their_slots``) and ``whole``, ``sinks`` (per sealed
+        block: row 0 is a sink): (src, dst, blocks, slots, rows, sinks), or None when it has nothing to do.
+        Made once per step for all pools (they hold the same slots)."""
+        key = ("op", written_slots, tuple(from_slots), their_slots, tuple(whole), sinks)
+        if key not in self._slot_rows:
+            src, dst = self.slot_rows(self.written, written_slots, block_size, torch.device("cpu"))
+            sealed = from_slots + whole
+            if src is None and not sealed:
+                self._slot_rows[key] = None
+            else:
+                none = torch.empty(0, dtype=torch.int64)
+                rows = [0] * (block_size * len(from_slots)) + [
+                    i for b in whole for i in sorted(self.block_rows[b], key=self.offsets.__getitem__)]
+                self._slot_rows[key] = (none if src is None else src, none if dst is None else dst,
+                                        torch.tensor(sealed, dtype=torch.int64),
+                                        torch.tensor(list(their_slots) + [-1] * len(whole), dtype=torch.int64),
+                                        torch.tensor(rows, dtype=torch.int64), torch.tensor(sinks, dtype=torch.bool))
+        return self._slot_rows[key]
+
+def write_kv(k_pool: KiviPool, v_pool: KiviPool, key: torch.Tensor, value: torch.Tensor,
+             plan: KiviWrite, op=None) -> None:
+    """New keys/values [N, Hkv, D] at the slots ``plan`` was made from (``KiviWrite.of``); ``op``: as
+    ``KiviPool.write_planned``'s (CPU pools only)."""
+    if plan.keep is not None:
+        key, value = key.index_select(0, plan.keep), value.index_select(0, plan.keep)
+    k_pool.write_planned(key, plan, op)
+    v_pool.write_planned(value, plan, op)
 
 
 def aligned_hit(columns: int, pads: list[int], block_size: int) -> int:

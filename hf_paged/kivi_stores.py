@@ -14,10 +14,13 @@ import torch
 @dataclass
 class SideStore:
     """Model-dtype rows kept for some blocks (open blocks, sinks): ``rows`` [Hkv, capacity, *row], the
-    entry of each block in ``block_slot`` (-1 = none). Mutable, one per pool and kind."""
+    entry of each block in ``block_slot`` (-1 = none), which the kernels read; ``held`` mirrors it on the host
+    (block -> entry, the entries >= 0 exactly), so that no host decision reads the tensor element by element.
+    Mutable, one per pool and kind."""
     rows: torch.Tensor
     block_slot: torch.Tensor               # int64 [num_blocks]
     free: list[int] = field(default_factory=list)
+    held: dict[int, int] = field(default_factory=dict)
 
     @classmethod
     def empty(cls, heads: int, num_blocks: int, row: tuple[int, ...], capacity: int, dtype, device) -> SideStore:
@@ -29,7 +32,7 @@ class SideStore:
         return self.rows.shape[1] - len(self.free)
 
     def slot(self, block: int) -> int:
-        return int(self.block_slot[block])
+        return self.held.get(block, -1)
 
     def take(self, block: int) -> int:
         """``block``'s entry, a new one if it has none (the store doubles when none is free)."""
@@ -42,12 +45,14 @@ class SideStore:
             self.free = list(range(capacity, self.rows.shape[1]))
         slot = self.free.pop()
         self.block_slot[block] = slot
+        self.held[block] = slot
         return slot
 
     def release(self, block: int) -> None:
         slot = self.slot(block)
         if slot >= 0:
             self.block_slot[block] = -1
+            del self.held[block]
             self.free.append(slot)
 
     def copy(self, src: SideStore, src_block: int, dst_block: int) -> None:

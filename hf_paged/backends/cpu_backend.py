@@ -10,7 +10,8 @@ Quantised pools (``kv_cache_dtype``: int8, fp8_e4m3, fp8_e5m2, int4 and KIVI's s
 go to ``torch.ops.hf_paged_cpu.paged_attention_quant`` (``paged_attention_cpu_quant.cpp``), which reads codes
 and scales in place and dequantises each stored row once per work item (``kv_codec_cpu.h``, AVX-512 / AVX2 /
 scalar as the build's ``-march=native`` allows); their writes go to ``write_kv_quant`` (``kv_write_cpu.cpp``:
-rotation and quantisation fused, one pass per row; KIVI's writes and sealing stay in ``hf_paged.kivi``). Other
+rotation and quantisation fused, one pass per row); KIVI pools' to ``kivi_write`` (``kivi_write_cpu.cpp``: rows into
+open slots and sealing, which ``hf_paged.kivi`` plans and calls). Other
 writes and copy-on-write stay on :mod:`torch_backend` (same pool layout).
 
 ``HF_PAGED_CPU_KERNEL=0`` keeps the PyTorch path; when the build fails (no compiler), ``select_backend``
@@ -36,7 +37,7 @@ from .step import Step
 log = logging.getLogger("hf_paged.backends")
 KERNEL_ENV = "HF_PAGED_CPU_KERNEL"
 SOURCE = "paged_attention_cpu.cpp"
-SOURCES = (SOURCE, "paged_attention_cpu_quant.cpp", "kv_write_cpu.cpp")      # compiled into one extension
+SOURCES = (SOURCE, "paged_attention_cpu_quant.cpp", "kv_write_cpu.cpp", "kivi_write_cpu.cpp")  # one extension
 # part of the build's cache key
 HEADERS = ("paged_attention_cpu.h", "paged_attention_cpu_util.h", "paged_attention_cpu_tile.h",
            "paged_attention_cpu_simd.h", "kv_codec_cpu.h", "kv_encode_cpu.h")
@@ -70,6 +71,7 @@ def _registered():
     try:
         torch.ops.hf_paged_cpu.paged_attention_quant  # noqa: B018  (each raises when absent)
         torch.ops.hf_paged_cpu.write_kv_quant  # noqa: B018
+        torch.ops.hf_paged_cpu.kivi_write  # noqa: B018
         return torch.ops.hf_paged_cpu.paged_attention
     except (AttributeError, RuntimeError):
         return None
@@ -109,7 +111,8 @@ def load_kernel():
     # Shape propagation for torch.compile: each op is one opaque node in a traced graph (no graph break).
     for qualname, fake in (("hf_paged_cpu::paged_attention", _fake_paged_attention),
                            ("hf_paged_cpu::paged_attention_quant", _fake_paged_attention_quant),
-                           ("hf_paged_cpu::write_kv_quant", _fake_write_kv_quant)):
+                           ("hf_paged_cpu::write_kv_quant", _fake_write_kv_quant),
+                           ("hf_paged_cpu::kivi_write", _fake_write_kv_quant)):
         try:
             torch.library.register_fake(qualname)(fake)
         except RuntimeError:        # another thread loading at the same time registered it first
@@ -125,7 +128,7 @@ def _fake_paged_attention_quant(query, *args, **kwargs):
     return torch.empty_like(query, memory_format=torch.contiguous_format)
 
 
-def _fake_write_kv_quant(*args, **kwargs):        # writes its pool arguments in place, returns nothing
+def _fake_write_kv_quant(*args, **kwargs):        # (and kivi_write) writes its pool arguments in place, returns nothing
     return None
 
 
@@ -213,6 +216,8 @@ class CpuKernelBackend:
         self.op = op
         self.quant_op = torch.ops.hf_paged_cpu.paged_attention_quant
         self.write_op = torch.ops.hf_paged_cpu.write_kv_quant
+        # KIVI pools' writes and sealing (hf_paged.kivi calls it; kivi_write_cpu.cpp)
+        self.kivi_write = torch.ops.hf_paged_cpu.kivi_write
 
     def write_kv(self, k_pool, v_pool, key, value, slot_mapping, writes_all: bool = False):
         """As torch_backend.write_kv, but quantised pools get unrotated states: row formats are rotated and

@@ -19,7 +19,7 @@ from ..backends.cpu_backend import CpuKernelBackend
 from ..backends.kernel_registry import has_kernels
 from ..backends.step import PagedLayer, Step
 from ..families import KVGeometry, config_geometry
-from ..kivi import KIVI, KiviPool, write_kv as write_kivi
+from ..kivi import KIVI, KiviPool, KiviWrite, write_kv as write_kivi
 from ..kv_formats import KVFormat, QuantizedPool, kv_format, rotation_matrix
 
 log = logging.getLogger("hf_paged.cache")
@@ -51,6 +51,9 @@ class KVPools(Cache):
         self.step: Step | None = None     # the running forward's step (set by whoever planned it)
         self.open_slots = 8               # kivi: open slots reserved per layer (the engine: max_num_seqs)
         self.sink_slots: int | None = None  # kivi: sink rows reserved per layer (None: open_slots)
+        # kivi: the step's write plans, one per slot_mapping tensor (a device of a device_map), made by the
+        # first layer that writes and reused by the others; dropped with the step.
+        self._kivi_writes: dict[int, tuple[torch.Tensor, torch.Tensor, KiviWrite]] = {}
 
     def allocate_pools(self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device) -> None:
         """Pools on ``device``, or on each layer's own device where the geometry names one (device_map)."""
@@ -164,11 +167,13 @@ class KVPools(Cache):
         """Bind one forward's plan to the backend (and the peers of a device_map); the layers' ``update``
         calls write and read through it until ``end_step``."""
         self.step = self.backend.prepare(plan, self.peer_backends)
+        self._kivi_writes = {}
         return self.step
 
     def end_step(self) -> None:
         """The forward is over: its plan may not be used again (and KIVI's fresh rows are not needed)."""
         self.step = None
+        self._kivi_writes = {}
         for pool in self.key_pools + self.value_pools:
             if isinstance(pool, KiviPool):
                 pool.fresh.clear()
@@ -215,7 +220,8 @@ class KVPools(Cache):
                 raise ValueError("kv_cache_dtype='kivi' writes need each token's position (the plan's token_pos)")
             write_kivi(k_pool, v_pool, key_states.detach().transpose(1, 2).reshape(batch * q_len, heads, dim),
                        value_states.detach().transpose(1, 2).reshape(batch * q_len, heads, dim),
-                       slot_mapping, positions.reshape(-1), writes_all)
+                       self._kivi_write(slot_mapping, positions, k_pool.data.shape[2]),
+                       getattr(self.peer_backends.get(k_pool.device, self.backend), "kivi_write", None))
             return k_pool, v_pool
         if quantised and not getattr(self.backend, "rotates_on_write", False):
             # rotated in fp32, quantised from fp32 (see kv_formats); a backend that rotates on write
@@ -226,6 +232,17 @@ class KVPools(Cache):
                               value_states.detach().transpose(1, 2).reshape(batch * q_len, heads, dim),
                               slot_mapping, writes_all)
         return k_pool, v_pool
+
+    def _kivi_write(self, slot_mapping: torch.Tensor, positions: torch.Tensor, block_size: int) -> KiviWrite:
+        """The KIVI write plan of these slots and positions: made once per step and tensor (the same objects
+        reach every layer), else anew (a write outside a planned step)."""
+        known = self._kivi_writes.get(id(slot_mapping))
+        if known is not None and known[0] is slot_mapping and known[1] is positions:
+            return known[2]
+        plan = KiviWrite.of(slot_mapping, positions.reshape(-1), block_size)
+        if self.step is not None:                   # held with its tensors: their ids stay theirs
+            self._kivi_writes[id(slot_mapping)] = (slot_mapping, positions, plan)
+        return plan
 
     # ------------------------------------------------- per-layer answers for transformers
     def __len__(self) -> int:

@@ -22,7 +22,7 @@ from hf_paged.backends import TorchBackend
 from hf_paged.blocks import BlockPool, BlockTable
 from hf_paged.cache import KVPools
 from hf_paged.cache.prefix_store import PrefixStore, copy_blocks_between
-from hf_paged.kivi import BLOCK_SIZE, KiviPool
+from hf_paged.kivi import BLOCK_SIZE, KiviPool, KiviWrite
 from hf_paged.kv_formats import kv_format
 from hf_paged.plan import packed_plan
 from tiny_models import VOCAB, left_padded, make_model, patched
@@ -402,7 +402,7 @@ def test_negative_control_the_old_step_based_reads_depend_on_the_split(one_torch
 
 
 def test_negative_control_without_the_sink_the_state_check_fails(monkeypatch):
-    original = KiviPool.write
-    monkeypatch.setattr(KiviPool, "write", lambda pool, states, slots, positions: original(pool, states, slots, positions + 1))
+    original = KiviWrite.of            # (bound: the class's own)
+    monkeypatch.setattr(KiviWrite, "of", lambda slots, positions, block_size: original(slots, positions + 1, block_size))
     with pytest.raises(AssertionError, match="one sink"):
         check_sink_state(_pools())

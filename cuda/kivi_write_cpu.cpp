@@ -1,0 +1,209 @@
+// KIVI's write on the CPU: torch.ops.hf_paged_cpu.kivi_write (hf_paged/kivi.py's KiviPool.write_planned).
+//
+// One call per pool and step, in two phases:
+//   1. rows into open slots: open_rows.view(H, capacity * BS, D)[:, dst[i]] = states[src[i]] (the model's dtype,
+//      copied as they are);
+//   2. the blocks ``seal_blocks`` [m] sealed: block j's BS rows, from its open slot ``seal_slots[j]`` (after
+//      phase 1) or, where that is -1, from ``states`` rows ``seal_rows[j]`` [BS] (offset order), are copied to
+//      ``fresh`` [H, m, BS, D] and quantised into ``codes`` / ``scales`` at block seal_blocks[j]:
+//        keys (is_key): per channel over the block's rows, row 0 left out where seal_sink[j] (its sink is
+//          read instead), scales [H, blocks, 2, D] = (channel scales, channel minima);
+//        values: per row, groups of G = D / (scales.size(3) / 2) channels, scales [H, blocks, BS, 2 * D / G]
+//          = (group scales, group minima).
+//      Codes: asymmetric 4-bit, element 2i in the low nibble of byte i.
+// KiviPool.quantize_blocks bit for bit on the same rows: fp32 math, min and max exact, scale =
+// bf16((max - min) / 15) (1 where not positive), minimum bf16, code = clamp(round-half-even((x - min) / scale),
+// 0, 15). No float reduction depends on the order, so no ISA or thread count can change a code.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "kv_encode_cpu.h"
+
+namespace {
+
+constexpr float kCodeMax = 15.f;
+
+struct Geometry {
+  int64_t heads, capacity, bs, d;
+};
+
+inline uint8_t code_of(float x, float low, float scale) {
+  const float r = std::nearbyint((x - low) / scale);            // halves to even, as torch.round
+  return static_cast<uint8_t>(std::min(std::max(r, 0.f), kCodeMax));
+}
+
+// The rows [bs][d] (fp32) of one (head, block): keys per channel.
+void seal_keys(const float* x, int64_t bs, int64_t d, bool sink, uint8_t* codes, uint16_t* scales) {
+  for (int64_t c = 0; c < d; ++c) {
+    float low = std::numeric_limits<float>::infinity(), high = -low;
+    for (int64_t r = sink ? 1 : 0; r < bs; ++r) {
+      low = std::min(low, x[r * d + c]);
+      high = std::max(high, x[r * d + c]);
+    }
+    scales[c] = hfp_codec::stored_scale((high - low) / kCodeMax);
+    scales[d + c] = hfp_codec::to_bf16(low);
+  }
+  for (int64_t r = 0; r < bs; ++r) {
+    for (int64_t c = 0; c < d; c += 2) {
+      const uint8_t lo = code_of(x[r * d + c], hfp_codec::bf16(scales[d + c]), hfp_codec::bf16(scales[c]));
+      const uint8_t hi = code_of(x[r * d + c + 1], hfp_codec::bf16(scales[d + c + 1]), hfp_codec::bf16(scales[c + 1]));
+      codes[r * d / 2 + c / 2] = static_cast<uint8_t>(lo | (hi << 4));
+    }
+  }
+}
+
+// Values: each row's groups of `group` channels; scales [bs][2 * groups].
+void seal_values(const float* x, int64_t bs, int64_t d, int64_t group, uint8_t* codes, uint16_t* scales) {
+  const int64_t groups = d / group;
+  for (int64_t r = 0; r < bs; ++r) {
+    const float* row = x + r * d;
+    uint16_t* s = scales + r * 2 * groups;
+    for (int64_t g = 0; g < groups; ++g) {
+      float low = row[g * group], high = row[g * group];
+      for (int64_t i = g * group + 1; i < (g + 1) * group; ++i) {
+        low = std::min(low, row[i]);
+        high = std::max(high, row[i]);
+      }
+      s[g] = hfp_codec::stored_scale((high - low) / kCodeMax);
+      s[groups + g] = hfp_codec::to_bf16(low);
+    }
+    for (int64_t c = 0; c < d; c += 2) {
+      const int64_t g0 = c / group, g1 = (c + 1) / group;
+      const uint8_t lo = code_of(row[c], hfp_codec::bf16(s[groups + g0]), hfp_codec::bf16(s[g0]));
+      const uint8_t hi = code_of(row[c + 1], hfp_codec::bf16(s[groups + g1]), hfp_codec::bf16(s[g1]));
+      codes[r * d / 2 + c / 2] = static_cast<uint8_t>(lo | (hi << 4));
+    }
+  }
+}
+
+template <typename T>
+void run(const at::Tensor& states, const int64_t* src, const int64_t* dst, int64_t copies, T* open, const Geometry& g,
+         const int64_t* blocks, const int64_t* slots, const int64_t* rows, const bool* sinks, int64_t sealed,
+         uint8_t* codes, uint16_t* scales, int64_t num_blocks, bool is_key, int64_t value_group, T* fresh) {
+  const T* x = states.data_ptr<T>();
+  const int64_t s0 = states.stride(0), s1 = states.stride(1), s2 = states.stride(2), d = g.d, bs = g.bs;
+  auto state_row = [&](int64_t row, int64_t h, T* out) {
+    const T* in = x + row * s0 + h * s1;
+    for (int64_t c = 0; c < d; ++c) out[c] = in[c * s2];
+  };
+  // 1. rows into their open slots
+  at::parallel_for(0, copies * g.heads, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t i = item / g.heads, h = item % g.heads;
+      state_row(src[i], h, open + (h * g.capacity * bs + dst[i]) * d);
+    }
+  });
+  // 2. sealed blocks: fresh rows, then their codes and scales
+  const int64_t code_row = d / 2, key_scales = 2 * d, value_scales = bs * 2 * (d / value_group);
+  at::parallel_for(0, sealed * g.heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> block(bs * d);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t j = item / g.heads, h = item % g.heads;
+      T* out = fresh + (h * sealed + j) * bs * d;
+      if (slots[j] >= 0) {
+        std::copy(open + (h * g.capacity + slots[j]) * bs * d, open + (h * g.capacity + slots[j] + 1) * bs * d, out);
+      } else {
+        for (int64_t r = 0; r < bs; ++r) state_row(rows[j * bs + r], h, out + r * d);
+      }
+      for (int64_t i = 0; i < bs * d; ++i) block[i] = static_cast<float>(out[i]);
+      const int64_t at = h * num_blocks + blocks[j];
+      if (is_key) {
+        seal_keys(block.data(), bs, d, sinks[j], codes + at * bs * code_row, scales + at * key_scales);
+      } else {
+        seal_values(block.data(), bs, d, value_group, codes + at * bs * code_row, scales + at * value_scales);
+      }
+    }
+  });
+}
+
+void check_index(const char* name, const at::Tensor& t, int64_t n) {
+  TORCH_CHECK(t.scalar_type() == at::kLong && t.is_contiguous() && t.device().is_cpu() && t.numel() == n, name,
+              " must be contiguous int64 CPU [", n, "], got ", t.sizes(), " ", t.scalar_type());
+}
+
+void kivi_write(const at::Tensor& states, const at::Tensor& src, const at::Tensor& dst, const at::Tensor& open_rows,
+                const at::Tensor& seal_blocks, const at::Tensor& seal_slots, const at::Tensor& seal_rows,
+                const at::Tensor& seal_sink, const at::Tensor& codes, const at::Tensor& scales, bool is_key,
+                const at::Tensor& fresh) {
+  TORCH_CHECK(open_rows.dim() == 4 && open_rows.is_contiguous() && open_rows.device().is_cpu(),
+              "open_rows must be a contiguous CPU [H, capacity, BS, D] tensor, got ", open_rows.sizes());
+  const Geometry g{open_rows.size(0), open_rows.size(1), open_rows.size(2), open_rows.size(3)};
+  TORCH_CHECK(states.dim() == 3 && states.size(1) == g.heads && states.size(2) == g.d &&
+              states.scalar_type() == open_rows.scalar_type() && states.device().is_cpu(),
+              "states must be CPU [N, ", g.heads, ", ", g.d, "] in the open rows' dtype, got ", states.sizes(), " ",
+              states.scalar_type());
+  TORCH_CHECK(g.d % 2 == 0, "head_dim must be even, got ", g.d);
+  const int64_t copies = src.numel(), sealed = seal_blocks.numel(), n = states.size(0);
+  check_index("src", src, copies);
+  check_index("dst", dst, copies);
+  check_index("seal_slots", seal_slots, sealed);
+  check_index("seal_rows", seal_rows, sealed * g.bs);
+  check_index("seal_blocks", seal_blocks, sealed);
+  TORCH_CHECK(seal_sink.scalar_type() == at::kBool && seal_sink.is_contiguous() && seal_sink.numel() == sealed,
+              "seal_sink must be contiguous bool [", sealed, "], got ", seal_sink.sizes());
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.dim() == 4 && codes.size(0) == g.heads &&
+              codes.size(2) == g.bs && codes.size(3) == g.d / 2, "codes must be contiguous uint8 [", g.heads,
+              ", blocks, ", g.bs, ", ", g.d / 2, "], got ", codes.sizes());
+  const int64_t num_blocks = codes.size(1);
+  TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && scales.is_contiguous() && scales.dim() == 4 &&
+              scales.size(0) == g.heads && scales.size(1) == num_blocks &&
+              (is_key ? scales.size(2) == 2 && scales.size(3) == g.d
+                      : scales.size(2) == g.bs && scales.size(3) % 2 == 0 && scales.size(3) > 0 &&
+                            g.d % (scales.size(3) / 2) == 0 && (g.d / (scales.size(3) / 2)) % 2 == 0),
+              is_key ? "key" : "value", " scales ", scales.sizes(), " do not fit codes ", codes.sizes());
+  TORCH_CHECK(fresh.scalar_type() == open_rows.scalar_type() && fresh.is_contiguous() && fresh.dim() == 4 &&
+              fresh.size(0) == g.heads && fresh.size(1) == sealed && fresh.size(2) == g.bs && fresh.size(3) == g.d,
+              "fresh must be contiguous [", g.heads, ", ", sealed, ", ", g.bs, ", ", g.d, "] in the open rows' dtype, got ",
+              fresh.sizes());
+  const int64_t* s = src.data_ptr<int64_t>();
+  const int64_t* t = dst.data_ptr<int64_t>();
+  for (int64_t i = 0; i < copies; ++i)
+    TORCH_CHECK(s[i] >= 0 && s[i] < n && t[i] >= 0 && t[i] < g.capacity * g.bs, "copy ", i, ": row ", s[i], " of ", n,
+                " into slot row ", t[i], " of ", g.capacity * g.bs);
+  const int64_t* b = seal_blocks.data_ptr<int64_t>();
+  const int64_t* sl = seal_slots.data_ptr<int64_t>();
+  const int64_t* r = seal_rows.data_ptr<int64_t>();
+  for (int64_t j = 0; j < sealed; ++j) {
+    TORCH_CHECK(b[j] >= 0 && b[j] < num_blocks && sl[j] < g.capacity, "sealed block ", b[j], " (slot ", sl[j],
+                ") outside the pool's ", num_blocks, " blocks / ", g.capacity, " slots");
+    for (int64_t k = 0; sl[j] < 0 && k < g.bs; ++k)
+      TORCH_CHECK(r[j * g.bs + k] >= 0 && r[j * g.bs + k] < n, "sealed block ", b[j], ": row ", r[j * g.bs + k],
+                  " outside the ", n, " states");
+  }
+  const int64_t value_group = is_key ? g.d : g.d / (scales.size(3) / 2);
+  uint8_t* c = codes.data_ptr<uint8_t>();
+  uint16_t* sc = reinterpret_cast<uint16_t*>(scales.data_ptr<at::BFloat16>());
+  const bool* sink = seal_sink.data_ptr<bool>();
+  switch (states.scalar_type()) {
+    case at::kFloat:
+      run<float>(states, s, t, copies, open_rows.data_ptr<float>(), g, b, sl, r, sink, sealed, c, sc, num_blocks, is_key,
+                 value_group, fresh.data_ptr<float>());
+      break;
+    case at::kBFloat16:
+      run<c10::BFloat16>(states, s, t, copies, open_rows.data_ptr<c10::BFloat16>(), g, b, sl, r, sink, sealed, c, sc,
+                         num_blocks, is_key, value_group, fresh.data_ptr<c10::BFloat16>());
+      break;
+    case at::kHalf:
+      run<c10::Half>(states, s, t, copies, open_rows.data_ptr<c10::Half>(), g, b, sl, r, sink, sealed, c, sc, num_blocks,
+                     is_key, value_group, fresh.data_ptr<c10::Half>());
+      break;
+    default: TORCH_CHECK(false, "kivi_write: float32, bfloat16 or float16 states, got ", states.scalar_type());
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(hf_paged_cpu, m) {
+  m.def("kivi_write(Tensor states, Tensor src, Tensor dst, Tensor(a!) open_rows, Tensor seal_blocks, Tensor seal_slots, "
+        "Tensor seal_rows, Tensor seal_sink, Tensor(b!) codes, Tensor(c!) scales, bool is_key, Tensor(d!) fresh) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(hf_paged_cpu, CPU, m) { m.impl("kivi_write", &kivi_write); }
