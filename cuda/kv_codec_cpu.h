@@ -4,9 +4,11 @@
 // Every function turns one stored row (D elements of one token and KV head) into D floats. Scales are bf16
 // and read through the layout the pool has (`num_scales` per row, from the scales tensor's shape), never
 // from constants: 8-bit formats use scale g for elements [g * D / S, (g + 1) * D / S); int4 (asymmetric)
-// keeps S / 2 group scales then S / 2 group minima; KIVI keys use one scale and minimum per channel.
-// A value is `code * scale` (8-bit) or `code * scale + minimum` (4-bit) in fp32; the SIMD paths may fuse
-// the multiply-add (one rounding instead of two: within 1 ulp of kv_formats.dequantize).
+// keeps S / 2 group scales then S / 2 group minima; KIVI keys use one scale and minimum per channel;
+// nvfp4 rows hold D/2 bytes of e2m1 codes, then D/16 e4m3 group scales, beside one bf16 row scale (S = 1).
+// A value is `code * scale` (8-bit), `code * scale + minimum` (4-bit) or `e2m1(code) * (e4m3(group) * row)`
+// (nvfp4) in fp32; the SIMD paths may fuse the multiply-add (one rounding instead of two: within 1 ulp of
+// kv_formats.dequantize), and give the products bit for bit.
 //
 // SIMD: AVX-512 (16 lanes) where the build targets it, else AVX2 (8 lanes), else scalar, chosen at build
 // time by -march=native (cpu_backend.py). The scalar functions are always built: they serve tails and
@@ -26,7 +28,12 @@
 namespace hfp_codec {
 
 // Format ids of the op's k_format / v_format arguments (cpu_backend.py's FORMAT_IDS holds the same).
-enum Format : int64_t { kInt8 = 0, kFp8E4M3 = 1, kFp8E5M2 = 2, kInt4 = 3, kKiviKey = 4, kNumFormats = 5 };
+enum Format : int64_t { kInt8 = 0, kFp8E4M3 = 1, kFp8E5M2 = 2, kInt4 = 3, kKiviKey = 4, kNvfp4 = 5, kNumFormats = 6 };
+
+// nvfp4: e2m1 magnitudes of codes 0..7 (bit 3 the sign; code 8 is -0), groups of 16 elements.
+constexpr float kE2M1[8] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f};
+constexpr int64_t kNvfp4Group = 16;
+inline int64_t nvfp4_row_bytes(int64_t d) { return d / 2 + d / kNvfp4Group; }
 
 inline float bf16(uint16_t bits) {
   const uint32_t u = static_cast<uint32_t>(bits) << 16;
@@ -87,6 +94,17 @@ inline void kivi_key_scalar(const uint8_t* codes, const uint16_t* scales, int64_
   }
 }
 
+// nvfp4: `scales` is the row's one bf16 scale; group g's e4m3 scale is byte D/2 + g of the codes.
+inline float e2m1_value(uint32_t code) { return (code & 8u) ? -kE2M1[code & 7u] : kE2M1[code & 7u]; }
+
+inline void nvfp4_scalar(const uint8_t* codes, const uint16_t* scales, int64_t, int64_t d, float* out) {
+  const float row = bf16(scales[0]);
+  for (int64_t i = 0; i < d; ++i) {
+    const float step = fp8_value<3, 7>(codes[d / 2 + i / kNvfp4Group]) * row;
+    out[i] = e2m1_value((codes[i / 2] >> (4 * (i & 1))) & 15u) * step;
+  }
+}
+
 // ---------------------------------------------------------------------------------------------- vectors
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 constexpr int64_t kLanes = 16;
@@ -114,6 +132,8 @@ inline void vstore(float* p, Vec a) { _mm512_storeu_ps(p, a); }
 inline Vec select_lt(IVec a, int32_t limit, Vec yes, Vec no) {   // a < limit ? yes : no
   return _mm512_mask_blend_ps(_mm512_cmplt_epi32_mask(a, iset(limit)), no, yes);
 }
+inline Vec lookup8(IVec index, Vec table) { return _mm512_permutexvar_ps(index, table); }   // table[index], index < 8
+inline Vec table8(const float* t) { return _mm512_castps256_ps512(_mm256_loadu_ps(t)); }
 // 16 nibbles (8 bytes) in stored order: element 2i the low nibble of byte i.
 inline IVec nibbles16(const uint8_t* p) {
   const __m128i x = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)), m = _mm_set1_epi8(15);
@@ -146,6 +166,8 @@ inline void vstore(float* p, Vec a) { _mm256_storeu_ps(p, a); }
 inline Vec select_lt(IVec a, int32_t limit, Vec yes, Vec no) {
   return _mm256_blendv_ps(no, yes, _mm256_castsi256_ps(_mm256_cmpgt_epi32(iset(limit), a)));
 }
+inline Vec lookup8(IVec index, Vec table) { return _mm256_permutevar8x32_ps(table, index); }
+inline Vec table8(const float* t) { return _mm256_loadu_ps(t); }
 // 16 nibbles as two vectors of 8, elements 0..7 and 8..15.
 inline void nibbles16(const uint8_t* p, IVec& first, IVec& second) {
   const __m128i x = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)), m = _mm_set1_epi8(15);
@@ -204,6 +226,30 @@ inline void int4_row(const uint8_t* codes, const uint16_t* scales, int64_t num_s
   }
 }
 
+// e2m1 codes (0..15) lane-wise: the magnitude from the table, bit 3 as the sign bit (code 8: -0, as torch's).
+inline Vec e2m1_vector(IVec code, Vec table) {
+  return asfloat(ior(asint(lookup8(iand(code, iset(7)), table)), shl<28>(iand(code, iset(8)))));
+}
+
+inline void nvfp4_row(const uint8_t* codes, const uint16_t* scales, int64_t num_scales, int64_t d, float* out) {
+  if (d % kNvfp4Group) return nvfp4_scalar(codes, scales, num_scales, d, out);
+  const Vec table = table8(kE2M1);
+  const float row = bf16(scales[0]);
+  for (int64_t g = 0; g < d / kNvfp4Group; ++g) {
+    const Vec step = vset(fp8_value<3, 7>(codes[d / 2 + g]) * row);
+    const uint8_t* c = codes + g * kNvfp4Group / 2;
+    float* o = out + g * kNvfp4Group;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    vstore(o, vmul(e2m1_vector(nibbles16(c), table), step));
+#else
+    IVec first, second;
+    nibbles16(c, first, second);
+    vstore(o, vmul(e2m1_vector(first, table), step));
+    vstore(o + 8, vmul(e2m1_vector(second, table), step));
+#endif
+  }
+}
+
 inline void kivi_key_row(const uint8_t* codes, const uint16_t* scales, int64_t num_scales, int64_t d, float* out) {
   if (d % 16) return kivi_key_scalar(codes, scales, num_scales, d, out);
   for (int64_t i = 0; i < d; i += 16) {
@@ -227,6 +273,7 @@ inline RowFn row_function(int64_t format, bool simd) {
       case kFp8E5M2: return row8<kFp8E5M2, fp8_value<2, 15>>;
       case kInt4: return int4_row;
       case kKiviKey: return kivi_key_row;
+      case kNvfp4: return nvfp4_row;
     }
   }
 #endif
@@ -237,6 +284,7 @@ inline RowFn row_function(int64_t format, bool simd) {
     case kFp8E5M2: return row8_scalar<fp8_value<2, 15>>;
     case kInt4: return int4_scalar;
     case kKiviKey: return kivi_key_scalar;
+    case kNvfp4: return nvfp4_scalar;
   }
   return nullptr;
 }

@@ -138,6 +138,38 @@ inline void encode8_searched(const float* x, int64_t d, int64_t num_scales, floa
   }
 }
 
+// nvfp4 row, kv_formats._quantize_nvfp4 bit for bit: row scale bf16(amax / (6 * 448)) (1 where not positive);
+// group g's e4m3 scale = e4m3(min(amax_g / 6 / row, 448)) (round to nearest even); codes from x / (e4m3 * row)
+// (0 where that step is 0): e2m1 round to nearest, ties to the even code, saturating at 6, sign in bit 3
+// (never on code 0). Codes and group scales share `codes`: D/2 bytes of nibbles, then D/16 bytes.
+inline uint8_t e2m1_code(float v) {
+  const float a = std::fabs(v);
+  // thresholds between magnitudes k-1 and k: above the midpoint, at it only toward the even code (k even)
+  const uint32_t code = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) + (a > 5.f);
+  return static_cast<uint8_t>(code | ((v < 0.f && code > 0) ? 8u : 0u));
+}
+
+inline void encode_nvfp4(const float* x, int64_t d, int64_t, uint8_t* codes, uint16_t* scales) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < d; ++i) amax = std::max(amax, std::fabs(x[i]));
+  scales[0] = stored_scale(amax / 2688.f);                                   // 6 * 448
+  const float row = bf16(scales[0]);
+  std::memset(codes, 0, static_cast<size_t>(d / 2));
+  for (int64_t g = 0; g < d / kNvfp4Group; ++g) {
+    const float* in = x + g * kNvfp4Group;
+    float group_max = 0.f;
+    for (int64_t i = 0; i < kNvfp4Group; ++i) group_max = std::max(group_max, std::fabs(in[i]));
+    const uint8_t group = fp8_code<3, 7>(std::min(group_max / 6.f / row, 448.f));
+    codes[d / 2 + g] = group;
+    const float step = fp8_value<3, 7>(group) * row;
+    if (!(step > 0.f)) continue;                                             // a zero group: codes 0
+    for (int64_t i = 0; i < kNvfp4Group; ++i) {
+      const int64_t at = g * kNvfp4Group + i;
+      codes[at / 2] |= static_cast<uint8_t>(e2m1_code(in[i] / step) << (4 * (at & 1)));
+    }
+  }
+}
+
 using EncodeFn = void (*)(const float*, int64_t, int64_t, uint8_t*, uint16_t*);
 inline void encode_int8(const float* x, int64_t d, int64_t s, uint8_t* c, uint16_t* sc) { encode8<int8_code>(x, d, s, 127.f, c, sc); }
 inline void encode_e4m3(const float* x, int64_t d, int64_t s, uint8_t* c, uint16_t* sc) {
@@ -147,14 +179,15 @@ inline void encode_e5m2(const float* x, int64_t d, int64_t s, uint8_t* c, uint16
   encode8_searched<fp8_code<2, 15>, 2, 15>(x, d, s, 57344.f, c, sc);
 }
 
-// The row encoder of a row format (kInt8, kFp8E4M3, kFp8E5M2, kInt4); nullptr for others (KIVI seals whole
-// blocks in hf_paged.kivi).
+// The row encoder of a row format (kInt8, kFp8E4M3, kFp8E5M2, kInt4, kNvfp4); nullptr for others (KIVI seals
+// whole blocks: kivi_write_cpu.cpp).
 inline EncodeFn encode_function(int64_t format) {
   switch (format) {
     case kInt8: return encode_int8;
     case kFp8E4M3: return encode_e4m3;
     case kFp8E5M2: return encode_e5m2;
     case kInt4: return encode_int4;
+    case kNvfp4: return encode_nvfp4;
   }
   return nullptr;
 }

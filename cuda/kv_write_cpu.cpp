@@ -33,7 +33,7 @@ struct Pool {
 Pool pool_of(const char* which, const at::Tensor& codes, const at::Tensor& scales, int64_t format, int64_t head_dim) {
   const hfp_codec::EncodeFn encode = (format >= 0 && format < hfp_codec::kNumFormats) ? hfp_codec::encode_function(format) : nullptr;
   TORCH_CHECK(encode != nullptr, which, "_format ", format, " has no row encoder (0..3: int8, fp8_e4m3, fp8_e5m2, "
-              "int4; KIVI pools write through hf_paged.kivi)");
+              "int4, 5: nvfp4; KIVI pools write through hf_paged.kivi)");
   TORCH_CHECK(codes.scalar_type() == at::kByte && scales.scalar_type() == at::kBFloat16 && codes.dim() == 4 &&
               scales.dim() == 4 && codes.is_contiguous() && scales.is_contiguous() && codes.device().is_cpu() &&
               scales.device().is_cpu(), which, " codes / scales must be contiguous uint8 / bf16 [Hkv, blocks, BS, *] "
@@ -41,10 +41,12 @@ Pool pool_of(const char* which, const at::Tensor& codes, const at::Tensor& scale
   TORCH_CHECK(codes.sizes().slice(0, 3) == scales.sizes().slice(0, 3), which, " scales ", scales.sizes(),
               " need one row per stored row of codes ", codes.sizes());
   const int64_t s = scales.size(3);
-  const bool four_bit = format == hfp_codec::kInt4;
-  TORCH_CHECK(codes.size(3) * (four_bit ? 2 : 1) == head_dim, which, " codes hold ", codes.size(3),
-              " bytes per row for head_dim ", head_dim);
-  TORCH_CHECK(four_bit ? (s % 2 == 0 && head_dim % (s / 2) == 0 && (head_dim / (s / 2)) % 2 == 0) : head_dim % s == 0,
+  const bool four_bit = format == hfp_codec::kInt4, nvfp4 = format == hfp_codec::kNvfp4;
+  TORCH_CHECK(nvfp4 ? head_dim % hfp_codec::kNvfp4Group == 0 && codes.size(3) == hfp_codec::nvfp4_row_bytes(head_dim)
+                    : codes.size(3) * (four_bit ? 2 : 1) == head_dim,
+              which, " codes hold ", codes.size(3), " bytes per row for head_dim ", head_dim);
+  TORCH_CHECK(nvfp4 ? s == 1
+                    : four_bit ? (s % 2 == 0 && head_dim % (s / 2) == 0 && (head_dim / (s / 2)) % 2 == 0) : head_dim % s == 0,
               which, " scales: ", s, " per row do not split head_dim ", head_dim, " into groups");
   return Pool{codes.data_ptr<uint8_t>(), reinterpret_cast<uint16_t*>(scales.data_ptr<at::BFloat16>()), codes.size(3), s,
               codes.size(0), codes.size(1) * codes.size(2), encode};

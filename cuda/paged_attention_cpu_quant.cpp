@@ -2,8 +2,8 @@
 //
 // The same loop, step layout and semantics as paged_attention (paged_attention_cpu.cpp, the loop in
 // paged_attention_cpu.h); K/V tiles come from codes and bf16 scales (hf_paged/kv_formats.py's layout):
-//   codes   uint8 [Hkv, blocks, BS, D * bits / 8]
-//   scales  bf16  [Hkv, blocks, BS, S]   row formats (int8, fp8_e4m3, fp8_e5m2, int4, KIVI values)
+//   codes   uint8 [Hkv, blocks, BS, D * bits / 8]   (nvfp4: D / 2 + D / 16, the group scales after the codes)
+//   scales  bf16  [Hkv, blocks, BS, S]   row formats (int8, fp8_e4m3, fp8_e5m2, int4, nvfp4, KIVI values)
 //           bf16  [Hkv, blocks, 2, D]    KIVI keys: per-channel scales, then minima, of the block
 // Each stored row a decode item reads is dequantised once (kv_codec_cpu.h, one function per format) into
 // the thread's [BS, D] float tile, which then serves all the item's queries (the GQA group); a prefill
@@ -128,8 +128,14 @@ void check_side(const char* which, const at::Tensor& codes, const at::Tensor& sc
               scales.dim() == 4, which, " codes must be uint8 [Hkv, blocks, BS, bytes] and scales bf16 4-d, got ",
               codes.scalar_type(), " ", codes.sizes(), " and ", scales.scalar_type(), " ", scales.sizes());
   const bool four_bit = format == hfp_codec::kInt4 || format == hfp_codec::kKiviKey;
-  TORCH_CHECK(codes.size(3) * (four_bit ? 2 : 1) == head_dim, which, " codes hold ", codes.size(3),
-              " bytes per row, not head_dim ", head_dim, (four_bit ? " / 2" : ""));
+  if (format == hfp_codec::kNvfp4) {
+    TORCH_CHECK(head_dim % hfp_codec::kNvfp4Group == 0 && codes.size(3) == hfp_codec::nvfp4_row_bytes(head_dim), which,
+                " nvfp4 codes hold ", codes.size(3), " bytes per row, not head_dim / 2 + head_dim / 16 for head_dim ",
+                head_dim);
+  } else {
+    TORCH_CHECK(codes.size(3) * (four_bit ? 2 : 1) == head_dim, which, " codes hold ", codes.size(3),
+                " bytes per row, not head_dim ", head_dim, (four_bit ? " / 2" : ""));
+  }
   TORCH_CHECK(scales.size(0) == codes.size(0) && scales.size(1) == codes.size(1), which,
               " scales ", scales.sizes(), " do not follow codes ", codes.sizes(), " in heads and blocks");
   const int64_t s = scales.size(3);
@@ -139,7 +145,9 @@ void check_side(const char* which, const at::Tensor& codes, const at::Tensor& sc
     return;
   }
   TORCH_CHECK(scales.size(2) == codes.size(2), which, " scales ", scales.sizes(), " need one row per stored row");
-  if (format == hfp_codec::kInt4) {
+  if (format == hfp_codec::kNvfp4) {
+    TORCH_CHECK(s == 1, which, " nvfp4 scales: one row scale per row, got ", s);
+  } else if (format == hfp_codec::kInt4) {
     TORCH_CHECK(s % 2 == 0 && head_dim % (s / 2) == 0 && (head_dim / (s / 2)) % 2 == 0, which, " int4 scales: ",
                 s, " per row must be scales then minima of even groups dividing head_dim ", head_dim);
   } else {

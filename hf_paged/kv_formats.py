@@ -9,7 +9,7 @@
     "int4"      asymmetric 4-bit codes, a bf16 scale and minimum per group of 16 along head_dim
     "nvfp4"     e2m1 4-bit float codes (+-{0, 0.5, 1, 1.5, 2, 3, 4, 6}) in groups of 16 along head_dim, each
                 group with an e4m3 scale relative to one bf16 scale per (token, head) (NVFP4's two levels);
-                no CUDA kernel reads it, so it runs on the PyTorch path on every device (``cache.pools``)
+                no CUDA kernel reads it: the CPU kernel reads it in place, other devices run the PyTorch path
     "kivi"      KIVI-style 4-bit: keys per channel over each full block, values per token, the open block
                 in the model's dtype (``hf_paged.kivi``, which owns its layout; block_size 32)
 

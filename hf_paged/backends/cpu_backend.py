@@ -6,7 +6,7 @@ CPU (``-O3 -march=native``; the build is cached under ``$TORCH_EXTENSIONS_DIR``,
 registered as ``torch.ops.hf_paged_cpu.paged_attention`` (with a fake implementation, so that ``torch.compile``
 traces through it without a graph break). It replaces the PyTorch path's per-layer gather
 of every row's whole context: one ragged call per layer serves decode, prefill and packed steps.
-Quantised pools (``kv_cache_dtype``: int8, fp8_e4m3, fp8_e5m2, int4 and KIVI's sealed blocks and side rows)
+Quantised pools (``kv_cache_dtype``: int8, fp8_e4m3, fp8_e5m2, int4, nvfp4 and KIVI's sealed blocks and side rows)
 go to ``torch.ops.hf_paged_cpu.paged_attention_quant`` (``paged_attention_cpu_quant.cpp``), which reads codes
 and scales in place and dequantises each stored row once per work item (``kv_codec_cpu.h``, AVX-512 / AVX2 /
 scalar as the build's ``-march=native`` allows); their writes go to ``write_kv_quant`` (``kv_write_cpu.cpp``:
@@ -42,7 +42,7 @@ SOURCES = (SOURCE, "paged_attention_cpu_quant.cpp", "kv_write_cpu.cpp", "kivi_wr
 HEADERS = ("paged_attention_cpu.h", "paged_attention_cpu_util.h", "paged_attention_cpu_tile.h",
            "paged_attention_cpu_simd.h", "kv_codec_cpu.h", "kv_encode_cpu.h")
 # kv_formats / kivi format -> the op's k_format / v_format (kv_codec_cpu.h's enum Format).
-FORMAT_IDS = {"int8": 0, "fp8_e4m3": 1, "fp8_e5m2": 2, "int4": 3}
+FORMAT_IDS = {"int8": 0, "fp8_e4m3": 1, "fp8_e5m2": 2, "int4": 3, "nvfp4": 5}
 KIVI_KEY_ID, KIVI_VALUE_ID = 4, 3     # KIVI values: asymmetric 4-bit groups along head_dim, int4's row layout
 # -fopenmp: at::parallel_for is inline OpenMP in torch's headers (serial without it); the extension then
 # needs libgomp.so.1, which resolves to the copy torch has already loaded (one OpenMP runtime, torch's threads).
@@ -221,7 +221,8 @@ class CpuKernelBackend:
 
     def write_kv(self, k_pool, v_pool, key, value, slot_mapping, writes_all: bool = False):
         """As torch_backend.write_kv, but quantised pools get unrotated states: row formats are rotated and
-        quantised in one C++ pass; other quantised pools (nvfp4) are rotated here and handed to torch_backend.
+        quantised in one C++ pass (every row format: FORMAT_IDS); another quantised pool would be rotated here and
+        handed to torch_backend.
         (KIVI pools never come here: ``KVPools.write`` hands them to ``hf_paged.kivi``.)"""
         if isinstance(k_pool, QuantizedPool):
             ids = (FORMAT_IDS.get(k_pool.fmt.name), FORMAT_IDS.get(v_pool.fmt.name))

@@ -82,8 +82,8 @@ class KVPools(Cache):
     def _without_cuda_kernels(self, device, devices) -> None:
         """A format no CUDA kernel reads (``kernel_registry.has_kernels``: nvfp4, kivi) runs on the PyTorch
         path off the CPU, so a GPU never reaches a kernel that would refuse its pools; said once per
-        allocation, on CUDA only. All on the CPU, the CPU kernel backend stays: it reads what it has code
-        for (kivi) in place and hands the rest (nvfp4) to the PyTorch path itself."""
+        allocation, on CUDA only. All on the CPU, the CPU kernel backend stays: it reads both (nvfp4 and kivi)
+        in place, and would hand a format it had no code for to the PyTorch path itself."""
         if all(torch.device(d).type == "cpu" for d in devices):
             chosen = self.backend if self.backend is not None else select_backend(device)
             if isinstance(chosen, (TorchBackend, CpuKernelBackend)):

@@ -23,8 +23,7 @@ from hf_paged.backends import torch_backend as ta
 from hf_paged.backends.synthetic import assign_blocks
 from hf_paged.kivi import KiviPool
 
-FORMATS = list(cpu_backend.FORMAT_IDS)          # the row formats the kernel reads: int8, fp8_e4m3, fp8_e5m2, int4
-UNREAD = [n for n in kv_formats.FORMATS if n not in cpu_backend.FORMAT_IDS]    # nvfp4: the PyTorch path
+FORMATS = list(cpu_backend.FORMAT_IDS)          # the row formats the kernel reads: int8, fp8_e4m3, fp8_e5m2, int4, nvfp4
 HEADS = [(3, 3), (8, 2), (14, 2), (16, 1)]      # GQA 1, 4, 7, 16
 
 
@@ -305,14 +304,14 @@ def test_quantised_pools_reach_the_quantised_op(backend, monkeypatch):
     calls.clear()           # open slots in another dtype than the query: the PyTorch path, not refused
     out = routed.decode_attention(torch.randn(1, 2, 64, dtype=torch.bfloat16), k, v, tables, lens, 0.1)
     assert not calls and out.dtype == torch.bfloat16
-    assert UNREAD, "every format has kernel code: drop this check"
+    # a format without kernel code (every format has some now: take nvfp4's away): the PyTorch path's result
+    monkeypatch.setattr(cpu_backend, "FORMAT_IDS", {n: i for n, i in cpu_backend.FORMAT_IDS.items() if n != "nvfp4"})
     num_blocks, tables, lens = shared_tables([9, 20], 8, gen)
-    for name in UNREAD:     # a format without kernel code: the PyTorch path's result, not the op
-        k, v = (quantised_pool(kv_formats.FORMATS[name], (2, num_blocks, 8, 64), gen) for _ in range(2))
-        query = torch.randn(2, 4, 64)
-        out = routed.decode_attention(query, k, v, tables, lens, 0.1)
-        assert not calls
-        torch.testing.assert_close(out, quantized_torch.decode_attention(query, k, v, tables, lens, 0.1))
+    k, v = (quantised_pool(kv_formats.FORMATS["nvfp4"], (2, num_blocks, 8, 64), gen) for _ in range(2))
+    query = torch.randn(2, 4, 64)
+    out = routed.decode_attention(query, k, v, tables, lens, 0.1)
+    assert not calls
+    torch.testing.assert_close(out, quantized_torch.decode_attention(query, k, v, tables, lens, 0.1))
 
 
 def test_refusals_name_the_problem(backend):
@@ -353,6 +352,30 @@ def test_write_quantises_as_kv_formats(backend, name, dtype):
     quantized_torch.write_kv(ref[0], ref[1], x, x.flip(0), slots)
     for mine, theirs in zip(ours, ref):
         assert torch.equal(mine.data, theirs.data) and torch.equal(mine.scales.view(torch.int16), theirs.scales.view(torch.int16))
+
+
+def test_nvfp4_write_rounds_ties_to_the_even_code(backend):
+    """Rows built so that x / step lands exactly on every e2m1 midpoint (row scale 2^-11, group scale 128: step
+    2^-4), both signs, beside a zero group and a group whose e4m3 scale is subnormal: the C++ write's codes
+    equal kv_formats' bit for bit, and a tie goes to the even code (0.25 -> 0, 0.75 -> 1.0, 1.25 -> 1.0, 1.75 ->
+    2, 2.5 -> 2, 3.5 -> 4, 5 -> 4), never -0."""
+    fmt = kv_formats.FORMATS["nvfp4"]
+    mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    row = torch.zeros(64)
+    row[0] = 1.3125                                          # the row's amax: 2688 * 2^-11
+    row[16:23], row[23:30], row[30] = mids / 16, -mids / 16, 0.375   # group 1: step 2^-4 (amax 6 * step)
+    row[48:64] = torch.linspace(-1, 1, 16) * 6 * 2.0 ** -19  # group 3: e4m3 group scale 2^-8, a subnormal
+    x = torch.stack([row, -row]).view(2, 1, 64)
+    ours, ref = (kv_formats.QuantizedPool.zeros(fmt, 1, 1, 2, 64, "cpu") for _ in range(2))
+    backend.write_kv(ours, ours, x, x, torch.tensor([0, 1]))
+    quantized_torch.write_kv(ref, ref, x, x, torch.tensor([0, 1]))
+    assert torch.equal(ours.data, ref.data) and torch.equal(ours.scales.view(torch.int16), ref.scales.view(torch.int16))
+    codes = torch.stack([ours.data[0, 0, 0, :32] & 15, ours.data[0, 0, 0, :32] >> 4], -1).flatten()
+    assert codes[16:23].tolist() == [0, 2, 2, 4, 4, 6, 6] and codes[23:30].tolist() == [0, 10, 10, 12, 12, 14, 14]
+    assert codes[32:48].eq(0).all(), "a zero group: codes 0"
+    values = kv_formats.dequantize(fmt, ours.data, ours.scales, torch.float32)[0, 0, 0]
+    assert ours.data[0, 0, 0, 32 + 3] == 2, "the subnormal e4m3 code of 2^-8"
+    assert torch.allclose(values[48:], row[48:], rtol=0.25, atol=2.0 ** -20)
 
 
 @pytest.mark.parametrize("d", [64, 80], ids=["hadamard", "orthogonal"])
