@@ -25,7 +25,8 @@ import logging
 import torch
 
 from .cpu_ops import load_fused_ops
-from .fused_base import _Fused, _has_hooks, _known_norms, _Mlp, _modeling, _Norm
+from .fused_base import _Fused, _known_norms, _Mlp, _modeling, _Norm, _silu
+from .fused_layers import DecoderLayer
 from .prepack import SharedForwards
 
 log = logging.getLogger("hf_paged.engine")
@@ -46,16 +47,12 @@ def _specs() -> dict[type, tuple[type, dict]]:
     return specs
 
 
-def _silu(act) -> bool:
-    from transformers.activations import SiLUActivation
-    return type(act) in (SiLUActivation, torch.nn.SiLU) and not _has_hooks(act)
-
-
 class FusedOps:
     """The fused forwards of a model's known modules (see the module doc)."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, lean: bool = True):
         self.forwards: list[_Fused] = []
+        self.lean = lean                # decoder layers as direct op calls where they may (fused_lean)
         try:
             ops = load_fused_ops()
         except RuntimeError as err:
@@ -73,7 +70,18 @@ class FusedOps:
         log.info("fused CPU ops for %d modules (fused_ops=False keeps the model's own forwards)", len(self.forwards))
 
     def installed(self):
-        """The fused forwards for the block (nested and concurrent blocks share one installation)."""
-        return self._forwards.installed(lambda: [f for f in self.forwards if f.installable()])
+        """The fused forwards for the block (nested and concurrent blocks share one installation). Each
+        installation checks hooks anew and gives decoder layers their lean forward where it holds
+        (``fused_lean``), so hooks or weights changed between steps are seen at the next step."""
+        return self._forwards.installed(self._pick)
+
+    def _pick(self) -> list[_Fused]:
+        chosen = [f for f in self.forwards if f.installable()]
+        specs = {f.module: f.spec for f in self.forwards}
+        for forward in chosen:
+            if isinstance(forward, DecoderLayer):
+                attention = specs.get(getattr(forward.module, "self_attn", None))
+                forward.prepare(attention if self.lean else None)
+        return chosen
 
 

@@ -83,6 +83,12 @@ class _Mlp(_Fused):
         return m.down_proj(self.ops.silu_mul(gate, up).view(*x.shape[:-1], half))
 
 
+def _silu(act) -> bool:
+    """Whether ``act`` is a hook-free SiLU (what silu_mul computes)."""
+    from transformers.activations import SiLUActivation
+    return type(act) in (SiLUActivation, torch.nn.SiLU) and not _has_hooks(act)
+
+
 def _known_norms() -> tuple[type, ...]:
     return tuple(getattr(_modeling(f), cls) for f, cls in (("llama", "LlamaRMSNorm"), ("qwen2", "Qwen2RMSNorm"),
                                                           ("qwen3", "Qwen3RMSNorm"), ("glm", "GlmRMSNorm"),

@@ -11,6 +11,7 @@ import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .fused_base import _Fused, _has_hooks, _rows, _usable, norm_fusible
+from .fused_lean import LeanLayer
 from .prepack import sibling_outputs
 
 
@@ -62,12 +63,24 @@ class Attention(_Fused):
 
 
 class DecoderLayer(_Fused):
-    """spec: sandwich (GLM-4-0414's post_self_attn_layernorm and post_mlp_layernorm)."""
+    """spec: sandwich (GLM-4-0414's post_self_attn_layernorm and post_mlp_layernorm). ``lean``: the layer as
+    direct op calls for this installation (``fused_lean``; None: the module-by-module forward below)."""
+    lean: LeanLayer | None = None
+
+    def prepare(self, attention_spec: dict | None) -> None:
+        """At each installation: the lean forward, where its checks hold (``attention_spec``: the fused
+        attention's spec of this layer; None: no lean forward)."""
+        self.lean = None if attention_spec is None else \
+            LeanLayer.build(self.module, self.ops, attention_spec, self.spec["sandwich"])
 
     def __call__(self, hidden_states, attention_mask=None, position_ids=None, cache=None, use_cache=False,
                  position_embeddings=None, past_key_values=None, **kwargs):
         m = self.module
         cache = cache if cache is not None else past_key_values
+        lean = self.lean
+        if lean is not None and not kwargs.get("output_attentions") and \
+                lean.applies(hidden_states, position_embeddings, cache):
+            return lean(hidden_states, position_embeddings, cache, kwargs)
         if not _usable(hidden_states, m):
             return self.own(hidden_states, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
                             use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)

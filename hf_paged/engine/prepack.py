@@ -123,17 +123,19 @@ class _Packed:
         self.packed = (self.ops.pack_linear(weight) if self.ops is not None
                        else torch.ops.mkldnn._reorder_linear_weight(weight, None))
 
-    def applies(self, x: torch.Tensor) -> bool:
-        """Packed numbers are the modules' current parameters and x is what the packed op takes."""
-        if x.dtype != self.dtype or x.device.type != "cpu":
-            return False
+    def current(self) -> bool:
+        """Packed numbers are the modules' current parameters (none replaced or changed in place)."""
         for m, (weight, version, bias, bias_version) in zip(self.modules, self.params):
             if (m.weight is not weight or _version(weight) != version or m.bias is not bias
                     or (bias is not None and _version(bias) != bias_version)):
                 return False
-            if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-                return False
         return True
+
+    def applies(self, x: torch.Tensor) -> bool:
+        """Packed numbers are the modules' current parameters and x is what the packed op takes."""
+        if x.dtype != self.dtype or x.device.type != "cpu" or not self.current():
+            return False
+        return not (torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w, *_ in self.params)))
 
     def library_sized(self, x: torch.Tensor) -> bool:
         """Whether x has more rows than the kernel takes (see LIBRARY_ROWS): F.linear on each module then."""
@@ -177,6 +179,13 @@ def sibling_outputs(modules: tuple, x: torch.Tensor) -> tuple[torch.Tensor, ...]
     if packed is None or packed.modules != modules or not packed.applies(x):
         return None
     return packed.outputs(x)
+
+
+def packed_group(modules: tuple) -> _Packed | None:
+    """The installed packed weight of exactly ``modules`` (one module, or a sibling group) with their current
+    parameters, or None."""
+    packed = getattr(modules[0].__dict__.get("forward"), "packed", None)
+    return packed if packed is not None and packed.modules == tuple(modules) and packed.current() else None
 
 
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))     # attention, MLP
