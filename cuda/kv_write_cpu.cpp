@@ -16,6 +16,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <optional>
 #include <vector>
 
@@ -125,11 +126,71 @@ void write_kv_quant(const at::Tensor& key, const at::Tensor& value, const at::Te
   }
 }
 
+// The model-dtype write: torch.ops.hf_paged_cpu.write_kv. Pools [Hkv, blocks, BS, D] (contiguous, one dtype),
+// key / value [N, Hkv, D] of the pools' dtype with any strides (the layer's projections, read in place);
+// row t goes to slot slot_mapping[t] of every head, -1 = skip. A copy, so the pools hold what index_copy_
+// would store, bit for bit; one call per layer instead of two index_copy_ calls on transposed views.
+template <typename T>
+void copy_rows(const at::Tensor& key, const at::Tensor& value, const int64_t* slots, T* k_pool, T* v_pool,
+               int64_t pool_slots) {
+  const int64_t n = key.size(0), heads = key.size(1), d = key.size(2);
+  const T* kd = key.data_ptr<T>();
+  const T* vd = value.data_ptr<T>();
+  at::parallel_for(0, n * heads, std::max<int64_t>(1, 16384 / std::max<int64_t>(d, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t t = item / heads, h = item % heads, slot = slots[t];
+      if (slot < 0) continue;
+      T* kout = k_pool + (h * pool_slots + slot) * d;
+      T* vout = v_pool + (h * pool_slots + slot) * d;
+      const T* kin = kd + t * key.stride(0) + h * key.stride(1);
+      const T* vin = vd + t * value.stride(0) + h * value.stride(1);
+      for (int64_t i = 0; i < d; ++i) kout[i] = kin[i * key.stride(2)];
+      for (int64_t i = 0; i < d; ++i) vout[i] = vin[i * value.stride(2)];
+    }
+  });
+}
+
+void write_kv(const at::Tensor& key, const at::Tensor& value, const at::Tensor& slot_mapping, const at::Tensor& k_pool,
+              const at::Tensor& v_pool) {
+  TORCH_CHECK(key.dim() == 3 && key.sizes() == value.sizes() && key.device().is_cpu() && value.device().is_cpu(),
+              "key and value must be [N, Hkv, D] CPU tensors alike, got ", key.sizes(), " and ", value.sizes());
+  TORCH_CHECK(k_pool.dim() == 4 && k_pool.sizes() == v_pool.sizes() && k_pool.is_contiguous() && v_pool.is_contiguous() &&
+                  k_pool.device().is_cpu() && v_pool.device().is_cpu(),
+              "k_pool and v_pool must be contiguous CPU [Hkv, blocks, BS, D] tensors alike, got ", k_pool.sizes(), " and ",
+              v_pool.sizes());
+  TORCH_CHECK(key.scalar_type() == k_pool.scalar_type() && value.scalar_type() == k_pool.scalar_type() &&
+                  v_pool.scalar_type() == k_pool.scalar_type(),
+              "write_kv: states and pools must share one dtype, got ", key.scalar_type(), " / ", value.scalar_type(),
+              " states for ", k_pool.scalar_type(), " pools");
+  TORCH_CHECK(key.size(1) == k_pool.size(0) && key.size(2) == k_pool.size(3), "states [N, ", key.size(1), ", ",
+              key.size(2), "] do not fit pools ", k_pool.sizes());
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() && slot_mapping.numel() == key.size(0),
+              "slot_mapping must be contiguous int64 [N] with N = ", key.size(0), ", got ", slot_mapping.sizes());
+  const int64_t pool_slots = k_pool.size(1) * k_pool.size(2);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < key.size(0); ++t)
+    TORCH_CHECK(slots[t] < pool_slots, "slot ", slots[t], " (token ", t, ") outside the pool's ", pool_slots, " slots");
+  switch (key.scalar_type()) {
+    case at::kFloat: copy_rows<float>(key, value, slots, k_pool.data_ptr<float>(), v_pool.data_ptr<float>(), pool_slots); break;
+    case at::kBFloat16:
+      copy_rows<c10::BFloat16>(key, value, slots, k_pool.data_ptr<c10::BFloat16>(), v_pool.data_ptr<c10::BFloat16>(), pool_slots);
+      break;
+    case at::kHalf:
+      copy_rows<c10::Half>(key, value, slots, k_pool.data_ptr<c10::Half>(), v_pool.data_ptr<c10::Half>(), pool_slots);
+      break;
+    default: TORCH_CHECK(false, "write_kv: float32, bfloat16 or float16 pools, got ", key.scalar_type());
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(hf_paged_cpu, m) {
+  m.def("write_kv(Tensor key, Tensor value, Tensor slot_mapping, Tensor(a!) k_pool, Tensor(b!) v_pool) -> ()");
   m.def("write_kv_quant(Tensor key, Tensor value, Tensor slot_mapping, Tensor(a!) k_codes, Tensor(b!) k_scales, "
         "Tensor(c!) v_codes, Tensor(d!) v_scales, int k_format, int v_format, Tensor? rotation) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(hf_paged_cpu, CPU, m) { m.impl("write_kv_quant", &write_kv_quant); }
+TORCH_LIBRARY_IMPL(hf_paged_cpu, CPU, m) {
+  m.impl("write_kv_quant", &write_kv_quant);
+  m.impl("write_kv", &write_kv);
+}

@@ -11,8 +11,9 @@ go to ``torch.ops.hf_paged_cpu.paged_attention_quant`` (``paged_attention_cpu_qu
 and scales in place and dequantises each stored row once per work item (``kv_codec_cpu.h``, AVX-512 / AVX2 /
 scalar as the build's ``-march=native`` allows); their writes go to ``write_kv_quant`` (``kv_write_cpu.cpp``:
 rotation and quantisation fused, one pass per row); KIVI pools' to ``kivi_write`` (``kivi_write_cpu.cpp``: rows into
-open slots and sealing, which ``hf_paged.kivi`` plans and calls). Other
-writes and copy-on-write stay on :mod:`torch_backend` (same pool layout).
+open slots and sealing, which ``hf_paged.kivi`` plans and calls); model-dtype pools' to ``write_kv`` (the same
+file: one copy per layer, -1 slots skipped without reading a mask back). Copy-on-write stays on
+:mod:`torch_backend` (same pool layout).
 
 ``HF_PAGED_CPU_KERNEL=0`` keeps the PyTorch path; when the build fails (no compiler), ``select_backend``
 logs why and falls back to it.
@@ -72,6 +73,7 @@ def _registered():
         torch.ops.hf_paged_cpu.paged_attention_quant  # noqa: B018  (each raises when absent)
         torch.ops.hf_paged_cpu.write_kv_quant  # noqa: B018
         torch.ops.hf_paged_cpu.kivi_write  # noqa: B018
+        torch.ops.hf_paged_cpu.write_kv  # noqa: B018
         return torch.ops.hf_paged_cpu.paged_attention
     except (AttributeError, RuntimeError):
         return None
@@ -112,7 +114,8 @@ def load_kernel():
     for qualname, fake in (("hf_paged_cpu::paged_attention", _fake_paged_attention),
                            ("hf_paged_cpu::paged_attention_quant", _fake_paged_attention_quant),
                            ("hf_paged_cpu::write_kv_quant", _fake_write_kv_quant),
-                           ("hf_paged_cpu::kivi_write", _fake_write_kv_quant)):
+                           ("hf_paged_cpu::kivi_write", _fake_write_kv_quant),
+                           ("hf_paged_cpu::write_kv", _fake_write_kv_quant)):
         try:
             torch.library.register_fake(qualname)(fake)
         except RuntimeError:        # another thread loading at the same time registered it first
@@ -128,7 +131,7 @@ def _fake_paged_attention_quant(query, *args, **kwargs):
     return torch.empty_like(query, memory_format=torch.contiguous_format)
 
 
-def _fake_write_kv_quant(*args, **kwargs):        # (and kivi_write) writes its pool arguments in place, returns nothing
+def _fake_write_kv_quant(*args, **kwargs):        # (and kivi_write, write_kv) writes its pool arguments in place
     return None
 
 
@@ -202,8 +205,8 @@ class CpuStep(Step):
 
 
 class CpuKernelBackend:
-    """The backend protocol (``hf_paged.backends.step``) with attention through the compiled kernel;
-    writes and copies are ``torch_backend``'s. ``decode_attention`` / ``extend_attention``: the kernel
+    """The backend protocol (``hf_paged.backends.step``) with attention and writes through the compiled
+    kernels; copies are ``torch_backend``'s. ``decode_attention`` / ``extend_attention``: the kernel
     over torch_backend's padded signatures (quantised pools: in the rotated space, as quantized_torch's).
     ``op`` / ``quant_op``: the loaded ``torch.ops.hf_paged_cpu.paged_attention`` and ``paged_attention_quant``
     (see :func:`load_kernel`)."""
@@ -216,6 +219,7 @@ class CpuKernelBackend:
         self.op = op
         self.quant_op = torch.ops.hf_paged_cpu.paged_attention_quant
         self.write_op = torch.ops.hf_paged_cpu.write_kv_quant
+        self.plain_write_op = torch.ops.hf_paged_cpu.write_kv       # model-dtype pools (kv_write_cpu.cpp)
         # KIVI pools' writes and sealing (hf_paged.kivi calls it; kivi_write_cpu.cpp)
         self.kivi_write = torch.ops.hf_paged_cpu.kivi_write
 
@@ -230,6 +234,10 @@ class CpuKernelBackend:
                 return self.write_op(key, value, slot_mapping.contiguous(), k_pool.data, k_pool.scales, v_pool.data,
                                      v_pool.scales, ids[0], ids[1], k_pool.rotation)
             key, value = k_pool.rotate(key), v_pool.rotate(value)
+        elif key.device.type == "cpu" and key.dtype == value.dtype == k_pool.dtype == v_pool.dtype \
+                and k_pool.is_contiguous() and v_pool.is_contiguous():
+            # one call, -1 slots skipped in C++ (no mask read back), the states read in place
+            return self.plain_write_op(key, value, slot_mapping.contiguous(), k_pool, v_pool)
         return torch_backend.write_kv(k_pool, v_pool, key, value, slot_mapping, writes_all)
 
     def prepare(self, plan: StepPlan, peers: dict | None = None) -> CpuStep:

@@ -206,3 +206,34 @@ def test_prefill_tiles_over_quantised_pools(backend, name, head_dim, heads, wind
     out = backend.extend_attention(query, k, v, tables, lens, query_pos, 0.3, window)
     ref = quantized_torch.extend_attention(query, k, v, tables, lens, query_pos, 0.3, window)
     assert_close(out, ref, torch.float32)
+
+
+# -- the model-dtype write (kv_write_cpu.cpp's write_kv) -------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_write_stores_what_index_copy_stores(backend, dtype):
+    """Strided states (a transposed view, as the layers hand them), slots -1 skipped, every head: the pools
+    equal torch_backend.write_kv's bit for bit, and nothing else is touched."""
+    gen = torch.Generator().manual_seed(11)
+    n, heads, blocks, bs, d = 21, 3, 6, 8, 64
+    key = torch.randn(heads, n, d, generator=gen).to(dtype).transpose(0, 1)       # [N, Hkv, D], strided
+    value = torch.randn(n, d, heads, generator=gen).to(dtype).transpose(1, 2)
+    slots = torch.randperm(blocks * bs, generator=gen)[:n]
+    slots[[2, 7, 20]] = -1
+    ours = [torch.full((heads, blocks, bs, d), 7.0, dtype=dtype) for _ in range(2)]
+    ref = [p.clone() for p in ours]
+    backend.write_kv(*ours, key, value, slots)
+    ta.write_kv(*ref, key, value, slots)
+    for mine, theirs in zip(ours, ref):
+        assert torch.equal(mine, theirs)
+    assert int((ours[0] != 7.0).any(-1).sum()) == heads * (n - 3), "each kept token in each head, no other slot"
+
+
+def test_write_refuses_what_it_cannot_store(backend):
+    pools = [torch.zeros(2, 4, 8, 64) for _ in range(2)]
+    x = torch.randn(3, 2, 64)
+    with pytest.raises(RuntimeError, match="outside the pool's 32 slots"):
+        backend.plain_write_op(x, x, torch.tensor([0, 1, 32]), *pools)
+    with pytest.raises(RuntimeError, match="share one dtype"):
+        backend.plain_write_op(x.double(), x.double(), torch.tensor([0, 1, 2]), *pools)
+    with pytest.raises(RuntimeError, match="do not fit pools"):
+        backend.plain_write_op(torch.randn(3, 3, 64), torch.randn(3, 3, 64), torch.tensor([0, 1, 2]), *pools)
