@@ -11,15 +11,6 @@ from tiny_models import FAMILIES, make_model
 
 from hf_paged.engine import LLM
 from hf_paged.engine.cpu_bf16 import NATIVE_FLAGS, bf16_warning, native_bf16
-from hf_paged.engine.cpu_ops import load_fused_ops
-
-
-@pytest.fixture(scope="module")
-def ops():
-    try:
-        return load_fused_ops()
-    except RuntimeError as err:         # no C++ compiler on this machine
-        pytest.skip(f"fused CPU ops cannot be built here: {err}")
 
 
 def engine_steps(model, fused: bool, prompts):

@@ -8,19 +8,10 @@ import pytest
 import torch
 
 from hf_paged.engine import LLM
-from hf_paged.engine.cpu_ops import load_fused_ops
 from hf_paged.engine.fused_lean import LeanLayer
 from tiny_models import FAMILIES, make_model
 
 PROMPTS = [[3, 9, 27, 4, 11], list(range(5, 40)), [7] * 18, [3 + i % 250 for i in range(160)]]   # the last: a 160-row chunk
-
-
-@pytest.fixture(scope="module")
-def ops():
-    try:
-        return load_fused_ops()
-    except RuntimeError as err:         # no C++ compiler on this machine
-        pytest.skip(f"fused CPU ops cannot be built here: {err}")
 
 
 def run(model, lean: bool, monkeypatch, prompts=PROMPTS, llm=None):

@@ -8,17 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from hf_paged.engine import LLM, Engine
-from hf_paged.engine.cpu_ops import load_fused_ops
 from hf_paged.engine.fused import FusedOps
 from tiny_models import FAMILIES, make_model
-
-
-@pytest.fixture(scope="module")
-def ops():
-    try:
-        return load_fused_ops()
-    except RuntimeError as err:         # no C++ compiler on this machine
-        pytest.skip(f"fused CPU ops cannot be built here: {err}")
 
 
 def rms_norm_reference(x, weight, eps):

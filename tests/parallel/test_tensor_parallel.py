@@ -6,8 +6,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from tiny_models import make_model
 
 HERE = Path(__file__).parent
