@@ -9,7 +9,7 @@
 //        keys (is_key): per channel over the block's rows, row 0 left out where seal_sink[j] (its sink is
 //          read instead), scales [H, blocks, 2, D] = (channel scales, channel minima);
 //        values: per row, groups of G = D / (scales.size(3) / 2) channels, scales [H, blocks, BS, 2 * D / G]
-//          = (group scales, group minima).
+//          = (group scales, group minima): int4's row encoding (kv_encode_cpu.h encode_int4).
 //      Codes: asymmetric 4-bit, element 2i in the low nibble of byte i.
 // KiviPool.quantize_blocks bit for bit on the same rows: fp32 math, min and max exact, scale =
 // bf16((max - min) / 15) (1 where not positive), minimum bf16, code = clamp(round-half-even((x - min) / scale),
@@ -35,6 +35,8 @@ struct Geometry {
   int64_t heads, capacity, bs, d;
 };
 
+// A key's code, clamped in float: a sink's row 0 lies outside its block's channel range (its code is never
+// read), so (x - low) / scale may be far beyond what int4's integer clamp (encode_int4) could take.
 inline uint8_t code_of(float x, float low, float scale) {
   const float r = std::nearbyint((x - low) / scale);            // halves to even, as torch.round
   return static_cast<uint8_t>(std::min(std::max(r, 0.f), kCodeMax));
@@ -55,30 +57,6 @@ void seal_keys(const float* x, int64_t bs, int64_t d, bool sink, uint8_t* codes,
     for (int64_t c = 0; c < d; c += 2) {
       const uint8_t lo = code_of(x[r * d + c], hfp_codec::bf16(scales[d + c]), hfp_codec::bf16(scales[c]));
       const uint8_t hi = code_of(x[r * d + c + 1], hfp_codec::bf16(scales[d + c + 1]), hfp_codec::bf16(scales[c + 1]));
-      codes[r * d / 2 + c / 2] = static_cast<uint8_t>(lo | (hi << 4));
-    }
-  }
-}
-
-// Values: each row's groups of `group` channels; scales [bs][2 * groups].
-void seal_values(const float* x, int64_t bs, int64_t d, int64_t group, uint8_t* codes, uint16_t* scales) {
-  const int64_t groups = d / group;
-  for (int64_t r = 0; r < bs; ++r) {
-    const float* row = x + r * d;
-    uint16_t* s = scales + r * 2 * groups;
-    for (int64_t g = 0; g < groups; ++g) {
-      float low = row[g * group], high = row[g * group];
-      for (int64_t i = g * group + 1; i < (g + 1) * group; ++i) {
-        low = std::min(low, row[i]);
-        high = std::max(high, row[i]);
-      }
-      s[g] = hfp_codec::stored_scale((high - low) / kCodeMax);
-      s[groups + g] = hfp_codec::to_bf16(low);
-    }
-    for (int64_t c = 0; c < d; c += 2) {
-      const int64_t g0 = c / group, g1 = (c + 1) / group;
-      const uint8_t lo = code_of(row[c], hfp_codec::bf16(s[groups + g0]), hfp_codec::bf16(s[g0]));
-      const uint8_t hi = code_of(row[c + 1], hfp_codec::bf16(s[groups + g1]), hfp_codec::bf16(s[g1]));
       codes[r * d / 2 + c / 2] = static_cast<uint8_t>(lo | (hi << 4));
     }
   }
@@ -118,7 +96,11 @@ void run(const at::Tensor& states, const int64_t* src, const int64_t* dst, int64
       if (is_key) {
         seal_keys(block.data(), bs, d, sinks[j], codes + at * bs * code_row, scales + at * key_scales);
       } else {
-        seal_values(block.data(), bs, d, value_group, codes + at * bs * code_row, scales + at * value_scales);
+        // values: each row as an int4 row of groups of value_group channels (scales then minima, per row)
+        const int64_t row_scales = 2 * (d / value_group);
+        for (int64_t r = 0; r < bs; ++r)
+          hfp_codec::encode_int4(block.data() + r * d, d, row_scales, codes + (at * bs + r) * code_row,
+                                 scales + at * value_scales + r * row_scales);
       }
     }
   });

@@ -228,8 +228,7 @@ class KiviPool(QuantizedPool):
             slots = torch.tensor([self.open.slot(b) for b in from_slots], device=device)
             parts.append(self.open.rows.index_select(1, slots))
         if whole:                                              # rows in offset order, block after block
-            order = [i for b in whole for i in sorted(plan.block_rows[b], key=plan.offsets.__getitem__)]
-            rows = states[order].unflatten(0, (len(whole), self.data.shape[2]))   # [n, BS, Hkv, D]
+            rows = states[plan.whole_rows(whole)].unflatten(0, (len(whole), self.data.shape[2]))   # [n, BS, Hkv, D]
             parts.append(rows.permute(2, 0, 1, 3))                                # [Hkv, n, BS, D]
         sealed = from_slots + whole
         rows = torch.cat(parts, 1) if len(parts) > 1 else parts[0].contiguous()
@@ -323,6 +322,9 @@ class KiviWrite:
         unsealed = [b for b in written if b not in set(sealing)]
         return cls(keep, offsets, block_rows, first, written, sealing, unsealed, whole, sink_rows, sink_blocks)
 
+    def whole_rows(self, blocks: list[int]) -> list[int]:
+        """The rows of ``blocks`` (each written whole by this write) in offset order, block after block."""
+        return [i for b in blocks for i in sorted(self.block_rows[b], key=self.offsets.__getitem__)]
 
     def op_args(self, written_slots: tuple[int, ...], from_slots: list[int], their_slots: tuple[int, ...],
                 whole: list[int], sinks: tuple[bool, ...], block_size: int):
@@ -338,13 +340,13 @@ class KiviWrite:
                 self._slot_rows[key] = None
             else:
                 none = torch.empty(0, dtype=torch.int64)
-                rows = [0] * (block_size * len(from_slots)) + [
-                    i for b in whole for i in sorted(self.block_rows[b], key=self.offsets.__getitem__)]
+                rows = [0] * (block_size * len(from_slots)) + self.whole_rows(whole)
                 self._slot_rows[key] = (none if src is None else src, none if dst is None else dst,
                                         torch.tensor(sealed, dtype=torch.int64),
                                         torch.tensor(list(their_slots) + [-1] * len(whole), dtype=torch.int64),
                                         torch.tensor(rows, dtype=torch.int64), torch.tensor(sinks, dtype=torch.bool))
         return self._slot_rows[key]
+
 
 def write_kv(k_pool: KiviPool, v_pool: KiviPool, key: torch.Tensor, value: torch.Tensor,
              plan: KiviWrite, op=None) -> None:

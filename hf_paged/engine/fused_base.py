@@ -27,6 +27,19 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return flat if flat.stride(-1) == 1 else flat.contiguous()
 
 
+def rotate_qk(ops, query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """q, k [B, S, H, D] (fresh tensors, or views of one fresh q/k/v product) rotated in place by ``rotary_``,
+    returned as [B, H, S, D] views. rotary_ takes any row strides with contiguous heads (rows of a packed
+    product)."""
+    query, key = (x if x.stride(-1) == 1 and x.stride(-2) == x.shape[-1] else x.contiguous() for x in (query, key))
+    tokens, d = query.shape[0] * query.shape[1], query.shape[-1]
+    cos = cos.expand(*query.shape[:2], cos.shape[-1]).reshape(tokens, -1)
+    sin = sin.expand(*query.shape[:2], sin.shape[-1]).reshape(tokens, -1)
+    ops.rotary_(query.view(tokens, -1, d), key.view(tokens, -1, d), cos.contiguous(), sin.contiguous(), interleaved)
+    return query.transpose(1, 2), key.transpose(1, 2)
+
+
 class _Fused:
     """An instance forward for ``module``. ``bypassed``: its sub-modules this forward does not call, or whose
     outputs it changes in place; a hook on any of them keeps the module's own forward."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .fused_base import _Fused, _has_hooks, _rows, _usable, norm_fusible
+from .fused_base import _Fused, _has_hooks, _rows, _usable, norm_fusible, rotate_qk
 from .fused_lean import LeanLayer
 from .prepack import sibling_outputs
 
@@ -40,7 +40,7 @@ class Attention(_Fused):
         if spec["qk_norm"]:
             query, key = m.q_norm(query), m.k_norm(key)
         value = value.view(hidden_shape).transpose(1, 2)
-        query, key = self._rotated(query, key, *position_embeddings)
+        query, key = rotate_qk(self.ops, query, key, *position_embeddings, spec["interleaved"])
         if cache is not None:
             key, value = cache.update(key, value, m.layer_idx, kwargs=kwargs)
         attend = ALL_ATTENTION_FUNCTIONS.get_interface(m.config._attn_implementation, spec["eager"])
@@ -49,17 +49,6 @@ class Attention(_Fused):
         out, weights = attend(m, query, key, value, attention_mask,
                               dropout=0.0 if not m.training else m.attention_dropout, scaling=m.scaling, **kwargs)
         return m.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
-
-    def _rotated(self, query, key, cos, sin):
-        """q, k [B, S, H, D] (fresh tensors, or views of one fresh q/k/v product) rotated in place, returned as
-        [B, H, S, D] views. rotary_ takes any row strides with contiguous heads (rows of a packed product)."""
-        query, key = (x if x.stride(-1) == 1 and x.stride(-2) == x.shape[-1] else x.contiguous() for x in (query, key))
-        tokens, d = query.shape[0] * query.shape[1], query.shape[-1]
-        cos = cos.expand(*query.shape[:2], cos.shape[-1]).reshape(tokens, -1)
-        sin = sin.expand(*query.shape[:2], sin.shape[-1]).reshape(tokens, -1)
-        self.ops.rotary_(query.view(tokens, -1, d), key.view(tokens, -1, d), cos.contiguous(), sin.contiguous(),
-                         self.spec["interleaved"])
-        return query.transpose(1, 2), key.transpose(1, 2)
 
 
 class DecoderLayer(_Fused):

@@ -16,9 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..attention_interface import ATTENTION_NAME
-from ..backends.step import PagedLayer
-from .fused_base import _DTYPES, _has_hooks, _rows, _silu, norm_fusible
+from ..attention_interface import ATTENTION_NAME, paged_attention
+from .fused_base import _DTYPES, _has_hooks, _rows, _silu, norm_fusible, rotate_qk
 from .prepack import packed_group
 
 
@@ -53,7 +52,7 @@ class LeanLayer:
     attention: torch.nn.Module
     head_dim: int
     layer_idx: int
-    scaling: float
+    scaling: float | None                     # (None: paged_attention's head_dim ** -0.5)
     window: int
     interleaved: bool
 
@@ -87,8 +86,7 @@ class LeanLayer:
         window = getattr(attn, "sliding_window", None) if attention_spec["window"] else None
         return cls(ops, dtype, fused_norms[0], fused_norms[1], tuple(fused_norms[2:4]) if sandwich else None,
                    tuple(fused_norms[-2:]) if attention_spec["qk_norm"] else None, groups["qkv"], groups["o"],
-                   groups["gate_up"], split, groups["down"], attn, attn.head_dim, attn.layer_idx,
-                   attn.scaling if attn.scaling is not None else attn.head_dim ** -0.5,
+                   groups["gate_up"], split, groups["down"], attn, attn.head_dim, attn.layer_idx, attn.scaling,
                    int(window or 0), attention_spec["interleaved"])
 
     def applies(self, hidden_states: torch.Tensor, position_embeddings, cache) -> bool:
@@ -110,10 +108,11 @@ class LeanLayer:
         if self.qk_norm is not None:
             query, key = self.qk_norm[0](ops, query), self.qk_norm[1](ops, key)
         value = value.view(hidden_shape).transpose(1, 2)
-        query, key = self._rotated(query, key, *position_embeddings)
+        query, key = rotate_qk(ops, query, key, *position_embeddings, self.interleaved)
         key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
-        out = self._attend(query, key)
-        out = self._linear(self.o, out.reshape(*input_shape, -1).contiguous())
+        out, _ = paged_attention(self.attention, query, key, value, None, scaling=self.scaling,
+                                 sliding_window=self.window)
+        out = self.o.output(out.reshape(*input_shape, -1).contiguous())
         if self.sandwich is not None:
             out = self.sandwich[0](ops, out)
         total, normed = ops.add_rms_norm(_rows(out), _rows(residual), self.post_norm.weight, self.post_norm.eps)
@@ -123,43 +122,13 @@ class LeanLayer:
             out = self.sandwich[1](ops, out)
         return residual + out
 
-    def _rotated(self, query, key, cos, sin):           # = fused_layers.Attention._rotated
-        query, key = (x if x.stride(-1) == 1 and x.stride(-2) == x.shape[-1] else x.contiguous() for x in (query, key))
-        tokens, d = query.shape[0] * query.shape[1], query.shape[-1]
-        cos = cos.expand(*query.shape[:2], cos.shape[-1]).reshape(tokens, -1)
-        sin = sin.expand(*query.shape[:2], sin.shape[-1]).reshape(tokens, -1)
-        self.ops.rotary_(query.view(tokens, -1, d), key.view(tokens, -1, d), cos.contiguous(), sin.contiguous(),
-                         self.interleaved)
-        return query.transpose(1, 2), key.transpose(1, 2)
-
-    def _attend(self, query: torch.Tensor, layer) -> torch.Tensor:
-        """= attention_interface.paged_attention's call, for query [B, Hq, Q, D] -> [B, Q, Hq, D]."""
-        if not isinstance(layer, PagedLayer):
-            raise RuntimeError(f"attn_implementation={ATTENTION_NAME!r} needs a paged cache (the engine's)")
-        batch, num_heads, q_len, head_dim = query.shape
-        if batch * q_len != layer.step.plan.num_tokens:
-            raise RuntimeError(f"the forward has {batch} x {q_len} query tokens but its plan has "
-                               f"{layer.step.plan.num_tokens}: the inputs changed after the cache planned the step")
-        tokens = query.transpose(1, 2).reshape(batch * q_len, num_heads, head_dim)
-        out = layer.step.attend(tokens, layer.k_pool, layer.v_pool, self.scaling, self.window)
-        return out.reshape(batch, q_len, num_heads, head_dim)
-
-    @staticmethod
-    def _linear(packed, x: torch.Tensor) -> torch.Tensor:
-        """= prepack._PackedLinear on a module of its own group."""
-        if packed.library_sized(x):
-            module = packed.modules[0]
-            return torch.nn.functional.linear(x, module.weight, module.bias)
-        out = packed.outputs(x)[0]
-        return out if out.is_contiguous() else out.contiguous()
-
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:    # = fused_base._Mlp
         if self.split:
-            gate_up = self._linear(self.gate_up, x)
+            gate_up = self.gate_up.output(x)
             half = gate_up.shape[-1] // 2
             rows = _rows(gate_up)
             gate, up = rows[:, :half], rows[:, half:]
         else:
             gate, up = (_rows(y) for y in self.gate_up.outputs(x))
             half = gate.shape[-1]
-        return self._linear(self.down, self.ops.silu_mul(gate, up).view(*x.shape[:-1], half))
+        return self.down.output(self.ops.silu_mul(gate, up).view(*x.shape[:-1], half))

@@ -155,6 +155,16 @@ class _Packed:
         return (out,) if len(self.sizes) == 1 else out.split(self.sizes, -1)
 
 
+    def output(self, x: torch.Tensor, index: int = 0) -> torch.Tensor:
+        """Module ``index``'s output on x, contiguous: ``F.linear`` on its own weight when ``library_sized(x)``,
+        else its columns of the packed product. (The caller has checked ``applies``.)"""
+        if self.library_sized(x):
+            m = self.modules[index]
+            return F.linear(x, m.weight, m.bias)
+        out = self.outputs(x)[index]
+        return out if out.is_contiguous() else out.contiguous()
+
+
 class _PackedLinear:
     """The forward of one nn.Linear over its packed weight (F.linear when that cannot apply). A member of a
     sibling group computes the group's product and keeps its own columns: correct, but the fused forwards
@@ -164,11 +174,9 @@ class _PackedLinear:
         self.module, self.packed, self.index = module, packed, index
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        m, packed = self.module, self.packed
-        if not packed.applies(x) or packed.library_sized(x):
-            return F.linear(x, m.weight, m.bias)
-        out = packed.outputs(x)[self.index]
-        return out if out.is_contiguous() else out.contiguous()
+        if not self.packed.applies(x):
+            return F.linear(x, self.module.weight, self.module.bias)
+        return self.packed.output(x, self.index)
 
 
 def sibling_outputs(modules: tuple, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:

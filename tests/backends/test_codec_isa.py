@@ -15,14 +15,6 @@ from hf_paged import kv_formats
 from hf_paged.backends import cpu_backend
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return set(next(line for line in f if line.startswith("flags")).split(":", 1)[1].split())
-    except (OSError, StopIteration):
-        return set()
-
-
 @pytest.fixture(scope="module")
 def native():
     try:
@@ -35,7 +27,7 @@ def native():
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="the ISA variants are x86-64 builds")
 @pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"], ids=["avx2", "scalar"])
 def test_other_isa_builds_read_and_write_as_the_native_one(native, tmp_path, march):
-    if march == "x86-64-v3" and not {"avx2", "fma"} <= _cpu_flags():
+    if march == "x86-64-v3" and not {"avx2", "fma"} <= set(cpu_backend._cpu_features().split()):
         pytest.skip("this CPU cannot run an AVX2 build")
     from torch.utils import cpp_extension
     name = f"hfp_cpu_{march.replace('-', '_')}"

@@ -8,6 +8,7 @@ import platform
 import pytest
 import torch
 
+from hf_paged.backends import cpu_backend
 from hf_paged.engine.cpu_ops import load_fused_ops
 
 
@@ -85,20 +86,12 @@ def test_bad_arguments_are_refused_by_name(ops):
         ops.linear(torch.randn(2, 24), packed, torch.randn(39), 40)
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return set(next(line for line in f if line.startswith("flags")).split(":", 1)[1].split())
-    except (OSError, StopIteration):
-        return set()
-
-
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="the ISA variants are x86-64 builds")
 @pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"], ids=["avx2", "scalar"])
 def test_every_isa_build_gives_the_same_bits(ops, tmp_path, march):
     """The same source built for AVX2 + FMA and for plain x86-64 (its scalar std::fma path) agrees with the
     native build bit for bit (the kernel's invariant: one summation order on every CPU)."""
-    if march == "x86-64-v3" and not {"avx2", "fma"} <= _cpu_flags():
+    if march == "x86-64-v3" and not {"avx2", "fma"} <= set(cpu_backend._cpu_features().split()):
         pytest.skip("this CPU cannot run an AVX2 build")
     from importlib import resources
 
