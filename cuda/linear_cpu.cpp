@@ -7,9 +7,10 @@
 // weight from memory once per step, and oneDNN's fp32 matmul overlapped that stream with its arithmetic
 // poorly on the 2-core Xeon this was measured on (SmolLM2-135M's 30 layers + LM head, 2 threads: 37-54 ms
 // per step at 14-32 rows against 27-44 ms here; about equal at 512 rows; bench/linear_cpu.py).
-// Here a work item is one panel of 32 output columns and a block of up to kRows rows: the panel's weights
-// ([K][32], contiguous, 128 bytes a k) are streamed once per row block, prefetched kPrefetch floats ahead,
-// with kRows x 32 accumulators in registers.
+// Here a work item is one panel of 32 output columns and a block of up to kRows rows, with rows x 32
+// accumulators in registers; a panel's weights ([K][32], contiguous, 128 bytes a k) are read once per row block.
+// How the weight stream is prefetched depends on how many row blocks share a panel (Stream below): the point
+// is to keep memory busy while the FMA units are, since a decode step is a race between the two.
 //
 // Summation order (the invariant the tests pin): every output is
 //   acc = 0; for k in 0..K-1: acc = fma(x[t, k], w[n, k], acc); out = acc + bias[n]
@@ -36,7 +37,22 @@
 namespace {
 
 constexpr int64_t kPanel = 32;          // output columns per packed panel (the layout; every ISA reads it)
-constexpr int64_t kPrefetch = 2048;     // floats ahead in the weight stream (8 KiB: 64 k-steps of a panel)
+// Prefetch distances, in floats of the weight stream. Measured 2026-12-05 on a 2-core AVX-512 Xeon, SmolLM2's
+// shapes, each variant reading the same packed weights in turn (allocation order alone moved a step by up to
+// 20%), median of 7 rounds, time per step against the previous single L1 prefetch 2048 ahead: 0.89x at 8 rows,
+// 0.90x at 14, 0.86x at 24, 0.80x at 32, 0.81x at 64, 0.78x at 96, 0.93x at 128, 0.99x at 512, 1.0x at 1 row
+// (already at the memory floor). Into L2 rather than L1 gave the first ~10%, the next panel's stream the rest.
+constexpr int64_t kAheadL2 = 4096;      // into L2 (16 KiB ahead): L1's fill buffers stay free for loads
+constexpr int64_t kAheadL1 = 2048;      // into L1 (8 KiB ahead), from a panel that sits in L2
+constexpr int kMaxStreamedPasses = 16;  // up to this many row blocks, the next panel streams during them
+
+// How a micro-kernel call prefetches, by the number of row blocks (passes) that read one panel:
+//   kSingle: one pass; the panel itself streams from memory into L2 (decode steps up to kRows rows).
+//   kShared: 2..kMaxStreamedPasses passes; the first pass streams its own panel into L2 (a thread's first
+//     panel), every pass streams its share of the *next* panel into L2, so memory works while the later
+//     passes compute from cache (without it, a step of 32 rows took the stream's time plus the FMAs' time).
+//   kCompute: more passes (prefill chunks): compute-bound; the panel is prefetched from L2 into L1.
+enum class Stream { kSingle, kShared, kCompute };
 
 #if defined(__AVX512F__)
 constexpr int kLanes = 16;
@@ -47,7 +63,8 @@ inline V vload(const float* p) { return _mm512_loadu_ps(p); }
 inline void vstore(float* p, V a) { _mm512_storeu_ps(p, a); }
 inline V vset1(float a) { return _mm512_set1_ps(a); }
 inline V vfma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
-inline void prefetch(const float* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0); }
+inline void prefetch_l1(const float* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0); }
+inline void prefetch_l2(const float* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1); }
 #elif defined(__AVX2__) && defined(__FMA__)
 constexpr int kLanes = 8;
 constexpr int kRows = 6;                // 6 rows x 2 vectors = 12 of 16 ymm accumulators
@@ -57,7 +74,8 @@ inline V vload(const float* p) { return _mm256_loadu_ps(p); }
 inline void vstore(float* p, V a) { _mm256_storeu_ps(p, a); }
 inline V vset1(float a) { return _mm256_set1_ps(a); }
 inline V vfma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
-inline void prefetch(const float* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0); }
+inline void prefetch_l1(const float* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0); }
+inline void prefetch_l2(const float* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1); }
 #else
 constexpr int kLanes = 8;
 constexpr int kRows = 4;
@@ -73,7 +91,8 @@ inline V vfma(V a, V b, V c) {
   for (int i = 0; i < kLanes; ++i) v.x[i] = std::fma(a.x[i], b.x[i], c.x[i]);
   return v;
 }
-inline void prefetch(const float*) {}
+inline void prefetch_l1(const float*) {}
+inline void prefetch_l2(const float*) {}
 #endif
 
 constexpr int kVecs = 2;                          // vectors per row of a micro-kernel: 2 * kLanes columns
@@ -81,16 +100,26 @@ constexpr int kSlices = kPanel / (kVecs * kLanes);  // column slices of a panel 
 
 // rows x (kVecs * kLanes) outputs of one column slice of a panel: x rows [ROWS][ldx], panel slice w (k-th row at
 // w + k * kPanel), results to out (row stride ldo; `width` of the slice's columns are kept), plus bias when given.
-template <int ROWS>
+// `next`/`next_lines` (kShared only): the 64-byte lines of the next panel this pass prefetches, spread evenly
+// over its K steps; `own` (kShared): whether this pass also prefetches its own panel (the first pass does).
+template <int ROWS, Stream kMode>
 void micro(const float* x, int64_t ldx, int64_t K, const float* w, float* out, int64_t ldo, int64_t width,
-           const float* bias) {
+           const float* bias, const float* next, int64_t next_lines, bool own) {
+  int64_t due = 0;  // kShared: next_lines * k, less K for every line prefetched so far
   V acc[ROWS][kVecs];
   for (int r = 0; r < ROWS; ++r)
     for (int v = 0; v < kVecs; ++v) acc[r][v] = vzero();
   for (int64_t k = 0; k < K; ++k) {
     const float* wk = w + k * kPanel;
-    prefetch(wk + kPrefetch);
-    prefetch(wk + kPrefetch + 16);
+    if (kMode == Stream::kSingle || (kMode == Stream::kShared && own)) {
+      prefetch_l2(wk + kAheadL2);
+      prefetch_l2(wk + kAheadL2 + 16);
+    } else {
+      prefetch_l1(wk + kAheadL1);
+      prefetch_l1(wk + kAheadL1 + 16);
+    }
+    if (kMode == Stream::kShared)
+      for (due += next_lines; due >= K; due -= K, next += 16) prefetch_l2(next);
     V wv[kVecs];
     for (int v = 0; v < kVecs; ++v) wv[v] = vload(wk + v * kLanes);
     for (int r = 0; r < ROWS; ++r) {
@@ -106,13 +135,16 @@ void micro(const float* x, int64_t ldx, int64_t K, const float* w, float* out, i
   }
 }
 
-using Micro = void (*)(const float*, int64_t, int64_t, const float*, float*, int64_t, int64_t, const float*);
+using Micro = void (*)(const float*, int64_t, int64_t, const float*, float*, int64_t, int64_t, const float*,
+                       const float*, int64_t, bool);
 
-template <int... R>
+template <Stream kMode, int... R>
 constexpr auto micro_table(std::integer_sequence<int, R...>) {
-  return std::array<Micro, sizeof...(R)>{&micro<R + 1>...};
+  return std::array<Micro, sizeof...(R)>{&micro<R + 1, kMode>...};
 }
-const auto kMicro = micro_table(std::make_integer_sequence<int, kRows>{});
+const auto kMicroSingle = micro_table<Stream::kSingle>(std::make_integer_sequence<int, kRows>{});
+const auto kMicroShared = micro_table<Stream::kShared>(std::make_integer_sequence<int, kRows>{});
+const auto kMicroCompute = micro_table<Stream::kCompute>(std::make_integer_sequence<int, kRows>{});
 
 void check_float_matrix(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, "hf_paged_fused linear: ", name,
@@ -156,18 +188,29 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::opti
   const float* xd = x.data_ptr<float>();
   const float* wd = packed.data_ptr<float>();
   float* od = out.data_ptr<float>();
-  const int64_t ldx = x.stride(0), row_blocks = (rows + kRows - 1) / kRows, slice = kVecs * kLanes;
+  // Row blocks of equal size (32 rows: 11 + 11 + 10, not 14 + 14 + 4); a row's outputs do not depend on its block.
+  const int64_t ldx = x.stride(0), slice = kVecs * kLanes, row_blocks = (rows + kRows - 1) / kRows;
+  const int64_t block_rows = (rows + row_blocks - 1) / row_blocks, panel_lines = k * kPanel / 16;
+  const int64_t share = (panel_lines + row_blocks - 1) / row_blocks;  // kShared: next-panel lines per pass
+  const Stream mode = row_blocks == 1 ? Stream::kSingle
+                      : row_blocks <= kMaxStreamedPasses ? Stream::kShared : Stream::kCompute;
+  const auto& micros = mode == Stream::kSingle ? kMicroSingle : mode == Stream::kShared ? kMicroShared : kMicroCompute;
   // Items panel-major: a thread's consecutive items reuse one panel's weights from its cache while the rows
   // of x (read in place) pass by. (Copying row chunks of x k-major and looping panels inside them measured
   // slower here, 1.0-1.3x the time at 64-512 rows.)
   at::parallel_for(0, panels * row_blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t p = item / row_blocks, r0 = (item % row_blocks) * kRows, count = std::min<int64_t>(kRows, rows - r0);
+      const int64_t p = item / row_blocks, block = item % row_blocks, r0 = block * block_rows;
+      const int64_t count = std::min<int64_t>(block_rows, rows - r0);
+      // kShared: this pass's share of the next panel's lines, split between the panel's column slices
+      const int64_t first = std::min(block * share, panel_lines);
+      const int64_t lines = p + 1 < panels ? std::min(share, panel_lines - first) / kSlices : 0;
       for (int64_t s = 0; s < kSlices; ++s) {
         const int64_t col = p * kPanel + s * slice, width = std::min<int64_t>(slice, n - col);
         if (width <= 0) break;
-        kMicro[count - 1](xd + r0 * ldx, ldx, k, wd + p * k * kPanel + s * slice, od + r0 * n + col, n, width,
-                          bias_ptr ? bias_ptr + col : nullptr);
+        micros[count - 1](xd + r0 * ldx, ldx, k, wd + p * k * kPanel + s * slice, od + r0 * n + col, n, width,
+                          bias_ptr ? bias_ptr + col : nullptr,
+                          lines ? wd + ((p + 1) * panel_lines + first + s * lines) * 16 : nullptr, lines, block == 0);
       }
     }
   });
