@@ -2,8 +2,14 @@
 
 Keys are quantised per channel over each full block (one bf16 scale and minimum per (head, block,
 channel)), values per token (one bf16 scale and minimum per group of ``VALUE_GROUP`` elements along
-head_dim, capped at head_dim), both asymmetric 4-bit. No rotation: a Hadamard rotation would mix the key
-channels whose outliers per-channel scales exist to isolate. Beside the codes, in the model's dtype:
+head_dim, capped at head_dim), both asymmetric 4-bit. Values are stored rotated by the fixed orthogonal R of
+the other formats (``kv_formats.rotation_matrix``, a Hadamard matrix for power-of-two head dims): a token's
+elements then spread evenly over its range, so its 16 levels fit them better (measured: 8-10% less KL on every
+kind of text tried, ``bench/results/kivi-lab-vrot-20261205.py``); attention unrotates its output
+(``Step.attend``), as for the rotating formats. Keys are not rotated: R would mix the key channels whose
+outliers per-channel scales exist to isolate. Everything a value pool stores (codes, open slots, sinks,
+fresh rows) is in the rotated space: the rotated states are rounded to the model's dtype before anything is
+stored, so every way a block is sealed quantises the same rows. Beside the codes, in the model's dtype:
 - the *open* (not yet full) block of each sequence, in a store of open slots, quantised as a whole
   ("sealed") by the write that stores its position BS-1;
 - the *sink*: position 0 of each sequence (the attention sink), key and value, kept for the life of the
@@ -75,9 +81,10 @@ class KiviPool(QuantizedPool):
 
     @classmethod
     def new(cls, is_key: bool, heads: int, num_blocks: int, block_size: int, head_dim: int, dtype,
-            device, open_capacity: int, sink_capacity: int | None = None) -> KiviPool:
+            device, open_capacity: int, sink_capacity: int | None = None,
+            rotation: torch.Tensor | None = None) -> KiviPool:
         """``open_capacity``: open slots reserved (the running sequences); ``sink_capacity``: sink rows
-        (default the same)."""
+        (default the same); ``rotation``: R for a value pool (keys take none)."""
         KIVI.check_head_dim(head_dim)
         KIVI.check_block_size(block_size)
         data = torch.zeros((heads, num_blocks, block_size, head_dim // 2), dtype=torch.uint8, device=device)
@@ -87,14 +94,17 @@ class KiviPool(QuantizedPool):
         sinks = open_capacity if sink_capacity is None else sink_capacity
         sink = SideStore.empty(heads, num_blocks, (head_dim,), sinks, dtype, device)
         fresh = FreshRows(open_.rows[:, :0], torch.full((num_blocks,), -1, dtype=torch.int64, device=device))
-        return cls(data, scales, KIVI, head_dim, None, is_key, open_, sink, fresh)
+        if is_key and rotation is not None:
+            raise ValueError("KIVI keys are not rotated (per-channel scales isolate their outlier channels)")
+        return cls(data, scales, KIVI, head_dim, rotation, is_key, open_, sink, fresh)
 
     def with_tensors(self, data: torch.Tensor, scales: torch.Tensor) -> KiviPool:
         """Grown tensors (``KVPools.grow_pools``): the side stores' block maps grow alike (new blocks: none)."""
         extra = data.shape[1] - self.open.block_slot.shape[0]
         for store in (self.open, self.sink, self.fresh):
             store.grow(extra)
-        return KiviPool(data, scales, self.fmt, self.head_dim, None, self.is_key, self.open, self.sink, self.fresh)
+        return KiviPool(data, scales, self.fmt, self.head_dim, self.rotation, self.is_key, self.open, self.sink,
+                        self.fresh)
 
     @property
     def open_bytes(self) -> int:
@@ -351,9 +361,10 @@ class KiviWrite:
 def write_kv(k_pool: KiviPool, v_pool: KiviPool, key: torch.Tensor, value: torch.Tensor,
              plan: KiviWrite, op=None) -> None:
     """New keys/values [N, Hkv, D] at the slots ``plan`` was made from (``KiviWrite.of``); ``op``: as
-    ``KiviPool.write_planned``'s (CPU pools only)."""
+    ``KiviPool.write_planned``'s (CPU pools only). Values are rotated here (in fp32, then rounded to their dtype)."""
     if plan.keep is not None:
         key, value = key.index_select(0, plan.keep), value.index_select(0, plan.keep)
+    value = v_pool.rotate(value).to(value.dtype)
     k_pool.write_planned(key, plan, op)
     v_pool.write_planned(value, plan, op)
 

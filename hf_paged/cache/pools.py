@@ -101,8 +101,8 @@ class KVPools(Cache):
         heads, blocks, block_size, head_dim = shape
         reserved = (self.open_slots, self.sink_slots)
         self.key_pools = [KiviPool.new(True, heads, blocks, block_size, head_dim, dtype, d, *reserved) for d in devices]
-        self.value_pools = [KiviPool.new(False, heads, blocks, block_size, head_dim, dtype, d, *reserved)
-                            for d in devices]
+        self.value_pools = [KiviPool.new(False, heads, blocks, block_size, head_dim, dtype, d, *reserved,
+                                         rotation=rotation_matrix(head_dim, d)) for d in devices]
         self._without_cuda_kernels(device, devices)
 
     def release_blocks(self, blocks) -> None:

@@ -57,11 +57,15 @@ def test_open_block_is_exact_and_sealing_quantises_per_channel_and_per_token():
     pools = _pools()
     key, value = _write(pools, list(range(BS, 2 * BS - 1)))           # block 1 but its last position
     k_pool, v_pool = pools.key_pools[0], pools.value_pools[0]
+    # values are stored rotated by the formats' Hadamard R (an orthogonal matrix), keys as they are
+    assert k_pool.rotation is None and torch.allclose(v_pool.rotation @ v_pool.rotation.T, torch.eye(D), atol=1e-6)
+    assert not torch.allclose(v_pool.rotation, torch.eye(D))
+    value = v_pool.rotate(value)
     assert k_pool.open.num_held == 1 and int(k_pool.open.block_slot[1]) >= 0
     assert torch.equal(_own(k_pool, 1)[:BS - 1], key) and torch.equal(_own(v_pool, 1)[:BS - 1], value)
     last_key, last_value = _write(pools, [2 * BS - 1], seed=1)         # fills it: sealed, slot back
     assert k_pool.open.num_held == 0 and int(k_pool.open.block_slot[1]) == -1
-    keys, values = torch.cat([key, last_key]), torch.cat([value, last_value])
+    keys, values = torch.cat([key, last_key]), torch.cat([value, v_pool.rotate(last_value)])
     assert torch.equal(_own(k_pool, 1), keys) and torch.equal(_own(v_pool, 1), values)    # this step: fresh rows
     # keys: uniform step per (head, channel) over the block's tokens; values: per token over the head
     k_span = keys.amax(0) - keys.amin(0)

@@ -68,7 +68,7 @@ def check_sink_state(pools) -> None:
     k_pool, v_pool = pools.key_pools[0], pools.value_pools[0]
     assert k_pool.sink.num_held == 1 and k_pool.sink.slot(1) == -1, "one sink: block 0 holds position 0"
     assert torch.equal(k_pool.sink.rows[:, k_pool.sink.slot(0)], key[0])
-    assert torch.equal(v_pool.sink.rows[:, v_pool.sink.slot(0)], value[0])
+    assert torch.equal(v_pool.sink.rows[:, v_pool.sink.slot(0)], v_pool.rotate(value[0]))   # values: rotated
     for block, rows in ((0, key[1:BS]), (1, key[BS:])):
         stored_scale, stored_low = k_pool.scales[:, block, 0], k_pool.scales[:, block, 1]
         expect_scale, expect_low = _key_range(rows)
