@@ -17,7 +17,9 @@ capacity bf16 model, the engine with a fixed 24 MiB KV budget and 96 requests of
          any format holds): blocks, bytes per token (scales included), requests that fit whole, and the
          most requests running at once, per format.
 speed    fp32 model, 1 thread: the engine's useful tokens/s per format on 32 ShareGPT-shaped requests,
-         3 interleaved rounds (min/median/max).
+         3 interleaved rounds (min/median/max), prefix caching off. ``--speed-prompt N --speed-output M
+         [--speed-requests R]``: instead, R (16) requests of N random prompt tokens and M generated ones,
+         where a decode step reads more KV bytes than weights (the regime KV quantisation is for).
 quantized-cache  transformers' QuantizedCache (optimum-quanto, 4 and 2 bits, residual 128) where installed,
          decoding token by token on two passages, beside our int4 on the same tokens: perplexity,
          KV bytes, seconds.
@@ -135,12 +137,25 @@ def capacity(model, names: list[str], progress, budget: int = 24 * 2**20, reques
     return out
 
 
-def speed(model, names: list[str], progress, rounds: int = 3) -> dict:
-    prompts, outputs = _requests(32, seed=2, vocab=model.config.vocab_size, max_total=256)
+def speed(model, names: list[str], progress, rounds: int = 3, prompt: int = 0, output: int = 0,
+          requests: int = 16) -> dict:
+    """``prompt``/``output`` (both > 0): ``requests`` requests of that shape instead of the ShareGPT-shaped
+    ones. Every format gets the engine's default KV budget on the CPU (512 MiB), so where auto's pool cannot
+    hold every request at once the smaller formats also run more of them per step."""
+    if prompt > 0 and output > 0:
+        gen = torch.Generator().manual_seed(2)
+        prompts = torch.randint(100, model.config.vocab_size, (requests, prompt), generator=gen).tolist()
+        outputs = [output] * requests
+        workload = f"{requests} requests of {prompt} random prompt tokens + {output} generated"
+    else:
+        prompts, outputs = _requests(32, seed=2, vocab=model.config.vocab_size, max_total=256)
+        workload = "32 ShareGPT-shaped requests, prompt + output <= 256 tokens"
     settings = [{"max_new_tokens": n, "ignore_eos": True, "do_sample": False} for n in outputs]
     useful = sum(outputs)
-    engines = {name: hf_paged.LLM(model, kv_cache_dtype=name, max_num_seqs=32, block_size=32 if name == "kivi" else 16)
-               for name in names}
+    # prefix caching off: every round prefills its prompts (with it, a format whose pool keeps the previous
+    # round's blocks would skip its prefill, and the smaller formats keep more)
+    engines = {name: hf_paged.LLM(model, kv_cache_dtype=name, max_num_seqs=32, block_size=32 if name == "kivi" else 16,
+                                  enable_prefix_caching=False) for name in names}
     for llm in engines.values():                              # warm-up
         llm.generate(prompts[:2], settings[:2], use_tqdm=False)
     rates: dict[str, list[float]] = {name: [] for name in names}
@@ -152,6 +167,7 @@ def speed(model, names: list[str], progress, rounds: int = 3) -> dict:
         progress(f"  round {r + 1}: " + ", ".join(f"{n} {rates[n][-1]:.1f}" for n in names))
     # each format's rate over the first format's ("auto"), per round: the ratio the noise of a round hits least
     return {"threads": torch.get_num_threads(), "useful_tokens": useful, "requests": len(prompts), "rounds": rounds,
+            "workload": workload,
             **{n: {**spread(v), "ratio": spread([a / b for a, b in zip(v, rates[names[0]])])} for n, v in rates.items()}}
 
 
@@ -246,8 +262,9 @@ def report(result: dict) -> str:
     sp = result.get("speed")
     if sp:
         lines += _table(
-            f"## Engine speed, fp32 model, {sp['threads']} thread(s), {sp['requests']} requests "
-            f"({sp['useful_tokens']} useful tokens), useful tokens/s min / median / max",
+            f"## Engine speed, fp32 model, {sp['threads']} thread(s), "
+            f"{sp.get('workload', str(sp['requests']) + ' requests')} ({sp['useful_tokens']} useful tokens), "
+            "useful tokens/s min / median / max",
             ["kv_cache_dtype", "tokens/s", "vs auto, per round: median (min–max)"], sp,
             lambda r: [f"{r['min']:.1f} / {r['median']:.1f} / {r['max']:.1f}",
                        f"{r['ratio']['median']:.2f}x ({r['ratio']['min']:.2f}–{r['ratio']['max']:.2f})" if "ratio" in r
@@ -297,6 +314,9 @@ def main(argv=None, prog: str = "python -m bench kv-quant") -> None:
     parser.add_argument("--prompt", type=int, default=PROMPT,
                         help="held-out: prompt tokens per passage (other than 32: the long set of license, comment "
                              "and code passages, 6 each)")
+    parser.add_argument("--speed-prompt", type=int, default=0, help="speed: prompt tokens of each long request")
+    parser.add_argument("--speed-requests", type=int, default=16, help="speed: how many long requests")
+    parser.add_argument("--speed-output", type=int, default=0, help="speed: tokens each long request generates")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -310,7 +330,8 @@ def main(argv=None, prog: str = "python -m bench kv-quant") -> None:
     runs = [  # section, model dtype, result key, what it runs; fp32 first, the bf16 model loaded when needed
         ("quality", torch.float32, "quality_fp32", lambda m, tok: quality(m, tok, names, progress)),
         ("held-out", torch.float32, "held_out", lambda m, tok: held_out(m, tok, names, progress, args.prompt)),
-        ("speed", torch.float32, "speed", lambda m, tok: speed(m, names, progress, args.rounds)),
+        ("speed", torch.float32, "speed", lambda m, tok: speed(m, names, progress, args.rounds, args.speed_prompt,
+                                                            args.speed_output, args.speed_requests)),
         ("quantized-cache", torch.float32, "quantized_cache", lambda m, tok: quantized_cache(m, tok, progress)),
         ("quality", torch.bfloat16, "quality_bf16", lambda m, tok: quality(m, tok, names, progress)),
         ("capacity", torch.bfloat16, "capacity", lambda m, tok: capacity(m, names, progress))]
