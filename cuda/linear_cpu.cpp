@@ -63,8 +63,6 @@ inline V vload(const float* p) { return _mm512_loadu_ps(p); }
 inline void vstore(float* p, V a) { _mm512_storeu_ps(p, a); }
 inline V vset1(float a) { return _mm512_set1_ps(a); }
 inline V vfma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
-inline void prefetch_l1(const float* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0); }
-inline void prefetch_l2(const float* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1); }
 #elif defined(__AVX2__) && defined(__FMA__)
 constexpr int kLanes = 8;
 constexpr int kRows = 6;                // 6 rows x 2 vectors = 12 of 16 ymm accumulators
@@ -74,8 +72,6 @@ inline V vload(const float* p) { return _mm256_loadu_ps(p); }
 inline void vstore(float* p, V a) { _mm256_storeu_ps(p, a); }
 inline V vset1(float a) { return _mm256_set1_ps(a); }
 inline V vfma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
-inline void prefetch_l1(const float* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0); }
-inline void prefetch_l2(const float* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1); }
 #else
 constexpr int kLanes = 8;
 constexpr int kRows = 4;
@@ -91,6 +87,12 @@ inline V vfma(V a, V b, V c) {
   for (int i = 0; i < kLanes; ++i) v.x[i] = std::fma(a.x[i], b.x[i], c.x[i]);
   return v;
 }
+#endif
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+inline void prefetch_l1(const float* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0); }
+inline void prefetch_l2(const float* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1); }
+#else
 inline void prefetch_l1(const float*) {}
 inline void prefetch_l2(const float*) {}
 #endif
@@ -204,7 +206,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::opti
       const int64_t count = std::min<int64_t>(block_rows, rows - r0);
       // kShared: this pass's share of the next panel's lines, split between the panel's column slices
       const int64_t first = std::min(block * share, panel_lines);
-      const int64_t lines = p + 1 < panels ? std::min(share, panel_lines - first) / kSlices : 0;
+      const int64_t lines =
+          mode == Stream::kShared && p + 1 < panels ? std::min(share, panel_lines - first) / kSlices : 0;
       for (int64_t s = 0; s < kSlices; ++s) {
         const int64_t col = p * kPanel + s * slice, width = std::min<int64_t>(slice, n - col);
         if (width <= 0) break;

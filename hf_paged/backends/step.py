@@ -79,9 +79,9 @@ class Step:
         """query [T, Hq, D] -> out [T, Hq, D]."""
         if query.device != self.device:
             return self.on(query.device).attend(query, k_pool, v_pool, scale, window)
-        if isinstance(k_pool, QuantizedPool) and (k_pool.rotation is not None or v_pool.rotation is not None):
+        if isinstance(k_pool, QuantizedPool):
             # Pools hold x R (kv_formats): (q R)·(k R) = q·k, and the output comes back as (sum p v) R.
-            # (KIVI rotates its values only: the query stays as it is, the output is unrotated.)
+            # A pool without R leaves its side as it is (KIVI rotates its values only).
             out = self._attend(k_pool.rotate(query).to(query.dtype), k_pool, v_pool, scale, window)
             return v_pool.unrotate(out)
         return self._attend(query, k_pool, v_pool, scale, window)

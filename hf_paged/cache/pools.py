@@ -67,7 +67,7 @@ class KVPools(Cache):
         elif self.kv_format is KIVI:
             return self._allocate_kivi(shape, dtype, device, devices)
         else:
-            rotations = {d: rotation_matrix(g.head_dim, d) for d in set(devices)}
+            rotations = self._rotations(devices)
 
             def new_pool(d):
                 return QuantizedPool.zeros(self.kv_format, *shape, device=d, rotation=rotations[d])
@@ -78,6 +78,10 @@ class KVPools(Cache):
         if self.backend is None:
             self.backend = select_backend(device)
         self.peer_backends = {d: select_backend(d) for d in set(devices) - {device}}
+
+    def _rotations(self, devices) -> dict:
+        """R on each distinct device, shared by every layer's quantised pools there."""
+        return {d: rotation_matrix(self.geometry.head_dim, d) for d in set(devices)}
 
     def _without_cuda_kernels(self, device, devices) -> None:
         """A format no CUDA kernel reads (``kernel_registry.has_kernels``: nvfp4, kivi) runs on the PyTorch
@@ -100,9 +104,10 @@ class KVPools(Cache):
         rows; writes and sealing are kivi's own); elsewhere the PyTorch path (no CUDA kernel reads them)."""
         heads, blocks, block_size, head_dim = shape
         reserved = (self.open_slots, self.sink_slots)
+        rotations = self._rotations(devices)                   # values only (kivi.py)
         self.key_pools = [KiviPool.new(True, heads, blocks, block_size, head_dim, dtype, d, *reserved) for d in devices]
         self.value_pools = [KiviPool.new(False, heads, blocks, block_size, head_dim, dtype, d, *reserved,
-                                         rotation=rotation_matrix(head_dim, d)) for d in devices]
+                                         rotation=rotations[d]) for d in devices]
         self._without_cuda_kernels(device, devices)
 
     def release_blocks(self, blocks) -> None:
