@@ -10,6 +10,7 @@
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import fields
 
 from .config import EngineConfig
@@ -36,13 +37,19 @@ class LLM:
     def stream(self, prompts, settings=None, *, on_token=None, use_tqdm: bool | None = None, **common):
         """Queue every prompt, then yield a TokenEvent per new token until all are done.
 
-        settings: one dict per prompt (merged over ``common``), or None. A request that fails alone yields
+        settings: one dict per prompt (merged over ``common``), one dict for every prompt (vLLM's single
+        ``SamplingParams``; the same as passing its keys as keywords), or None. A request that fails alone yields
         nothing; its RequestOutput has ``error`` set and ``finish_reason == "error"``. The request ids are
         in ``self.last_ids``, in input order. ``use_tqdm``: a progress bar (default: for lists of
         ``TQDM_MIN_REQUESTS`` or more, when tqdm is installed).
         """
         engine = self.engine
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        if isinstance(settings, Mapping):
+            clash = sorted(set(settings) & set(common))
+            if clash:
+                raise ValueError(f"{clash} given both in settings and as keywords; give each once")
+            settings, common = None, {**common, **settings}
         if settings is not None and len(settings) != len(prompts):
             raise ValueError(f"settings has {len(settings)} entries for {len(prompts)} prompts")
         shared = None if settings is not None else resolve_generation(engine.model.generation_config, **common)

@@ -83,6 +83,20 @@ def test_seeded_sampling_is_reproducible_per_request():
     check_pool(tight.engine)
 
 
+def test_one_settings_dict_applies_to_every_prompt():
+    """vLLM's idiom: one SamplingParams for the whole list. A dict is the same as its keys as keywords."""
+    model = make_model("llama", seed=7)
+    gen = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in (5, 12, 3)]   # 3 prompts, 3 keys
+    llm = LLM(model)
+    one = llm.generate(prompts, dict(max_new_tokens=6, do_sample=False, min_new_tokens=6))
+    keywords = llm.generate(prompts, max_new_tokens=6, do_sample=False, min_new_tokens=6)
+    assert [o.sequences.tolist() for o in one] == [o.sequences.tolist() for o in keywords]
+    assert all(len(o.outputs[0].token_ids) == 6 for o in one)
+    with pytest.raises(ValueError, match="max_new_tokens.*both"):
+        llm.generate(prompts, dict(max_new_tokens=6), max_new_tokens=4)
+
+
 def test_prefix_cache_second_call_computes_only_new_tokens():
     model = make_model("llama", seed=5)
     gen = torch.Generator().manual_seed(6)
