@@ -136,16 +136,28 @@ void copy_rows(const at::Tensor& key, const at::Tensor& value, const int64_t* sl
   const int64_t n = key.size(0), heads = key.size(1), d = key.size(2);
   const T* kd = key.data_ptr<T>();
   const T* vd = value.data_ptr<T>();
+  // Strides read once: Tensor::stride() in the inner loop is a call the compiler cannot hoist past the stores,
+  // and unit-stride rows (the projections' usual layout) become plain vectorised copies.
+  const int64_t ks0 = key.stride(0), ks1 = key.stride(1), ks2 = key.stride(2);
+  const int64_t vs0 = value.stride(0), vs1 = value.stride(1), vs2 = value.stride(2);
   at::parallel_for(0, n * heads, std::max<int64_t>(1, 16384 / std::max<int64_t>(d, 1)), [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t t = item / heads, h = item % heads, slot = slots[t];
       if (slot < 0) continue;
       T* kout = k_pool + (h * pool_slots + slot) * d;
       T* vout = v_pool + (h * pool_slots + slot) * d;
-      const T* kin = kd + t * key.stride(0) + h * key.stride(1);
-      const T* vin = vd + t * value.stride(0) + h * value.stride(1);
-      for (int64_t i = 0; i < d; ++i) kout[i] = kin[i * key.stride(2)];
-      for (int64_t i = 0; i < d; ++i) vout[i] = vin[i * value.stride(2)];
+      const T* kin = kd + t * ks0 + h * ks1;
+      const T* vin = vd + t * vs0 + h * vs1;
+      if (ks2 == 1) {
+        std::copy(kin, kin + d, kout);
+      } else {
+        for (int64_t i = 0; i < d; ++i) kout[i] = kin[i * ks2];
+      }
+      if (vs2 == 1) {
+        std::copy(vin, vin + d, vout);
+      } else {
+        for (int64_t i = 0; i < d; ++i) vout[i] = vin[i * vs2];
+      }
     }
   });
 }
