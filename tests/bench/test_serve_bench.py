@@ -65,3 +65,29 @@ def test_vllm_client_summary_leaves_out_runs_that_completed_nothing():
     summary, ratios = vllm_client.summarise(runs)
     assert summary["hf_paged"]["output_throughput"] is None and summary["hf_paged"]["failed"]["median"] == 4
     assert ratios["hf_paged/vllm"]["output_throughput"] is None
+
+
+def test_idle_servers_cpu_is_counted_per_session():
+    """session_cpu_s sums every process of a server's session (what an idle peer spends during a run)."""
+    import subprocess
+    import sys
+    import time
+
+    from bench.serve_servers import session_cpu_s
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\ntime.sleep(30)"
+    proc = subprocess.Popen([sys.executable, "-c", burn], start_new_session=True)
+    try:
+        used = 0.0
+        for _ in range(100):                       # until the burn is done (bounded: 10 s)
+            used = session_cpu_s(proc.pid)
+            if used is None or used >= 0.3:
+                break
+            time.sleep(0.1)
+        if used is None:
+            pytest.skip("no /proc here")
+        assert 0.3 <= used < 5.0
+        assert session_cpu_s(proc.pid + 10**7) == 0.0        # no such session: nothing counted
+    finally:
+        proc.kill()
+        proc.wait()
+    assert serve_load.parse_args([], "x").settle == 5.0
