@@ -256,12 +256,21 @@ void chunk_item(Scratch& s, TileCache& cache, const Geometry& g, const Tiles& ti
       block_tiles(tiles, cache, h, table_block(g, row, b), g.num_blocks, keys, head_dim, true, b == own,
                   s.kbuf.data() + n * head_dim, s.vbuf.data() + n * head_dim, k, v);
       s.blocks[nb] = TileBlock{k, v, keys};
-      score_block(k, keys, s.qt.data(), head_dim, rows, s.scores.data() + n * rows);
       n += keys;
     }
     const bool masked = tile_bounds(s, g, t0, count, b0 * g.block_size, n, vectors);
-    softmax_tile(s.scores.data(), n, rows, vectors, RowState{s.m.data(), s.l.data(), s.corr.data(), s.lo.data(),
-                 s.hi.data()}, masked);
+    // Row slice by row slice: a slice's scores (n keys x kRowStep rows) go through the softmax while they are
+    // still in L1, and its slice of qt serves every block of the tile (the same numbers as scoring the whole
+    // tile first: rows are independent).
+    const RowState state{s.m.data(), s.l.data(), s.corr.data(), s.lo.data(), s.hi.data()};
+    for (int64_t r0 = 0; r0 < vectors; r0 += kRowStep) {
+      simd::V scored_max[2] = {simd::set1(-std::numeric_limits<float>::infinity()),
+                               simd::set1(-std::numeric_limits<float>::infinity())};
+      for (int64_t b = 0, at = 0; b < nb; at += s.blocks[b].keys, ++b)
+        score_block(s.blocks[b].k, s.blocks[b].keys, s.qt.data(), head_dim, rows, r0, s.scores.data() + at * rows,
+                    scored_max);
+      softmax_rows(s.scores.data(), n, rows, r0, std::min(r0 + kRowStep, vectors), state, masked, scored_max);
+    }
     value_tile(s.acc.data(), s.corr.data(), s.scores.data(), rows, s.blocks.data(), nb, live, head_dim);
   }
 }

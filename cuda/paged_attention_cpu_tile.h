@@ -32,9 +32,11 @@ struct TileBlock {
   int64_t keys;
 };
 
-// st[kb][r0 : r0 + kRowStep] = k[kb] . qt[:, r0 : r0 + kRowStep] for KB consecutive keys (rows of k).
+// st[kb][r0 : r0 + kRowStep] = k[kb] . qt[:, r0 : r0 + kRowStep] for KB consecutive keys (rows of k); tmax
+// (two vectors) takes the lane-wise maximum of the stored scores, in key order.
 template <int KB>
-inline void score_keys(const float* k, const float* qt, int64_t head_dim, int64_t rows, int64_t r0, float* st) {
+inline void score_keys(const float* k, const float* qt, int64_t head_dim, int64_t rows, int64_t r0, float* st,
+                       simd::V* tmax) {
   using namespace simd;
   V a[KB][2];
   for (int kb = 0; kb < KB; ++kb) a[kb][0] = a[kb][1] = set1(0.f);
@@ -49,24 +51,26 @@ inline void score_keys(const float* k, const float* qt, int64_t head_dim, int64_
   for (int kb = 0; kb < KB; ++kb) {
     store(st + kb * rows + r0, a[kb][0]);
     store(st + kb * rows + r0 + kLanes, a[kb][1]);
+    tmax[0] = max(tmax[0], a[kb][0]);
+    tmax[1] = max(tmax[1], a[kb][1]);
   }
 }
 
-// Scores of one block's `keys` keys against all `rows` (padded) query rows, into st (this block's first row).
-inline void score_block(const float* k, int64_t keys, const float* qt, int64_t head_dim, int64_t rows, float* st) {
-  for (int64_t r0 = 0; r0 < rows; r0 += kRowStep) {
-    int64_t j = 0;
-    for (; j + kKeyRegs <= keys; j += kKeyRegs) score_keys<kKeyRegs>(k + j * head_dim, qt, head_dim, rows, r0, st + j * rows);
-    const float* kj = k + j * head_dim;
-    float* sj = st + j * rows;
-    switch (keys - j) {        // the block's last keys: a narrower tile, never a read past the block
-      case 5: score_keys<5>(kj, qt, head_dim, rows, r0, sj); break;
-      case 4: score_keys<4>(kj, qt, head_dim, rows, r0, sj); break;
-      case 3: score_keys<3>(kj, qt, head_dim, rows, r0, sj); break;
-      case 2: score_keys<2>(kj, qt, head_dim, rows, r0, sj); break;
-      case 1: score_keys<1>(kj, qt, head_dim, rows, r0, sj); break;
-      default: break;
-    }
+// Scores of one block's `keys` keys against query rows [r0, r0 + kRowStep), into st (this block's first row).
+inline void score_block(const float* k, int64_t keys, const float* qt, int64_t head_dim, int64_t rows, int64_t r0,
+                        float* st, simd::V* tmax) {
+  int64_t j = 0;
+  for (; j + kKeyRegs <= keys; j += kKeyRegs)
+    score_keys<kKeyRegs>(k + j * head_dim, qt, head_dim, rows, r0, st + j * rows, tmax);
+  const float* kj = k + j * head_dim;
+  float* sj = st + j * rows;
+  switch (keys - j) {        // the block's last keys: a narrower tile, never a read past the block
+    case 5: score_keys<5>(kj, qt, head_dim, rows, r0, sj, tmax); break;
+    case 4: score_keys<4>(kj, qt, head_dim, rows, r0, sj, tmax); break;
+    case 3: score_keys<3>(kj, qt, head_dim, rows, r0, sj, tmax); break;
+    case 2: score_keys<2>(kj, qt, head_dim, rows, r0, sj, tmax); break;
+    case 1: score_keys<1>(kj, qt, head_dim, rows, r0, sj, tmax); break;
+    default: break;
   }
 }
 
@@ -76,23 +80,26 @@ struct RowState {
   float *m, *l, *corr, *lo, *hi;
 };
 
-// Online softmax over the key tile's n keys for the first `live` rows (a multiple of kLanes): masks the
-// scores outside [lo, hi) (when `masked`; otherwise every row sees every key), updates m and l, turns st into
-// the weights exp(s - m_new) and sets corr = exp(m_old - m_new). A row that has seen no key keeps m = -inf,
-// l = 0 and gets corr = 0 (its accumulator is 0 anyway).
-inline void softmax_tile(float* st, int64_t n, int64_t rows, int64_t live, const RowState& rs, bool masked) {
+// Online softmax over the key tile's n keys for rows [begin, end) (multiples of kLanes): masks the scores
+// outside [lo, hi) (when `masked`; otherwise every row sees every key), updates m and l, turns st into the
+// weights exp(s - m_new) and sets corr = exp(m_old - m_new). A row that has seen no key keeps m = -inf, l = 0
+// and gets corr = 0 (its accumulator is 0 anyway). Each vector of rows is independent of the others.
+// scored_max: the scores' maximum per row from score_keys (rows from `begin`), used when nothing is masked.
+inline void softmax_rows(float* st, int64_t n, int64_t rows, int64_t begin, int64_t end, const RowState& rs,
+                         bool masked, const simd::V* scored_max) {
   using namespace simd;
-  for (int64_t r0 = 0; r0 < live; r0 += kLanes) {
-    const V lo = load(rs.lo + r0), hi = load(rs.hi + r0), old_max = load(rs.m + r0);
-    V tile_max = set1(-std::numeric_limits<float>::infinity());
-    for (int64_t j = 0; j < n; ++j) {
-      float* s = st + j * rows + r0;
-      V x = load(s);
-      if (masked) {
-        x = keep_between(x, set1(static_cast<float>(j)), lo, hi);
+  for (int64_t r0 = begin; r0 < end; r0 += kLanes) {
+    const V old_max = load(rs.m + r0);
+    V tile_max = scored_max[(r0 - begin) / kLanes];
+    if (masked) {                                      // the maximum of what the rows see, after masking
+      const V lo = load(rs.lo + r0), hi = load(rs.hi + r0);
+      tile_max = set1(-std::numeric_limits<float>::infinity());
+      for (int64_t j = 0; j < n; ++j) {
+        float* s = st + j * rows + r0;
+        const V x = keep_between(load(s), set1(static_cast<float>(j)), lo, hi);
         store(s, x);
+        tile_max = max(tile_max, x);
       }
-      tile_max = max(tile_max, x);
     }
     const V new_max = max(old_max, tile_max), shift = finite_or_zero(new_max);
     const V corr = exp_nonpositive(sub(old_max, shift));
