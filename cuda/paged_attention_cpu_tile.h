@@ -173,9 +173,16 @@ inline void value_tail(float* acc, const float* corr, const float* pt, int64_t r
 inline void value_tile(float* acc, const float* corr, const float* pt, int64_t rows, const TileBlock* blocks,
                        int64_t num_blocks, int64_t live, int64_t head_dim) {
   constexpr int64_t kWide = 2 * simd::kLanes;
+  // AVX-512's 32 registers hold 6 rows x 4 vectors of sums (64 channels): each weight broadcast and each pt read
+  // serve twice the channels. (AVX2's 16 would spill.) A channel's sum is the same either way.
+  constexpr bool kFour = simd::kLanes == 16;
   for (int64_t r0 = 0; r0 < live; r0 += kRowRegs) {
     const int64_t rb = std::min(kRowRegs, live - r0);
     int64_t d0 = 0;
+    if constexpr (kFour) {
+      for (; d0 + 2 * kWide <= head_dim; d0 += 2 * kWide)
+        value_block_rows<4>(rb, acc, corr, pt, rows, blocks, num_blocks, r0, d0, head_dim);
+    }
     for (; d0 + kWide <= head_dim; d0 += kWide)
       value_block_rows<2>(rb, acc, corr, pt, rows, blocks, num_blocks, r0, d0, head_dim);
     for (; d0 + simd::kLanes <= head_dim; d0 += simd::kLanes)
