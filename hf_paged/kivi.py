@@ -87,6 +87,8 @@ class KiviPool(QuantizedPool):
         (default the same); ``rotation``: R for a value pool (keys take none)."""
         KIVI.check_head_dim(head_dim)
         KIVI.check_block_size(block_size)
+        if is_key and rotation is not None:
+            raise ValueError("KIVI keys are not rotated (per-channel scales isolate their outlier channels)")
         data = torch.zeros((heads, num_blocks, block_size, head_dim // 2), dtype=torch.uint8, device=device)
         scale_shape = (2, head_dim) if is_key else (block_size, KIVI.num_scales(head_dim))
         scales = torch.ones((heads, num_blocks, *scale_shape), dtype=torch.bfloat16, device=device)
@@ -94,8 +96,6 @@ class KiviPool(QuantizedPool):
         sinks = open_capacity if sink_capacity is None else sink_capacity
         sink = SideStore.empty(heads, num_blocks, (head_dim,), sinks, dtype, device)
         fresh = FreshRows(open_.rows[:, :0], torch.full((num_blocks,), -1, dtype=torch.int64, device=device))
-        if is_key and rotation is not None:
-            raise ValueError("KIVI keys are not rotated (per-channel scales isolate their outlier channels)")
         return cls(data, scales, KIVI, head_dim, rotation, is_key, open_, sink, fresh)
 
     def with_tensors(self, data: torch.Tensor, scales: torch.Tensor) -> KiviPool:
