@@ -38,6 +38,7 @@ struct PlainTiles {
     return float_tile(v + (h * num_blocks + block) * tile, buffer, rows * head_dim);
   }
   const float* rotation() const { return nullptr; }
+  bool rotates_query() const { return false; }
   bool hadamard() const { return false; }
   static constexpr bool kConverts = false;       // f32 read in place; 16-bit converted per item, as before
 };

@@ -5,6 +5,7 @@
 //   const float* values(int64_t h, int64_t block, int64_t rows, float* buffer, bool own) const
 //   const float* rotation() const        fp32 [D, D] R or nullptr: the pools hold x R (kv_formats), so each
 //                                        query row is rotated once on entry and each output once on exit
+//   bool rotates_query() const           false: R only unrotates the output (the keys are stored unrotated)
 //   bool hadamard() const                R is_hadamard (then rotated by the fast transform)
 //   static constexpr bool kConverts      tiles are made (dequantised), not read in place; then also
 //   void key_rows(h, block, from, to, float* dst, bool own) const / value_rows(...): rows [from, to) into dst
@@ -306,7 +307,7 @@ void attend_item(Scratch& s, TileCache& cache, const Geometry& g, const Tiles& t
   }
   const float* rotation = tiles.rotation();
   const bool hadamard = tiles.hadamard();
-  if (rotation != nullptr)
+  if (rotation != nullptr && tiles.rotates_query())
     for (int64_t qi = 0; qi < queries; ++qi)
       rotate_row(s.q.data() + qi * head_dim, rotation, head_dim, false, s.row.data(), hadamard);
   for (int64_t i = 0; i < queries * head_dim; ++i) s.q[i] *= g.scale;

@@ -19,6 +19,8 @@
 // (Geometry::own_blocks), so that each key block is read one way per item.
 // With `rotation` R given, the query arrives unrotated and the output leaves unrotated: each query row is
 // rotated once per work item and each output row unrotated once (paged_attention_cpu.h), never per key.
+// With `rotate_query` false as well (KIVI: keys are stored unrotated, values rotated), only the output is
+// unrotated: the query arrives as the keys hold it.
 // dequantize_rows is the test hook that runs one format's row function (SIMD or scalar) alone.
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
@@ -70,7 +72,9 @@ struct QuantTiles {
   int64_t num_blocks, block_size, head_dim;
   const float* rotate = nullptr;          // R, or none: the query and output are in the pools' space
   bool is_hadamard_ = false;              // R is the normalised Sylvester-Hadamard matrix
+  bool rotates_query_ = true;             // false: R unrotates the output only (the keys are not rotated)
   const float* rotation() const { return rotate; }
+  bool rotates_query() const { return rotates_query_; }
   bool hadamard() const { return is_hadamard_; }
 
   static constexpr bool kConverts = true;
@@ -196,8 +200,9 @@ QuantSide<T> make_side(const char* which, const at::Tensor& codes, const at::Ten
 
 template <typename T>
 void run(const at::Tensor& query, const Geometry& g, const QuantSide<T>& k, const QuantSide<T>& v,
-         const std::optional<at::Tensor>& rotation, at::Tensor& out) {
+         const std::optional<at::Tensor>& rotation, bool rotate_query, at::Tensor& out) {
   QuantTiles<T> tiles{k, v, g.num_blocks, g.block_size, g.head_dim};
+  tiles.rotates_query_ = rotate_query;
   at::Tensor r;                           // a contiguous R (QR-made ones are column-major), alive for the call
   if (rotation.has_value()) {
     TORCH_CHECK(rotation->scalar_type() == at::kFloat && rotation->dim() == 2 && rotation->size(0) == g.head_dim &&
@@ -213,10 +218,11 @@ void run(const at::Tensor& query, const Geometry& g, const QuantSide<T>& k, cons
 template <typename T>
 void dispatch(const at::Tensor& query, const Geometry& g, const at::Tensor& k_codes, const at::Tensor& k_scales,
               const at::Tensor& v_codes, const at::Tensor& v_scales, int64_t k_format, int64_t v_format,
-              at::TensorList k_kivi, at::TensorList v_kivi, const std::optional<at::Tensor>& rotation, at::Tensor& out) {
+              at::TensorList k_kivi, at::TensorList v_kivi, const std::optional<at::Tensor>& rotation, bool rotate_query,
+              at::Tensor& out) {
   const QuantSide<T> k = make_side<T>("k", k_codes, k_scales, k_format, query, k_kivi);
   const QuantSide<T> v = make_side<T>("v", v_codes, v_scales, v_format, query, v_kivi);
-  run<T>(query, g, k, v, rotation, out);
+  run<T>(query, g, k, v, rotation, rotate_query, out);
 }
 
 at::Tensor paged_attention_quant(const at::Tensor& query, const at::Tensor& k_codes, const at::Tensor& k_scales,
@@ -224,7 +230,8 @@ at::Tensor paged_attention_quant(const at::Tensor& query, const at::Tensor& k_co
                                  const at::Tensor& block_tables, const at::Tensor& token_row,
                                  const at::Tensor& token_pos, double scale, int64_t window, int64_t k_format,
                                  int64_t v_format, std::optional<at::TensorList> k_kivi,
-                                 std::optional<at::TensorList> v_kivi, const std::optional<at::Tensor>& rotation) {
+                                 std::optional<at::TensorList> v_kivi, const std::optional<at::Tensor>& rotation,
+                                 bool rotate_query) {
   TORCH_CHECK(k_codes.dim() == 4 && k_codes.sizes() == v_codes.sizes(),
               "k_codes and v_codes must be [Hkv, blocks, BS, bytes] alike, got ", k_codes.sizes(), " and ",
               v_codes.sizes());
@@ -238,7 +245,7 @@ at::Tensor paged_attention_quant(const at::Tensor& query, const at::Tensor& k_co
 #define HFP_CASE(kind, type)                                                                                    \
   case kind:                                                                                                    \
     dispatch<type>(query, g, k_codes, k_scales, v_codes, v_scales, k_format, v_format, k_side, v_side, rotation, \
-                   out);                                                                                        \
+                   rotate_query, out);                                                                          \
     break;
     HFP_CASE(at::kFloat, float)
     HFP_CASE(at::kBFloat16, c10::BFloat16)
@@ -281,7 +288,7 @@ int64_t codec_lanes() {
 TORCH_LIBRARY_FRAGMENT(hf_paged_cpu, m) {
   m.def("paged_attention_quant(Tensor query, Tensor k_codes, Tensor k_scales, Tensor v_codes, Tensor v_scales, "
         "Tensor block_tables, Tensor token_row, Tensor token_pos, float scale, int window, int k_format, "
-        "int v_format, Tensor[]? k_kivi=None, Tensor[]? v_kivi=None, Tensor? rotation=None) -> Tensor");
+        "int v_format, Tensor[]? k_kivi=None, Tensor[]? v_kivi=None, Tensor? rotation=None, bool rotate_query=True) -> Tensor");
   m.def("dequantize_rows(Tensor codes, Tensor scales, int format, int head_dim, bool simd) -> Tensor");
   m.def("codec_lanes() -> int", &codec_lanes);       // no tensor argument: a catch-all kernel
 }

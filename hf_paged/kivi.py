@@ -6,7 +6,7 @@ head_dim, capped at head_dim), both asymmetric 4-bit. Values are stored rotated 
 the other formats (``kv_formats.rotation_matrix``, a Hadamard matrix for power-of-two head dims): a token's
 elements then spread evenly over its range, so its 16 levels fit them better (measured: 8-10% less KL on every
 kind of text tried, ``bench/results/kivi-lab-vrot-20261205.py``); attention unrotates its output
-(``Step.attend``), as for the rotating formats. Keys are not rotated: R would mix the key channels whose
+(``Step.attend``; the CPU kernel each output row itself, leaving the query as it is), as for the rotating formats. Keys are not rotated: R would mix the key channels whose
 outliers per-channel scales exist to isolate. Everything a value pool stores (codes, open slots, sinks,
 fresh rows) is in the rotated space: the rotated states are rounded to the model's dtype before anything is
 stored, so every way a block is sealed quantises the same rows. Beside the codes, in the model's dtype:
@@ -364,7 +364,8 @@ def write_kv(k_pool: KiviPool, v_pool: KiviPool, key: torch.Tensor, value: torch
     ``KiviPool.write_planned``'s (CPU pools only). Values are rotated here (in fp32, then rounded to their dtype)."""
     if plan.keep is not None:
         key, value = key.index_select(0, plan.keep), value.index_select(0, plan.keep)
-    value = v_pool.rotate(value).to(value.dtype)
+    # contiguous first: a strided [N, Hkv, D] view (of the step's q/k/v product) takes a batched matmul 3x slower
+    value = v_pool.rotate(value.contiguous()).to(value.dtype)
     k_pool.write_planned(key, plan, op)
     v_pool.write_planned(value, plan, op)
 

@@ -162,15 +162,16 @@ def quantised_args(k_pool, v_pool, dtype: torch.dtype):
     return k[0], k[1], v[0], v[1], k[2], v[2], k[3], v[3]
 
 
-def kernel_call(backend, query, k_pool, v_pool, rotation=None):
+def kernel_call(backend, query, k_pool, v_pool, rotation=None, rotate_query=True):
     """``call(query, block_tables, token_row, token_pos, scale, window)`` running the kernel that reads these
     pools (model-dtype or quantised), or None for the PyTorch path (mixed dtypes, a format it does not read).
-    ``rotation``: R, for a query not yet rotated (the kernel rotates it and unrotates the output)."""
+    ``rotation``: R, for a query not yet rotated (the kernel rotates it and unrotates the output; with
+    ``rotate_query`` False it only unrotates the output: KIVI, whose keys are stored unrotated)."""
     if isinstance(k_pool, QuantizedPool):
         args = quantised_args(k_pool, v_pool, query.dtype)
         if args is None:
             return None
-        codes, rest = args[:4], (*args[4:], rotation)
+        codes, rest = args[:4], (*args[4:], rotation, rotate_query)
         return lambda q, tables, rows, pos, scale, window: backend.quant_op(q, *codes, tables, rows, pos, scale,
                                                                             window, *rest)
     if query.dtype != k_pool.dtype:
@@ -186,10 +187,11 @@ class CpuStep(Step):
 
     def attend(self, query, k_pool, v_pool, scale, window):
         """As Step.attend; rotated quantised pools (one R for keys and values) have the kernel rotate each
-        query row on entry and each output row on exit, instead of two matmuls around the call."""
-        rotation = getattr(k_pool, "rotation", None)
-        if rotation is not None and query.device == self.device and getattr(v_pool, "rotation", None) is rotation:
-            call = kernel_call(self.backend, query, k_pool, v_pool, rotation)
+        query row on entry and each output row on exit, instead of two matmuls around the call; KIVI's (values
+        rotated, keys not) have it unrotate the output only."""
+        k_rotation, rotation = getattr(k_pool, "rotation", None), getattr(v_pool, "rotation", None)
+        if rotation is not None and (k_rotation is None or k_rotation is rotation) and query.device == self.device:
+            call = kernel_call(self.backend, query, k_pool, v_pool, rotation, rotate_query=k_rotation is not None)
             if call is not None:
                 plan = self.plan
                 return call(query.contiguous(), plan.block_tables, plan.token_row, plan.token_pos, float(scale),

@@ -224,9 +224,9 @@ def test_kivi_sealed_and_open_blocks(backend, dtype):
 KIVI_STEP = [(33, 1), (31, 1), (10, 30), (0, 70), (70, 5), (70, 3), (40, 24)]
 
 
-def kivi_step(num_q, num_kv, head_dim, dtype, seed):
+def kivi_step(num_q, num_kv, head_dim, dtype, seed, rotation=None):
     """KIVI pools after earlier writes (one per row) and the step's one packed write, and the step's plan and
-    queries: (k, v, plan, query [T, Hq, D])."""
+    queries: (k, v, plan, query [T, Hq, D]). ``rotation``: the value pool's R (its rows are taken as stored)."""
     from hf_paged.blocks import BlockTable
     from hf_paged.plan import packed_plan
     bs = kv_formats.KIVI_BLOCK_SIZE
@@ -236,7 +236,8 @@ def kivi_step(num_q, num_kv, head_dim, dtype, seed):
     order = torch.randperm(num_blocks, generator=gen).tolist()
     tables = [order[sum(need[:r]):sum(need[:r + 1])] for r in range(len(need))]
     tables[5][:2] = tables[4][:2]                               # shared sealed blocks (a forked prefix)
-    k, v = (KiviPool.new(is_key, num_kv, num_blocks, bs, head_dim, dtype, "cpu", 2) for is_key in (True, False))
+    k, v = (KiviPool.new(is_key, num_kv, num_blocks, bs, head_dim, dtype, "cpu", 2, rotation=None if is_key else rotation)
+            for is_key in (True, False))
 
     def write(rows_tokens):
         slots = torch.tensor([tables[r][p // bs] * bs + p % bs for r, p in rows_tokens], dtype=torch.int64)
@@ -284,6 +285,30 @@ def test_kivi_reads_follow_the_position_rule(backend, dtype, heads, window):
     assert_close(without_sinks, ta.TorchBackend().prepare(plan).attend(query, k, v, 0.125, window), dtype)
     if window == 0:
         assert (without_sinks.float() - without_fresh.float()).abs().max() > 1e-2, "row 0 of block 0 from the sink"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kivi_rotated_values_are_unrotated_by_the_kernel(backend, monkeypatch, dtype):
+    """KIVI stores values rotated and keys not: the kernel unrotates each output row itself and leaves the
+    query as it is (no PyTorch rotation per layer), equal to the PyTorch path's query-as-is, output-unrotated."""
+    rotation = kv_formats.rotation_matrix(64)
+    k, v, plan, query = kivi_step(8, 2, 64, dtype, seed=4, rotation=rotation)
+    ref = ta.TorchBackend().prepare(plan).attend(query, k, v, 0.125, 0)
+    unrotated = KiviPool(v.data, v.scales, v.fmt, v.head_dim, None, False, v.open, v.sink, v.fresh)
+    rotated_out = ta.TorchBackend().prepare(plan).attend(query, k, unrotated, 0.125, 0)
+    assert (rotated_out.float() - ref.float()).abs().max() > 0.1, "the output's unrotation changes it"
+
+    def refuse(*args):
+        raise AssertionError("rotated in PyTorch")
+    monkeypatch.setattr(kv_formats.QuantizedPool, "rotate", refuse)
+    monkeypatch.setattr(kv_formats.QuantizedPool, "unrotate", refuse)
+    out = backend.prepare(plan).attend(query, k, v, 0.125, 0)
+    if dtype == torch.float32:
+        assert_close(out, ref, dtype)
+    else:   # the PyTorch path rounds the rotated output to the dtype, then unrotates and rounds again; the
+        # kernel unrotates the float sums and rounds once: they differ by up to a few ulps of the largest element
+        atol = 4 * torch.finfo(dtype).eps * float(ref.float().abs().max())
+        torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=0)
 
 
 # -- routing and refusals -----------------------------------------------------------------------------
