@@ -120,3 +120,25 @@ def test_bad_values_are_refused_with_their_name(settings, message):
     model = make_model("llama", seed=14)
     with pytest.raises(ValueError, match=message):
         LLM(model).generate([[4, 5, 6]], max_new_tokens=2, do_sample=True, **settings)
+
+
+def test_greedy_rows_take_torch_argmax_with_its_ties_and_nans():
+    """The sampler's greedy pick is torch's argmax, bit for bit: the first of tied maxima, a NaN as the maximum
+    (the first NaN), rows all -inf -> 0, in every float dtype and at a real vocabulary's width."""
+    from types import SimpleNamespace
+
+    from hf_paged.engine.sampler import sample
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        logits = torch.randn(9, 49152, generator=gen).to(dtype)
+        logits[1, 5] = logits[1, 900] = 100
+        logits[2, 7], logits[2, 3] = float("nan"), 100
+        logits[3, 9] = logits[3, 2] = float("nan")
+        logits[4] = float("-inf")
+        logits[5, 10] = logits[5, 20] = float("inf")
+        logits[6] = logits[6].round()                       # whole numbers: the top value repeats
+        params = SimpleNamespace(do_sample=False, processes_logits=False)
+        seqs = [SimpleNamespace(request=SimpleNamespace(params=params, min_new_tokens=0), num_output=0)] * 9
+        tokens = sample(logits, seqs)
+        assert tokens == logits.argmax(-1).tolist()
+        assert tokens[1:6] == [5, 7, 2, 0, 10]
