@@ -25,9 +25,28 @@ def serving_app(model: str, config: ServeConfig, **engine_knobs):
 
     loaded, tokenizer = load_model(model, dtype=config.dtype, trust_remote_code=config.trust_remote_code,
                                    quantization=config.quantization)
+    note = auto_dtype_note(config.dtype, loaded)
+    if note:
+        log.info(note)
     app_options = {f.name: getattr(config, f.name) for f in dataclasses.fields(AppConfig)}
     app_options["served_model_name"] = config.served_model_name or model
     return create_app(loaded, tokenizer, **app_options, **engine_knobs)
+
+
+def auto_dtype_note(dtype: str, model) -> str | None:
+    """What ``--dtype auto`` did differently from vLLM's ``auto``, or None: a float32 checkpoint stays float32
+    here (the default path's tokens), where vLLM would run it in bfloat16 on a CPU with bf16 instructions."""
+    import torch
+
+    from hf_paged.engine.cpu_bf16 import native_bf16
+
+    weight = next(model.parameters(), None)
+    if dtype != "auto" or weight is None or weight.dtype != torch.float32 or weight.device.type != "cpu" \
+            or not native_bf16():
+        return None
+    return ("--dtype auto keeps this float32 checkpoint in float32 (the transformers default path's tokens); "
+            "vLLM's auto would run it in bfloat16 on this CPU, which has bf16 instructions: faster, not "
+            "token-exact (README, 'bf16 on the CPU'); pass --dtype bfloat16 for that")
 
 
 def serve(model: str, **options) -> int:

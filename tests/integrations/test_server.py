@@ -426,3 +426,19 @@ def test_real_server_chat_and_sigterm(tmp_path):
             proc.kill()
             proc.wait()
         log.close()
+
+
+def test_auto_dtype_says_what_vllm_would_do(monkeypatch):
+    """--dtype auto keeps a float32 checkpoint in float32; on a CPU with bf16 instructions the server says that
+    vLLM's auto would run bfloat16 there, and how to ask for it. Nothing to say otherwise."""
+    import torch
+
+    from hf_paged.engine import cpu_bf16
+    from hf_paged.integrations.server.main import auto_dtype_note
+    fp32, bf16 = make_model("llama"), make_model("llama", dtype=torch.bfloat16)
+    monkeypatch.setattr(cpu_bf16, "cpu_flags", lambda cpuinfo="/proc/cpuinfo": {"avx512f", "amx_bf16"})
+    note = auto_dtype_note("auto", fp32)
+    assert note is not None and "--dtype bfloat16" in note and "float32" in note
+    assert auto_dtype_note("float32", fp32) is None and auto_dtype_note("auto", bf16) is None
+    monkeypatch.setattr(cpu_bf16, "cpu_flags", lambda cpuinfo="/proc/cpuinfo": {"avx2", "fma"})
+    assert auto_dtype_note("auto", fp32) is None
