@@ -21,6 +21,7 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
 
 #include <algorithm>
 #include <cmath>
@@ -42,6 +43,19 @@ inline void to_float(const T* src, float* dst, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
+#if defined(__AVX512F__)
+// bf16 -> float is a 16-bit shift: 16 at a time in 512-bit registers (the compiler's loop used 256-bit ones
+// with a cross-lane extract, and a decode step's K/V tiles of a bf16 pool go through here).
+template <>
+inline void to_float<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
+    _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)));
+  }
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+#endif
 
 template <typename T>
 inline void from_float(const float* src, T* dst, int64_t n) {
@@ -73,8 +87,36 @@ struct Scratch {
 
 // sc[j] = q . k[j] for keys jlo <= j < jhi of a [keys, D] tile: four keys at a time, each with its own
 // accumulator, so that the FMAs of one key do not wait on each other (one horizontal sum per key).
+#if defined(__AVX512F__)
+// The 16 lane sums of v[0..15] as one vector (lane i: the sum of v[i]'s lanes): a transposing tree of 45
+// unpacks, shuffles and adds, against about 7 operations for each separate horizontal sum.
+inline __m512 lane_sums16(const __m512* v) {
+  __m512 a[8], b[4];
+  for (int i = 0; i < 8; ++i)     // per 128-bit lane: v2i's and v2i+1's elements 0+2 and 1+3, interleaved
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)     // per 128-bit lane: that lane's sums of v4i .. v4i+3
+    b[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0x44), _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0xEE));
+  const __m512 c0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x88), _mm512_shuffle_f32x4(b[0], b[1], 0xDD));
+  const __m512 c1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x88), _mm512_shuffle_f32x4(b[2], b[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(c0, c1, 0x88), _mm512_shuffle_f32x4(c0, c1, 0xDD));
+}
+#endif
+
 inline void scores(const float* q, const float* k, int64_t jlo, int64_t jhi, int64_t head_dim, float* sc) {
   int64_t j = jlo;
+#if defined(__AVX512F__)
+  if (head_dim % 16 == 0) {       // 16 keys at a time, one accumulator each, one transposing sum for all
+    for (; j + 16 <= jhi; j += 16) {
+      __m512 acc[16];
+      for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+      for (int64_t d = 0; d < head_dim; d += 16) {
+        const __m512 qd = _mm512_loadu_ps(q + d);
+        for (int i = 0; i < 16; ++i) acc[i] = _mm512_fmadd_ps(qd, _mm512_loadu_ps(k + (j + i) * head_dim + d), acc[i]);
+      }
+      _mm512_storeu_ps(sc + j, lane_sums16(acc));
+    }
+  }
+#endif
   for (; j + 4 <= jhi; j += 4) {
     const float *k0 = k + j * head_dim, *k1 = k0 + head_dim, *k2 = k1 + head_dim, *k3 = k2 + head_dim;
     float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
@@ -96,10 +138,36 @@ inline void scores(const float* q, const float* k, int64_t jlo, int64_t jhi, int
   }
 }
 
+#if defined(__AVX512F__)
+// accumulate for head_dim = 16 N: the whole row in N registers, each key's weight broadcast once and its row
+// read once. Per channel the same operations in the same order as accumulate's loop (acc * corr, then
+// + p[j] v[j] in key order).
+template <int N>
+inline void accumulate_row(float* acc, float corr, const float* p, const float* v, int64_t jlo, int64_t jhi) {
+  __m512 a[N];
+  const __m512 c = _mm512_set1_ps(corr);
+  for (int i = 0; i < N; ++i) a[i] = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * i), c);
+  for (int64_t j = jlo; j < jhi; ++j) {
+    const __m512 pj = _mm512_set1_ps(p[j]);
+    const float* vj = v + j * 16 * N;
+    for (int i = 0; i < N; ++i) a[i] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vj + 16 * i), a[i]);
+  }
+  for (int i = 0; i < N; ++i) _mm512_storeu_ps(acc + 16 * i, a[i]);
+}
+#endif
+
 // acc = acc * corr + sum_j p[j] v[j] over keys jlo <= j < jhi: eight channels at a time, held in one
 // register across all keys (stored once per block, not once per key).
 inline void accumulate(float* acc, float corr, const float* p, const float* v, int64_t jlo, int64_t jhi,
                        int64_t head_dim) {
+#if defined(__AVX512F__)
+  switch (head_dim) {              // the row in registers, see accumulate_row
+    case 64: return accumulate_row<4>(acc, corr, p, v, jlo, jhi);
+    case 128: return accumulate_row<8>(acc, corr, p, v, jlo, jhi);
+    case 256: return accumulate_row<16>(acc, corr, p, v, jlo, jhi);
+    default: break;
+  }
+#endif
   int64_t d0 = 0;
   for (; d0 + 8 <= head_dim; d0 += 8) {
     float a[8];
@@ -124,8 +192,15 @@ inline void accumulate(float* acc, float corr, const float* p, const float* v, i
 // Online softmax over scores sc[jlo:jhi] of one query: updates its running max m and sum l, turns the
 // scores into weights exp(s - m_new), and returns the factor exp(m_old - m_new) for its accumulator.
 inline float softmax_update(float* sc, int64_t jlo, int64_t jhi, float& m, float& l) {
-  float block_max = -std::numeric_limits<float>::infinity();
-  for (int64_t j = jlo; j < jhi; ++j) block_max = std::max(block_max, sc[j]);
+  // four running maxima: one chain of dependent max instructions per block was a third of the decode path's
+  // time (a max is the same in any order)
+  constexpr float kLow = -std::numeric_limits<float>::infinity();
+  float m0 = kLow, m1 = kLow, m2 = kLow, m3 = kLow;
+  int64_t i = jlo;
+  for (; i + 4 <= jhi; i += 4)
+    m0 = std::max(m0, sc[i]), m1 = std::max(m1, sc[i + 1]), m2 = std::max(m2, sc[i + 2]), m3 = std::max(m3, sc[i + 3]);
+  for (; i < jhi; ++i) m0 = std::max(m0, sc[i]);
+  const float block_max = std::max(std::max(m0, m1), std::max(m2, m3));
   const float new_max = std::max(m, block_max);
   const float corr = exp_nonpositive(m - new_max);        // ~0 on the first block (m = -inf)
   float sum = 0.f;

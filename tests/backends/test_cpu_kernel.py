@@ -23,7 +23,7 @@ def backend():
 
 
 GRID = [pytest.param(d, bs, dtype, heads, window, id=f"d{d}-b{bs}-{str(dtype)[6:]}-q{heads[0]}kv{heads[1]}-w{window}")
-        for i, (d, bs, window) in enumerate(itertools.product([40, 64, 80, 128], [1, 8, 12, 16, 32], [0, 5]))
+        for i, (d, bs, window) in enumerate(itertools.product([40, 64, 80, 128, 256], [1, 8, 12, 16, 32], [0, 5]))
         for dtype, heads in [(DTYPES[i % 3], HEADS[i % len(HEADS)])]]
 
 
