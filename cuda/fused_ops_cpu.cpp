@@ -301,7 +301,9 @@ void silu_mul_rows(const at::Tensor& gate, const at::Tensor& up, at::Tensor& out
   const T* gd = gate.data_ptr<T>();
   const T* ud = up.data_ptr<T>();
   T* od = out.data_ptr<T>();
-  at::parallel_for(0, rows, grain_rows(width), [&](int64_t begin, int64_t end) {
+  // An exp and a division per element: a quarter of the other ops' grain already pays for a second thread
+  // (SmolLM2's 16 x 1536 at 2 threads: 21 -> 13 us in bf16, 12 -> 11 in fp32).
+  at::parallel_for(0, rows, std::max<int64_t>(1, grain_rows(width) / 4), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) silu_mul_row<T>(gd + t * gate.stride(0), ud + t * up.stride(0), od + t * width, width);
   });
 }
