@@ -85,8 +85,6 @@ struct Scratch {
   static int64_t pad(int64_t n) { return (n + kRowStep - 1) / kRowStep * kRowStep; }
 };
 
-// sc[j] = q . k[j] for keys jlo <= j < jhi of a [keys, D] tile: four keys at a time, each with its own
-// accumulator, so that the FMAs of one key do not wait on each other (one horizontal sum per key).
 #if defined(__AVX512F__)
 // The 16 lane sums of v[0..15] as one vector (lane i: the sum of v[i]'s lanes): a transposing tree of 45
 // unpacks, shuffles and adds, against about 7 operations for each separate horizontal sum.
@@ -102,6 +100,9 @@ inline __m512 lane_sums16(const __m512* v) {
 }
 #endif
 
+// sc[j] = q . k[j] for keys jlo <= j < jhi of a [keys, D] tile: four keys at a time, each with its own
+// accumulator, so that the FMAs of one key do not wait on each other (one horizontal sum per key);
+// with AVX-512 and head_dim % 16 == 0, sixteen keys at a time and one transposing sum for all of them.
 inline void scores(const float* q, const float* k, int64_t jlo, int64_t jhi, int64_t head_dim, float* sc) {
   int64_t j = jlo;
 #if defined(__AVX512F__)
@@ -192,8 +193,8 @@ inline void accumulate(float* acc, float corr, const float* p, const float* v, i
 // Online softmax over scores sc[jlo:jhi] of one query: updates its running max m and sum l, turns the
 // scores into weights exp(s - m_new), and returns the factor exp(m_old - m_new) for its accumulator.
 inline float softmax_update(float* sc, int64_t jlo, int64_t jhi, float& m, float& l) {
-  // four running maxima: one chain of dependent max instructions per block was a third of the decode path's
-  // time (a max is the same in any order)
+  // four running maxima, not one chain of dependent max instructions (perf put a third of the decode path's
+  // samples on that chain); a max is the same in any order
   constexpr float kLow = -std::numeric_limits<float>::infinity();
   float m0 = kLow, m1 = kLow, m2 = kLow, m3 = kLow;
   int64_t i = jlo;
