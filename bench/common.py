@@ -64,6 +64,35 @@ def _cpuinfo() -> tuple[str, set[str]]:
     return model, flags
 
 
+def _stat_fields(path: Path) -> list[str] | None:
+    """/proc/<pid>/stat's fields from the state on (the name before them may hold spaces), or None (exited)."""
+    try:
+        return path.read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def process_cpu_s(pid: int) -> float | None:
+    """CPU seconds (user + system, every thread) process ``pid`` has used so far; None without /proc or once
+    it has exited."""
+    fields = _stat_fields(Path(f"/proc/{pid}/stat"))
+    return None if fields is None else (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def session_cpu_s(session: int) -> float | None:
+    """CPU seconds (user + system, every thread) used so far by the live processes of ``session`` (a server
+    started with ``start_new_session``: its pid), read from /proc; None where there is no /proc."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return None
+    total = 0
+    for stat in proc.glob("[0-9]*/stat"):
+        fields = _stat_fields(stat)
+        if fields is not None and int(fields[3]) == session:    # fields from state: state ppid pgrp session ...
+            total += int(fields[11]) + int(fields[12])           # utime, stime
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 def machine() -> dict:
     """The CPU, the flags of it that matter here, cores (and those this process may use), torch's thread
     count, the platform and the load average now."""

@@ -10,8 +10,9 @@ venv exists, ``vllm serve`` (skipped with a printed reason when absent).
 
 Each round starts every server once (all at once, each health-checked and warmed with two untimed
 requests), then for each request rate runs the servers one at a time in a rotated order, so that a noisy
-moment hits all of them, each run after ``--settle`` seconds of quiet (a server that has just run or warmed up
-may still poll for a while) and with the idle servers' CPU seconds during it recorded; the servers are stopped at the end of the round, whatever happens. One run:
+moment hits all of them, each run after ``--settle`` seconds of quiet (a server that has just run or warmed
+up may still poll for a while) and with the idle servers' CPU seconds during it recorded; the servers are
+stopped at the end of the round, whatever happens. One run:
 ``--requests`` streamed ``/v1/completions`` at Poisson arrival times (seeded: the same schedule and prompts
 for every server in a round), or all at once for rate ``inf`` (the saturated run; ``--saturate`` runs it alone), ShareGPT-shaped lengths clipped to ``--max-prompt`` / ``--max-output``,
 greedy, EOS ignored (bench/serve_client.py measures TTFT, ITL, E2E). Per server and rate: min / median /
@@ -33,11 +34,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from .common import RESULTS, load_avg, machine, now, versions
+from .common import RESULTS, load_avg, machine, now, session_cpu_s, versions
 from .serve_client import arrivals, run_load, workload
 from .serve_report import INF, fmt_ms, rate_key, rate_label, ratios, summarise, write
-from .serve_servers import (LAUNCHER, SERVERS, Server, launch, log_tail, make_server, resolve_model, session_cpu_s,
-                            stop, transformers_skip_reason, vllm_skip_reason, wait_healthy)
+from .serve_servers import (LAUNCHER, SERVERS, Server, launch, log_tail, make_server, resolve_model, stop,
+                            transformers_skip_reason, vllm_skip_reason, wait_healthy)
 
 WARMUP_REQUESTS = 2
 

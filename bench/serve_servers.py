@@ -239,24 +239,6 @@ def wait_healthy(srv: Server, timeout_s: float) -> None:
             srv.torch_threads = int(line.split("=", 1)[1])
 
 
-def session_cpu_s(session: int) -> float | None:
-    """CPU seconds (user + system, every thread) used so far by the live processes of ``session`` (a server
-    started with ``start_new_session``: its pid), read from /proc; None where there is no /proc."""
-    proc = Path("/proc")
-    if not proc.is_dir():
-        return None
-    ticks = os.sysconf("SC_CLK_TCK")
-    total = 0
-    for stat in proc.glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue                                   # exited meanwhile
-        if int(fields[3]) == session:                  # fields from state: state ppid pgrp session ...
-            total += int(fields[11]) + int(fields[12])      # utime, stime
-    return total / ticks
-
-
 def stop(srv: Server, timeout_s: float = 15.0) -> None:
     """SIGTERM, wait (bounded), then SIGKILL; the server's whole process group."""
     proc = srv.proc

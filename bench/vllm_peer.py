@@ -26,6 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from .common import process_cpu_s
 from .workloads import Workload
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -124,15 +125,9 @@ class Peer:
         return self.info
 
     def cpu_seconds(self) -> float | None:
-        """CPU seconds (user + system, all its threads) the worker process has used so far; None without /proc
-        or a live worker. Read around the other side's runs: what vLLM's process did while it should idle."""
-        if self.proc is None:
-            return None
-        try:
-            fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            return None
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")     # utime, stime
+        """CPU seconds the worker process has used so far (None without /proc or a live worker): read around
+        the other side's runs, what vLLM's process did while it should idle."""
+        return None if self.proc is None else process_cpu_s(self.proc.pid)
 
     def run_once(self) -> dict:
         self._send("run")

@@ -73,7 +73,7 @@ def test_idle_servers_cpu_is_counted_per_session():
     import sys
     import time
 
-    from bench.serve_servers import session_cpu_s
+    from bench.common import session_cpu_s
     burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\ntime.sleep(30)"
     proc = subprocess.Popen([sys.executable, "-c", burn], start_new_session=True)
     try:
