@@ -311,9 +311,45 @@ inline bool is_hadamard(const float* r, int64_t d) {
   return true;
 }
 
+#if defined(__AVX512F__)
+// One butterfly stage of distance h < 16 inside a 16-lane vector: lane j (bit h clear) gets a + b, lane j + h
+// gets a - b, with a = x[j], b = x[j + h]: the scalar loop's two operations on the same operands.
+template <int H>
+inline __m512 hadamard_lanes(__m512 v) {
+  __m512 partner;
+  if constexpr (H == 8) partner = _mm512_shuffle_f32x4(v, v, 0x4E);          // 256-bit halves swapped
+  else if constexpr (H == 4) partner = _mm512_shuffle_f32x4(v, v, 0xB1);     // 128-bit lanes swapped in pairs
+  else if constexpr (H == 2) partner = _mm512_permute_ps(v, 0x4E);           // 64-bit pairs swapped
+  else partner = _mm512_permute_ps(v, 0xB1);                                 // neighbours swapped
+  constexpr __mmask16 kUpper = H == 8 ? 0xFF00 : H == 4 ? 0xF0F0 : H == 2 ? 0xCCCC : 0xAAAA;
+  return _mm512_mask_sub_ps(_mm512_add_ps(v, partner), kUpper, partner, v);
+}
+#endif
+
 // x <- x H for that matrix (symmetric, so also x H^T): the fast Walsh-Hadamard transform, D log D additions
-// instead of D^2 multiply-adds, then the 1/sqrt(D) scale.
+// instead of D^2 multiply-adds, then the 1/sqrt(D) scale. With AVX-512 and D a multiple of 16 (the stages
+// below 16 inside each vector, the others between vectors) every element sees the scalar loop's additions
+// in the same order: the same result bit for bit.
 inline void hadamard_row(float* x, int64_t d, float scale) {
+#if defined(__AVX512F__)
+  if (d % 16 == 0 && d <= 256) {
+    __m512 v[16];
+    const int64_t n = d / 16;
+    for (int64_t i = 0; i < n; ++i) {
+      v[i] = _mm512_loadu_ps(x + 16 * i);
+      v[i] = hadamard_lanes<8>(hadamard_lanes<4>(hadamard_lanes<2>(hadamard_lanes<1>(v[i]))));
+    }
+    for (int64_t h = 1; h < n; h *= 2)
+      for (int64_t i = 0; i < n; i += 2 * h)
+        for (int64_t j = i; j < i + h; ++j) {
+          const __m512 a = v[j], b = v[j + h];
+          v[j] = _mm512_add_ps(a, b), v[j + h] = _mm512_sub_ps(a, b);
+        }
+    const __m512 s = _mm512_set1_ps(scale);
+    for (int64_t i = 0; i < n; ++i) _mm512_storeu_ps(x + 16 * i, _mm512_mul_ps(v[i], s));
+    return;
+  }
+#endif
   for (int64_t h = 1; h < d; h *= 2) {
     for (int64_t i = 0; i < d; i += 2 * h) {
 #pragma omp simd

@@ -10,9 +10,11 @@ namespace hfp_codec {
 // The inverse direction, for the quantising write (kv_write_cpu.cpp): kv_formats.quantize bit for bit on
 // the same fp32 input (fp32 math, the scale rounded to bf16 before use, 1 where it is not positive, fp8's
 // searched among 16 candidates, codes from x / stored scale, clamped, then round-to-nearest-even or the
-// fp8 conversion), as cuda/kv_quant.cuh. Scalar code without reductions over floats (the search's error
-// sum is int64), so no ISA variant of the -march=native build can change a code.
-// Scalar: a row is D elements, written once per token; the read side is what runs per step.
+// fp8 conversion), as cuda/kv_quant.cuh. No sums over floats (the search's error sum is int64; the absolute
+// maximum is order-free), so no ISA variant of the -march=native build can change a code: with AVX-512 the
+// maximum, the search's error and the codes run 16 lanes at a time by the scalar code's own steps (the
+// scalar loops stay for other ISAs and tails; tests/backends/test_codec_isa.py compares the builds).
+// A row is written once per token, but every token of every layer: an fp8 row's search is 16 x D divisions.
 inline uint32_t bits_of(float x) {
   uint32_t u;
   std::memcpy(&u, &x, sizeof u);
@@ -48,16 +50,56 @@ inline uint8_t fp8_code(float x) {
 
 inline uint8_t int8_code(float x) { return static_cast<uint8_t>(static_cast<int8_t>(round_even(x))); }
 
+// The largest |x[i]|, i < n, as a loop of std::max(amax, |x[i]|) from 0 finds it (a NaN element is passed
+// over: _mm512_max_ps returns its second operand when either is NaN).
+inline float abs_max(const float* x, int64_t n) {
+  float amax = 0.f;
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  __m512 lanes = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) lanes = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(x + i)), lanes);
+  amax = _mm512_reduce_max_ps(lanes);
+#endif
+  for (; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
+  return amax;
+}
+
+// codes[i] = Code(x[i] / s clamped to +-code_max), i < n. With AVX-512, 16 lanes at a time by the same integer
+// steps: fp8_code<M, B> (M > 0) or int8_code (M = 0; _mm512_cvtps_epi32 rounds to nearest even as round_even).
+template <uint8_t (*Code)(float), int M, int B>
+inline void encode_codes(const float* x, int64_t n, float s, float code_max, uint8_t* codes) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  const __m512 scale = _mm512_set1_ps(s), high = _mm512_set1_ps(code_max), low = _mm512_set1_ps(-code_max);
+  for (; i + 16 <= n; i += 16) {
+    const __m512 y = _mm512_min_ps(_mm512_max_ps(_mm512_div_ps(_mm512_loadu_ps(x + i), scale), low), high);
+    __m512i code;
+    if constexpr (M == 0) {
+      code = _mm512_cvtps_epi32(y);
+    } else {
+      constexpr int kDrop = 23 - M;
+      const __m512i bits = _mm512_castps_si512(y), magnitude = _mm512_set1_epi32(0x7FFFFFFF);
+      const __m512i mag = _mm512_and_si512(bits, magnitude);
+      const __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(mag, _mm512_set1_epi32((1 << (kDrop - 1)) - 1)),
+                                               _mm512_and_si512(_mm512_srli_epi32(mag, kDrop), _mm512_set1_epi32(1)));
+      const __m512i normal = _mm512_sub_epi32(_mm512_srli_epi32(rounded, kDrop), _mm512_set1_epi32((127 - B) << M));
+      const __m512i small = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_castsi512_ps(mag), _mm512_set1_ps(static_cast<float>(1 << (B - 1 + M)))));
+      const __mmask16 subnormal = _mm512_cmplt_epu32_mask(mag, _mm512_set1_epi32(static_cast<int32_t>(static_cast<uint32_t>(128 - B) << 23)));
+      code = _mm512_or_si512(_mm512_srli_epi32(_mm512_andnot_si512(magnitude, bits), 24), _mm512_mask_blend_epi32(subnormal, normal, small));
+    }
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i), _mm512_cvtepi32_epi8(code));
+  }
+#endif
+  for (; i < n; ++i) codes[i] = Code(std::min(std::max(x[i] / s, -code_max), code_max));
+}
+
 // Symmetric 8-bit row: `num_scales` groups along D, each scaled by its absolute maximum / code_max.
-template <uint8_t (*Code)(float)>
+template <uint8_t (*Code)(float), int M, int B>
 inline void encode8(const float* x, int64_t d, int64_t num_scales, float code_max, uint8_t* codes, uint16_t* scales) {
   const int64_t group = d / num_scales;
   for (int64_t g = 0; g < num_scales; ++g) {
-    float amax = 0.f;
-    for (int64_t i = g * group; i < (g + 1) * group; ++i) amax = std::max(amax, std::fabs(x[i]));
-    scales[g] = stored_scale(amax / code_max);
-    const float s = bf16(scales[g]);
-    for (int64_t i = g * group; i < (g + 1) * group; ++i) codes[i] = Code(std::min(std::max(x[i] / s, -code_max), code_max));
+    scales[g] = stored_scale(abs_max(x + g * group, group) / code_max);
+    encode_codes<Code, M, B>(x + g * group, group, bf16(scales[g]), code_max, codes + g * group);
   }
 }
 
@@ -104,10 +146,43 @@ inline float fp8_rounded(float y) {
 
 template <int M, int B>
 inline int64_t squared_error(const float* x, int64_t n, float code_max, float s, float first, float second) {
-  int64_t total = 0;
+  int64_t total = 0, i = 0;
+#if defined(__AVX512F__)
+  // The loop below, 16 lanes at a time in explicit intrinsics (the compiler's own vectorisation of it took
+  // 8-lane vectors and widened each q to int64 by permutes): the same operations per lane, q squared into
+  // int64 by vpmuldq on the even and the odd int32 lanes (exact; the sum is order-free).
+  constexpr uint32_t kMinNormal = static_cast<uint32_t>(128 - B) << 23;
+  constexpr int kDrop = 23 - M;
+  constexpr float kUp = static_cast<float>(1 << (B - 1 + M)), kDown = 1.0f / kUp;
+  const __m512 scale = _mm512_set1_ps(s), high = _mm512_set1_ps(code_max), low = _mm512_set1_ps(-code_max);
+  const __m512 to_units = _mm512_set1_ps(first), to_units2 = _mm512_set1_ps(second);
+  const __m512 up = _mm512_set1_ps(kUp), down = _mm512_set1_ps(kDown);
+  const __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF), below_half = _mm512_set1_epi32((1 << (kDrop - 1)) - 1);
+  const __m512i one = _mm512_set1_epi32(1), kept = _mm512_set1_epi32(~((1 << kDrop) - 1));
+  const __m512i min_normal = _mm512_set1_epi32(static_cast<int32_t>(kMinNormal));
+  __m512i sums = _mm512_setzero_si512();
+  for (; i + 16 <= n; i += 16) {
+    const __m512 xv = _mm512_loadu_ps(x + i);
+    // std::min(std::max(y, -code_max), code_max) for finite y (x is finite, s > 0)
+    const __m512i bits = _mm512_castps_si512(_mm512_min_ps(_mm512_max_ps(_mm512_div_ps(xv, scale), low), high));
+    const __m512i mag = _mm512_and_si512(bits, magnitude);
+    const __m512i normal = _mm512_and_si512(
+        _mm512_add_epi32(_mm512_add_epi32(mag, below_half), _mm512_and_si512(_mm512_srli_epi32(mag, kDrop), one)), kept);
+    const __m512 small = _mm512_mul_ps(
+        _mm512_roundscale_ps(_mm512_mul_ps(_mm512_castsi512_ps(mag), up), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), down);
+    const __m512i rounded = _mm512_or_si512(_mm512_andnot_si512(magnitude, bits),
+        _mm512_mask_blend_epi32(_mm512_cmplt_epu32_mask(mag, min_normal), normal, _mm512_castps_si512(small)));
+    const __m512 residual = _mm512_sub_ps(xv, _mm512_mul_ps(_mm512_castsi512_ps(rounded), scale));
+    const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_mul_ps(residual, to_units), to_units2));
+    sums = _mm512_add_epi64(sums, _mm512_mul_epi32(q, q));
+    const __m512i odd = _mm512_srli_epi64(q, 32);
+    sums = _mm512_add_epi64(sums, _mm512_mul_epi32(odd, odd));
+  }
+  total = _mm512_reduce_add_epi64(sums);
+#endif
 #pragma omp simd reduction(+ : total)
-  for (int64_t i = 0; i < n; ++i) {
-    const float residual = x[i] - fp8_rounded<M, B>(std::min(std::max(x[i] / s, -code_max), code_max)) * s;
+  for (int64_t t = i; t < n; ++t) {
+    const float residual = x[t] - fp8_rounded<M, B>(std::min(std::max(x[t] / s, -code_max), code_max)) * s;
     const int64_t q = static_cast<int32_t>(std::nearbyint(residual * first * second));
     total += q * q;
   }
@@ -120,8 +195,7 @@ inline void encode8_searched(const float* x, int64_t d, int64_t num_scales, floa
   const int64_t group = d / num_scales;
   for (int64_t g = 0; g < num_scales; ++g) {
     const float* row = x + g * group;
-    float amax = 0.f;
-    for (int64_t i = 0; i < group; ++i) amax = std::max(amax, std::fabs(row[i]));
+    const float amax = abs_max(row, group);
     const uint32_t exponent = (bits_of(amax) >> 23) & 0xFFu, low = exponent >> 1;
     const float first = from_bits((203u - low) << 23), second = from_bits((202u - (exponent - low)) << 23);
     const float base = amax / code_max;
@@ -133,8 +207,7 @@ inline void encode8_searched(const float* x, int64_t d, int64_t num_scales, floa
       if (best_error < 0 || error < best_error) best_error = error, best = candidate;
     }
     scales[g] = best;
-    const float s = bf16(best);
-    for (int64_t i = 0; i < group; ++i) codes[g * group + i] = Code(std::min(std::max(row[i] / s, -code_max), code_max));
+    encode_codes<Code, M, B>(row, group, bf16(best), code_max, codes + g * group);
   }
 }
 
@@ -171,7 +244,7 @@ inline void encode_nvfp4(const float* x, int64_t d, int64_t, uint8_t* codes, uin
 }
 
 using EncodeFn = void (*)(const float*, int64_t, int64_t, uint8_t*, uint16_t*);
-inline void encode_int8(const float* x, int64_t d, int64_t s, uint8_t* c, uint16_t* sc) { encode8<int8_code>(x, d, s, 127.f, c, sc); }
+inline void encode_int8(const float* x, int64_t d, int64_t s, uint8_t* c, uint16_t* sc) { encode8<int8_code, 0, 0>(x, d, s, 127.f, c, sc); }
 inline void encode_e4m3(const float* x, int64_t d, int64_t s, uint8_t* c, uint16_t* sc) {
   encode8_searched<fp8_code<3, 7>, 3, 7>(x, d, s, 448.f, c, sc);
 }
