@@ -42,8 +42,43 @@ inline uint8_t code_of(float x, float low, float scale) {
   return static_cast<uint8_t>(std::min(std::max(r, 0.f), kCodeMax));
 }
 
+#if defined(__AVX512F__)
+// seal_keys below for d a multiple of 16: channels in the lanes (the running minimum and maximum second, as
+// std::min / std::max pass a NaN over), codes as code_of (sub, div, round half even, clamp in float).
+void seal_keys_avx512(const float* x, int64_t bs, int64_t d, bool sink, uint8_t* codes, uint16_t* scales) {
+  for (int64_t c = 0; c < d; c += 16) {
+    __m512 low = _mm512_set1_ps(std::numeric_limits<float>::infinity()), high = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t r = sink ? 1 : 0; r < bs; ++r) {
+      const __m512 v = _mm512_loadu_ps(x + r * d + c);
+      low = _mm512_min_ps(v, low), high = _mm512_max_ps(v, high);
+    }
+    alignas(64) float lows[16], ranges[16];
+    _mm512_store_ps(lows, low);
+    _mm512_store_ps(ranges, _mm512_div_ps(_mm512_sub_ps(high, low), _mm512_set1_ps(kCodeMax)));
+    for (int64_t i = 0; i < 16; ++i) {
+      scales[c + i] = hfp_codec::stored_scale(ranges[i]);
+      scales[d + c + i] = hfp_codec::to_bf16(lows[i]);
+    }
+  }
+  for (int64_t c = 0; c < d; c += 16) {
+    alignas(64) float lows[16], steps[16];
+    for (int64_t i = 0; i < 16; ++i) lows[i] = hfp_codec::bf16(scales[d + c + i]), steps[i] = hfp_codec::bf16(scales[c + i]);
+    const __m512 low = _mm512_load_ps(lows), step = _mm512_load_ps(steps);
+    for (int64_t r = 0; r < bs; ++r) {
+      const __m512 q = _mm512_roundscale_ps(_mm512_div_ps(_mm512_sub_ps(_mm512_loadu_ps(x + r * d + c), low), step),
+                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      const __m512i code = _mm512_cvttps_epi32(_mm512_min_ps(_mm512_max_ps(q, _mm512_setzero_ps()), _mm512_set1_ps(kCodeMax)));
+      hfp_codec::store_nibbles(code, codes + (r * d + c) / 2);
+    }
+  }
+}
+#endif
+
 // The rows [bs][d] (fp32) of one (head, block): keys per channel.
 void seal_keys(const float* x, int64_t bs, int64_t d, bool sink, uint8_t* codes, uint16_t* scales) {
+#if defined(__AVX512F__)
+  if (d % 16 == 0) return seal_keys_avx512(x, bs, d, sink, codes, scales);
+#endif
   for (int64_t c = 0; c < d; ++c) {
     float low = std::numeric_limits<float>::infinity(), high = -low;
     for (int64_t r = sink ? 1 : 0; r < bs; ++r) {
