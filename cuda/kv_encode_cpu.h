@@ -252,24 +252,44 @@ inline uint8_t e2m1_code(float v) {
   return static_cast<uint8_t>(code | ((v < 0.f && code > 0) ? 8u : 0u));
 }
 
+#if defined(__AVX512F__)
+// A group's 16 e2m1 codes, e2m1_code's comparisons in the lanes (one mask per threshold), packed as nibbles.
+inline void e2m1_group(const float* in, float step, uint8_t* out) {
+  const __m512 v = _mm512_div_ps(_mm512_loadu_ps(in), _mm512_set1_ps(step)), a = _mm512_abs_ps(v);
+  const __m512i one = _mm512_set1_epi32(1);
+  __m512i code = _mm512_setzero_si512();
+  code = _mm512_mask_add_epi32(code, _mm512_cmp_ps_mask(a, _mm512_set1_ps(0.25f), _CMP_GT_OQ), code, one);
+  code = _mm512_mask_add_epi32(code, _mm512_cmp_ps_mask(a, _mm512_set1_ps(0.75f), _CMP_GE_OQ), code, one);
+  code = _mm512_mask_add_epi32(code, _mm512_cmp_ps_mask(a, _mm512_set1_ps(1.25f), _CMP_GT_OQ), code, one);
+  code = _mm512_mask_add_epi32(code, _mm512_cmp_ps_mask(a, _mm512_set1_ps(1.75f), _CMP_GE_OQ), code, one);
+  code = _mm512_mask_add_epi32(code, _mm512_cmp_ps_mask(a, _mm512_set1_ps(2.5f), _CMP_GT_OQ), code, one);
+  code = _mm512_mask_add_epi32(code, _mm512_cmp_ps_mask(a, _mm512_set1_ps(3.5f), _CMP_GE_OQ), code, one);
+  code = _mm512_mask_add_epi32(code, _mm512_cmp_ps_mask(a, _mm512_set1_ps(5.f), _CMP_GT_OQ), code, one);
+  const __mmask16 negative = _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_LT_OQ) &
+                             _mm512_cmpgt_epi32_mask(code, _mm512_setzero_si512());
+  store_nibbles(_mm512_mask_or_epi32(code, negative, code, _mm512_set1_epi32(8)), out);
+}
+#endif
+
 inline void encode_nvfp4(const float* x, int64_t d, int64_t, uint8_t* codes, uint16_t* scales) {
-  float amax = 0.f;
-  for (int64_t i = 0; i < d; ++i) amax = std::max(amax, std::fabs(x[i]));
-  scales[0] = stored_scale(amax / 2688.f);                                   // 6 * 448
+  scales[0] = stored_scale(abs_max(x, d) / 2688.f);                          // 6 * 448
   const float row = bf16(scales[0]);
   std::memset(codes, 0, static_cast<size_t>(d / 2));
   for (int64_t g = 0; g < d / kNvfp4Group; ++g) {
     const float* in = x + g * kNvfp4Group;
-    float group_max = 0.f;
-    for (int64_t i = 0; i < kNvfp4Group; ++i) group_max = std::max(group_max, std::fabs(in[i]));
-    const uint8_t group = fp8_code<3, 7>(std::min(group_max / 6.f / row, 448.f));
+    const uint8_t group = fp8_code<3, 7>(std::min(abs_max(in, kNvfp4Group) / 6.f / row, 448.f));
     codes[d / 2 + g] = group;
     const float step = fp8_value<3, 7>(group) * row;
     if (!(step > 0.f)) continue;                                             // a zero group: codes 0
+#if defined(__AVX512F__)
+    static_assert(kNvfp4Group == 16, "one vector per group");
+    e2m1_group(in, step, codes + g * kNvfp4Group / 2);
+#else
     for (int64_t i = 0; i < kNvfp4Group; ++i) {
       const int64_t at = g * kNvfp4Group + i;
       codes[at / 2] |= static_cast<uint8_t>(e2m1_code(in[i] / step) << (4 * (at & 1)));
     }
+#endif
   }
 }
 
