@@ -174,50 +174,71 @@ inline float fp8_rounded(float y) {
   return from_bits(sign | (mag < kMinNormal ? small : normal));
 }
 
+// The squared error of candidate scale s on x[0:n] in units of 2^(e - 151) (see kScaleSteps).
 template <int M, int B>
 inline int64_t squared_error(const float* x, int64_t n, float code_max, float s, float first, float second) {
-  int64_t total = 0, i = 0;
-#if defined(__AVX512F__)
-  // The loop below, 16 lanes at a time in explicit intrinsics (the compiler's own vectorisation of it took
-  // 8-lane vectors and widened each q to int64 by permutes): the same operations per lane, q squared into
-  // int64 by vpmuldq on the even and the odd int32 lanes (exact; the sum is order-free).
-  constexpr uint32_t kMinNormal = static_cast<uint32_t>(128 - B) << 23;
-  constexpr int kDrop = 23 - M;
-  constexpr float kUp = static_cast<float>(1 << (B - 1 + M)), kDown = 1.0f / kUp;
-  const __m512 scale = _mm512_set1_ps(s), high = _mm512_set1_ps(code_max), low = _mm512_set1_ps(-code_max);
-  const __m512 to_units = _mm512_set1_ps(first), to_units2 = _mm512_set1_ps(second);
-  const __m512 up = _mm512_set1_ps(kUp), down = _mm512_set1_ps(kDown);
-  const __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF), below_half = _mm512_set1_epi32((1 << (kDrop - 1)) - 1);
-  const __m512i one = _mm512_set1_epi32(1), kept = _mm512_set1_epi32(~((1 << kDrop) - 1));
-  const __m512i min_normal = _mm512_set1_epi32(static_cast<int32_t>(kMinNormal));
-  __m512i sums = _mm512_setzero_si512();
-  for (; i + 16 <= n; i += 16) {
-    const __m512 xv = _mm512_loadu_ps(x + i);
-    // std::min(std::max(y, -code_max), code_max) for finite y (x is finite, s > 0)
-    const __m512i bits = _mm512_castps_si512(_mm512_min_ps(_mm512_max_ps(_mm512_div_ps(xv, scale), low), high));
-    const __m512i mag = _mm512_and_si512(bits, magnitude);
-    const __m512i normal = _mm512_and_si512(
-        _mm512_add_epi32(_mm512_add_epi32(mag, below_half), _mm512_and_si512(_mm512_srli_epi32(mag, kDrop), one)), kept);
-    const __m512 small = _mm512_mul_ps(
-        _mm512_roundscale_ps(_mm512_mul_ps(_mm512_castsi512_ps(mag), up), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), down);
-    const __m512i rounded = _mm512_or_si512(_mm512_andnot_si512(magnitude, bits),
-        _mm512_mask_blend_epi32(_mm512_cmplt_epu32_mask(mag, min_normal), normal, _mm512_castps_si512(small)));
-    const __m512 residual = _mm512_sub_ps(xv, _mm512_mul_ps(_mm512_castsi512_ps(rounded), scale));
-    const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_mul_ps(residual, to_units), to_units2));
-    sums = _mm512_add_epi64(sums, _mm512_mul_epi32(q, q));
-    const __m512i odd = _mm512_srli_epi64(q, 32);
-    sums = _mm512_add_epi64(sums, _mm512_mul_epi32(odd, odd));
-  }
-  total = _mm512_reduce_add_epi64(sums);
-#endif
+  int64_t total = 0;
 #pragma omp simd reduction(+ : total)
-  for (int64_t t = i; t < n; ++t) {
-    const float residual = x[t] - fp8_rounded<M, B>(std::min(std::max(x[t] / s, -code_max), code_max)) * s;
+  for (int64_t i = 0; i < n; ++i) {
+    const float residual = x[i] - fp8_rounded<M, B>(std::min(std::max(x[i] / s, -code_max), code_max)) * s;
     const int64_t q = static_cast<int32_t>(std::nearbyint(residual * first * second));
     total += q * q;
   }
   return total;
 }
+
+#if defined(__AVX512F__)
+// The search below for a group of n = 16k <= 256 elements, in explicit intrinsics: the row's magnitudes loaded
+// once, the constants set once, all 16 candidates in one loop. On |x|: the error is even in x (the division,
+// the clamp, the rounding of magnitudes, the exact x - code * s and round-half-even are all symmetric), so
+// q(-x) = -q(x). q squared into int64 by vpmuldq on the even and the odd int32 lanes (exact, order-free).
+// A candidate stops once its partial sum reaches the best error so far: the terms are not negative and a
+// later candidate wins only with a smaller error. Returns the chosen bf16 scale.
+template <int M, int B>
+inline uint16_t search_scale_avx512(const float* x, int64_t n, float code_max, float base, float first, float second) {
+  constexpr uint32_t kMinNormal = static_cast<uint32_t>(128 - B) << 23;
+  constexpr int kDrop = 23 - M;
+  constexpr float kUp = static_cast<float>(1 << (B - 1 + M)), kDown = 1.0f / kUp;
+  const __m512 high = _mm512_set1_ps(code_max), to_units = _mm512_set1_ps(first), to_units2 = _mm512_set1_ps(second);
+  const __m512 up = _mm512_set1_ps(kUp), down = _mm512_set1_ps(kDown);
+  const __m512i below_half = _mm512_set1_epi32((1 << (kDrop - 1)) - 1), one = _mm512_set1_epi32(1);
+  const __m512i kept = _mm512_set1_epi32(~((1 << kDrop) - 1)), min_normal = _mm512_set1_epi32(static_cast<int32_t>(kMinNormal));
+  __m512 ax[16];
+  const int64_t vectors = n / 16;
+  for (int64_t v = 0; v < vectors; ++v) ax[v] = _mm512_abs_ps(_mm512_loadu_ps(x + 16 * v));
+  int64_t best_error = -1;
+  uint16_t best = 0;
+  for (const uint32_t step : kScaleSteps) {
+    const uint16_t candidate = stored_scale(base * from_bits(step));
+    const __m512 scale = _mm512_set1_ps(bf16(candidate));
+    __m512i sums = _mm512_setzero_si512();
+    int64_t error = 0;
+    for (int64_t v = 0; v < vectors; ++v) {
+      const __m512 y = _mm512_min_ps(_mm512_div_ps(ax[v], scale), high);
+      const __m512i mag = _mm512_castps_si512(y);
+      __m512i rounded = _mm512_and_si512(
+          _mm512_add_epi32(_mm512_add_epi32(mag, below_half), _mm512_and_si512(_mm512_srli_epi32(mag, kDrop), one)), kept);
+      const __mmask16 subnormal = _mm512_cmplt_epu32_mask(mag, min_normal);
+      if (subnormal) {                          // multiples of 2^(1 - B - M), rounded by an exact scaling
+        const __m512 small = _mm512_mul_ps(
+            _mm512_roundscale_ps(_mm512_mul_ps(y, up), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), down);
+        rounded = _mm512_mask_mov_epi32(rounded, subnormal, _mm512_castps_si512(small));
+      }
+      const __m512 residual = _mm512_sub_ps(ax[v], _mm512_mul_ps(_mm512_castsi512_ps(rounded), scale));
+      const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_mul_ps(residual, to_units), to_units2));
+      const __m512i odd = _mm512_srli_epi64(q, 32);
+      sums = _mm512_add_epi64(_mm512_add_epi64(sums, _mm512_mul_epi32(q, q)), _mm512_mul_epi32(odd, odd));
+      if ((v & 1) && v + 1 < vectors && best_error >= 0) {     // every 32 elements, unless the row ends here
+        error = _mm512_reduce_add_epi64(sums);
+        if (error >= best_error) break;
+      }
+      if (v + 1 == vectors) error = _mm512_reduce_add_epi64(sums);
+    }
+    if (best_error < 0 || error < best_error) best_error = error, best = candidate;
+  }
+  return best;
+}
+#endif
 
 template <uint8_t (*Code)(float), int M, int B>
 inline void encode8_searched(const float* x, int64_t d, int64_t num_scales, float code_max, uint8_t* codes,
@@ -229,12 +250,19 @@ inline void encode8_searched(const float* x, int64_t d, int64_t num_scales, floa
     const uint32_t exponent = (bits_of(amax) >> 23) & 0xFFu, low = exponent >> 1;
     const float first = from_bits((203u - low) << 23), second = from_bits((202u - (exponent - low)) << 23);
     const float base = amax / code_max;
-    int64_t best_error = -1;
     uint16_t best = 0;
-    for (const uint32_t step : kScaleSteps) {
-      const uint16_t candidate = stored_scale(base * from_bits(step));
-      const int64_t error = squared_error<M, B>(row, group, code_max, bf16(candidate), first, second);
-      if (best_error < 0 || error < best_error) best_error = error, best = candidate;
+#if defined(__AVX512F__)
+    if (group % 16 == 0 && group <= 256) {
+      best = search_scale_avx512<M, B>(row, group, code_max, base, first, second);
+    } else
+#endif
+    {
+      int64_t best_error = -1;
+      for (const uint32_t step : kScaleSteps) {
+        const uint16_t candidate = stored_scale(base * from_bits(step));
+        const int64_t error = squared_error<M, B>(row, group, code_max, bf16(candidate), first, second);
+        if (best_error < 0 || error < best_error) best_error = error, best = candidate;
+      }
     }
     scales[g] = best;
     encode_codes<Code, M, B>(row, group, bf16(best), code_max, codes + g * group);

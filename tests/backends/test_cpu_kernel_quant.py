@@ -457,7 +457,8 @@ def scale_search_rows(n: int, heads: int, d: int, seed: int) -> torch.Tensor:
     """fp32 [n, heads, d] rows for the fp8 scale search's edge cases: magnitudes from fp32 subnormals to
     1e37 (the fixed-point error's two power-of-two factors at both ends of the exponent range), a lone
     element, equal magnitudes and rows already on the code grid (candidates tie or one is exact: the
-    smallest j must win everywhere), negative zeros, and Gaussian rows."""
+    smallest j must win everywhere), negative zeros, a row that only the subnormal codes' rounding decides,
+    and Gaussian rows."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(n, heads, d, generator=gen)
     for i, magnitude in enumerate((1e-40, 1e-39, 1e-30, 1e-12, 1e12, 1e30, 1e37)):
@@ -470,6 +471,12 @@ def scale_search_rows(n: int, heads: int, d: int, seed: int) -> torch.Tensor:
     x[9] = grid[torch.randint(len(grid), (heads, d), generator=gen)] * 2.0 ** -5
     x[9, :, 0] = 448 * 2.0 ** -5
     x[10, :, ::2] = -0.0
+    # e4m3: 532 = 448 * 1.1875 is on the grid under candidates 0 (scale 1.1875) and 13 (scale 2.078125, 532 =
+    # 256 * 2.078125) only; the small half is 2^-9 (the smallest subnormal code) under 13 but 1.75 * 2^-9 under 0,
+    # so candidate 13 wins through the codes' subnormal rounding alone (rounded as a normal, 1.75 * 2^-9 is exact
+    # and candidate 0 would tie and win).
+    x[11, :, : d // 2] = 532.0
+    x[11, :, d // 2:] = 2.0 ** -9 * 2.078125
     return x
 
 
