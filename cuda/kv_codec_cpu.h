@@ -305,6 +305,22 @@ inline const char* simd_name() {
 // still takes the general product.
 inline bool is_hadamard(const float* r, int64_t d) {
   if (d < 2 || (d & (d - 1)) || !(r[0] > 0.f)) return false;
+#if defined(__AVX512F__)
+  if (d % 16 == 0) {           // 16 entries per compare: i & (j0 + l) splits into the disjoint bits i & j0, i & l
+    const __m512 plus = _mm512_set1_ps(r[0]), minus = _mm512_set1_ps(-r[0]);
+    for (int64_t i = 0; i < d; ++i) {
+      uint32_t lanes = 0;                      // lane l negative where popcount(i & l) is odd
+      for (int64_t l = 0; l < 16; ++l) lanes |= static_cast<uint32_t>(__builtin_popcountll(static_cast<uint64_t>(i & l)) & 1) << l;
+      for (int64_t j = 0; j < d; j += 16) {
+        const __mmask16 negative = static_cast<__mmask16>(__builtin_popcountll(static_cast<uint64_t>(i & j)) & 1 ? ~lanes : lanes);
+        // NEQ_UQ: a NaN entry also fails, as the scalar != does
+        if (_mm512_cmp_ps_mask(_mm512_loadu_ps(r + i * d + j), _mm512_mask_blend_ps(negative, plus, minus), _CMP_NEQ_UQ))
+          return false;
+      }
+    }
+    return true;
+  }
+#endif
   for (int64_t i = 0; i < d; ++i)
     for (int64_t j = 0; j < d; ++j)
       if (r[i * d + j] != (__builtin_popcountll(static_cast<uint64_t>(i & j)) & 1 ? -r[0] : r[0])) return false;

@@ -274,6 +274,22 @@ at::Tensor dequantize_rows(const at::Tensor& codes, const at::Tensor& scales, in
   return out;
 }
 
+// Test hook: rows x [N, D] fp32 through rotate_row (x R, or x R^T where transposed) as the kernel rotates
+// queries and outputs -> (the rotated rows, whether R was taken for the Sylvester-Hadamard matrix).
+std::tuple<at::Tensor, bool> rotate_rows(const at::Tensor& x, const at::Tensor& rotation, bool transposed) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && rotation.scalar_type() == at::kFloat &&
+              rotation.dim() == 2 && rotation.size(0) == x.size(1) && rotation.size(1) == x.size(1),
+              "rotate_rows: fp32 x [N, D] and R [D, D], got ", x.sizes(), " and ", rotation.sizes());
+  const at::Tensor r = rotation.contiguous();
+  at::Tensor out = x.contiguous().clone();
+  const int64_t d = x.size(1);
+  const bool hadamard = hfp_codec::is_hadamard(r.data_ptr<float>(), d);
+  std::vector<float> tmp(d);
+  for (int64_t i = 0; i < x.size(0); ++i)
+    hfp_cpu::rotate_row(out.data_ptr<float>() + i * d, r.data_ptr<float>(), d, transposed, tmp.data(), hadamard);
+  return {out, hadamard};
+}
+
 // SIMD lanes of the build's codec (16 AVX-512, 8 AVX2, 1 scalar): what -march=native chose on this CPU.
 int64_t codec_lanes() {
 #ifdef HFP_CODEC_SIMD
@@ -291,9 +307,11 @@ TORCH_LIBRARY_FRAGMENT(hf_paged_cpu, m) {
         "int v_format, Tensor[]? k_kivi=None, Tensor[]? v_kivi=None, Tensor? rotation=None, bool rotate_query=True) -> Tensor");
   m.def("dequantize_rows(Tensor codes, Tensor scales, int format, int head_dim, bool simd) -> Tensor");
   m.def("codec_lanes() -> int", &codec_lanes);       // no tensor argument: a catch-all kernel
+  m.def("rotate_rows(Tensor x, Tensor rotation, bool transposed) -> (Tensor, bool)");
 }
 
 TORCH_LIBRARY_IMPL(hf_paged_cpu, CPU, m) {
   m.impl("paged_attention_quant", &paged_attention_quant);
   m.impl("dequantize_rows", &dequantize_rows);
+  m.impl("rotate_rows", &rotate_rows);
 }

@@ -498,3 +498,38 @@ def test_write_searches_the_fp8_scale_as_kv_formats(backend, name):
     plain = (x.abs().amax(-1) / fmt.code_max).to(torch.bfloat16)
     stored = ours[0].scales.view(heads, -1)[:, slots].transpose(0, 1)
     assert (stored != torch.where(plain > 0, plain, torch.ones_like(plain))).any(), "the search never moved"
+
+
+def walsh_hadamard(x: torch.Tensor) -> torch.Tensor:
+    """kv_codec_cpu.h hadamard_row's scalar loop in PyTorch (fp32, the same additions in the same order)."""
+    x = x.clone()
+    d, h = x.shape[-1], 1
+    while h < d:
+        y = x.view(*x.shape[:-1], d // (2 * h), 2, h)
+        a, b = y[..., 0, :].clone(), y[..., 1, :].clone()
+        y[..., 0, :], y[..., 1, :] = a + b, a - b
+        h *= 2
+    return x * (1.0 / d ** 0.5)
+
+
+@pytest.mark.parametrize("d", [16, 32, 64, 128, 256])
+def test_rotation_takes_the_fast_transform_only_for_the_hadamard_matrix(backend, d):
+    """The kernel's query/output rotation (rotate_row): kv_formats.rotation_matrix(d) is recognised (is_hadamard)
+    and rotated by the fast transform, bit for bit the scalar loop's (SIMD builds included); a matrix that
+    differs in one entry (sign, last bits, NaN) takes the general product, which equals x @ R within rounding."""
+    gen = torch.Generator().manual_seed(d)
+    x = torch.randn(9, d, generator=gen) * torch.logspace(-3, 3, 9).view(-1, 1)
+    rotation = kv_formats.rotation_matrix(d)
+    for transposed in (False, True):
+        got, hadamard = torch.ops.hf_paged_cpu.rotate_rows(x, rotation, transposed)
+        assert hadamard
+        assert torch.equal(got, walsh_hadamard(x))
+    scale = float(rotation[0, 0])
+    for i, j, value in ((d - 1, d - 1, -rotation[d - 1, d - 1]), (3, d // 2 + 1, rotation[3, d // 2 + 1] * (1 + 2 ** -20)),
+                        (0, d - 5, float("nan")), (d // 2, 0, scale * 2)):
+        other = rotation.clone()
+        other[i, j] = value
+        got, hadamard = torch.ops.hf_paged_cpu.rotate_rows(x, other, False)
+        assert not hadamard, (i, j)
+        if value == value:                                       # (NaN: only that it is not taken)
+            torch.testing.assert_close(got, x @ other, rtol=1e-5, atol=1e-5 * float(x.abs().max()))
