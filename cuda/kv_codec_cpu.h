@@ -187,11 +187,31 @@ inline Vec fp8_vector(IVec c) {          // as fp8_value, lane-wise
   return asfloat(ior(asint(select_lt(em, 1 << kMantissa, sub, normal)), sign));
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// 16 fp8 codes through the fp16 conversion (vcvtph2ps): e5m2 is the top byte of an fp16 (the same exponent
+// bias), e4m3 (bias 7) shifted in as an fp16 (bias 15) is its value * 2^-8, subnormals included; every finite
+// code exactly. The caller multiplies e4m3 by 256 * scale (exact: a power of two), so the product is the
+// same single rounding of the same real number as fp8_value(code) * scale.
+template <int64_t kFormat>
+inline Vec fp8_half_vector(const uint8_t* p) {
+  const __m256i c = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  if constexpr (kFormat == kFp8E5M2) return _mm512_cvtph_ps(_mm256_slli_epi16(c, 8));
+  const __m256i half = _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi16(c, 8), _mm256_set1_epi16(static_cast<int16_t>(0x8000))),
+                                       _mm256_and_si256(_mm256_slli_epi16(c, 7), _mm256_set1_epi16(0x3F80)));
+  return _mm512_cvtph_ps(half);
+}
+constexpr float kE4m3HalfScale = 256.f;
+#endif
+
 template <int64_t kFormat>
 inline Vec code_vector(const uint8_t* p) {
   if constexpr (kFormat == kInt8) return tofloat(load_i8(p));
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  else return fp8_half_vector<kFormat>(p);           // e4m3: value / 256 (row8 folds the 256 into the scale)
+#else
   else if constexpr (kFormat == kFp8E4M3) return fp8_vector<3, 7>(load_u8(p));
   else return fp8_vector<2, 15>(load_u8(p));
+#endif
 }
 
 template <int64_t kFormat, float (*Value)(uint8_t)>
@@ -199,7 +219,11 @@ inline void row8(const uint8_t* codes, const uint16_t* scales, int64_t num_scale
   const int64_t group = d / num_scales;
   if (group % kLanes) return row8_scalar<Value>(codes, scales, num_scales, d, out);
   for (int64_t g = 0; g < num_scales; ++g) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    const Vec s = vset(kFormat == kFp8E4M3 ? bf16(scales[g]) * kE4m3HalfScale : bf16(scales[g]));
+#else
     const Vec s = vset(bf16(scales[g]));
+#endif
     for (int64_t i = g * group; i < (g + 1) * group; i += kLanes) vstore(out + i, vmul(code_vector<kFormat>(codes + i), s));
   }
 }
