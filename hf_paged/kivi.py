@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from itertools import repeat
 
 import torch
 
@@ -178,12 +179,15 @@ class KiviPool(QuantizedPool):
         store, sealing the blocks whose last row is written. ``op``: the CPU's ``hf_paged_cpu.kivi_write``
         (``CpuKernelBackend.kivi_write``), which moves the rows and seals in one call; None: PyTorch ops."""
         self.fresh.clear()
-        states = states.to(self.open.rows.dtype)
+        if states.dtype != self.open.rows.dtype:
+            states = states.to(self.open.rows.dtype)
         if plan.sink_rows:                                      # a sequence's position 0: its sink
             entries = [self.sink.take(block) for block in plan.sink_blocks]   # (may grow: index afterwards)
             self.sink.rows[:, entries] = states[plan.sink_rows].transpose(0, 1)
         # Sealed by this write: from the rows it writes alone (``whole``), else from the block's open slot.
-        whole = [b for b in plan.sealing if b in plan.whole and self.open.slot(b) < 0]
+        # (Held maps read directly in the loops below: they run per pool, layer and step.)
+        held = self.open.held
+        whole = [b for b in plan.sealing if b in plan.whole and b not in held]
         from_slots = [b for b in plan.sealing if b not in whole]
         for block in from_slots:
             if self.open.slot(block) < 0:
@@ -194,7 +198,7 @@ class KiviPool(QuantizedPool):
             self._into_slots(states, plan, plan.written)
             if plan.sealing:
                 self._seal(from_slots, whole, states, plan)
-        new = [b for b in plan.unsealed if self.open.slot(b) < 0]
+        new = [b for b in plan.unsealed if b not in held]
         for block in new:                                      # after sealing, which frees slots
             if plan.first_offset[block] > 0:                   # earlier rows to keep (a rewrite)
                 self._reopen(block)
@@ -215,8 +219,9 @@ class KiviPool(QuantizedPool):
         """``_into_slots`` and ``_seal`` in one call of the C++ op (the same slot rows, codes, scales and
         fresh rows: kivi_write_cpu.cpp equals ``quantize_blocks`` bit for bit)."""
         slot, sink = self.open.held.get, self.sink.held
-        args = plan.op_args(tuple(slot(b, -1) for b in plan.written), from_slots, tuple(slot(b, -1) for b in from_slots),
-                            whole, tuple(b in sink for b in from_slots + whole), self.data.shape[2])
+        args = plan.op_args(tuple(map(slot, plan.written, repeat(-1))), from_slots,
+                            tuple(slot(b, -1) for b in from_slots), whole, tuple(b in sink for b in from_slots + whole),
+                            self.data.shape[2])
         if args is None:
             return
         sealed = from_slots + whole
