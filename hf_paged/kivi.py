@@ -230,7 +230,7 @@ class KiviPool(QuantizedPool):
         src, dst, blocks, slots, rows, sinks = args
         op(states, src, dst, self.open.rows, blocks, slots, rows, sinks, self.data, self.scales, self.is_key, fresh)
         if sealed:
-            self.fresh.set(sealed, fresh)
+            self.fresh.set(sealed, fresh, blocks)
         for block in from_slots:
             self.open.release(block)
 

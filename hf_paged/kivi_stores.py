@@ -75,16 +75,19 @@ class FreshRows:
     rows: torch.Tensor
     block_slot: torch.Tensor
     blocks: list[int] = field(default_factory=list)
+    index: torch.Tensor | None = None      # ``blocks`` as a tensor on block_slot's device (kept for clear)
 
-    def set(self, blocks: list[int], rows: torch.Tensor) -> None:
+    def set(self, blocks: list[int], rows: torch.Tensor, index: torch.Tensor | None = None) -> None:
+        """``index``: ``blocks`` as an int64 tensor on the rows' device, where the caller has one."""
         self.clear()
         self.rows, self.blocks = rows, blocks
-        self.block_slot[torch.tensor(blocks, device=rows.device)] = torch.arange(len(blocks), device=rows.device)
+        self.index = torch.tensor(blocks, device=rows.device) if index is None else index
+        self.block_slot[self.index] = torch.arange(len(blocks), device=rows.device)
 
     def clear(self) -> None:
         if self.blocks:
-            self.block_slot[torch.tensor(self.blocks, device=self.block_slot.device)] = -1
-            self.blocks = []
+            self.block_slot[self.index] = -1
+            self.blocks, self.index = [], None
             self.rows = self.rows[:, :0]
 
     def grow(self, extra_blocks: int) -> None:
