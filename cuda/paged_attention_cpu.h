@@ -43,16 +43,13 @@ inline void to_float(const T* src, float* dst, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
-#if defined(__AVX512F__)
-// bf16 -> float is a 16-bit shift: 16 at a time in 512-bit registers (the compiler's loop used 256-bit ones
-// with a cross-lane extract, and a decode step's K/V tiles of a bf16 pool go through here).
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// bf16 -> float is a 16-bit shift: 16 at a time through the codec's load_bf16 (the compiler's loop used 256-bit
+// registers with a cross-lane extract, and a decode step's K/V tiles of a bf16 pool go through here).
 template <>
 inline void to_float<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_t n) {
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
-    _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)));
-  }
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, hfp_codec::load_bf16(reinterpret_cast<const uint16_t*>(src + i)));
   for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 #endif

@@ -7,8 +7,8 @@ the other formats (``kv_formats.rotation_matrix``, a Hadamard matrix for power-o
 elements then spread evenly over its range, so its 16 levels fit them better (measured: 8-10% less KL on every
 kind of text tried, ``bench/results/kivi-lab-vrot-20261205.py``); attention unrotates its output
 (``Step.attend``; the CPU kernel each output row itself, leaving the query as it is), as for the rotating
-formats. Keys are not rotated: R would mix the key channels whose outliers per-channel scales exist to isolate. Everything a value pool stores (codes, open slots, sinks,
-fresh rows) is in the rotated space: the rotated states are rounded to the model's dtype before anything is
+formats. Keys are not rotated: R would mix the key channels whose outliers per-channel scales exist to
+isolate. Everything a value pool stores (codes, open slots, sinks, fresh rows) is in the rotated space: the rotated states are rounded to the model's dtype before anything is
 stored, so every way a block is sealed quantises the same rows. Beside the codes, in the model's dtype:
 - the *open* (not yet full) block of each sequence, in a store of open slots, quantised as a whole
   ("sealed") by the write that stores its position BS-1;
@@ -190,7 +190,7 @@ class KiviPool(QuantizedPool):
         whole = [b for b in plan.sealing if b in plan.whole and b not in held]
         from_slots = [b for b in plan.sealing if b not in whole]
         for block in from_slots:
-            if self.open.slot(block) < 0:
+            if block not in held:
                 self._reopen(block)
         if op is not None:
             self._write_op(op, states, plan, from_slots, whole)

@@ -75,13 +75,13 @@ class FreshRows:
     rows: torch.Tensor
     block_slot: torch.Tensor
     blocks: list[int] = field(default_factory=list)
-    index: torch.Tensor | None = None      # ``blocks`` as a tensor on block_slot's device (kept for clear)
+    index: torch.Tensor | None = None      # ``blocks`` as an int64 tensor on block_slot's device (for clear)
 
     def set(self, blocks: list[int], rows: torch.Tensor, index: torch.Tensor | None = None) -> None:
-        """``index``: ``blocks`` as an int64 tensor on the rows' device, where the caller has one."""
+        """``index``: ``blocks`` as an int64 tensor on block_slot's device, where the caller has one."""
         self.clear()
         self.rows, self.blocks = rows, blocks
-        self.index = torch.tensor(blocks, device=rows.device) if index is None else index
+        self.index = torch.tensor(blocks, device=self.block_slot.device) if index is None else index
         self.block_slot[self.index] = torch.arange(len(blocks), device=rows.device)
 
     def clear(self) -> None:

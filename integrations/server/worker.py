@@ -3,14 +3,14 @@
 Requests join and leave between steps through a thread-safe command queue; each step's tokens go back
 to the asyncio side with ``loop.call_soon_threadsafe`` (one call per request per step). An idle engine takes a
 burst of requests into one first step (``_drain``), and the thread that starts the worker gives back its
-OpenMP workers first (``start``). The queue is bounded beyond what runs: ``submit`` raises
-:class:`QueueFull` when the sequences in flight (submitted and not yet done: waiting for the engine thread,
-waiting in the engine or running) would exceed ``max_num_seqs + max_queue``. The count is the worker's own, kept under its lock (``submit`` adds a
-request's sequences, its last item takes them off), so a burst submitted between two engine steps is
-counted exactly: with max_num_seqs 8 and max_queue 16, 24 requests fit and the 25th is refused. A
-request with ``n`` sequences takes ``n`` (the engine's max_num_seqs counts sequences); they are taken
-off when the whole request is done. ``shutdown`` stops accepting, lets in-flight requests finish
-within a timeout, cancels the rest and joins the thread.
+OpenMP workers first (``start``). The queue is bounded beyond what runs: ``submit`` raises :class:`QueueFull`
+when the sequences in flight (submitted and not yet done: waiting for the engine thread, waiting in the engine
+or running) would exceed ``max_num_seqs + max_queue``. The count is the worker's own, kept under its lock
+(``submit`` adds a request's sequences, its last item takes them off), so a burst submitted between two engine
+steps is counted exactly: with max_num_seqs 8 and max_queue 16, 24 requests fit and the 25th is refused. A
+request with ``n`` sequences takes ``n`` (the engine's max_num_seqs counts sequences); they are taken off when
+the whole request is done. ``shutdown`` stops accepting, lets in-flight requests finish within a timeout,
+cancels the rest and joins the thread.
 """
 from __future__ import annotations
 
