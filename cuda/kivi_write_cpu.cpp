@@ -14,8 +14,16 @@
 // KiviPool.quantize_blocks bit for bit on the same rows: fp32 math, min and max exact, scale =
 // bf16((max - min) / 15) (1 where not positive), minimum bf16, code = clamp(round-half-even((x - min) / scale),
 // 0, 15). No float reduction depends on the order, so no ISA or thread count can change a code.
+//
+// torch.ops.hf_paged_cpu.kivi_write_kv: a layer's keys and values in one call (hf_paged/kivi.py write_kv, for
+// the writes that reopen no block): the values rotated first, each row x R in fp32 through rotate_row (the
+// fast Walsh-Hadamard transform when R is Hadamard) and rounded to the model's dtype, as rotate_rows + .to(dtype)
+// give them; then per pool the sink rows (sink[:, sink_entries[i]] = states[sink_rows[i]]), the two phases
+// above, and the rows of the blocks this write opens into their new slots (open rows at new_dst = states[new_src],
+// after the sealing, which may have freed those slots). Returns the fresh rows of keys and values.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
@@ -23,9 +31,12 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <optional>
+#include <tuple>
 #include <vector>
 
 #include "kv_encode_cpu.h"
+#include "paged_attention_cpu_util.h"     // rotate_row
 
 namespace {
 
@@ -105,7 +116,11 @@ void run(const at::Tensor& states, const int64_t* src, const int64_t* dst, int64
   const int64_t s0 = states.stride(0), s1 = states.stride(1), s2 = states.stride(2), d = g.d, bs = g.bs;
   auto state_row = [&](int64_t row, int64_t h, T* out) {
     const T* in = x + row * s0 + h * s1;
-    for (int64_t c = 0; c < d; ++c) out[c] = in[c * s2];
+    if (s2 == 1) {
+      std::copy(in, in + d, out);
+    } else {
+      for (int64_t c = 0; c < d; ++c) out[c] = in[c * s2];
+    }
   };
   // 1. rows into their open slots
   at::parallel_for(0, copies * g.heads, 256, [&](int64_t begin, int64_t end) {
@@ -216,11 +231,125 @@ void kivi_write(const at::Tensor& states, const at::Tensor& src, const at::Tenso
   }
 }
 
+// Rows copied as they are: rows.view(H, capacity * per_entry / D, D)[:, dst[i]] = states[src[i]] (sinks: one row
+// per entry; open slots: BS rows per entry).
+template <typename T>
+void copy_rows(const at::Tensor& states, const at::Tensor& src, const at::Tensor& dst, const at::Tensor& rows) {
+  const int64_t n = src.numel(), heads = rows.size(0), d = rows.size(-1), per_head = rows.numel() / heads / d;
+  check_index("rows", src, n);
+  check_index("row slots", dst, n);
+  const int64_t* s = src.data_ptr<int64_t>();
+  const int64_t* t = dst.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(s[i] >= 0 && s[i] < states.size(0) && t[i] >= 0 && t[i] < per_head, "row ", s[i], " of ",
+                states.size(0), " into entry row ", t[i], " of ", per_head);
+  const T* x = states.data_ptr<T>();
+  T* out = rows.data_ptr<T>();
+  const int64_t s0 = states.stride(0), s1 = states.stride(1), s2 = states.stride(2);
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t h = 0; h < heads; ++h) {
+      const T* in = x + s[i] * s0 + h * s1;
+      T* row = out + (h * per_head + t[i]) * d;
+      if (s2 == 1) {
+        std::copy(in, in + d, row);
+      } else {
+        for (int64_t c = 0; c < d; ++c) row[c] = in[c * s2];
+      }
+    }
+}
+
+// value [N, H, D] -> contiguous [N, H, D] in value's dtype: each row x R (rotate_row), rounded to the dtype.
+template <typename T>
+at::Tensor rotated(const at::Tensor& value, const at::Tensor& rotation) {
+  const int64_t n = value.size(0), heads = value.size(1), d = value.size(2);
+  at::Tensor out = at::empty({n, heads, d}, value.options());
+  const float* r = rotation.data_ptr<float>();
+  const bool hadamard = hfp_codec::is_hadamard(r, d);
+  const T* x = value.data_ptr<T>();
+  T* y = out.data_ptr<T>();
+  const int64_t s0 = value.stride(0), s1 = value.stride(1), s2 = value.stride(2);
+  at::parallel_for(0, n * heads, 256, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(d), tmp(d);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t i = item / heads, h = item % heads;
+      const T* in = x + i * s0 + h * s1;
+      if (s2 == 1) {
+        for (int64_t c = 0; c < d; ++c) row[c] = static_cast<float>(in[c]);
+      } else {
+        for (int64_t c = 0; c < d; ++c) row[c] = static_cast<float>(in[c * s2]);
+      }
+      hfp_cpu::rotate_row(row.data(), r, d, false, tmp.data(), hadamard);
+      for (int64_t c = 0; c < d; ++c) y[item * d + c] = static_cast<T>(row[c]);
+    }
+  });
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> kivi_write_kv(
+    const at::Tensor& key, const at::Tensor& value, const std::optional<at::Tensor>& rotation, const at::Tensor& src,
+    const at::Tensor& dst, const at::Tensor& seal_blocks, const at::Tensor& seal_slots, const at::Tensor& seal_rows,
+    const at::Tensor& seal_sink, const at::Tensor& sink_rows, const at::Tensor& sink_entries, const at::Tensor& new_src,
+    const at::Tensor& new_dst, const at::Tensor& k_open, const at::Tensor& k_sink, const at::Tensor& k_codes,
+    const at::Tensor& k_scales, const at::Tensor& v_open, const at::Tensor& v_sink, const at::Tensor& v_codes,
+    const at::Tensor& v_scales) {
+  TORCH_CHECK(key.sizes() == value.sizes() && key.scalar_type() == value.scalar_type() && value.dim() == 3 &&
+              key.scalar_type() == k_open.scalar_type() && v_open.scalar_type() == k_open.scalar_type(),
+              "keys and values must be [N, H, D] in the open rows' dtype ", k_open.scalar_type(), ", got ",
+              key.sizes(), " ", key.scalar_type(), " and ", value.sizes(), " ", value.scalar_type());
+  for (const at::Tensor* sink : {&k_sink, &v_sink})
+    TORCH_CHECK(sink->dim() == 3 && sink->is_contiguous() && sink->scalar_type() == k_open.scalar_type() &&
+                sink->size(0) == k_open.size(0) && sink->size(2) == k_open.size(3),
+                "sink rows must be contiguous [H, capacity, D] in the open rows' dtype, got ", sink->sizes());
+  const int64_t sealed = seal_blocks.numel();
+  auto fresh_of = [&](const at::Tensor& open) {
+    return at::empty({open.size(0), sealed, open.size(2), open.size(3)}, open.options());
+  };
+  at::Tensor k_fresh = fresh_of(k_open), v_fresh = fresh_of(v_open);
+  at::Tensor values = value, r;
+  if (rotation.has_value()) {
+    r = rotation->contiguous();
+    TORCH_CHECK(r.scalar_type() == at::kFloat && r.dim() == 2 && r.size(0) == value.size(2) &&
+                r.size(1) == value.size(2), "rotation must be fp32 [D, D], got ", r.sizes(), " ", r.scalar_type());
+  }
+  switch (key.scalar_type()) {
+#define HFP_CASE(kind, type)                                                                                      \
+  case kind:                                                                                                      \
+    if (rotation.has_value()) values = rotated<type>(value, r);                                                   \
+    copy_rows<type>(key, sink_rows, sink_entries, k_sink);                                                        \
+    copy_rows<type>(values, sink_rows, sink_entries, v_sink);                                                     \
+    break;
+    HFP_CASE(at::kFloat, float)
+    HFP_CASE(at::kBFloat16, c10::BFloat16)
+    HFP_CASE(at::kHalf, c10::Half)
+#undef HFP_CASE
+    default: TORCH_CHECK(false, "kivi_write_kv: float32, bfloat16 or float16 states, got ", key.scalar_type());
+  }
+  kivi_write(key, src, dst, k_open, seal_blocks, seal_slots, seal_rows, seal_sink, k_codes, k_scales, true, k_fresh);
+  kivi_write(values, src, dst, v_open, seal_blocks, seal_slots, seal_rows, seal_sink, v_codes, v_scales, false, v_fresh);
+  if (new_src.numel() > 0) {
+    switch (key.scalar_type()) {
+      case at::kFloat: copy_rows<float>(key, new_src, new_dst, k_open), copy_rows<float>(values, new_src, new_dst, v_open); break;
+      case at::kBFloat16:
+        copy_rows<c10::BFloat16>(key, new_src, new_dst, k_open), copy_rows<c10::BFloat16>(values, new_src, new_dst, v_open);
+        break;
+      default: copy_rows<c10::Half>(key, new_src, new_dst, k_open), copy_rows<c10::Half>(values, new_src, new_dst, v_open);
+    }
+  }
+  return {k_fresh, v_fresh};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(hf_paged_cpu, m) {
   m.def("kivi_write(Tensor states, Tensor src, Tensor dst, Tensor(a!) open_rows, Tensor seal_blocks, Tensor seal_slots, "
         "Tensor seal_rows, Tensor seal_sink, Tensor(b!) codes, Tensor(c!) scales, bool is_key, Tensor(d!) fresh) -> ()");
+  m.def("kivi_write_kv(Tensor key, Tensor value, Tensor? rotation, Tensor src, Tensor dst, Tensor seal_blocks, "
+        "Tensor seal_slots, Tensor seal_rows, Tensor seal_sink, Tensor sink_rows, Tensor sink_entries, Tensor new_src, "
+        "Tensor new_dst, Tensor(a!) k_open, Tensor(b!) k_sink, Tensor(c!) k_codes, Tensor(d!) k_scales, "
+        "Tensor(e!) v_open, Tensor(f!) v_sink, Tensor(g!) v_codes, Tensor(h!) v_scales) -> (Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(hf_paged_cpu, CPU, m) { m.impl("kivi_write", &kivi_write); }
+TORCH_LIBRARY_IMPL(hf_paged_cpu, CPU, m) {
+  m.impl("kivi_write", &kivi_write);
+  m.impl("kivi_write_kv", &kivi_write_kv);
+}

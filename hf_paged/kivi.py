@@ -34,8 +34,10 @@ Layout (per layer; keys and values each a ``KiviPool``, a ``kv_formats.Quantized
     sink.rows  : model dtype [Hkv, capacity, D]       sink.block_slot : int64 [num_blocks], -1 = none
     fresh.rows : model dtype [Hkv, n, BS, D]          fresh.block_slot: int64 [num_blocks], -1 = none
 ``data`` and ``scales`` are indexed by block on dimension 1, so copy-on-write, pool growth and prefix
-copies move a sealed block's scales with it; ``KVPools`` calls ``copy_open`` / ``release_blocks`` /
-``with_tensors`` / ``copy_side_from`` for the side stores (``hf_paged.kivi_stores``).
+copies move a sealed block's scales with it. Which entry of the side stores a block holds (the block_slot
+maps) is the same for every pool of a cache on a device: kept once (``kivi_stores.KiviMaps``), changed once
+per write (``kivi_plan.transition``) and per release / copy-on-write / prefix copy (``KVPools``), while each
+pool moves its own rows (``write_planned``, ``copy_rows``, ``SideStore.copy_rows``).
 
 Invariants:
 - a block has an open slot exactly while it is open; a slot is held by at most one block, and ``free`` and
@@ -47,7 +49,7 @@ Invariants:
 - a block holds a sink entry exactly when position 0 of a sequence is stored in it (written with
   position 0, copied with the block); sealing it takes the keys' channel range over rows 1..BS-1 only,
   and its row-0 codes are never read;
-- the fresh rows belong to the latest write of this pool: replaced by the next write, dropped at the end
+- the fresh rows belong to the latest write: replaced by the next write, dropped at the end
   of the step (``KVPools.end_step``), so the full-precision copy of a long prefill lives one step only;
 - a block that becomes plain free in the block pool releases its slot and sink (``BlockPool.free_listeners``);
 - a write into a sealed block (a table truncated and rewritten) first reopens it from its codes and sink.
@@ -60,12 +62,12 @@ are needed at once (sinks of kept prefix-cache blocks), and ``pool_bytes`` repor
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
-from itertools import repeat
+from dataclasses import dataclass
 
 import torch
 
-from .kivi_stores import FreshRows, SideStore
+from .kivi_plan import KiviStep, KiviWrite, transition  # noqa: F401  (KiviWrite re-exported)
+from .kivi_stores import FreshRows, KiviMaps, SideStore
 from .kv_formats import KIVI, KiviFormat, QuantizedPool  # noqa: F401  (re-exported)
 from .kv_formats import KIVI_BLOCK_SIZE as BLOCK_SIZE, KIVI_CODE_MAX as CODE_MAX  # noqa: F401  (BLOCK_SIZE re-exported)
 
@@ -74,42 +76,48 @@ log = logging.getLogger("hf_paged.kivi")
 
 @dataclass(frozen=True)
 class KiviPool(QuantizedPool):
-    """A layer's KIVI keys (``is_key``) or values; ``open``, ``sink``, ``fresh`` its side stores."""
+    """A layer's KIVI keys (``is_key``) or values; ``open``, ``sink``, ``fresh`` its side rows, at the entries of
+    ``maps`` (shared by the pools of a cache on one device, else its own)."""
     is_key: bool = True
     open: SideStore | None = None
     sink: SideStore | None = None
     fresh: FreshRows | None = None
+    maps: KiviMaps | None = None
 
     @classmethod
     def new(cls, is_key: bool, heads: int, num_blocks: int, block_size: int, head_dim: int, dtype,
             device, open_capacity: int, sink_capacity: int | None = None,
-            rotation: torch.Tensor | None = None) -> KiviPool:
+            rotation: torch.Tensor | None = None, maps: KiviMaps | None = None) -> KiviPool:
         """``open_capacity``: open slots reserved (the running sequences); ``sink_capacity``: sink rows
-        (default the same); ``rotation``: R for a value pool (keys take none)."""
+        (default the same); ``rotation``: R for a value pool (keys take none); ``maps``: entries shared with
+        other pools (``KVPools``), else the pool's own (sized by the capacities)."""
         KIVI.check_head_dim(head_dim)
         KIVI.check_block_size(block_size)
         if is_key and rotation is not None:
             raise ValueError("KIVI keys are not rotated (per-channel scales isolate their outlier channels)")
+        if maps is None:
+            maps = KiviMaps.empty(num_blocks, open_capacity, open_capacity if sink_capacity is None else sink_capacity,
+                                  device)
         data = torch.zeros((heads, num_blocks, block_size, head_dim // 2), dtype=torch.uint8, device=device)
         scale_shape = (2, head_dim) if is_key else (block_size, KIVI.num_scales(head_dim))
         scales = torch.ones((heads, num_blocks, *scale_shape), dtype=torch.bfloat16, device=device)
-        open_ = SideStore.empty(heads, num_blocks, (block_size, head_dim), open_capacity, dtype, device)
-        sinks = open_capacity if sink_capacity is None else sink_capacity
-        sink = SideStore.empty(heads, num_blocks, (head_dim,), sinks, dtype, device)
-        fresh = FreshRows(open_.rows[:, :0], torch.full((num_blocks,), -1, dtype=torch.int64, device=device))
-        return cls(data, scales, KIVI, head_dim, rotation, is_key, open_, sink, fresh)
+        open_ = SideStore(torch.zeros((heads, maps.open.capacity, block_size, head_dim), dtype=dtype, device=device),
+                          maps.open)
+        sink = SideStore(torch.zeros((heads, maps.sink.capacity, head_dim), dtype=dtype, device=device), maps.sink)
+        fresh = FreshRows(open_.rows[:, :0], maps.fresh)
+        return cls(data, scales, KIVI, head_dim, rotation, is_key, open_, sink, fresh, maps)
 
     def with_tensors(self, data: torch.Tensor, scales: torch.Tensor) -> KiviPool:
-        """Grown tensors (``KVPools.grow_pools``): the side stores' block maps grow alike (new blocks: none)."""
-        extra = data.shape[1] - self.open.block_slot.shape[0]
-        for store in (self.open, self.sink, self.fresh):
-            store.grow(extra)
+        """Grown tensors (``KVPools.grow_pools``): the maps grow alike (new blocks: none), once for all sharers."""
+        extra = data.shape[1] - self.maps.num_blocks
+        if extra > 0:
+            self.maps.grow(extra)
         return KiviPool(data, scales, self.fmt, self.head_dim, self.rotation, self.is_key, self.open, self.sink,
-                        self.fresh)
+                        self.fresh, self.maps)
 
     @property
     def open_bytes(self) -> int:
-        """Bytes of the model-dtype side stores kept between steps (open slots and sinks)."""
+        """Bytes of the model-dtype side rows kept between steps (open slots and sinks)."""
         return self.open.rows.nbytes + self.sink.rows.nbytes
 
     # ------------------------------------------------------------- codec
@@ -176,203 +184,123 @@ class KiviPool(QuantizedPool):
 
     def write_planned(self, states: torch.Tensor, plan: KiviWrite, op=None) -> None:
         """states [N, Hkv, D], the rows ``plan`` describes (each slot once): into open slots and the sink
-        store, sealing the blocks whose last row is written. ``op``: the CPU's ``hf_paged_cpu.kivi_write``
+        rows, sealing the blocks whose last row is written; the shared entries change once per plan
+        (``kivi_plan.transition``), this pool's rows follow them. ``op``: the CPU's ``hf_paged_cpu.kivi_write``
         (``CpuKernelBackend.kivi_write``), which moves the rows and seals in one call; None: PyTorch ops."""
-        self.fresh.clear()
+        step = transition(self.maps, plan)
         if states.dtype != self.open.rows.dtype:
             states = states.to(self.open.rows.dtype)
-        if plan.sink_rows:                                      # a sequence's position 0: its sink
-            entries = [self.sink.take(block) for block in plan.sink_blocks]   # (may grow: index afterwards)
-            self.sink.rows[:, entries] = states[plan.sink_rows].transpose(0, 1)
-        # Sealed by this write: from the rows it writes alone (``whole``), else from the block's open slot.
-        # (Held maps read directly in the loops below: they run per pool, layer and step.)
-        held = self.open.held
-        whole = [b for b in plan.sealing if b in plan.whole and b not in held]
-        from_slots = [b for b in plan.sealing if b not in whole]
-        for block in from_slots:
-            if block not in held:
-                self._reopen(block)
+        self.open.fit()
+        self.sink.fit()
+        if step.sink_rows is not None:                          # a sequence's position 0: its sink
+            self.sink.rows[:, step.sink_entries] = states.index_select(0, step.sink_rows).transpose(0, 1)
+        for block, slot in step.reopen_first:
+            self._reopen(block, slot)
         if op is not None:
-            self._write_op(op, states, plan, from_slots, whole)
+            self._write_op(op, states, step)
         else:
-            self._into_slots(states, plan, plan.written)
-            if plan.sealing:
-                self._seal(from_slots, whole, states, plan)
-        new = [b for b in plan.unsealed if b not in held]
-        for block in new:                                      # after sealing, which frees slots
-            if plan.first_offset[block] > 0:                   # earlier rows to keep (a rewrite)
-                self._reopen(block)
-            else:                                              # later rows are written before any read
-                self.open.take(block)
-        if new:
-            self._into_slots(states, plan, new)
+            self._into_slots(states, step.into_slots)
+            if step.sealed:
+                self._seal(states, step)
+            else:
+                self.fresh.drop_rows()
+        for block, slot in step.reopen_after:                   # (after sealing, which freed their slots)
+            self._reopen(block, slot)
+        self._into_slots(states, step.new_rows)
 
-    def _into_slots(self, states: torch.Tensor, plan: KiviWrite, blocks: list[int]) -> None:
-        """The written rows of ``blocks`` that have an open slot, into it."""
-        slots = tuple(self.open.slot(b) for b in blocks)
-        src, dst = plan.slot_rows(blocks, slots, self.data.shape[2], states.device)
-        if src is not None:
+    def _into_slots(self, states: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """``rows`` = (src, dst): states[src] into the flattened open rows at dst."""
+        if rows is not None:
+            src, dst = rows
             flat = self.open.rows.view(self.open.rows.shape[0], -1, self.open.rows.shape[-1])
             flat.index_copy_(1, dst, states.index_select(0, src).transpose(0, 1))
 
-    def _write_op(self, op, states: torch.Tensor, plan: KiviWrite, from_slots: list[int], whole: list[int]) -> None:
-        """``_into_slots`` and ``_seal`` in one call of the C++ op (the same slot rows, codes, scales and
-        fresh rows: kivi_write_cpu.cpp equals ``quantize_blocks`` bit for bit)."""
-        slot, sink = self.open.held.get, self.sink.held
-        args = plan.op_args(tuple(map(slot, plan.written, repeat(-1))), from_slots,
-                            tuple(slot(b, -1) for b in from_slots), whole, tuple(b in sink for b in from_slots + whole),
-                            self.data.shape[2])
-        if args is None:
+    def _write_op(self, op, states: torch.Tensor, step: KiviStep) -> None:
+        """Rows into held slots and the sealing in one call of the C++ op (the same slot rows, codes, scales
+        and fresh rows as ``_into_slots`` + ``_seal``: kivi_write_cpu.cpp equals ``quantize_blocks`` bit for bit)."""
+        if step.op_args is None:
+            self.fresh.drop_rows()
             return
-        sealed = from_slots + whole
-        fresh = (self.open.rows.new_empty((self.open.rows.shape[0], len(sealed), *self.open.rows.shape[2:])) if sealed
-                 else self.fresh.rows)                       # (cleared: [Hkv, 0, BS, D])
-        src, dst, blocks, slots, rows, sinks = args
-        op(states, src, dst, self.open.rows, blocks, slots, rows, sinks, self.data, self.scales, self.is_key, fresh)
-        if sealed:
-            self.fresh.set(sealed, fresh, blocks)
-        for block in from_slots:
-            self.open.release(block)
+        rows = self.open.rows
+        fresh = rows.new_empty((rows.shape[0], len(step.sealed), *rows.shape[2:])) if step.sealed else rows[:, :0]
+        op(states, *step.op_args[:2], rows, *step.op_args[2:], self.data, self.scales, self.is_key, fresh)
+        self.fresh.rows = fresh
 
-    def _seal(self, from_slots: list[int], whole: list[int], states: torch.Tensor, plan: KiviWrite) -> None:
-        """Quantise the blocks ``from_slots`` (rows in their open slot) and ``whole`` (rows in ``states``);
-        their rows become the fresh rows, their slots go back."""
+    def _seal(self, states: torch.Tensor, step: KiviStep) -> None:
+        """Quantise the blocks ``step.sealed``: those with a slot from it, the others (``whole``) from
+        ``states``; their rows become the fresh rows."""
         device = self.data.device
+        from_slots = [s for s in step.sealed_slots if s >= 0]        # (they come first)
         parts = []
         if from_slots:
-            slots = torch.tensor([self.open.slot(b) for b in from_slots], device=device)
-            parts.append(self.open.rows.index_select(1, slots))
+            parts.append(self.open.rows.index_select(1, torch.tensor(from_slots, device=device)))
+        whole = len(step.sealed) - len(from_slots)
         if whole:                                              # rows in offset order, block after block
-            rows = states[plan.whole_rows(whole)].unflatten(0, (len(whole), self.data.shape[2]))   # [n, BS, Hkv, D]
+            rows = states[step.whole_rows].unflatten(0, (whole, self.data.shape[2]))   # [n, BS, Hkv, D]
             parts.append(rows.permute(2, 0, 1, 3))                                # [Hkv, n, BS, D]
-        sealed = from_slots + whole
         rows = torch.cat(parts, 1) if len(parts) > 1 else parts[0].contiguous()
-        index = torch.tensor(sealed, device=device)
-        codes, scales = self.quantize_blocks(rows, torch.tensor([self.sink.slot(b) >= 0 for b in sealed], device=device))
-        self.data.index_copy_(1, index, codes)
-        self.scales.index_copy_(1, index, scales)
-        self.fresh.set(sealed, rows)
-        for block in from_slots:
-            self.open.release(block)
+        codes, scales = self.quantize_blocks(rows, torch.tensor(step.sealed_sinks, device=device))
+        self.data.index_copy_(1, step.sealed_index, codes)
+        self.scales.index_copy_(1, step.sealed_index, scales)
+        self.fresh.rows = rows
 
-    def _reopen(self, block: int) -> None:
-        """Give ``block`` a slot holding its current rows (codes and sink), so a partial rewrite keeps the rest."""
+    def _reopen(self, block: int, slot: int) -> None:
+        """Slot ``slot`` (just given to ``block``) holds the block's current rows (codes and sink), so a partial
+        rewrite keeps the rest."""
         rows = self.dequantize_blocks(torch.tensor([block], device=self.data.device))
-        slot = self.open.take(block)
         self.open.rows[:, slot] = rows[:, 0].to(self.open.rows.dtype)
 
+    def copy_rows(self, open_pairs: list[tuple[int, int]], sink_pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write of the side rows, at the entry pairs ``KiviMaps.copy`` gave (codes and scales are
+        copied by ``KVPools.copy_blocks``)."""
+        self.open.copy_rows(self.open, open_pairs)
+        self.sink.copy_rows(self.sink, sink_pairs)
+
     def copy_open(self, copies: list[tuple[int, int]]) -> None:
-        """Copy-on-write of the side stores (codes and scales are copied by ``KVPools.copy_blocks``)."""
-        for src, dst in copies:
-            self.open.copy(self.open, src, dst)
-            self.sink.copy(self.sink, src, dst)
-
-    def copy_side_from(self, src: KiviPool, src_blocks: list[int], dst_blocks: list[int]) -> None:
-        """Blocks copied from another pool (the generate prefix store): full, hence sealed, so they take no
-        open slot; a sink travels with its block."""
-        self.release_blocks(dst_blocks)
-        for s, d in zip(src_blocks, dst_blocks):
-            self.sink.copy(src.sink, s, d)
-
-    def release_blocks(self, blocks) -> None:
-        """Blocks that became plain free (or were evicted): their slots and sinks go back."""
-        for block in blocks:
-            self.open.release(block)
-            self.sink.release(block)
-        self.fresh.drop(blocks)
-
-
-@dataclass(frozen=True)
-class KiviWrite:
-    """What a write does to blocks, from its slots and positions alone: the same for every KIVI pool a step
-    writes (``KVPools.write`` makes it once per step). Host lists; rows are indices into the written states
-    (the tokens with a slot, in order)."""
-    keep: torch.Tensor | None           # the tokens with a slot (slot_mapping >= 0), None: all
-    offsets: list[int]                  # row -> its offset in its block
-    block_rows: dict[int, list[int]]    # block -> its rows
-    first_offset: dict[int, int]        # block -> the lowest offset written
-    written: list[int]                  # the distinct blocks written, ascending
-    sealing: list[int]                  # those whose last offset (BS-1) is written, ascending
-    unsealed: list[int]                 # the others, ascending
-    whole: frozenset[int]               # sealing blocks whose BS rows are all written here
-    sink_rows: list[int]                # rows at position 0
-    sink_blocks: list[int]              # their blocks
-    # (blocks, their open slots) -> the rows of those blocks with a slot and where they go in the flattened
-    # slot rows: every pool of a step holds the same slots, so the first pool's index tensors serve all.
-    _slot_rows: dict = field(default_factory=dict, compare=False, repr=False)
-
-    def slot_rows(self, blocks: list[int], slots: tuple[int, ...], block_size: int, device):
-        """(rows, slot * block_size + offset) index tensors of the rows of ``blocks`` whose slot (``slots``,
-        -1 = none) holds them, or (None, None) when none does."""
-        key = (tuple(blocks), slots)
-        if key not in self._slot_rows:
-            src, dst = [], []
-            for block, slot in zip(blocks, slots):
-                if slot >= 0:
-                    rows = self.block_rows[block]
-                    src.extend(rows)
-                    dst.extend(slot * block_size + self.offsets[i] for i in rows)
-            self._slot_rows[key] = ((torch.tensor(src, device=device), torch.tensor(dst, device=device)) if src
-                                    else (None, None))
-        return self._slot_rows[key]
-
-    @classmethod
-    def of(cls, slot_mapping: torch.Tensor, positions: torch.Tensor, block_size: int) -> KiviWrite:
-        """``slot_mapping`` int64 [N] (-1 = skip), ``positions`` int [N] (stored indices)."""
-        slots, where = slot_mapping.tolist(), positions.tolist()
-        kept = [i for i, s in enumerate(slots) if s >= 0]
-        keep = None if len(kept) == len(slots) else torch.tensor(kept, device=slot_mapping.device)
-        offsets, block_rows, sink_rows, sink_blocks = [], {}, [], []
-        for row, i in enumerate(kept):
-            block, offset = divmod(slots[i], block_size)
-            offsets.append(offset)
-            block_rows.setdefault(block, []).append(row)
-            if where[i] == 0:
-                sink_rows.append(row)
-                sink_blocks.append(block)
-        first = {b: min(offsets[r] for r in rows) for b, rows in block_rows.items()}
-        written = sorted(block_rows)
-        sealing = [b for b in written if any(offsets[r] == block_size - 1 for r in block_rows[b])]
-        whole = frozenset(b for b in sealing if len(block_rows[b]) == block_size)
-        unsealed = [b for b in written if b not in set(sealing)]
-        return cls(keep, offsets, block_rows, first, written, sealing, unsealed, whole, sink_rows, sink_blocks)
-
-    def whole_rows(self, blocks: list[int]) -> list[int]:
-        """The rows of ``blocks`` (each written whole by this write) in offset order, block after block."""
-        return [i for b in blocks for i in sorted(self.block_rows[b], key=self.offsets.__getitem__)]
-
-    def op_args(self, written_slots: tuple[int, ...], from_slots: list[int], their_slots: tuple[int, ...],
-                whole: list[int], sinks: tuple[bool, ...], block_size: int):
-        """The index tensors of ``kivi_write`` (kivi_write_cpu.cpp) for a pool whose written blocks hold
-        ``written_slots``, sealing ``from_slots`` (in ``their_slots``) and ``whole``, ``sinks`` (per sealed
-        block: row 0 is a sink): (src, dst, blocks, slots, rows, sinks), or None when it has nothing to do.
-        Made once per step for all pools (they hold the same slots)."""
-        key = ("op", written_slots, tuple(from_slots), their_slots, tuple(whole), sinks)
-        if key not in self._slot_rows:
-            src, dst = self.slot_rows(self.written, written_slots, block_size, torch.device("cpu"))
-            sealed = from_slots + whole
-            if src is None and not sealed:
-                self._slot_rows[key] = None
-            else:
-                none = torch.empty(0, dtype=torch.int64)
-                rows = [0] * (block_size * len(from_slots)) + self.whole_rows(whole)
-                self._slot_rows[key] = (none if src is None else src, none if dst is None else dst,
-                                        torch.tensor(sealed, dtype=torch.int64),
-                                        torch.tensor(list(their_slots) + [-1] * len(whole), dtype=torch.int64),
-                                        torch.tensor(rows, dtype=torch.int64), torch.tensor(sinks, dtype=torch.bool))
-        return self._slot_rows[key]
+        """Copy-on-write ``(src, dst)`` of a pool that does not share its maps: the entries, then the rows."""
+        if self.maps.shared:
+            raise RuntimeError("this KIVI pool shares its entries with the other pools of its cache: copy blocks "
+                               "through KVPools.copy_blocks, which changes the entries once for all of them")
+        self.copy_rows(*self.maps.copy(copies))
 
 
 def write_kv(k_pool: KiviPool, v_pool: KiviPool, key: torch.Tensor, value: torch.Tensor,
-             plan: KiviWrite, op=None) -> None:
-    """New keys/values [N, Hkv, D] at the slots ``plan`` was made from (``KiviWrite.of``); ``op``: as
-    ``KiviPool.write_planned``'s (CPU pools only). Values are rotated here (in fp32, then rounded to their dtype)."""
+             plan: KiviWrite, ops=None) -> None:
+    """New keys/values [N, Hkv, D] at the slots ``plan`` was made from (``KiviWrite.of``). ``ops``: the CPU
+    backend (``CpuKernelBackend``: ``kivi_write_kv``, ``kivi_write``, ``rotate_rows``) for CPU pools, else None
+    (PyTorch ops). Values are rotated here, in fp32 then rounded to their dtype: by the C++ ``rotate_row``
+    where ``ops`` is given (inside ``kivi_write_kv``, or ``rotate_rows``: the same rows), else by
+    ``KiviPool.rotate``. A write that reopens no block, of pools sharing their maps, is one ``kivi_write_kv``."""
     if plan.keep is not None:
         key, value = key.index_select(0, plan.keep), value.index_select(0, plan.keep)
-    # contiguous first: a strided [N, Hkv, D] view (of the step's q/k/v product) takes a batched matmul 3x slower
-    value = v_pool.rotate(value.contiguous()).to(value.dtype)
-    k_pool.write_planned(key, plan, op)
-    v_pool.write_planned(value, plan, op)
+    if ops is None:
+        k_pool.write_planned(key, plan)
+        v_pool.write_planned(rotated_values(v_pool, value), plan)
+        return
+    step = transition(k_pool.maps, plan)
+    dtype = k_pool.open.rows.dtype
+    if v_pool.maps is k_pool.maps and not (step.reopen_first or step.reopen_after) and key.dtype == dtype:
+        for store in (k_pool.open, k_pool.sink, v_pool.open, v_pool.sink):
+            store.fit()
+        k_pool.fresh.rows, v_pool.fresh.rows = ops.kivi_write_kv(
+            key, value, v_pool.rotation, *step.kv_args, k_pool.open.rows, k_pool.sink.rows, k_pool.data,
+            k_pool.scales, v_pool.open.rows, v_pool.sink.rows, v_pool.data, v_pool.scales)
+        return
+    k_pool.write_planned(key, plan, ops.kivi_write)
+    v_pool.write_planned(rotated_values(v_pool, value, ops), plan, ops.kivi_write)
+
+
+def rotated_values(v_pool: KiviPool, value: torch.Tensor, ops=None) -> torch.Tensor:
+    """value [..., D] -> the rows a value pool stores (in its dtype): x R in fp32, rounded, by the C++
+    ``rotate_row`` where ``ops`` (the CPU backend) is given, as ``kivi_write_kv`` rotates, else by
+    ``KiviPool.rotate``. (The two agree within float rounding, not bit for bit: a pool takes one of them.)"""
+    dtype = v_pool.open.rows.dtype
+    if v_pool.rotation is None:
+        return value.to(dtype)
+    if ops is None:
+        return v_pool.rotate(value.contiguous()).to(dtype)
+    flat = value.to(dtype).reshape(-1, value.shape[-1]).float()
+    return ops.rotate_rows(flat, v_pool.rotation, False)[0].view(value.shape).to(dtype)
 
 
 def aligned_hit(columns: int, pads: list[int], block_size: int) -> int:

@@ -1,8 +1,14 @@
 """The model-dtype side stores of KIVI pools (``hf_paged.kivi``): rows kept beside the codes for some blocks.
 
-``SideStore``: entries that live between steps, found per block (open blocks, sinks); an entry per block at
-most, ``free`` and the held entries partition ``range(capacity)``, and the store grows (doubling) when it runs
-out, never shrinking. ``FreshRows``: the full rows of the blocks the latest write sealed, for the same step.
+Which entry each block holds is the same for every KIVI pool of a cache on one device (the keys and values of
+every layer see the same writes, copies and releases), so it is kept once, in a ``KiviMaps`` those pools share,
+and changed once per event (a step's write: ``kivi_plan.transition``; a release, a copy-on-write, a prefix
+copy: ``KVPools``); each pool keeps only its rows, at the entries the maps give.
+
+- ``SlotMap``: entries that live between steps, found per block (open blocks, sinks): an entry per block at
+  most; ``free`` and the held entries partition ``range(capacity)``; the map grows (doubling) when it runs
+  out, never shrinking, and each pool's rows follow (``SideStore.fit``) before the pool is written or read.
+- ``FreshMap``: the blocks the latest write sealed, block -> index into each pool's fresh rows.
 """
 from __future__ import annotations
 
@@ -12,88 +18,182 @@ import torch
 
 
 @dataclass
-class SideStore:
-    """Model-dtype rows kept for some blocks (open blocks, sinks): ``rows`` [Hkv, capacity, *row], the
-    entry of each block in ``block_slot`` (-1 = none), which the kernels read; ``held`` mirrors it on the host
-    (block -> entry, the entries >= 0 exactly), so that no host decision reads the tensor element by element.
-    Mutable, one per pool and kind."""
-    rows: torch.Tensor
-    block_slot: torch.Tensor               # int64 [num_blocks]
+class SlotMap:
+    """block -> entry: ``block_slot`` (int64 [num_blocks], -1 = none), which the kernels read, mirrored on the
+    host by ``held`` (the entries >= 0 exactly), so that no host decision reads the tensor element by element."""
+    block_slot: torch.Tensor
+    capacity: int
     free: list[int] = field(default_factory=list)
     held: dict[int, int] = field(default_factory=dict)
 
     @classmethod
-    def empty(cls, heads: int, num_blocks: int, row: tuple[int, ...], capacity: int, dtype, device) -> SideStore:
-        rows = torch.zeros((heads, capacity, *row), dtype=dtype, device=device)
-        return cls(rows, torch.full((num_blocks,), -1, dtype=torch.int64, device=device), list(range(capacity)))
+    def empty(cls, num_blocks: int, capacity: int, device) -> SlotMap:
+        return cls(torch.full((num_blocks,), -1, dtype=torch.int64, device=device), capacity, list(range(capacity)))
 
     @property
     def num_held(self) -> int:
-        return self.rows.shape[1] - len(self.free)
+        return self.capacity - len(self.free)
 
     def slot(self, block: int) -> int:
         return self.held.get(block, -1)
 
     def take(self, block: int) -> int:
-        """``block``'s entry, a new one if it has none (the store doubles when none is free)."""
-        slot = self.slot(block)
+        """``block``'s entry, a new one if it has none (capacity doubles when none is free)."""
+        slot = self.held.get(block, -1)
         if slot >= 0:
             return slot
         if not self.free:
-            capacity = self.rows.shape[1]
-            self.rows = torch.cat([self.rows, torch.zeros_like(self.rows[:, :max(1, capacity)])], 1)
-            self.free = list(range(capacity, self.rows.shape[1]))
+            grown = self.capacity + max(1, self.capacity)
+            self.free, self.capacity = list(range(self.capacity, grown)), grown
         slot = self.free.pop()
         self.block_slot[block] = slot
         self.held[block] = slot
         return slot
 
     def release(self, block: int) -> None:
-        slot = self.slot(block)
+        slot = self.held.pop(block, -1)
         if slot >= 0:
             self.block_slot[block] = -1
-            del self.held[block]
             self.free.append(slot)
-
-    def copy(self, src: SideStore, src_block: int, dst_block: int) -> None:
-        """``dst_block`` holds what ``src_block`` holds in ``src`` (this store or another's), or nothing."""
-        slot = src.slot(src_block)
-        if slot < 0:
-            return self.release(dst_block)
-        row = src.rows[:, slot].to(self.rows.device)
-        entry = self.take(dst_block)            # (may grow self.rows: index it afterwards)
-        self.rows[:, entry] = row
 
     def grow(self, extra_blocks: int) -> None:
         self.block_slot = torch.cat([self.block_slot, self.block_slot.new_full((extra_blocks,), -1)])
 
 
 @dataclass
-class FreshRows:
-    """The full rows ``rows`` [Hkv, n, BS, D] of the blocks the latest write sealed (``block_slot``: block ->
-    its index in ``rows``, -1 = none), read by the same step's queries in those blocks."""
-    rows: torch.Tensor
+class FreshMap:
+    """The blocks the latest write sealed (``blocks``; ``index`` the same as an int64 tensor on block_slot's
+    device) and ``block_slot``: block -> its index among them, -1 = none."""
     block_slot: torch.Tensor
     blocks: list[int] = field(default_factory=list)
-    index: torch.Tensor | None = None      # ``blocks`` as an int64 tensor on block_slot's device (for clear)
+    index: torch.Tensor | None = None
 
-    def set(self, blocks: list[int], rows: torch.Tensor, index: torch.Tensor | None = None) -> None:
-        """``index``: ``blocks`` as an int64 tensor on block_slot's device, where the caller has one."""
+    def set(self, blocks: list[int], index: torch.Tensor) -> None:
         self.clear()
-        self.rows, self.blocks = rows, blocks
-        self.index = torch.tensor(blocks, device=self.block_slot.device) if index is None else index
-        self.block_slot[self.index] = torch.arange(len(blocks), device=rows.device)
+        if blocks:
+            self.blocks, self.index = blocks, index
+            self.block_slot[index] = torch.arange(len(blocks), device=index.device)
 
     def clear(self) -> None:
         if self.blocks:
             self.block_slot[self.index] = -1
             self.blocks, self.index = [], None
-            self.rows = self.rows[:, :0]
 
     def grow(self, extra_blocks: int) -> None:
         self.block_slot = torch.cat([self.block_slot, self.block_slot.new_full((extra_blocks,), -1)])
 
-    def drop(self, blocks) -> None:
-        """Blocks freed while their fresh rows are kept: forget them (their ids may be reused)."""
-        if self.blocks and set(blocks) & set(self.blocks):
-            self.clear()
+
+@dataclass
+class KiviMaps:
+    """The entries of the KIVI pools of one cache on one device (``shared``: by more than one pool, which is
+    then written and copied through ``KVPools`` alone). ``last``: (plan, what it did) of the latest write
+    (``kivi_plan.transition``), so the pools of a step apply one transition."""
+    open: SlotMap
+    sink: SlotMap
+    fresh: FreshMap
+    shared: bool = False
+    last: tuple | None = None
+
+    @classmethod
+    def empty(cls, num_blocks: int, open_capacity: int, sink_capacity: int, device, shared: bool = False) -> KiviMaps:
+        fresh = FreshMap(torch.full((num_blocks,), -1, dtype=torch.int64, device=device))
+        return cls(SlotMap.empty(num_blocks, open_capacity, device), SlotMap.empty(num_blocks, sink_capacity, device),
+                   fresh, shared)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.open.block_slot.shape[0]
+
+    def grow(self, extra_blocks: int) -> None:
+        for m in (self.open, self.sink, self.fresh):
+            m.grow(extra_blocks)
+
+    def release(self, blocks) -> None:
+        """Blocks that became plain free (or were evicted): their slots and sinks go back; fresh rows of one of
+        them are forgotten (its id may be reused)."""
+        for block in blocks:
+            self.open.release(block)
+            self.sink.release(block)
+        if self.fresh.blocks and not set(self.fresh.blocks).isdisjoint(blocks):
+            self.fresh.clear()
+
+    def copy(self, copies: list[tuple[int, int]]) -> tuple[list, list]:
+        """Copy-on-write ``(src, dst)`` block pairs: dst holds an entry where src does, else none. Returns the
+        (src entry, dst entry) pairs whose rows each pool copies, open and sink."""
+        return ([pair for src, dst in copies if (pair := _copy_entry(self.open, self.open, src, dst))],
+                [pair for src, dst in copies if (pair := _copy_entry(self.sink, self.sink, src, dst))])
+
+    def copy_sinks_from(self, src: KiviMaps, src_blocks: list[int], dst_blocks: list[int]) -> list:
+        """Full blocks copied from another cache's pools (the generate prefix store): they take no open slot; a
+        sink travels with its block. Returns the (src entry, dst entry) sink pairs."""
+        self.release(dst_blocks)
+        return [pair for s, d in zip(src_blocks, dst_blocks) if (pair := _copy_entry(src.sink, self.sink, s, d))]
+
+
+def _copy_entry(src: SlotMap, dst: SlotMap, src_block: int, dst_block: int) -> tuple[int, int] | None:
+    slot = src.slot(src_block)
+    if slot < 0:
+        dst.release(dst_block)
+        return None
+    return slot, dst.take(dst_block)
+
+
+@dataclass
+class SideStore:
+    """One pool's rows of one kind (open blocks, sinks): ``rows`` [Hkv, capacity, *row] in the model's dtype, at
+    the entries of ``map`` (shared). Mutable, one per pool and kind."""
+    rows: torch.Tensor
+    map: SlotMap
+
+    @property
+    def block_slot(self) -> torch.Tensor:
+        return self.map.block_slot
+
+    @property
+    def held(self) -> dict[int, int]:
+        return self.map.held
+
+    @property
+    def num_held(self) -> int:
+        return self.map.num_held
+
+    def slot(self, block: int) -> int:
+        return self.map.held.get(block, -1)
+
+    def fit(self) -> None:
+        """Rows for every entry of the map (zeros for new ones), after the map grew."""
+        have = self.rows.shape[1]
+        if have < self.map.capacity:
+            pad = self.rows.new_zeros((self.rows.shape[0], self.map.capacity - have, *self.rows.shape[2:]))
+            self.rows = torch.cat([self.rows, pad], 1)
+
+    def copy_rows(self, src: SideStore, pairs: list[tuple[int, int]]) -> None:
+        """Entry ``dst`` of these rows = entry ``src`` of ``src``'s, per (src, dst) pair."""
+        self.fit()
+        for s, d in pairs:
+            self.rows[:, d] = src.rows[:, s].to(self.rows.device)
+
+
+@dataclass
+class FreshRows:
+    """One pool's full rows ``rows`` [Hkv, n, BS, D] of the blocks the latest write sealed, at the indices of
+    ``map`` (shared), read by the same step's queries in those blocks."""
+    rows: torch.Tensor
+    map: FreshMap
+
+    @property
+    def block_slot(self) -> torch.Tensor:
+        return self.map.block_slot
+
+    @property
+    def blocks(self) -> list[int]:
+        return self.map.blocks
+
+    def drop_rows(self) -> None:
+        """Let the rows go (the map no longer names them): a long prefill's full-precision copy lives one step."""
+        self.rows = self.rows[:, :0]
+
+    def clear(self) -> None:
+        """Forget the fresh blocks: the map (every pool sharing it) and these rows."""
+        self.map.clear()
+        self.drop_rows()

@@ -157,7 +157,7 @@ def rotation_matrix(head_dim: int, device: torch.device | str = "cpu") -> torch.
         gaussian = torch.randn(head_dim, head_dim, generator=torch.Generator().manual_seed(head_dim), dtype=torch.float64)
         q, upper = torch.linalg.qr(gaussian)
         r = (q * upper.diagonal().sign()).float()
-    return r.to(device)
+    return r.contiguous().to(device)                       # (row-major: what the C++ ops read)
 
 
 @dataclass(frozen=True)

@@ -73,6 +73,7 @@ def _registered():
         torch.ops.hf_paged_cpu.paged_attention_quant  # noqa: B018  (each raises when absent)
         torch.ops.hf_paged_cpu.write_kv_quant  # noqa: B018
         torch.ops.hf_paged_cpu.kivi_write  # noqa: B018
+        torch.ops.hf_paged_cpu.kivi_write_kv  # noqa: B018
         torch.ops.hf_paged_cpu.write_kv  # noqa: B018
         return torch.ops.hf_paged_cpu.paged_attention
     except (AttributeError, RuntimeError):
@@ -115,6 +116,7 @@ def load_kernel():
                            ("hf_paged_cpu::paged_attention_quant", _fake_paged_attention_quant),
                            ("hf_paged_cpu::write_kv_quant", _fake_write_kv_quant),
                            ("hf_paged_cpu::kivi_write", _fake_write_kv_quant),
+                           ("hf_paged_cpu::kivi_write_kv", _fake_kivi_write_kv),
                            ("hf_paged_cpu::write_kv", _fake_write_kv_quant)):
         try:
             torch.library.register_fake(qualname)(fake)
@@ -133,6 +135,11 @@ def _fake_paged_attention_quant(query, *args, **kwargs):
 
 def _fake_write_kv_quant(*args, **kwargs):        # (and kivi_write, write_kv) writes its pool arguments in place
     return None
+
+
+def _fake_kivi_write_kv(key, value, rotation, src, dst, seal_blocks, *args):
+    k_open, v_open = args[7], args[11]                # the fresh rows: [H, sealed, BS, D] per pool
+    return tuple(o.new_empty((o.shape[0], seal_blocks.shape[0], *o.shape[2:])) for o in (k_open, v_open))
 
 
 def _side(pool: QuantizedPool, dtype: torch.dtype):
@@ -222,8 +229,11 @@ class CpuKernelBackend:
         self.quant_op = torch.ops.hf_paged_cpu.paged_attention_quant
         self.write_op = torch.ops.hf_paged_cpu.write_kv_quant
         self.plain_write_op = torch.ops.hf_paged_cpu.write_kv       # model-dtype pools (kv_write_cpu.cpp)
-        # KIVI pools' writes and sealing (hf_paged.kivi calls it; kivi_write_cpu.cpp)
+        # KIVI pools' writes and sealing (hf_paged.kivi calls them; kivi_write_cpu.cpp): per pool, and a layer's
+        # keys and values in one call (values rotated by the op); rotate_rows rotates values as that op does.
         self.kivi_write = torch.ops.hf_paged_cpu.kivi_write
+        self.kivi_write_kv = torch.ops.hf_paged_cpu.kivi_write_kv
+        self.rotate_rows = torch.ops.hf_paged_cpu.rotate_rows
 
     def write_kv(self, k_pool, v_pool, key, value, slot_mapping, writes_all: bool = False):
         """As torch_backend.write_kv, but quantised pools get unrotated states: row formats are rotated and

@@ -20,6 +20,7 @@ from ..backends.kernel_registry import has_kernels
 from ..backends.step import PagedLayer, Step
 from ..families import KVGeometry, config_geometry
 from ..kivi import KIVI, KiviPool, KiviWrite, write_kv as write_kivi
+from ..kivi_stores import KiviMaps
 from ..kv_formats import KVFormat, QuantizedPool, kv_format, rotation_matrix
 
 log = logging.getLogger("hf_paged.cache")
@@ -52,8 +53,9 @@ class KVPools(Cache):
         self.open_slots = 8               # kivi: open slots reserved per layer (the engine: max_num_seqs)
         self.sink_slots: int | None = None  # kivi: sink rows reserved per layer (None: open_slots)
         # kivi: the step's write plans, one per slot_mapping tensor (a device of a device_map), made by the
-        # first layer that writes and reused by the others; dropped with the step.
-        self._kivi_writes: dict[int, tuple[torch.Tensor, torch.Tensor, KiviWrite]] = {}
+        # first layer that writes and reused by the others (with the layers that used it); dropped with the step.
+        self._kivi_writes: dict[int | str, tuple[torch.Tensor, torch.Tensor, KiviWrite, set[int]]] = {}
+        self.kivi_maps: list[KiviMaps] = []    # kivi: the entries the pools on each device share
 
     def allocate_pools(self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device) -> None:
         """Pools on ``device``, or on each layer's own device where the geometry names one (device_map)."""
@@ -105,24 +107,32 @@ class KVPools(Cache):
         heads, blocks, block_size, head_dim = shape
         reserved = (self.open_slots, self.sink_slots)
         rotations = self._rotations(devices)                   # values only (kivi.py)
-        self.key_pools = [KiviPool.new(True, heads, blocks, block_size, head_dim, dtype, d, *reserved) for d in devices]
+        sinks = self.open_slots if self.sink_slots is None else self.sink_slots
+        maps = {d: KiviMaps.empty(blocks, self.open_slots, sinks, d, shared=True) for d in dict.fromkeys(devices)}
+        self.kivi_maps = list(maps.values())
+        self.key_pools = [KiviPool.new(True, heads, blocks, block_size, head_dim, dtype, d, *reserved, maps=maps[d])
+                          for d in devices]
         self.value_pools = [KiviPool.new(False, heads, blocks, block_size, head_dim, dtype, d, *reserved,
-                                         rotation=rotations[d]) for d in devices]
+                                         rotation=rotations[d], maps=maps[d]) for d in devices]
         self._without_cuda_kernels(device, devices)
 
     def release_blocks(self, blocks) -> None:
         """Blocks the block pool made plain free (``BlockPool.free_listeners``): KIVI open slots and sinks go
-        back."""
-        for pool in self.key_pools + self.value_pools:
-            if isinstance(pool, KiviPool):
-                pool.release_blocks(blocks)
+        back (once per device: the pools there share their entries)."""
+        for maps in self.kivi_maps:
+            maps.release(blocks)
 
     def copy_side_from(self, src: KVPools, src_blocks: list[int], dst_blocks: list[int]) -> None:
         """Blocks ``dst_blocks`` were copied from ``src``'s ``src_blocks`` (codes and scales): KIVI sinks
-        travel with them (the blocks are full, hence sealed: no open slot)."""
+        travel with them (the blocks are full, hence sealed: no open slot). The entries change once per pair of
+        shared maps, the rows in every pool."""
+        pairs: dict[tuple[int, int], list] = {}
         for mine, theirs in zip(self.key_pools + self.value_pools, src.key_pools + src.value_pools):
             if isinstance(mine, KiviPool):
-                mine.copy_side_from(theirs, src_blocks, dst_blocks)
+                key = (id(mine.maps), id(theirs.maps))
+                if key not in pairs:
+                    pairs[key] = mine.maps.copy_sinks_from(theirs.maps, src_blocks, dst_blocks)
+                mine.sink.copy_rows(theirs.sink, pairs[key])
 
     @property
     def open_bytes(self) -> int:
@@ -158,9 +168,10 @@ class KVPools(Cache):
         """Apply copy-on-write pairs ``(src, dst)`` to every layer's keys and values, in one call."""
         if not copies:
             return
+        entries = {id(maps): maps.copy(copies) for maps in self.kivi_maps}     # once per device, then the rows
         for pool in self.key_pools + self.value_pools:
             if isinstance(pool, KiviPool):
-                pool.copy_open(copies)
+                pool.copy_rows(*entries[id(pool.maps)])
         by_device: dict[torch.device, list[torch.Tensor]] = {}
         for pool in self.pool_tensors():
             by_device.setdefault(pool.device, []).append(pool)
@@ -179,9 +190,12 @@ class KVPools(Cache):
         """The forward is over: its plan may not be used again (and KIVI's fresh rows are not needed)."""
         self.step = None
         self._kivi_writes = {}
+        for maps in self.kivi_maps:
+            maps.fresh.clear()
+            maps.last = None
         for pool in self.key_pools + self.value_pools:
             if isinstance(pool, KiviPool):
-                pool.fresh.clear()
+                pool.fresh.drop_rows()
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args, **kwargs) -> tuple[PagedLayer, PagedLayer]:
@@ -225,8 +239,8 @@ class KVPools(Cache):
                 raise ValueError("kv_cache_dtype='kivi' writes need each token's position (the plan's token_pos)")
             write_kivi(k_pool, v_pool, key_states.detach().transpose(1, 2).reshape(batch * q_len, heads, dim),
                        value_states.detach().transpose(1, 2).reshape(batch * q_len, heads, dim),
-                       self._kivi_write(slot_mapping, positions, k_pool.data.shape[2]),
-                       getattr(self.peer_backends.get(k_pool.device, self.backend), "kivi_write", None))
+                       self._kivi_write(layer_idx, slot_mapping, positions, k_pool.data.shape[2]),
+                       self.kivi_ops(k_pool.device))
             return k_pool, v_pool
         if quantised and not getattr(self.backend, "rotates_on_write", False):
             # rotated in fp32, quantised from fp32 (see kv_formats); a backend that rotates on write
@@ -238,15 +252,30 @@ class KVPools(Cache):
                               slot_mapping, writes_all)
         return k_pool, v_pool
 
-    def _kivi_write(self, slot_mapping: torch.Tensor, positions: torch.Tensor, block_size: int) -> KiviWrite:
-        """The KIVI write plan of these slots and positions: made once per step and tensor (the same objects
-        reach every layer), else anew (a write outside a planned step)."""
+    def kivi_ops(self, device):
+        """The backend of ``device`` where it has KIVI's C++ writes (the CPU kernel backend), else None."""
+        backend = self.peer_backends.get(device, self.backend)
+        return backend if hasattr(backend, "kivi_write_kv") and torch.device(device).type == "cpu" else None
+
+    def _kivi_write(self, layer_idx: int, slot_mapping: torch.Tensor, positions: torch.Tensor,
+                    block_size: int) -> KiviWrite:
+        """The KIVI write plan of these slots and positions, one per write of all layers: the pools of a device
+        share their entries, which change once per plan (``kivi_plan.transition``). In a step, the plan of the
+        slot_mapping tensor (the same object reaches every layer); outside one (direct ``write`` calls), the
+        latest plan while the slots and positions are equal and the layer has not written it yet."""
         known = self._kivi_writes.get(id(slot_mapping))
-        if known is not None and known[0] is slot_mapping and known[1] is positions:
+        if known is not None and known[0] is slot_mapping and known[1] is positions and layer_idx not in known[3]:
+            known[3].add(layer_idx)
             return known[2]
+        key = id(slot_mapping) if self.step is not None else str(slot_mapping.device)
+        if self.step is None:
+            last = self._kivi_writes.get(key)
+            if (last is not None and layer_idx not in last[3] and torch.equal(last[0], slot_mapping)
+                    and torch.equal(last[1], positions)):
+                last[3].add(layer_idx)
+                return last[2]
         plan = KiviWrite.of(slot_mapping, positions.reshape(-1), block_size)
-        if self.step is not None:                   # held with its tensors: their ids stay theirs
-            self._kivi_writes[id(slot_mapping)] = (slot_mapping, positions, plan)
+        self._kivi_writes[key] = (slot_mapping, positions, plan, {layer_idx})   # (held: ids stay theirs)
         return plan
 
     # ------------------------------------------------- per-layer answers for transformers

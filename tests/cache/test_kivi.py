@@ -7,7 +7,7 @@ import torch
 import hf_paged
 from hf_paged.blocks import BlockPool
 from hf_paged.cache import KVPools, kv_bytes_per_token
-from hf_paged.kivi import BLOCK_SIZE, KIVI, KiviPool
+from hf_paged.kivi import BLOCK_SIZE, KIVI, KiviPool, rotated_values
 from hf_paged.kv_formats import kv_format
 from tiny_models import make_batch, make_model, patched
 
@@ -60,12 +60,13 @@ def test_open_block_is_exact_and_sealing_quantises_per_channel_and_per_token():
     # values are stored rotated by the formats' Hadamard R (an orthogonal matrix), keys as they are
     assert k_pool.rotation is None and torch.allclose(v_pool.rotation @ v_pool.rotation.T, torch.eye(D), atol=1e-6)
     assert not torch.allclose(v_pool.rotation, torch.eye(D))
-    value = v_pool.rotate(value)
+    stored = lambda x: rotated_values(v_pool, x, pools.kivi_ops(v_pool.device))      # as this cache's path rotates
+    value = stored(value)
     assert k_pool.open.num_held == 1 and int(k_pool.open.block_slot[1]) >= 0
     assert torch.equal(_own(k_pool, 1)[:BS - 1], key) and torch.equal(_own(v_pool, 1)[:BS - 1], value)
     last_key, last_value = _write(pools, [2 * BS - 1], seed=1)         # fills it: sealed, slot back
     assert k_pool.open.num_held == 0 and int(k_pool.open.block_slot[1]) == -1
-    keys, values = torch.cat([key, last_key]), torch.cat([value, v_pool.rotate(last_value)])
+    keys, values = torch.cat([key, last_key]), torch.cat([value, stored(last_value)])
     assert torch.equal(_own(k_pool, 1), keys) and torch.equal(_own(v_pool, 1), values)    # this step: fresh rows
     # keys: uniform step per (head, channel) over the block's tokens; values: per token over the head
     k_span = keys.amax(0) - keys.amin(0)

@@ -22,7 +22,7 @@ from hf_paged.backends import TorchBackend
 from hf_paged.blocks import BlockPool, BlockTable
 from hf_paged.cache import KVPools
 from hf_paged.cache.prefix_store import PrefixStore, copy_blocks_between
-from hf_paged.kivi import BLOCK_SIZE, KiviPool, KiviWrite
+from hf_paged.kivi import BLOCK_SIZE, KiviPool, KiviWrite, rotated_values, write_kv as kivi_write_kv
 from hf_paged.kv_formats import kv_format
 from hf_paged.plan import packed_plan
 from tiny_models import VOCAB, left_padded, make_model, patched
@@ -68,7 +68,8 @@ def check_sink_state(pools) -> None:
     k_pool, v_pool = pools.key_pools[0], pools.value_pools[0]
     assert k_pool.sink.num_held == 1 and k_pool.sink.slot(1) == -1, "one sink: block 0 holds position 0"
     assert torch.equal(k_pool.sink.rows[:, k_pool.sink.slot(0)], key[0])
-    assert torch.equal(v_pool.sink.rows[:, v_pool.sink.slot(0)], v_pool.rotate(value[0]))   # values: rotated
+    stored = rotated_values(v_pool, value[0], pools.kivi_ops(v_pool.device))        # values: rotated
+    assert torch.equal(v_pool.sink.rows[:, v_pool.sink.slot(0)], stored)
     for block, rows in ((0, key[1:BS]), (1, key[BS:])):
         stored_scale, stored_low = k_pool.scales[:, block, 0], k_pool.scales[:, block, 1]
         expect_scale, expect_low = _key_range(rows)
@@ -142,6 +143,77 @@ def test_copy_on_write_growth_release_and_the_prefix_store_move_sinks():
     held = [block_pool.take() for _ in range(3)]
     block_pool.release(held)                                                  # blocks 0..2 plain free
     assert all(p.sink.num_held == 0 and p.open.num_held == 0 for p in pools.key_pools + pools.value_pools)
+
+
+def test_a_caches_pools_share_their_entries_and_hold_what_pools_of_their_own_hold():
+    """KVPools' pools (one KiviMaps for the device, changed once per write, copy, release, growth) against
+    standalone pools per layer (each with its own maps, changed by its own calls): the same entries, rows,
+    codes and scales after every operation. Both on the PyTorch path, so every byte must agree."""
+    pools = KVPools(make_model("llama").config, backend=TorchBackend(), kv_format=kv_format("kivi"))
+    pools.open_slots = 2
+    pools.allocate_pools(6, BS, torch.float32, torch.device("cpu"))
+    layers = len(pools.key_pools)
+    assert len(pools.kivi_maps) == 1 and all(p.maps is pools.kivi_maps[0] for p in pools.key_pools + pools.value_pools)
+    alone = [(KiviPool.new(True, H, 6, BS, D, torch.float32, "cpu", 2),
+              KiviPool.new(False, H, 6, BS, D, torch.float32, "cpu", 2, rotation=pools.value_pools[i].rotation))
+             for i in range(layers)]
+    gen = torch.Generator().manual_seed(11)
+
+    def write(slots, positions):
+        plan = KiviWrite.of(torch.tensor(slots), torch.tensor(positions), BS)
+        for layer in range(layers):
+            key, value = (torch.randn(len(slots), H, D, generator=gen) for _ in range(2))
+            pools.write(layer, key.view(1, -1, H, D).transpose(1, 2), value.view(1, -1, H, D).transpose(1, 2),
+                        torch.tensor(slots), positions=torch.tensor(positions))
+            kivi_write_kv(*alone[layer], key, value, plan)
+
+    def check(what):
+        for layer in range(layers):
+            for a, b in zip((pools.key_pools[layer], pools.value_pools[layer]), alone[layer]):
+                assert a.open.held == b.open.held and a.sink.held == b.sink.held, f"{what}: entries"
+                assert torch.equal(a.data, b.data) and torch.equal(a.scales, b.scales), f"{what}: codes"
+                for store in ("open", "sink"):
+                    mine, theirs = getattr(a, store), getattr(b, store)
+                    assert torch.equal(mine.block_slot, theirs.block_slot), f"{what}: {store} map"
+                    for slot in mine.held.values():
+                        assert torch.equal(mine.rows[:, slot], theirs.rows[:, slot]), f"{what}: {store} rows"
+                assert a.fresh.blocks == b.fresh.blocks and torch.equal(a.fresh.rows, b.fresh.rows), f"{what}: fresh"
+
+    # seq A: blocks 0, 1, 2 (70 tokens), seq B: block 3 (5 tokens): two whole blocks sealed, two open, sinks
+    write(list(range(70)) + [3 * BS + p for p in range(5)], list(range(70)) + list(range(5)))
+    check("prefill")
+    write([70, 3 * BS + 5], [70, 5])
+    check("decode")
+    pools.copy_blocks([(2, 4)])                                               # a fork of A's open block
+    for k, v in alone:
+        for pool in (k, v):
+            pool.copy_open([(2, 4)])
+            pool.data[:, 4], pool.scales[:, 4] = pool.data[:, 2], pool.scales[:, 2]
+    check("copy-on-write")
+    write([71, 4 * BS + 71 - 2 * BS], [71, 71])
+    check("both forks decode")
+    pools.release_blocks([3])                                                 # B finished
+    for k, _ in alone:
+        k.maps.release([3])
+    for _, v in alone:
+        v.maps.release([3])
+    check("release")
+    pools.grow_pools(3)
+    alone = [tuple(p.with_tensors(torch.cat([p.data, p.data.new_zeros((H, 3, *p.data.shape[2:]))], 1),
+                                  torch.cat([p.scales, p.scales.new_ones((H, 3, *p.scales.shape[2:]))], 1)) for p in pair)
+             for pair in alone]
+    check("growth")
+    write(list(range(72, 96)) + [6 * BS + p for p in range(BS)], list(range(72, 96)) + list(range(BS)))
+    check("A's block 2 sealed from its slot, a new sequence in a grown block")
+    pools.end_step()
+    assert all(p.fresh.rows.numel() == 0 for p in pools.key_pools + pools.value_pools)
+    assert int(pools.kivi_maps[0].fresh.block_slot.max()) == -1
+
+
+def test_a_shared_pool_refuses_a_copy_of_its_own():
+    pools = _pools()
+    with pytest.raises(RuntimeError, match="KVPools.copy_blocks"):
+        pools.key_pools[0].copy_open([(0, 1)])
 
 
 # ------------------------------------------------------------------------ the PyTorch path, brute force
