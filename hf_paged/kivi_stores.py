@@ -139,15 +139,21 @@ def _copy_entry(src: SlotMap, dst: SlotMap, src_block: int, dst_block: int) -> t
 
 
 @dataclass
-class SideStore:
-    """One pool's rows of one kind (open blocks, sinks): ``rows`` [Hkv, capacity, *row] in the model's dtype, at
-    the entries of ``map`` (shared). Mutable, one per pool and kind."""
+class _MappedRows:
+    """One pool's ``rows``, at the entries of a ``map`` other pools share (its ``block_slot`` the kernels read)."""
     rows: torch.Tensor
-    map: SlotMap
+    map: SlotMap | FreshMap
 
     @property
     def block_slot(self) -> torch.Tensor:
         return self.map.block_slot
+
+
+@dataclass
+class SideStore(_MappedRows):
+    """One pool's rows of one kind (open blocks, sinks): ``rows`` [Hkv, capacity, *row] in the model's dtype, at
+    the entries of ``map``. Mutable, one per pool and kind."""
+    map: SlotMap
 
     @property
     def held(self) -> dict[int, int]:
@@ -175,15 +181,10 @@ class SideStore:
 
 
 @dataclass
-class FreshRows:
+class FreshRows(_MappedRows):
     """One pool's full rows ``rows`` [Hkv, n, BS, D] of the blocks the latest write sealed, at the indices of
-    ``map`` (shared), read by the same step's queries in those blocks."""
-    rows: torch.Tensor
+    ``map``, read by the same step's queries in those blocks."""
     map: FreshMap
-
-    @property
-    def block_slot(self) -> torch.Tensor:
-        return self.map.block_slot
 
     @property
     def blocks(self) -> list[int]:
