@@ -205,6 +205,27 @@ class CpuStep(Step):
                             int(window))
         return super().attend(query, k_pool, v_pool, scale, window)
 
+    def write_direct(self, key, value, k_pool, v_pool) -> None:
+        """[N, Hkv, D] keys and values (rows of any stride, contiguous heads) into model-dtype pools of their
+        dtype, contiguous, on the CPU (``KVPools.direct`` checked it): ``write_kv``'s C++ call, as
+        ``CpuKernelBackend.write_kv`` makes it for such pools."""
+        self.backend.plain_write_op(key, value, self.slot_mapping, k_pool, v_pool)
+
+    def attend_direct(self, query, k_pool, v_pool, scale: float, window: int) -> torch.Tensor:
+        """contiguous query [N, Hq, D] against model-dtype pools of its dtype: the kernel's call, as ``_attend``
+        makes it for such pools."""
+        plan = self.plan
+        return self.backend.op(query, k_pool, v_pool, plan.block_tables, plan.token_row, plan.token_pos, scale, window)
+
+    @property
+    def slot_mapping(self) -> torch.Tensor:
+        """The plan's slots, contiguous (made once per step)."""
+        if self._slots is None:
+            self._slots = self.plan.slot_mapping.contiguous()
+        return self._slots
+
+    _slots: torch.Tensor | None = None
+
     def _attend(self, query, k_pool, v_pool, scale, window):
         call = kernel_call(self.backend, query, k_pool, v_pool)
         if call is None:

@@ -33,12 +33,14 @@ class Workspace:
     chunks      : tokens per chunk -> int32 [C, 2] ragged work chunks (CUDA)
     splits      : (kernel family, rows, heads, head_dim, splits) -> fp32 split-K scratch (CUDA)
     devices     : device -> this step on that device (a device_map's other devices)
+    rotary      : (cos, sin, their rows [N, D]) of the forward's position embeddings (``fused_lean``)
     """
     padded: PaddedView | None = None
     decode_bias: dict = field(default_factory=dict)
     chunks: dict = field(default_factory=dict)
     splits: dict = field(default_factory=dict)
     devices: dict = field(default_factory=dict)
+    rotary: tuple | None = None
 
 
 @dataclass(frozen=True)

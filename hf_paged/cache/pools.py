@@ -212,6 +212,18 @@ class KVPools(Cache):
 
     no_step_message = "a paged cache's update ran outside a planned forward"
 
+    def direct(self, layer_idx: int, dtype: torch.dtype):
+        """(k_pool, v_pool, step) when this layer's write and attention may go straight to the step's C++ calls
+        (``CpuStep.write_direct`` / ``attend_direct``: what ``update`` and the attention function reach for
+        these pools, without their Python): model-dtype pools of ``dtype``, contiguous, on the CPU, in a step of
+        the CPU kernel backend on their device; else None (then ``update``)."""
+        step, k_pool, v_pool = self.step, self.key_pools[layer_idx], self.value_pools[layer_idx]
+        if (step is None or not hasattr(step, "attend_direct") or type(k_pool) is not torch.Tensor
+                or k_pool.dtype != dtype or v_pool.dtype != dtype or k_pool.device != step.device
+                or k_pool.device.type != "cpu" or not (k_pool.is_contiguous() and v_pool.is_contiguous())):
+            return None
+        return k_pool, v_pool, step
+
     def write(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor,
               slot_mapping: torch.Tensor, writes_all: bool = False,
               positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -35,6 +35,17 @@ def _norm(module, dtype) -> _Norm | None:
     return _Norm(module.weight, module.variance_epsilon) if norm_fusible(module, probe) else None
 
 
+def rotary_rows(workspace, position_embeddings, rows: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [*rows, D] as contiguous [N, D] (as ``rotate_qk`` shapes them), made once per forward: every
+    layer gets the same two tensors (kept in the step's workspace with them)."""
+    cos, sin = position_embeddings
+    kept = workspace.rotary
+    if kept is None or kept[0] is not cos or kept[1] is not sin:
+        kept = workspace.rotary = (cos, sin, *(t.expand(*rows, t.shape[-1]).reshape(-1, t.shape[-1]).contiguous()
+                                                for t in (cos, sin)))
+    return kept[2], kept[3]
+
+
 @dataclass(frozen=True)
 class LeanLayer:
     """The layer's constants and packed groups, valid for one installation (see the module doc)."""
@@ -98,6 +109,11 @@ class LeanLayer:
     def __call__(self, hidden_states: torch.Tensor, position_embeddings, cache, kwargs: dict) -> torch.Tensor:
         """The fused forwards' steps (fused_layers.DecoderLayer, Attention, fused_base._Mlp), in their order
         and with their tensor shapes."""
+        direct = getattr(cache, "direct", None)
+        if direct is not None and not self.qkv.library_sized(hidden_states):
+            pools = direct(self.layer_idx, self.dtype)
+            if pools is not None:
+                return self._direct(hidden_states, position_embeddings, *pools)
         ops = self.ops
         residual = hidden_states
         x = self.input_norm(ops, hidden_states)
@@ -121,6 +137,38 @@ class LeanLayer:
         if self.sandwich is not None:
             out = self.sandwich[1](ops, out)
         return residual + out
+
+    def _direct(self, hidden_states: torch.Tensor, position_embeddings, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                step) -> torch.Tensor:
+        """``__call__``'s ops on the same tensors (so the same numbers, bit for bit), as rows [N, features]:
+        the packed products whole (``_Packed.product``: the views ``outputs`` would split them into), the write
+        and the attention straight to the step's C++ calls (``KVPools.direct``). The Python between the ops was
+        about a quarter of a decode step's layer (SmolLM2, 2 threads)."""
+        ops, d = self.ops, self.head_dim
+        h = _rows(hidden_states)
+        n = h.shape[0]
+        if n != step.plan.num_tokens:
+            raise RuntimeError(f"the forward has {n} query tokens but its plan has {step.plan.num_tokens}: the "
+                               "inputs changed after the cache planned the step")
+        qkv = self.qkv.product(ops.rms_norm(h, self.input_norm.weight, self.input_norm.eps))
+        query, key, value = qkv.view(n, -1, d).split([size // d for size in self.qkv.sizes], 1)
+        if self.qk_norm is not None:
+            query, key = (ops.rms_norm(x.reshape(-1, d), norm.weight, norm.eps).view(n, -1, d)
+                          for x, norm in zip((query, key), self.qk_norm))
+        ops.rotary_(query, key, *rotary_rows(step.workspace, position_embeddings, hidden_states.shape[:-1]),
+                    self.interleaved)
+        step.write_direct(key, value, k_pool, v_pool)
+        scale = self.scaling if self.scaling is not None else d ** -0.5
+        out = self.o.product(step.attend_direct(query.contiguous(), k_pool, v_pool, float(scale), self.window).view(n, -1))
+        if self.sandwich is not None:
+            out = ops.rms_norm(out, self.sandwich[0].weight, self.sandwich[0].eps)
+        total, normed = ops.add_rms_norm(out, h, self.post_norm.weight, self.post_norm.eps)
+        gate_up = self.gate_up.product(normed)
+        half = gate_up.shape[-1] // 2
+        out = self.down.product(ops.silu_mul(gate_up[:, :half], gate_up[:, half:]))
+        if self.sandwich is not None:
+            out = ops.rms_norm(out, self.sandwich[1].weight, self.sandwich[1].eps)
+        return total.add_(out).view(hidden_states.shape)          # (total: add_rms_norm's own new tensor)
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:    # = fused_base._Mlp
         if self.split:

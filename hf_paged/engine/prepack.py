@@ -146,13 +146,15 @@ class _Packed:
         ``library_sized(x)``."""
         if self.library_sized(x):
             return tuple(F.linear(x, m.weight, m.bias) for m in self.modules)
-        flat = x.reshape(-1, x.shape[-1])
-        if self.ops is not None:
-            out = self.ops.linear(flat if flat.stride(-1) == 1 else flat.contiguous(), self.packed, self.bias, self.n)
-        else:
-            out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
-        out = out.view(*x.shape[:-1], self.n)
+        out = self.product(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self.n)
         return (out,) if len(self.sizes) == 1 else out.split(self.sizes, -1)
+
+    def product(self, flat: torch.Tensor) -> torch.Tensor:
+        """The packed product of rows ``flat`` [rows, K] -> [rows, n] (the caller has checked ``applies`` and
+        that they are not ``library_sized``)."""
+        if self.ops is not None:
+            return self.ops.linear(flat if flat.stride(-1) == 1 else flat.contiguous(), self.packed, self.bias, self.n)
+        return torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
 
 
     def output(self, x: torch.Tensor, index: int = 0) -> torch.Tensor:

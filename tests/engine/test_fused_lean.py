@@ -1,7 +1,9 @@
 """The lean decoder-layer forward (hf_paged.engine.fused_lean): engine-step logits bit for bit those of the
 module-by-module fused forwards on every family (float32 and bfloat16, decode and prefill steps, the
-prefill chunks over LIBRARY_ROWS that take F.linear), the lean forward actually running, and each check
-that keeps a layer off it: a hook on a module it would bypass, a weight changed in place between steps."""
+prefill chunks over LIBRARY_ROWS that take F.linear), the lean forward actually running (its direct form,
+straight to the step's C++ write and attention, on the steps whose products are packed), and each check
+that keeps a layer off it: a hook on a module it would bypass, a weight changed in place between steps,
+quantised pools (lean, not direct)."""
 from __future__ import annotations
 
 import pytest
@@ -14,14 +16,17 @@ from tiny_models import FAMILIES, make_model
 PROMPTS = [[3, 9, 27, 4, 11], list(range(5, 40)), [7] * 18, [3 + i % 250 for i in range(160)]]   # the last: a 160-row chunk
 
 
-def run(model, lean: bool, monkeypatch, prompts=PROMPTS, llm=None):
-    """(each step's logits, tokens, lean layer calls) of a greedy engine run."""
-    llm = llm or LLM(model, max_num_batched_tokens=256, num_blocks=128)
+def run(model, lean: bool, monkeypatch, prompts=PROMPTS, llm=None, direct=None, **knobs):
+    """(each step's logits, tokens, lean layer calls) of a greedy engine run; ``direct``: a list that gets the
+    layer of each direct-form call."""
+    llm = llm or LLM(model, max_num_batched_tokens=256, num_blocks=128, **knobs)
     llm.engine.fused.lean = lean
     steps, calls, runner = [], [], llm.engine.runner
-    forward, lean_call = runner.forward, LeanLayer.__call__
+    forward, lean_call, direct_call = runner.forward, LeanLayer.__call__, LeanLayer._direct
     monkeypatch.setattr(runner, "forward", lambda *args: steps.append(forward(*args).clone()) or steps[-1])
     monkeypatch.setattr(LeanLayer, "__call__", lambda self, *a: calls.append(self.layer_idx) or lean_call(self, *a))
+    if direct is not None:
+        monkeypatch.setattr(LeanLayer, "_direct", lambda self, *a: direct.append(self.layer_idx) or direct_call(self, *a))
     outs = llm.generate(prompts, max_new_tokens=5, do_sample=False, ignore_eos=True, use_tqdm=False)
     monkeypatch.undo()
     return steps, [o.outputs[0].token_ids for o in outs], calls
@@ -31,10 +36,19 @@ def run(model, lean: bool, monkeypatch, prompts=PROMPTS, llm=None):
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_lean_layers_equal_the_fused_modules_bit_for_bit(ops, family, dtype, monkeypatch):
     model = make_model(family, seed=7, dtype=dtype)
-    lean_steps, lean_tokens, calls = run(model, True, monkeypatch)
+    gen = torch.Generator().manual_seed(8)
+    with torch.no_grad():                    # norm weights start at ones: make each norm's its own
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(torch.rand(param.shape, generator=gen) + 0.5)
+    direct = []
+    lean_steps, lean_tokens, calls = run(model, True, monkeypatch, direct=direct)
     fused_steps, fused_tokens, none = run(model, False, monkeypatch)
     layers = model.config.num_hidden_layers
     assert len(calls) == layers * len(lean_steps) and not none, "every layer of every step ran lean, or none"
+    # direct on every step whose products are packed: all of them in bf16 (oneDNN), the decode steps in f32
+    # (the first step's 218 prompt rows go through F.linear)
+    assert len(direct) == len(calls) - (0 if dtype == torch.bfloat16 else layers), (len(direct), len(calls))
     assert lean_tokens == fused_tokens and len(lean_steps) == len(fused_steps) > 3
     for got, want in zip(lean_steps, fused_steps):
         assert torch.equal(got, want)
@@ -63,4 +77,15 @@ def test_a_weight_changed_between_steps_is_seen(ops, monkeypatch):
     assert calls and 0 not in calls and 1 in calls
     fused_steps, fused, _ = run(model, False, monkeypatch, llm=llm)
     assert changed == fused != before
+    assert all(torch.equal(a, b) for a, b in zip(lean_steps, fused_steps))
+
+
+def test_quantised_pools_take_the_lean_form_not_the_direct_one(ops, monkeypatch):
+    """int8 pools: the write quantises and the attention reads codes, which the direct form does not do, so
+    it stands aside; the lean layers still equal the fused modules."""
+    model = make_model("llama", seed=5)
+    direct = []
+    lean_steps, lean_tokens, calls = run(model, True, monkeypatch, direct=direct, kv_cache_dtype="int8")
+    fused_steps, fused_tokens, _ = run(model, False, monkeypatch, kv_cache_dtype="int8")
+    assert calls and not direct and lean_tokens == fused_tokens
     assert all(torch.equal(a, b) for a, b in zip(lean_steps, fused_steps))
