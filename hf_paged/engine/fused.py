@@ -53,6 +53,7 @@ class FusedOps:
     def __init__(self, model: torch.nn.Module, lean: bool = True):
         self.forwards: list[_Fused] = []
         self.lean = lean                # decoder layers as direct op calls where they may (fused_lean)
+        self.direct = True              # ... in their direct form where the step allows (LeanLayer._direct)
         try:
             ops = load_fused_ops()
         except RuntimeError as err:
@@ -81,7 +82,7 @@ class FusedOps:
         for forward in chosen:
             if isinstance(forward, DecoderLayer):
                 attention = specs.get(getattr(forward.module, "self_attn", None))
-                forward.prepare(attention if self.lean else None)
+                forward.prepare(attention if self.lean else None, self.direct)
         return chosen
 
 

@@ -66,9 +66,11 @@ class LeanLayer:
     scaling: float | None                     # (None: paged_attention's head_dim ** -0.5)
     window: int
     interleaved: bool
+    direct: bool = True                       # the direct form where the step allows it (``_direct``)
 
     @classmethod
-    def build(cls, layer: torch.nn.Module, ops, attention_spec: dict, sandwich: bool) -> LeanLayer | None:
+    def build(cls, layer: torch.nn.Module, ops, attention_spec: dict, sandwich: bool,
+              direct: bool = True) -> LeanLayer | None:
         """The lean forward of ``layer`` (a known decoder layer), or None when a check fails."""
         attn, mlp = layer.self_attn, layer.mlp
         split = hasattr(mlp, "gate_up_proj")
@@ -98,7 +100,7 @@ class LeanLayer:
         return cls(ops, dtype, fused_norms[0], fused_norms[1], tuple(fused_norms[2:4]) if sandwich else None,
                    tuple(fused_norms[-2:]) if attention_spec["qk_norm"] else None, groups["qkv"], groups["o"],
                    groups["gate_up"], split, groups["down"], attn, attn.head_dim, attn.layer_idx, attn.scaling,
-                   int(window or 0), attention_spec["interleaved"])
+                   int(window or 0), attention_spec["interleaved"], direct)
 
     def applies(self, hidden_states: torch.Tensor, position_embeddings, cache) -> bool:
         """The per-call checks (the rest were made by ``build``)."""
@@ -109,7 +111,7 @@ class LeanLayer:
     def __call__(self, hidden_states: torch.Tensor, position_embeddings, cache, kwargs: dict) -> torch.Tensor:
         """The fused forwards' steps (fused_layers.DecoderLayer, Attention, fused_base._Mlp), in their order
         and with their tensor shapes."""
-        direct = getattr(cache, "direct", None)
+        direct = getattr(cache, "direct", None) if self.direct else None
         if direct is not None and not self.qkv.library_sized(hidden_states):
             pools = direct(self.layer_idx, self.dtype)
             if pools is not None:
