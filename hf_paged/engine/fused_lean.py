@@ -67,6 +67,7 @@ class LeanLayer:
     window: int
     interleaved: bool
     direct: bool = True                       # the direct form where the step allows it (``_direct``)
+    qkv_heads: tuple[int, ...] = ()           # heads of q, k and v in the qkv product (``_direct``)
 
     @classmethod
     def build(cls, layer: torch.nn.Module, ops, attention_spec: dict, sandwich: bool,
@@ -100,7 +101,8 @@ class LeanLayer:
         return cls(ops, dtype, fused_norms[0], fused_norms[1], tuple(fused_norms[2:4]) if sandwich else None,
                    tuple(fused_norms[-2:]) if attention_spec["qk_norm"] else None, groups["qkv"], groups["o"],
                    groups["gate_up"], split, groups["down"], attn, attn.head_dim, attn.layer_idx, attn.scaling,
-                   int(window or 0), attention_spec["interleaved"], direct)
+                   int(window or 0), attention_spec["interleaved"], direct,
+                   tuple(size // attn.head_dim for size in groups["qkv"].sizes))
 
     def applies(self, hidden_states: torch.Tensor, position_embeddings, cache) -> bool:
         """The per-call checks (the rest were made by ``build``)."""
@@ -153,7 +155,7 @@ class LeanLayer:
             raise RuntimeError(f"the forward has {n} query tokens but its plan has {step.plan.num_tokens}: the "
                                "inputs changed after the cache planned the step")
         qkv = self.qkv.product(ops.rms_norm(h, self.input_norm.weight, self.input_norm.eps))
-        query, key, value = qkv.view(n, -1, d).split([size // d for size in self.qkv.sizes], 1)
+        query, key, value = qkv.view(n, -1, d).split_with_sizes(self.qkv_heads, 1)
         if self.qk_norm is not None:
             query, key = (ops.rms_norm(x.reshape(-1, d), norm.weight, norm.eps).view(n, -1, d)
                           for x, norm in zip((query, key), self.qk_norm))
