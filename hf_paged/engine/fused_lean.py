@@ -163,7 +163,8 @@ class LeanLayer:
                     self.interleaved)
         step.write_direct(key, value, k_pool, v_pool)
         scale = self.scaling if self.scaling is not None else d ** -0.5
-        out = self.o.product(step.attend_direct(query.contiguous(), k_pool, v_pool, float(scale), self.window).view(n, -1))
+        out = step.attend_direct(query.contiguous(), k_pool, v_pool, float(scale), self.window)
+        out = self.o.product(out.view(n, -1))
         if self.sandwich is not None:
             out = ops.rms_norm(out, self.sandwich[0].weight, self.sandwich[0].eps)
         total, normed = ops.add_rms_norm(out, h, self.post_norm.weight, self.post_norm.eps)

@@ -156,7 +156,6 @@ class _Packed:
             return self.ops.linear(flat if flat.stride(-1) == 1 else flat.contiguous(), self.packed, self.bias, self.n)
         return torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
 
-
     def output(self, x: torch.Tensor, index: int = 0) -> torch.Tensor:
         """Module ``index``'s output on x, contiguous: ``F.linear`` on its own weight when ``library_sized(x)``,
         else its columns of the packed product. (The caller has checked ``applies``.)"""
