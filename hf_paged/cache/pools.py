@@ -213,16 +213,31 @@ class KVPools(Cache):
     no_step_message = "a paged cache's update ran outside a planned forward"
 
     def direct(self, layer_idx: int, dtype: torch.dtype):
-        """(k_pool, v_pool, step) when this layer's write and attention may go straight to the step's C++ calls
-        (``CpuStep.write_direct`` / ``attend_direct``: what ``update`` and the attention function reach for
-        these pools, without their Python): model-dtype pools of ``dtype``, contiguous, on the CPU, in a step of
-        the CPU kernel backend on their device; else None (then ``update``)."""
+        """(k_pool, v_pool, step) when this layer's write and attention may skip ``update`` and transformers'
+        attention interface: pools on the CPU in a step of the CPU kernel backend on their device, either
+        model-dtype pools of ``dtype``, contiguous (``CpuStep.write_direct`` / ``attend_direct``: the C++ calls
+        those end in), or quantised ones (``write_rows`` / ``Step.attend``); else None (then ``update``)."""
         step, k_pool, v_pool = self.step, self.key_pools[layer_idx], self.value_pools[layer_idx]
-        if (step is None or not hasattr(step, "attend_direct") or type(k_pool) is not torch.Tensor
-                or k_pool.dtype != dtype or v_pool.dtype != dtype or k_pool.device != step.device
-                or k_pool.device.type != "cpu" or not (k_pool.is_contiguous() and v_pool.is_contiguous())):
+        if (step is None or not hasattr(step, "attend_direct") or k_pool.device != step.device
+                or k_pool.device.type != "cpu"):
+            return None
+        if isinstance(k_pool, QuantizedPool):       # (states go to the backend unrotated: it rotates on write)
+            return (k_pool, v_pool, step) if getattr(self.backend, "rotates_on_write", False) else None
+        if (type(k_pool) is not torch.Tensor or k_pool.dtype != dtype or v_pool.dtype != dtype
+                or not (k_pool.is_contiguous() and v_pool.is_contiguous())):
             return None
         return k_pool, v_pool, step
+
+    def write_rows(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, step) -> None:
+        """[N, Hkv, D] keys / values of ``step`` (the rows ``write`` makes of its [B, Hkv, Q, D] states) into
+        quantised pools that ``direct`` gave, by the calls ``write`` makes for them."""
+        k_pool, v_pool, plan = self.key_pools[layer_idx], self.value_pools[layer_idx], step.plan
+        if isinstance(k_pool, KiviPool):
+            write_kivi(k_pool, v_pool, key, value,
+                       self._kivi_write(layer_idx, plan.slot_mapping, plan.token_pos, k_pool.data.shape[2]),
+                       self.kivi_ops(k_pool.device))
+        else:
+            self.backend.write_kv(k_pool, v_pool, key, value, plan.slot_mapping, plan.writes_all)
 
     def write(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor,
               slot_mapping: torch.Tensor, writes_all: bool = False,

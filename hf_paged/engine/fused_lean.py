@@ -117,7 +117,7 @@ class LeanLayer:
         if direct is not None and not self.qkv.library_sized(hidden_states):
             pools = direct(self.layer_idx, self.dtype)
             if pools is not None:
-                return self._direct(hidden_states, position_embeddings, *pools)
+                return self._direct(hidden_states, position_embeddings, cache, *pools)
         ops = self.ops
         residual = hidden_states
         x = self.input_norm(ops, hidden_states)
@@ -142,12 +142,12 @@ class LeanLayer:
             out = self.sandwich[1](ops, out)
         return residual + out
 
-    def _direct(self, hidden_states: torch.Tensor, position_embeddings, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                step) -> torch.Tensor:
+    def _direct(self, hidden_states: torch.Tensor, position_embeddings, cache, k_pool, v_pool, step) -> torch.Tensor:
         """``__call__``'s ops on the same tensors (so the same numbers, bit for bit), as rows [N, features]:
         the packed products whole (``_Packed.product``: the views ``outputs`` would split them into), the write
-        and the attention straight to the step's C++ calls (``KVPools.direct``). The Python between the ops was
-        about a quarter of a decode step's layer (SmolLM2, 2 threads)."""
+        and the attention without ``update`` and the attention interface (``KVPools.direct``): model-dtype pools
+        straight to the step's C++ calls, quantised ones through ``KVPools.write_rows`` and ``Step.attend``.
+        The Python between the ops was about a quarter of a decode step's layer (SmolLM2, 2 threads)."""
         ops, d = self.ops, self.head_dim
         h = _rows(hidden_states)
         n = h.shape[0]
@@ -161,9 +161,13 @@ class LeanLayer:
                           for x, norm in zip((query, key), self.qk_norm))
         ops.rotary_(query, key, *rotary_rows(step.workspace, position_embeddings, hidden_states.shape[:-1]),
                     self.interleaved)
-        step.write_direct(key, value, k_pool, v_pool)
-        scale = self.scaling if self.scaling is not None else d ** -0.5
-        out = step.attend_direct(query.contiguous(), k_pool, v_pool, float(scale), self.window)
+        scale = float(self.scaling if self.scaling is not None else d ** -0.5)
+        if type(k_pool) is torch.Tensor:
+            step.write_direct(key, value, k_pool, v_pool)
+            out = step.attend_direct(query.contiguous(), k_pool, v_pool, scale, self.window)
+        else:
+            cache.write_rows(self.layer_idx, key, value, step)
+            out = step.attend(query, k_pool, v_pool, scale, self.window)
         out = self.o.product(out.view(n, -1))
         if self.sandwich is not None:
             out = ops.rms_norm(out, self.sandwich[0].weight, self.sandwich[0].eps)

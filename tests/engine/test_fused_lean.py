@@ -2,8 +2,8 @@
 module-by-module fused forwards on every family (float32 and bfloat16, decode and prefill steps, the
 prefill chunks over LIBRARY_ROWS that take F.linear), the lean forward actually running (its direct form,
 straight to the step's C++ write and attention, on the steps whose products are packed), and each check
-that keeps a layer off it: a hook on a module it would bypass, a weight changed in place between steps,
-quantised pools (lean, not direct)."""
+that keeps a layer off it: a hook on a module it would bypass, a weight changed in place between steps;
+quantised pools in the direct form too."""
 from __future__ import annotations
 
 import pytest
@@ -80,12 +80,13 @@ def test_a_weight_changed_between_steps_is_seen(ops, monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(lean_steps, fused_steps))
 
 
-def test_quantised_pools_take_the_lean_form_not_the_direct_one(ops, monkeypatch):
-    """int8 pools: the write quantises and the attention reads codes, which the direct form does not do, so
-    it stands aside; the lean layers still equal the fused modules."""
+@pytest.mark.parametrize("kv", ["int8", "fp8_e4m3", "nvfp4", "kivi"])
+def test_quantised_pools_take_the_direct_form_too(ops, kv, monkeypatch):
+    """Quantised pools: the direct form writes through ``KVPools.write_rows`` (the backend's quantising write,
+    KIVI's plan) and attends through ``Step.attend``; the logits equal the fused modules' bit for bit."""
     model = make_model("llama", seed=5)
-    direct = []
-    lean_steps, lean_tokens, calls = run(model, True, monkeypatch, direct=direct, kv_cache_dtype="int8")
-    fused_steps, fused_tokens, _ = run(model, False, monkeypatch, kv_cache_dtype="int8")
-    assert calls and not direct and lean_tokens == fused_tokens
+    direct, knobs = [], dict(kv_cache_dtype=kv, block_size=32 if kv == "kivi" else 16)
+    lean_steps, lean_tokens, calls = run(model, True, monkeypatch, direct=direct, **knobs)
+    fused_steps, fused_tokens, _ = run(model, False, monkeypatch, **knobs)
+    assert calls and direct and lean_tokens == fused_tokens
     assert all(torch.equal(a, b) for a, b in zip(lean_steps, fused_steps))
