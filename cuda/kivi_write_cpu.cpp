@@ -108,6 +108,17 @@ void seal_keys(const float* x, int64_t bs, int64_t d, bool sink, uint8_t* codes,
   }
 }
 
+// One state row of d channels at channel stride `stride` into out (a plain copy where the channels are contiguous:
+// the engine's states are row-strided views of the q/k/v product).
+template <typename T>
+inline void copy_row(const T* in, int64_t stride, int64_t d, T* out) {
+  if (stride == 1) {
+    std::copy(in, in + d, out);
+  } else {
+    for (int64_t c = 0; c < d; ++c) out[c] = in[c * stride];
+  }
+}
+
 template <typename T>
 void run(const at::Tensor& states, const int64_t* src, const int64_t* dst, int64_t copies, T* open, const Geometry& g,
          const int64_t* blocks, const int64_t* slots, const int64_t* rows, const bool* sinks, int64_t sealed,
@@ -115,12 +126,7 @@ void run(const at::Tensor& states, const int64_t* src, const int64_t* dst, int64
   const T* x = states.data_ptr<T>();
   const int64_t s0 = states.stride(0), s1 = states.stride(1), s2 = states.stride(2), d = g.d, bs = g.bs;
   auto state_row = [&](int64_t row, int64_t h, T* out) {
-    const T* in = x + row * s0 + h * s1;
-    if (s2 == 1) {
-      std::copy(in, in + d, out);
-    } else {
-      for (int64_t c = 0; c < d; ++c) out[c] = in[c * s2];
-    }
+    copy_row(x + row * s0 + h * s1, s2, d, out);
   };
   // 1. rows into their open slots
   at::parallel_for(0, copies * g.heads, 256, [&](int64_t begin, int64_t end) {
@@ -247,15 +253,7 @@ void copy_rows(const at::Tensor& states, const at::Tensor& src, const at::Tensor
   T* out = rows.data_ptr<T>();
   const int64_t s0 = states.stride(0), s1 = states.stride(1), s2 = states.stride(2);
   for (int64_t i = 0; i < n; ++i)
-    for (int64_t h = 0; h < heads; ++h) {
-      const T* in = x + s[i] * s0 + h * s1;
-      T* row = out + (h * per_head + t[i]) * d;
-      if (s2 == 1) {
-        std::copy(in, in + d, row);
-      } else {
-        for (int64_t c = 0; c < d; ++c) row[c] = in[c * s2];
-      }
-    }
+    for (int64_t h = 0; h < heads; ++h) copy_row(x + s[i] * s0 + h * s1, s2, d, out + (h * per_head + t[i]) * d);
 }
 
 // value [N, H, D] -> contiguous [N, H, D] in value's dtype: each row x R (rotate_row), rounded to the dtype.

@@ -229,17 +229,15 @@ class KiviPool(QuantizedPool):
     def _seal(self, states: torch.Tensor, step: KiviStep) -> None:
         """Quantise the blocks ``step.sealed``: those with a slot from it, the others (``whole``) from
         ``states``; their rows become the fresh rows."""
-        device = self.data.device
-        from_slots = [s for s in step.sealed_slots if s >= 0]        # (they come first)
         parts = []
-        if from_slots:
-            parts.append(self.open.rows.index_select(1, torch.tensor(from_slots, device=device)))
-        whole = len(step.sealed) - len(from_slots)
+        if step.sealed_from.numel():                           # (they come first)
+            parts.append(self.open.rows.index_select(1, step.sealed_from))
+        whole = len(step.sealed) - step.sealed_from.numel()
         if whole:                                              # rows in offset order, block after block
-            rows = states[step.whole_rows].unflatten(0, (whole, self.data.shape[2]))   # [n, BS, Hkv, D]
+            rows = states.index_select(0, step.whole_rows).unflatten(0, (whole, self.data.shape[2]))   # [n, BS, Hkv, D]
             parts.append(rows.permute(2, 0, 1, 3))                                # [Hkv, n, BS, D]
         rows = torch.cat(parts, 1) if len(parts) > 1 else parts[0].contiguous()
-        codes, scales = self.quantize_blocks(rows, torch.tensor(step.sealed_sinks, device=device))
+        codes, scales = self.quantize_blocks(rows, step.sealed_sinks)
         self.data.index_copy_(1, step.sealed_index, codes)
         self.scales.index_copy_(1, step.sealed_index, scales)
         self.fresh.rows = rows

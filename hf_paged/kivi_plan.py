@@ -83,10 +83,10 @@ class KiviStep:
     reopen_first: list[tuple[int, int]]  # (block, slot): sealed here, rows kept in codes: decoded into the slot
     into_slots: tuple[torch.Tensor, torch.Tensor] | None   # (rows, flattened slot rows) of blocks held before
     sealed: list[int]                   # the blocks this write seals: from their slot, then written whole
-    sealed_slots: list[int]             # their slots (-1 = whole: rows from the states)
-    whole_rows: list[int]               # rows of the whole ones, in offset order
-    sealed_sinks: list[bool]            # per sealed block: row 0 is a sink
-    sealed_index: torch.Tensor | None   # ``sealed`` as a tensor
+    sealed_index: torch.Tensor          # ``sealed`` as a tensor
+    sealed_from: torch.Tensor           # the slots of the first ones (sealed from their open slot)
+    whole_rows: torch.Tensor            # rows of the others (written whole), in offset order
+    sealed_sinks: torch.Tensor          # bool, per sealed block: row 0 is a sink
     reopen_after: list[tuple[int, int]]  # (block, slot): opened here with earlier rows to keep
     new_rows: tuple[torch.Tensor, torch.Tensor] | None     # (rows, flattened slot rows) of blocks opened here
     op_args: tuple | None = None        # kivi_write's index tensors (CPU pools; None: nothing to do)
@@ -107,8 +107,8 @@ def transition(maps: KiviMaps, plan: KiviWrite) -> KiviStep:
     reopen_first = [(b, maps.open.take(b)) for b in from_slots if b not in held]
     src, dst = plan.slot_rows(plan.written, [held.get(b, -1) for b in plan.written])
     sealed = from_slots + whole
-    sealed_slots = [held[b] for b in from_slots] + [-1] * len(whole)
-    sealed_sinks = [b in maps.sink.held for b in sealed]
+    from_slot = [held[b] for b in from_slots]
+    sealed_sinks = torch.tensor([b in maps.sink.held for b in sealed], dtype=torch.bool, device=device)
     whole_rows = plan.whole_rows(whole)
     for block in from_slots:
         maps.open.release(block)
@@ -116,7 +116,7 @@ def transition(maps: KiviMaps, plan: KiviWrite) -> KiviStep:
     new_slots = [maps.open.take(b) for b in new]
     reopen_after = [(b, s) for b, s in zip(new, new_slots) if plan.first_offset[b] > 0]
     new_src, new_dst = plan.slot_rows(new, new_slots)
-    sealed_index = _index(sealed, device) if sealed else None
+    sealed_index = _index(sealed, device)
     maps.fresh.set(sealed, sealed_index)
     into_slots = (_index(src, device), _index(dst, device)) if src else None
     sink_rows = _index(plan.sink_rows, device) if plan.sink_rows else None
@@ -125,13 +125,13 @@ def transition(maps: KiviMaps, plan: KiviWrite) -> KiviStep:
     if device.type == "cpu":                                # the ops run on CPU pools only
         none = torch.empty(0, dtype=torch.int64)
         rows = [0] * (plan.block_size * len(from_slots)) + whole_rows
-        op_args = (*(into_slots or (none, none)), _index(sealed, device), _index(sealed_slots, device),
-                   _index(rows, device), torch.tensor(sealed_sinks, dtype=torch.bool))
+        op_args = (*(into_slots or (none, none)), sealed_index, _index(from_slot + [-1] * len(whole), device),
+                   _index(rows, device), sealed_sinks)
         kv_args = (*op_args, none if sink_rows is None else sink_rows, _index(sink_entries, device),
                    *(new_rows or (none, none)))
         if not (src or sealed):
             op_args = None
-    step = KiviStep(sink_rows, sink_entries, reopen_first, into_slots, sealed, sealed_slots, whole_rows,
-                    sealed_sinks, sealed_index, reopen_after, new_rows, op_args, kv_args)
+    step = KiviStep(sink_rows, sink_entries, reopen_first, into_slots, sealed, sealed_index, _index(from_slot, device),
+                    _index(whole_rows, device), sealed_sinks, reopen_after, new_rows, op_args, kv_args)
     maps.last = (plan, step)
     return step

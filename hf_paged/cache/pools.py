@@ -228,16 +228,17 @@ class KVPools(Cache):
             return None
         return k_pool, v_pool, step
 
-    def write_rows(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, step) -> None:
-        """[N, Hkv, D] keys / values of ``step`` (the rows ``write`` makes of its [B, Hkv, Q, D] states) into
-        quantised pools that ``direct`` gave, by the calls ``write`` makes for them."""
-        k_pool, v_pool, plan = self.key_pools[layer_idx], self.value_pools[layer_idx], step.plan
-        if isinstance(k_pool, KiviPool):
+    def write_rows(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
+                   writes_all: bool, positions: torch.Tensor | None) -> None:
+        """[N, Hkv, D] keys / values (``write``'s states as rows, checked and, for a backend that does not rotate
+        on write, rotated) into layer ``layer_idx``'s pools: KIVI's write plan, else the backend's write."""
+        k_pool, v_pool = self.key_pools[layer_idx], self.value_pools[layer_idx]
+        if isinstance(k_pool, KiviPool):        # on every backend: no kernel writes or seals KIVI blocks
             write_kivi(k_pool, v_pool, key, value,
-                       self._kivi_write(layer_idx, plan.slot_mapping, plan.token_pos, k_pool.data.shape[2]),
+                       self._kivi_write(layer_idx, slot_mapping, positions, k_pool.data.shape[2]),
                        self.kivi_ops(k_pool.device))
         else:
-            self.backend.write_kv(k_pool, v_pool, key, value, plan.slot_mapping, plan.writes_all)
+            self.backend.write_kv(k_pool, v_pool, key, value, slot_mapping, writes_all)
 
     def write(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor,
               slot_mapping: torch.Tensor, writes_all: bool = False,
@@ -261,22 +262,16 @@ class KVPools(Cache):
                 "cache with the model's own geometry: PagedCache(model.config, geometry=hf_paged.model_geometry(model))"
                 " (the patched generate and the engine do this).")
         batch, heads, q_len, dim = key_states.shape
-        if isinstance(k_pool, KiviPool):        # on every backend: no kernel writes or seals KIVI blocks
-            if positions is None:
-                raise ValueError("kv_cache_dtype='kivi' writes need each token's position (the plan's token_pos)")
-            write_kivi(k_pool, v_pool, key_states.detach().transpose(1, 2).reshape(batch * q_len, heads, dim),
-                       value_states.detach().transpose(1, 2).reshape(batch * q_len, heads, dim),
-                       self._kivi_write(layer_idx, slot_mapping, positions, k_pool.data.shape[2]),
-                       self.kivi_ops(k_pool.device))
-            return k_pool, v_pool
-        if quantised and not getattr(self.backend, "rotates_on_write", False):
+        kivi = isinstance(k_pool, KiviPool)
+        if kivi and positions is None:
+            raise ValueError("kv_cache_dtype='kivi' writes need each token's position (the plan's token_pos)")
+        if quantised and not kivi and not getattr(self.backend, "rotates_on_write", False):
             # rotated in fp32, quantised from fp32 (see kv_formats); a backend that rotates on write
-            # (the CPU kernel's, fused with quantisation) gets the states as they are.
+            # (the CPU kernel's, fused with quantisation) gets the states as they are. (KIVI rotates its values.)
             key_states, value_states = k_pool.rotate(key_states), v_pool.rotate(value_states)
-        self.backend.write_kv(k_pool, v_pool,
-                              key_states.detach().transpose(1, 2).reshape(batch * q_len, heads, dim),
-                              value_states.detach().transpose(1, 2).reshape(batch * q_len, heads, dim),
-                              slot_mapping, writes_all)
+        self.write_rows(layer_idx, key_states.detach().transpose(1, 2).reshape(batch * q_len, heads, dim),
+                        value_states.detach().transpose(1, 2).reshape(batch * q_len, heads, dim),
+                        slot_mapping, writes_all, positions)
         return k_pool, v_pool
 
     def kivi_ops(self, device):

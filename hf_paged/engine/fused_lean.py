@@ -166,7 +166,8 @@ class LeanLayer:
             step.write_direct(key, value, k_pool, v_pool)
             out = step.attend_direct(query.contiguous(), k_pool, v_pool, scale, self.window)
         else:
-            cache.write_rows(self.layer_idx, key, value, step)
+            plan = step.plan
+            cache.write_rows(self.layer_idx, key, value, plan.slot_mapping, plan.writes_all, plan.token_pos)
             out = step.attend(query, k_pool, v_pool, scale, self.window)
         out = self.o.product(out.view(n, -1))
         if self.sandwich is not None:
