@@ -95,7 +95,7 @@ FORMATS = {
 }
 # KIVI-style 4-bit blocks: the format here (a KVFormat like the others), its pools in hf_paged.kivi.
 KIVI_BLOCK_SIZE = 32          # tokens per key group = per block (the bytes: hf_paged.kivi)
-KIVI_VALUE_GROUP = 64         # elements per value scale along head_dim (min(head_dim, this))
+KIVI_VALUE_GROUP = 64         # at most this many elements per value scale along head_dim (value_group)
 KIVI_CODE_MAX = 15.0
 
 
@@ -105,7 +105,10 @@ class KiviFormat(KVFormat):
     a block of ``KIVI_BLOCK_SIZE``)."""
 
     def value_group(self, head_dim: int) -> int:
-        return min(head_dim, KIVI_VALUE_GROUP)
+        """Elements per value scale: the largest even divisor of head_dim not over ``KIVI_VALUE_GROUP``
+        (64 for head_dim 64, 128, 256; 40 for 80, 48 for 96, head_dim itself below 64), so every even
+        head_dim has whole groups at about the same bytes (0.29-0.31x bf16)."""
+        return max((g for g in range(2, min(head_dim, KIVI_VALUE_GROUP) + 1, 2) if head_dim % g == 0), default=1)
 
     def num_scales(self, head_dim: int) -> int:
         return 2 * (head_dim // self.value_group(head_dim))
@@ -116,9 +119,9 @@ class KiviFormat(KVFormat):
         return (key + value) // 2
 
     def check_head_dim(self, head_dim: int) -> None:
-        if head_dim % 2 or head_dim % self.value_group(head_dim):
-            raise ValueError(f"kv_cache_dtype='kivi' needs an even head_dim divisible by "
-                             f"{self.value_group(head_dim)}, got {head_dim}; use 'int8' or 'auto'")
+        if head_dim % 2:
+            raise ValueError(f"kv_cache_dtype='kivi' packs two 4-bit codes per byte along head_dim, which must "
+                             f"be even, got {head_dim}; use 'int8' or 'auto'")
 
     def check_block_size(self, block_size: int) -> None:
         if block_size != KIVI_BLOCK_SIZE:

@@ -287,6 +287,19 @@ def test_kivi_reads_follow_the_position_rule(backend, dtype, heads, window):
         assert (without_sinks.float() - without_fresh.float()).abs().max() > 1e-2, "row 0 of block 0 from the sink"
 
 
+@pytest.mark.parametrize("head_dim", [80, 96])
+def test_kivi_head_dims_other_than_powers_of_two(backend, head_dim):
+    """head_dim 80 and 96 take value groups of 40 and 48 (``KiviFormat.value_group``): the kernel's scalar and
+    vector row decodes, against the PyTorch path."""
+    assert kv_formats.KIVI.value_group(head_dim) == head_dim // 2
+    k, v, plan, query = kivi_step(4, 2, head_dim, torch.float32, seed=head_dim,
+                                  rotation=kv_formats.rotation_matrix(head_dim))
+    assert v.scales.shape[-1] == 2 * 2, "two value groups per row: a scale and a minimum each"
+    scale = head_dim ** -0.5
+    assert_close(backend.prepare(plan).attend(query, k, v, scale, 0),
+                 ta.TorchBackend().prepare(plan).attend(query, k, v, scale, 0), torch.float32)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_kivi_rotated_values_are_unrotated_by_the_kernel(backend, monkeypatch, dtype):
     """KIVI stores values rotated and keys not: the kernel unrotates each output row itself and leaves the

@@ -81,7 +81,7 @@ class Spy:
         return call
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 80, 128])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("seed", [0, 1])
 def test_op_equals_the_pytorch_write(backend, head_dim, dtype, seed):
@@ -97,7 +97,7 @@ def test_op_equals_the_pytorch_write(backend, head_dim, dtype, seed):
     assert spy.calls["kivi_write_kv"] == 0 and spy.calls["kivi_write"] >= len(WRITES), spy.calls
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 192])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 192])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("seed", [0, 1])
 def test_one_call_per_layer_equals_the_pytorch_write(backend, head_dim, dtype, seed):
