@@ -218,6 +218,18 @@ class CpuStep(Step):
         return self.backend.op(query, k_pool, v_pool, plan.block_tables, plan.token_row, plan.token_pos, scale, window)
 
     @property
+    def direct_metadata(self):
+        """(slot_mapping, block_tables, token_row, token_pos) as ``write_direct`` and ``attend_direct`` pass them,
+        for a caller that makes those two C++ calls itself (``fused_lean``'s one-call layer); None where this
+        step's backend calls other ops than the extension's own (a wrapped op must see its calls)."""
+        backend = self.backend
+        if (backend.op is not torch.ops.hf_paged_cpu.paged_attention
+                or backend.plain_write_op is not torch.ops.hf_paged_cpu.write_kv):
+            return None
+        plan = self.plan
+        return self.slot_mapping, plan.block_tables, plan.token_row, plan.token_pos
+
+    @property
     def slot_mapping(self) -> torch.Tensor:
         """The plan's slots, contiguous (made once per step)."""
         if self._slots is None:

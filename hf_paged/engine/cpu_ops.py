@@ -2,13 +2,14 @@
 ``cpu_backend.build_extension`` (cached by torch per source, flags and CPU) from
 
 - ``cuda/fused_ops_cpu.cpp``: ``rms_norm``, ``add_rms_norm``, ``rotary_``, ``silu_mul`` (``engine.fused``);
-- ``cuda/linear_cpu.cpp``: ``pack_linear`` and ``linear``, the float32 linear layers (``engine.prepack``).
+- ``cuda/linear_cpu.cpp``: ``pack_linear`` and ``linear``, the float32 linear layers (``engine.prepack``);
+- ``cuda/lean_layer_cpu.cpp``: ``lean_layer``, a decoder layer's direct form in one call (``engine.fused_lean``).
 """
 from __future__ import annotations
 
 import torch
 
-SOURCES = ("fused_ops_cpu.cpp", "linear_cpu.cpp")
+SOURCES = ("fused_ops_cpu.cpp", "linear_cpu.cpp", "lean_layer_cpu.cpp")
 
 
 def _like_rows(x, *args):
@@ -22,6 +23,7 @@ FAKES = {                   # shape propagation for torch.compile: each op is on
     "silu_mul": _like_rows,
     "pack_linear": lambda w: w.new_empty(((w.shape[0] + 31) // 32, w.shape[1], 32)),
     "linear": lambda x, packed, bias, n: x.new_empty((x.shape[0], n)),
+    "lean_layer": lambda hidden, *args: _like_rows(hidden),
 }
 
 

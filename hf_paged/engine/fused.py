@@ -54,6 +54,7 @@ class FusedOps:
         self.forwards: list[_Fused] = []
         self.lean = lean                # decoder layers as direct op calls where they may (fused_lean)
         self.direct = True              # ... in their direct form where the step allows (LeanLayer._direct)
+        self.one_call = True            # ... that form as one C++ call per layer where it may (lean_layer)
         try:
             ops = load_fused_ops()
         except RuntimeError as err:
@@ -82,7 +83,7 @@ class FusedOps:
         for forward in chosen:
             if isinstance(forward, DecoderLayer):
                 attention = specs.get(getattr(forward.module, "self_attn", None))
-                forward.prepare(attention if self.lean else None, self.direct)
+                forward.prepare(attention if self.lean else None, self.direct, self.one_call)
         return chosen
 
 

@@ -56,11 +56,12 @@ class DecoderLayer(_Fused):
     direct op calls for this installation (``fused_lean``; None: the module-by-module forward below)."""
     lean: LeanLayer | None = None
 
-    def prepare(self, attention_spec: dict | None, direct: bool = True) -> None:
+    def prepare(self, attention_spec: dict | None, direct: bool = True, one_call: bool = True) -> None:
         """At each installation: the lean forward, where its checks hold (``attention_spec``: the fused
-        attention's spec of this layer; None: no lean forward; ``direct``: its direct form allowed)."""
+        attention's spec of this layer; None: no lean forward; ``direct``: its direct form allowed;
+        ``one_call``: that form as one C++ call where it may)."""
         self.lean = None if attention_spec is None else \
-            LeanLayer.build(self.module, self.ops, attention_spec, self.spec["sandwich"], direct)
+            LeanLayer.build(self.module, self.ops, attention_spec, self.spec["sandwich"], direct, one_call)
 
     def __call__(self, hidden_states, attention_mask=None, position_ids=None, cache=None, use_cache=False,
                  position_embeddings=None, past_key_values=None, **kwargs):

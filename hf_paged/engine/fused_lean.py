@@ -68,10 +68,11 @@ class LeanLayer:
     interleaved: bool
     direct: bool = True                       # the direct form where the step allows it (``_direct``)
     qkv_heads: tuple[int, ...] = ()           # heads of q, k and v in the qkv product (``_direct``)
+    one_call: tuple | None = None             # (op, its constant arguments): the direct form in one C++ call
 
     @classmethod
     def build(cls, layer: torch.nn.Module, ops, attention_spec: dict, sandwich: bool,
-              direct: bool = True) -> LeanLayer | None:
+              direct: bool = True, one_call: bool = True) -> LeanLayer | None:
         """The lean forward of ``layer`` (a known decoder layer), or None when a check fails."""
         attn, mlp = layer.self_attn, layer.mlp
         split = hasattr(mlp, "gate_up_proj")
@@ -98,11 +99,18 @@ class LeanLayer:
                 or len({g.dtype for g in groups.values()}) != 1:
             return None
         window = getattr(attn, "sliding_window", None) if attention_spec["window"] else None
+        qk_norm = attention_spec["qk_norm"]
+        layer_op = getattr(ops, "lean_layer", None) if direct and one_call else None
+        if layer_op is not None:            # lean_layer's order: input, post, (q, k), (GLM-4's sandwich)
+            ordered = fused_norms[:2] + (fused_norms[-2:] if qk_norm else []) + (fused_norms[2:4] if sandwich else [])
+            packed = [groups[name] for name in ("qkv", "o", "gate_up", "down")]
+            layer_op = (layer_op, [n.weight for n in ordered], [float(n.eps) for n in ordered],
+                        [g.packed for g in packed], [g.bias for g in packed], [g.n for g in packed])
         return cls(ops, dtype, fused_norms[0], fused_norms[1], tuple(fused_norms[2:4]) if sandwich else None,
-                   tuple(fused_norms[-2:]) if attention_spec["qk_norm"] else None, groups["qkv"], groups["o"],
+                   tuple(fused_norms[-2:]) if qk_norm else None, groups["qkv"], groups["o"],
                    groups["gate_up"], split, groups["down"], attn, attn.head_dim, attn.layer_idx, attn.scaling,
                    int(window or 0), attention_spec["interleaved"], direct,
-                   tuple(size // attn.head_dim for size in groups["qkv"].sizes))
+                   tuple(size // attn.head_dim for size in groups["qkv"].sizes), layer_op)
 
     def applies(self, hidden_states: torch.Tensor, position_embeddings, cache) -> bool:
         """The per-call checks (the rest were made by ``build``)."""
@@ -154,6 +162,14 @@ class LeanLayer:
         if n != step.plan.num_tokens:
             raise RuntimeError(f"the forward has {n} query tokens but its plan has {step.plan.num_tokens}: the "
                                "inputs changed after the cache planned the step")
+        scale = float(self.scaling if self.scaling is not None else d ** -0.5)
+        metadata = step.direct_metadata if self.one_call is not None and type(k_pool) is torch.Tensor else None
+        if metadata is not None:            # the same calls in C++ (cuda/lean_layer_cpu.cpp)
+            op, norms, eps, weights, biases, widths = self.one_call
+            cos, sin = rotary_rows(step.workspace, position_embeddings, hidden_states.shape[:-1])
+            return op(h, norms, eps, weights, biases, widths, self.qkv_heads, d, self.qkv.ops is not None,
+                      self.qk_norm is not None, self.sandwich is not None, self.interleaved, cos, sin, k_pool, v_pool,
+                      *metadata, scale, self.window).view(hidden_states.shape)
         qkv = self.qkv.product(ops.rms_norm(h, self.input_norm.weight, self.input_norm.eps))
         query, key, value = qkv.view(n, -1, d).split_with_sizes(self.qkv_heads, 1)
         if self.qk_norm is not None:
@@ -161,7 +177,6 @@ class LeanLayer:
                           for x, norm in zip((query, key), self.qk_norm))
         ops.rotary_(query, key, *rotary_rows(step.workspace, position_embeddings, hidden_states.shape[:-1]),
                     self.interleaved)
-        scale = float(self.scaling if self.scaling is not None else d ** -0.5)
         if type(k_pool) is torch.Tensor:
             step.write_direct(key, value, k_pool, v_pool)
             out = step.attend_direct(query.contiguous(), k_pool, v_pool, scale, self.window)

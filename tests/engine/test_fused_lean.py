@@ -3,7 +3,8 @@ module-by-module fused forwards on every family (float32 and bfloat16, decode an
 prefill chunks over LIBRARY_ROWS that take F.linear), the lean forward actually running (its direct form,
 straight to the step's C++ write and attention, on the steps whose products are packed), and each check
 that keeps a layer off it: a hook on a module it would bypass, a weight changed in place between steps;
-quantised pools in the direct form too."""
+quantised pools in the direct form too; the direct form as one C++ call (``lean_layer``) equal to its Python
+calls, and kept off where the step's kernel ops are wrapped."""
 from __future__ import annotations
 
 import pytest
@@ -16,9 +17,10 @@ from tiny_models import FAMILIES, make_model
 PROMPTS = [[3, 9, 27, 4, 11], list(range(5, 40)), [7] * 18, [3 + i % 250 for i in range(160)]]   # the last: a 160-row chunk
 
 
-def run(model, lean: bool, monkeypatch, prompts=PROMPTS, llm=None, direct=None, **knobs):
+def run(model, lean: bool, monkeypatch, prompts=PROMPTS, llm=None, direct=None, one_call=None, **knobs):
     """(each step's logits, tokens, lean layer calls) of a greedy engine run; ``direct``: a list that gets the
-    layer of each direct-form call."""
+    layer of each direct-form call; ``one_call``: a list that gets one entry per ``lean_layer`` call, or False
+    to run the direct form's Python calls instead of that op."""
     llm = llm or LLM(model, max_num_batched_tokens=256, num_blocks=128, **knobs)
     llm.engine.fused.lean = lean
     steps, calls, runner = [], [], llm.engine.runner
@@ -27,6 +29,12 @@ def run(model, lean: bool, monkeypatch, prompts=PROMPTS, llm=None, direct=None, 
     monkeypatch.setattr(LeanLayer, "__call__", lambda self, *a: calls.append(self.layer_idx) or lean_call(self, *a))
     if direct is not None:
         monkeypatch.setattr(LeanLayer, "_direct", lambda self, *a: direct.append(self.layer_idx) or direct_call(self, *a))
+    if one_call is False:
+        llm.engine.fused.one_call = False
+    elif one_call is not None:
+        layer_op = torch.ops.hf_paged_fused.lean_layer
+        monkeypatch.setattr(torch.ops.hf_paged_fused, "lean_layer", lambda *a: one_call.append(1) or layer_op(*a),
+                            raising=False)
     outs = llm.generate(prompts, max_new_tokens=5, do_sample=False, ignore_eos=True, use_tqdm=False)
     monkeypatch.undo()
     return steps, [o.outputs[0].token_ids for o in outs], calls
@@ -41,17 +49,19 @@ def test_lean_layers_equal_the_fused_modules_bit_for_bit(ops, family, dtype, mon
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.copy_(torch.rand(param.shape, generator=gen) + 0.5)
-    direct = []
-    lean_steps, lean_tokens, calls = run(model, True, monkeypatch, direct=direct)
+    direct, one_call = [], []
+    lean_steps, lean_tokens, calls = run(model, True, monkeypatch, direct=direct, one_call=one_call)
     fused_steps, fused_tokens, none = run(model, False, monkeypatch)
+    python_steps, python_tokens, _ = run(model, True, monkeypatch, one_call=False)
     layers = model.config.num_hidden_layers
     assert len(calls) == layers * len(lean_steps) and not none, "every layer of every step ran lean, or none"
     # direct on every step whose products are packed: all of them in bf16 (oneDNN), the decode steps in f32
-    # (the first step's 218 prompt rows go through F.linear)
+    # (the first step's 218 prompt rows go through F.linear); each as one lean_layer call (model-dtype pools)
     assert len(direct) == len(calls) - (0 if dtype == torch.bfloat16 else layers), (len(direct), len(calls))
-    assert lean_tokens == fused_tokens and len(lean_steps) == len(fused_steps) > 3
-    for got, want in zip(lean_steps, fused_steps):
-        assert torch.equal(got, want)
+    assert len(one_call) == len(direct)
+    assert lean_tokens == fused_tokens == python_tokens and len(lean_steps) == len(fused_steps) > 3
+    for got, want, python in zip(lean_steps, fused_steps, python_steps):
+        assert torch.equal(got, want) and torch.equal(python, want)
     assert all("forward" not in m.__dict__ for m in model.modules()), "the model is left as it was"
 
 
@@ -85,8 +95,22 @@ def test_quantised_pools_take_the_direct_form_too(ops, kv, monkeypatch):
     """Quantised pools: the direct form writes through ``KVPools.write_rows`` (the backend's quantising write,
     KIVI's plan) and attends through ``Step.attend``; the logits equal the fused modules' bit for bit."""
     model = make_model("llama", seed=5)
-    direct, knobs = [], dict(kv_cache_dtype=kv, block_size=32 if kv == "kivi" else 16)
-    lean_steps, lean_tokens, calls = run(model, True, monkeypatch, direct=direct, **knobs)
+    direct, one_call, knobs = [], [], dict(kv_cache_dtype=kv, block_size=32 if kv == "kivi" else 16)
+    lean_steps, lean_tokens, calls = run(model, True, monkeypatch, direct=direct, one_call=one_call, **knobs)
     fused_steps, fused_tokens, _ = run(model, False, monkeypatch, **knobs)
-    assert calls and direct and lean_tokens == fused_tokens
+    assert calls and direct and not one_call and lean_tokens == fused_tokens
     assert all(torch.equal(a, b) for a, b in zip(lean_steps, fused_steps))
+
+
+def test_a_wrapped_kernel_op_sees_its_calls(ops, monkeypatch):
+    """The one-call layer makes the write and attention calls itself; a step whose backend has other ops than
+    the extension's (here a counting wrapper) keeps the Python direct form, which calls them."""
+    model = make_model("qwen3", seed=6)
+    llm = LLM(model, max_num_batched_tokens=256, num_blocks=128)
+    backend, seen, one_call = llm.engine.cache.backend, [], []
+    kernel = backend.op
+    monkeypatch.setattr(backend, "op", lambda *a: seen.append(1) or kernel(*a))
+    wrapped_steps, wrapped, _ = run(model, True, monkeypatch, llm=llm, one_call=one_call)
+    assert seen and not one_call
+    plain_steps, plain, _ = run(model, True, monkeypatch, llm=llm)
+    assert wrapped == plain and all(torch.equal(a, b) for a, b in zip(wrapped_steps, plain_steps))

@@ -1,0 +1,120 @@
+// One decoder layer of an engine step in one call: the ops that LeanLayer._direct (hf_paged/engine/fused_lean.py)
+// calls, on the same tensors in the same order (so the same numbers, bit for bit), through the dispatcher
+// instead of from Python. At the engine's decode steps on a CPU the Python between those ~12 calls cost
+// about a twentieth of a step (SmolLM2-135M, bf16, 2 threads). Registered as torch.ops.hf_paged_fused.lean_layer
+// in the fused-ops extension (hf_paged/engine/cpu_ops.py); for model-dtype pools of the CPU kernel's steps only.
+//
+//   hidden       [N, H] rows (contiguous last dim), the layer's input
+//   norms        input, post-attention, then (qk_norm) q_norm, k_norm, then (sandwich) GLM-4's post-attention and
+//                post-MLP norms: RMSNorm weights, with their eps in the same order
+//   weights      the packed products of (q, k, v), o, (gate, up), down (prepack._Packed.packed), with biases and
+//                output widths; kernel_linear: hf_paged_fused.linear (float32), else oneDNN's _linear_pointwise
+//   qkv_heads    heads of q, k and v in the qkv product; cos / sin [N, R] (fused_lean.rotary_rows)
+//   k_pool ...   the step's pools and metadata as CpuStep.write_direct / attend_direct pass them
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <string_view>
+#include <tuple>
+
+namespace {
+
+using at::Tensor;
+using OptTensor = std::optional<Tensor>;
+
+// The ops the layer calls, looked up once per process (they live in this extension, the CPU kernel's extension
+// hf_paged_cpu, loaded before any CPU-kernel step, and torch's oneDNN ops).
+struct LayerOps {
+  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, double)> rms_norm;
+  c10::TypedOperatorHandle<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, double)> add_rms_norm;
+  c10::TypedOperatorHandle<void(Tensor, Tensor, const Tensor&, const Tensor&, bool)> rotary;
+  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&)> silu_mul;
+  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const OptTensor&, int64_t)> linear;
+  c10::OperatorHandle onednn_linear;       // boxed: its C++ signature is torch's own and has changed before
+  c10::TypedOperatorHandle<void(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&)> write_kv;
+  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                  const Tensor&, double, int64_t)> attention;
+};
+
+template <typename Sig>
+c10::TypedOperatorHandle<Sig> find(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
+}
+
+const LayerOps& layer_ops() {
+  static const LayerOps ops{
+      find<Tensor(const Tensor&, const Tensor&, double)>("hf_paged_fused::rms_norm"),
+      find<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, double)>("hf_paged_fused::add_rms_norm"),
+      find<void(Tensor, Tensor, const Tensor&, const Tensor&, bool)>("hf_paged_fused::rotary_"),
+      find<Tensor(const Tensor&, const Tensor&)>("hf_paged_fused::silu_mul"),
+      find<Tensor(const Tensor&, const Tensor&, const OptTensor&, int64_t)>("hf_paged_fused::linear"),
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", ""),
+      find<void(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&)>("hf_paged_cpu::write_kv"),
+      find<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, double,
+                  int64_t)>("hf_paged_cpu::paged_attention")};
+  return ops;
+}
+
+// prepack._Packed.product: rows x [M, K] -> [M, n].
+Tensor product(const LayerOps& ops, bool kernel, const Tensor& x, const Tensor& packed, const OptTensor& bias,
+               int64_t n) {
+  if (kernel) return ops.linear.call(x.stride(-1) == 1 ? x : x.contiguous(), packed, bias, n);
+  torch::jit::Stack stack{x, packed, bias, "none", c10::List<std::optional<c10::Scalar>>(), ""};
+  ops.onednn_linear.callBoxed(stack);        // (X, W, B, attr, scalars, algorithm), as _Packed.product calls it
+  return stack[0].toTensor();
+}
+
+Tensor lean_layer(const Tensor& hidden, at::TensorList norms, at::ArrayRef<double> eps, at::TensorList weights,
+                  const c10::List<OptTensor>& biases, at::IntArrayRef widths, at::IntArrayRef qkv_heads,
+                  int64_t head_dim, bool kernel_linear, bool qk_norm, bool sandwich, bool interleaved,
+                  const Tensor& cos, const Tensor& sin, const Tensor& k_pool, const Tensor& v_pool,
+                  const Tensor& slot_mapping, const Tensor& block_tables, const Tensor& token_row,
+                  const Tensor& token_pos, double scale, int64_t window) {
+  const int64_t want = 2 + 2 * qk_norm + 2 * sandwich;
+  TORCH_CHECK(hidden.dim() == 2 && hidden.stride(1) == 1, "hidden must be [N, H] rows, got ", hidden.sizes());
+  TORCH_CHECK(static_cast<int64_t>(norms.size()) == want && static_cast<int64_t>(eps.size()) == want,
+              "lean_layer: ", want, " norms and eps expected (qk_norm ", qk_norm, ", sandwich ", sandwich, "), got ",
+              norms.size(), " and ", eps.size());
+  TORCH_CHECK(weights.size() == 4 && biases.size() == 4 && widths.size() == 4 && qkv_heads.size() == 3,
+              "lean_layer: the qkv, o, gate_up and down products (weights, biases, widths) and 3 qkv head counts");
+  const LayerOps& ops = layer_ops();
+  const int64_t n = hidden.size(0);
+  auto linear = [&](const Tensor& x, int64_t i) { return product(ops, kernel_linear, x, weights[i], biases.get(i), widths[i]); };
+
+  const Tensor qkv = linear(ops.rms_norm.call(hidden, norms[0], eps[0]), 0);
+  std::vector<Tensor> parts = qkv.view({n, -1, head_dim}).split_with_sizes(qkv_heads, 1);
+  Tensor query = parts[0], key = parts[1];
+  const Tensor& value = parts[2];
+  if (qk_norm) {
+    query = ops.rms_norm.call(query.reshape({-1, head_dim}), norms[2], eps[2]).view({n, -1, head_dim});
+    key = ops.rms_norm.call(key.reshape({-1, head_dim}), norms[3], eps[3]).view({n, -1, head_dim});
+  }
+  ops.rotary.call(query, key, cos, sin, interleaved);
+  ops.write_kv.call(key, value, slot_mapping, k_pool, v_pool);
+  Tensor out = ops.attention.call(query.contiguous(), k_pool, v_pool, block_tables, token_row, token_pos, scale, window);
+  out = linear(out.view({n, -1}), 1);
+  const int64_t s = 2 + 2 * qk_norm;         // the sandwich norms' index
+  if (sandwich) out = ops.rms_norm.call(out, norms[s], eps[s]);
+  auto [total, normed] = ops.add_rms_norm.call(out, hidden, norms[1], eps[1]);
+  const Tensor gate_up = linear(normed, 2);
+  const int64_t half = gate_up.size(-1) / 2;
+  out = linear(ops.silu_mul.call(gate_up.slice(1, 0, half), gate_up.slice(1, half)), 3);
+  if (sandwich) out = ops.rms_norm.call(out, norms[s + 1], eps[s + 1]);
+  return total.add_(out);               // (total: add_rms_norm's own new tensor)
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(hf_paged_fused, m) {
+  m.def("lean_layer(Tensor hidden, Tensor[] norms, float[] eps, Tensor[] weights, Tensor?[] biases, int[] widths, "
+        "int[] qkv_heads, int head_dim, bool kernel_linear, bool qk_norm, bool sandwich, bool interleaved, "
+        "Tensor cos, Tensor sin, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor slot_mapping, Tensor block_tables, "
+        "Tensor token_row, Tensor token_pos, float scale, int window) -> Tensor");
+}
+
+// bf16 layers pass oneDNN's packed weights (MkldnnCPU tensors), which route the call by that key.
+TORCH_LIBRARY_IMPL(hf_paged_fused, CPU, m) { m.impl("lean_layer", &lean_layer); }
+TORCH_LIBRARY_IMPL(hf_paged_fused, MkldnnCPU, m) { m.impl("lean_layer", &lean_layer); }
