@@ -25,15 +25,14 @@ namespace {
 using at::Tensor;
 using OptTensor = std::optional<Tensor>;
 
-// The ops the layer calls, looked up once per process (they live in this extension, the CPU kernel's extension
-// hf_paged_cpu, loaded before any CPU-kernel step, and torch's oneDNN ops).
+// The ops the layer calls, looked up once per process (they live in this extension and in the CPU kernel's
+// extension hf_paged_cpu, loaded before any CPU-kernel step).
 struct LayerOps {
   c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, double)> rms_norm;
   c10::TypedOperatorHandle<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, double)> add_rms_norm;
   c10::TypedOperatorHandle<void(Tensor, Tensor, const Tensor&, const Tensor&, bool)> rotary;
   c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&)> silu_mul;
   c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const OptTensor&, int64_t)> linear;
-  c10::OperatorHandle onednn_linear;       // boxed: its C++ signature is torch's own and has changed before
   c10::TypedOperatorHandle<void(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&)> write_kv;
   c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                                   const Tensor&, double, int64_t)> attention;
@@ -51,7 +50,6 @@ const LayerOps& layer_ops() {
       find<void(Tensor, Tensor, const Tensor&, const Tensor&, bool)>("hf_paged_fused::rotary_"),
       find<Tensor(const Tensor&, const Tensor&)>("hf_paged_fused::silu_mul"),
       find<Tensor(const Tensor&, const Tensor&, const OptTensor&, int64_t)>("hf_paged_fused::linear"),
-      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", ""),
       find<void(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&)>("hf_paged_cpu::write_kv"),
       find<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, double,
                   int64_t)>("hf_paged_cpu::paged_attention")};
@@ -62,8 +60,11 @@ const LayerOps& layer_ops() {
 Tensor product(const LayerOps& ops, bool kernel, const Tensor& x, const Tensor& packed, const OptTensor& bias,
                int64_t n) {
   if (kernel) return ops.linear.call(x.stride(-1) == 1 ? x : x.contiguous(), packed, bias, n);
+  // oneDNN's op (looked up on first use: float32 layers never need it), boxed: its C++ signature is torch's own
+  // and has changed between releases. Arguments (X, W, B, attr, scalars, algorithm) as _Packed.product's.
+  static const c10::OperatorHandle onednn = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
   torch::jit::Stack stack{x, packed, bias, "none", c10::List<std::optional<c10::Scalar>>(), ""};
-  ops.onednn_linear.callBoxed(stack);        // (X, W, B, attr, scalars, algorithm), as _Packed.product calls it
+  onednn.callBoxed(stack);
   return stack[0].toTensor();
 }
 
