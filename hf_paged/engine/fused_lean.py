@@ -68,7 +68,7 @@ class LeanLayer:
     interleaved: bool
     direct: bool = True                       # the direct form where the step allows it (``_direct``)
     qkv_heads: tuple[int, ...] = ()           # heads of q, k and v in the qkv product (``_direct``)
-    one_call: tuple | None = None             # (op, its constant arguments): the direct form in one C++ call
+    layer_call: tuple | None = None           # (lean_layer, its constant arguments): the direct form in one call
 
     @classmethod
     def build(cls, layer: torch.nn.Module, ops, attention_spec: dict, sandwich: bool,
@@ -154,7 +154,9 @@ class LeanLayer:
         """``__call__``'s ops on the same tensors (so the same numbers, bit for bit), as rows [N, features]:
         the packed products whole (``_Packed.product``: the views ``outputs`` would split them into), the write
         and the attention without ``update`` and the attention interface (``KVPools.direct``): model-dtype pools
-        straight to the step's C++ calls, quantised ones through ``KVPools.write_rows`` and ``Step.attend``.
+        straight to the step's C++ calls (all of the layer's calls made by one C++ op, ``lean_layer``, where the
+        step's ops are the extension's own: ``CpuStep.direct_metadata``), quantised ones through
+        ``KVPools.write_rows`` and ``Step.attend``.
         The Python between the ops was about a quarter of a decode step's layer (SmolLM2, 2 threads)."""
         ops, d = self.ops, self.head_dim
         h = _rows(hidden_states)
@@ -163,9 +165,9 @@ class LeanLayer:
             raise RuntimeError(f"the forward has {n} query tokens but its plan has {step.plan.num_tokens}: the "
                                "inputs changed after the cache planned the step")
         scale = float(self.scaling if self.scaling is not None else d ** -0.5)
-        metadata = step.direct_metadata if self.one_call is not None and type(k_pool) is torch.Tensor else None
+        metadata = step.direct_metadata if self.layer_call is not None and type(k_pool) is torch.Tensor else None
         if metadata is not None:            # the same calls in C++ (cuda/lean_layer_cpu.cpp)
-            op, norms, eps, weights, biases, widths = self.one_call
+            op, norms, eps, weights, biases, widths = self.layer_call
             cos, sin = rotary_rows(step.workspace, position_embeddings, hidden_states.shape[:-1])
             return op(h, norms, eps, weights, biases, widths, self.qkv_heads, d, self.qkv.ops is not None,
                       self.qk_norm is not None, self.sandwich is not None, self.interleaved, cos, sin, k_pool, v_pool,

@@ -179,6 +179,12 @@ def test_head_dims_of_no_64_multiple_run_at_the_bytes_of_64(one_torch_thread, he
     assert sum(a == b for a, b in pairs) >= 0.5 * len(pairs) and len(pairs) >= 30
 
 
+def test_an_odd_head_dim_is_refused_with_the_reason():
+    KIVI.check_head_dim(72)
+    with pytest.raises(ValueError, match="must be even, got 63; use 'int8' or 'auto'"):
+        KIVI.check_head_dim(63)
+
+
 def test_engine_with_preemption_and_prefix_hits_leaks_no_slot(one_torch_thread):
     model = make_model("llama", seed=3)
     llm = hf_paged.LLM(model, kv_cache_dtype="kivi", block_size=BS, num_blocks=7, max_num_seqs=4,
