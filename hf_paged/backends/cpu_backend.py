@@ -221,13 +221,16 @@ class CpuStep(Step):
     def direct_metadata(self):
         """(slot_mapping, block_tables, token_row, token_pos) as ``write_direct`` and ``attend_direct`` pass them,
         for a caller that makes those two C++ calls itself (``fused_lean``'s one-call layer); None where this
-        step's backend calls other ops than the extension's own (a wrapped op must see its calls)."""
-        backend = self.backend
-        if (backend.op is not torch.ops.hf_paged_cpu.paged_attention
-                or backend.plain_write_op is not torch.ops.hf_paged_cpu.write_kv):
-            return None
-        plan = self.plan
-        return self.slot_mapping, plan.block_tables, plan.token_row, plan.token_pos
+        step's backend calls other ops than the extension's own (a wrapped op must see its calls). Made once per
+        step (every layer asks)."""
+        if self._metadata is None:
+            backend, plan = self.backend, self.plan
+            own = (backend.op is torch.ops.hf_paged_cpu.paged_attention
+                   and backend.plain_write_op is torch.ops.hf_paged_cpu.write_kv)
+            self._metadata = (self.slot_mapping, plan.block_tables, plan.token_row, plan.token_pos) if own else ()
+        return self._metadata or None
+
+    _metadata: tuple | None = None
 
     @property
     def slot_mapping(self) -> torch.Tensor:

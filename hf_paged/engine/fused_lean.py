@@ -100,17 +100,17 @@ class LeanLayer:
             return None
         window = getattr(attn, "sliding_window", None) if attention_spec["window"] else None
         qk_norm = attention_spec["qk_norm"]
-        layer_op = getattr(ops, "lean_layer", None) if direct and one_call else None
-        if layer_op is not None:            # lean_layer's order: input, post, (q, k), (GLM-4's sandwich)
+        layer_call = None
+        if direct and one_call:             # lean_layer's order: input, post, (q, k), (GLM-4's sandwich)
             ordered = fused_norms[:2] + (fused_norms[-2:] if qk_norm else []) + (fused_norms[2:4] if sandwich else [])
             packed = [groups[name] for name in ("qkv", "o", "gate_up", "down")]
-            layer_op = (layer_op, [n.weight for n in ordered], [float(n.eps) for n in ordered],
-                        [g.packed for g in packed], [g.bias for g in packed], [g.n for g in packed])
+            layer_call = (ops.lean_layer, [n.weight for n in ordered], [float(n.eps) for n in ordered],
+                          [g.packed for g in packed], [g.bias for g in packed], [g.n for g in packed])
         return cls(ops, dtype, fused_norms[0], fused_norms[1], tuple(fused_norms[2:4]) if sandwich else None,
                    tuple(fused_norms[-2:]) if qk_norm else None, groups["qkv"], groups["o"],
                    groups["gate_up"], split, groups["down"], attn, attn.head_dim, attn.layer_idx, attn.scaling,
                    int(window or 0), attention_spec["interleaved"], direct,
-                   tuple(size // attn.head_dim for size in groups["qkv"].sizes), layer_op)
+                   tuple(size // attn.head_dim for size in groups["qkv"].sizes), layer_call)
 
     def applies(self, hidden_states: torch.Tensor, position_embeddings, cache) -> bool:
         """The per-call checks (the rest were made by ``build``)."""
