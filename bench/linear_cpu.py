@@ -3,10 +3,12 @@
 One "step" is what a forward of T tokens asks of the linear layers: every decoder layer's projections (each
 layer its own weights, so that, as in a real forward, the weights stream from memory rather than sit in
 cache) and the LM head on min(T, --head-rows) rows (the engine computes logits only for the sampled rows).
-Three ways, interleaved in every round: ``hf_paged`` (cuda/linear_cpu.cpp, q/k/v and gate/up packed as one
+Five ways, interleaved in every round: ``hf_paged`` (cuda/linear_cpu.cpp, q/k/v and gate/up packed as one
 weight each, as the engine's fused forwards call them), ``onednn`` (torch's mkldnn ``_linear_pointwise`` over
-weights reordered once, what the engine used before, siblings apart) and ``onednn_grouped`` (the same with
-the siblings concatenated). Reported per row count T: ms per step min / median / max over rounds, the
+weights reordered once, what the engine used before, siblings apart), ``onednn_grouped`` (the same with
+the siblings concatenated), ``f_linear_apart`` (plain ``F.linear`` per module, MKL's sgemm packing the weight
+on every call) and ``mkl_packed`` (MKL's packed copy made for T rows, siblings grouped: what the engine's
+steps of exactly its token budget use). Reported per row count T: ms per step min / median / max over rounds, the
 ratio to hf_paged within each round, and the weight bytes streamed per second.
 
     python -m bench linear --rows 1,8,14,32,64,128,512 --rounds 5 --threads 2 --json FILE
@@ -40,17 +42,30 @@ def layer_shapes(m: dict, grouped: bool) -> list[tuple[int, int]]:
 
 
 class Way:
-    """One way of running a step: packed weights per layer and the call that runs one of them."""
+    """One way of running a step: packed weights per layer and the call that runs one of them. ``ops``: hf_paged's
+    kernel, None for oneDNN, "f_linear" for plain ``F.linear`` (MKL's sgemm, the weight packed per call) and
+    ("mkl", T) for MKL's packed copy made for steps of T rows (what the engine uses for steps of its budget)."""
 
     def __init__(self, name: str, m: dict, grouped: bool, ops, gen: torch.Generator):
         self.name, self.ops = name, ops
-        pack = ops.pack_linear if ops is not None else (lambda w: torch.ops.mkldnn._reorder_linear_weight(w, None))
+        if ops == "f_linear":
+            pack = lambda w: w                                                         # noqa: E731
+        elif isinstance(ops, tuple):
+            pack = lambda w: (torch.ops.mkl._mkl_reorder_linear_weight(w, ops[1]), w)  # noqa: E731
+        elif ops is not None:
+            pack = ops.pack_linear
+        else:
+            pack = lambda w: torch.ops.mkldnn._reorder_linear_weight(w, None)          # noqa: E731
         self.layers = [[(pack(torch.randn(n, k, generator=gen) / k ** 0.5), n, k) for n, k in layer_shapes(m, grouped)]
                        for _ in range(m["layers"])]
         self.head = (pack(torch.randn(m["vocab"], m["hidden"], generator=gen) / m["hidden"] ** 0.5), m["vocab"], m["hidden"])
         self.bytes = sum(4 * n * k for layer in self.layers for _, n, k in layer) + 4 * m["vocab"] * m["hidden"]
 
     def call(self, packed, n, x):
+        if self.ops == "f_linear":
+            return torch.nn.functional.linear(x, packed)
+        if isinstance(self.ops, tuple):
+            return torch.ops.mkl._mkl_linear(x, packed[0], packed[1], None, self.ops[1])   # unpacked when rows differ
         if self.ops is not None:
             return self.ops.linear(x, packed, None, n)
         return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
@@ -142,7 +157,11 @@ def main(argv=None, prog: str = "python -m bench linear") -> dict:
           f"per step), {torch.get_num_threads()} threads, {args.rounds} interleaved rounds", flush=True)
     result = {"machine": machine(), "threads": torch.get_num_threads(), "rounds": args.rounds, "shapes": SMOLLM2,
               "head_rows": args.head_rows, "rows": {}}
+    mkl = hasattr(torch.ops.mkl, "_mkl_linear") and torch.backends.mkl.is_available()
+    ways.append(Way("f_linear_apart", SMOLLM2, False, "f_linear", gen))     # the engine's large steps before MKL's copy
     for rows in (int(r) for r in args.rows.split(",")):
+        if mkl:                                  # MKL's copy is made for one row count: remade per T
+            ways = [w for w in ways if w.name != "mkl_packed"] + [Way("mkl_packed", SMOLLM2, True, ("mkl", rows), gen)]
         inputs = {k: torch.randn(rows, k, generator=gen) for k in {k for w in ways for layer in w.layers for _, _, k in layer}}
         head_rows = min(rows, args.head_rows)
         for w in ways:

@@ -97,7 +97,8 @@ class Engine:
         self.fused = FusedOps(model) if config.fused_ops and not config.enforce_eager and device.type == "cpu" else None
         # q/k/v and gate/up as one packed weight each when the fused forwards (which call them as one) run
         self.prepacked = None if config.enforce_eager or device.type != "cpu" else \
-            PrepackedLinears(model, group_siblings=bool(self.fused and self.fused.forwards))
+            PrepackedLinears(model, group_siblings=bool(self.fused and self.fused.forwards),
+                             prefill_rows=config.max_num_batched_tokens)
         self.requests: dict[int, Request] = {}
         self._ids = itertools.count()
         self.token_texts = TokenTexts(tokenizer)       # decoded tokens of log-probability entries

@@ -4,12 +4,15 @@ On the CPU most of a forward is the linear layers, and at decode steps a forward
 memory once. float32 weights go to ``cuda/linear_cpu.cpp`` (``torch.ops.hf_paged_fused.linear``: panels of 32
 output columns streamed with prefetch, registers for up to 14 rows; see its header for why not oneDNN and
 for its summation order, which makes a row's result independent of the batch it came in) for steps of up to
-``LIBRARY_ROWS`` rows, and larger steps (prefill chunks) to ``F.linear`` on the modules' weights; bfloat16 weights
+``LIBRARY_ROWS`` rows, and larger steps (prefill chunks) to MKL's sgemm: through a second copy of the weights in
+MKL's packed layout for steps of exactly the engine's token budget (``prefill_rows``; every full prefill step),
+else ``F.linear`` on the modules' weights (the same sgemm, packing the weight per call); bfloat16 weights
 to oneDNN's ``_linear_pointwise`` where oneDNN has bf16 kernels (AVX-512 BF16 / AMX), and float32 ones too
 when the extension cannot be built. Torch's default ``F.linear`` re-lays the weight out for every call.
 Measured on SmolLM2-135M's 30 layers and LM head (2 threads, Xeon with AVX-512 and AMX, 2026-12-05,
 ``python -m bench linear``): 1.15-1.29x oneDNN's prepacked fp32 matmul at 1-64 rows, 1.07x at 128,
-0.96x at 512.
+0.96x at 512. MKL's packed copy at 512 rows: 1.07-1.10x ``F.linear`` on the grouped weights, 1.35x at 192
+(``_PrefillPack``); end to end 1.07x on prompts up to 1,024 tokens, 1.02x on the short workload.
 
 Siblings: with ``group_siblings`` (the engine sets it when its fused forwards run, which ask for it through
 ``sibling_outputs``), a module's q/k/v projections and an MLP's gate/up projections are packed as one
@@ -106,11 +109,40 @@ def _packable(module) -> bool:
 LIBRARY_ROWS = 128
 
 
+def mkl_packing_available() -> bool:
+    """Whether this torch build has MKL's packed float32 GEMM (``torch.ops.mkl._mkl_linear``)."""
+    return (torch.backends.mkl.is_available() and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkl, "_mkl_linear") and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight"))
+
+
+class _PrefillPack:
+    """MKL's packed copy of a float32 weight for steps of exactly ``rows`` rows (the engine's token budget,
+    which every full prefill step spends): ``F.linear`` packs the weight into MKL's layout on every call, and
+    on SmolLM2's shapes at 512 rows that packing is 8-10% of a layer's linear time (``python -m bench linear``).
+    The product is MKL's sgemm either way, so the same bits as ``F.linear`` on the module(s).
+
+    Invariant: ``product`` is called with exactly ``rows`` rows. ``_mkl_linear`` reads its third argument only
+    for the output's size when the rows match the packing (and computes an unpacked ``F.linear`` with it
+    otherwise), so a zero-stride stand-in of the weight's shape replaces the concatenated weight of a group,
+    which would otherwise be kept as a second copy."""
+
+    def __init__(self, weight: torch.Tensor, rows: int):
+        self.rows = rows
+        self.weight = torch.ops.mkl._mkl_reorder_linear_weight(weight, rows)
+        self.shape_of = weight.new_zeros(()).expand(weight.shape)
+
+    def product(self, flat: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if flat.shape[0] != self.rows:           # never: the callers check (see the invariant)
+            raise ValueError(f"MKL's packed weight is for {self.rows} rows, got {flat.shape[0]}")
+        return torch.ops.mkl._mkl_linear(flat, self.weight, self.shape_of, bias, self.rows)
+
+
 class _Packed:
     """One packed weight: a module's, or sibling modules' (same input) with their rows concatenated.
-    ``sizes``: each module's output features, in order; ``ops``: the float32 kernel, or None for oneDNN."""
+    ``sizes``: each module's output features, in order; ``ops``: the float32 kernel, or None for oneDNN;
+    ``prefill``: a ``_PrefillPack`` of the same weight for library-sized steps of the engine's token budget."""
 
-    def __init__(self, modules: tuple[torch.nn.Linear, ...], ops):
+    def __init__(self, modules: tuple[torch.nn.Linear, ...], ops, prefill_rows: int | None = None):
         self.modules = modules
         self.params = [(m.weight, _version(m.weight), m.bias, None if m.bias is None else _version(m.bias))
                        for m in modules]
@@ -122,6 +154,7 @@ class _Packed:
         self.ops = ops if ops is not None and weight.dtype == torch.float32 else None
         self.packed = (self.ops.pack_linear(weight) if self.ops is not None
                        else torch.ops.mkldnn._reorder_linear_weight(weight, None))
+        self.prefill = _PrefillPack(weight, prefill_rows) if self.ops is not None and prefill_rows else None
 
     def current(self) -> bool:
         """Packed numbers are the modules' current parameters (none replaced or changed in place)."""
@@ -141,12 +174,20 @@ class _Packed:
         """Whether x has more rows than the kernel takes (see LIBRARY_ROWS): F.linear on each module then."""
         return self.ops is not None and x.numel() > LIBRARY_ROWS * x.shape[-1]
 
+    def _prefill_sized(self, x: torch.Tensor) -> bool:
+        return self.prefill is not None and x.numel() == self.prefill.rows * x.shape[-1]
+
     def outputs(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Each module's output on x [..., K]: views of one packed product, or ``F.linear`` per module when
-        ``library_sized(x)``."""
-        if self.library_sized(x):
+        ``library_sized(x)`` (unless MKL's copy is for x's rows)."""
+        flat = x.reshape(-1, x.shape[-1])
+        if self._prefill_sized(x):
+            out = self.prefill.product(flat, self.bias)
+        elif self.library_sized(x):
             return tuple(F.linear(x, m.weight, m.bias) for m in self.modules)
-        out = self.product(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self.n)
+        else:
+            out = self.product(flat)
+        out = out.view(*x.shape[:-1], self.n)
         return (out,) if len(self.sizes) == 1 else out.split(self.sizes, -1)
 
     def product(self, flat: torch.Tensor) -> torch.Tensor:
@@ -159,8 +200,8 @@ class _Packed:
     def output(self, x: torch.Tensor, index: int = 0) -> torch.Tensor:
         """Module ``index``'s output on x, contiguous: ``F.linear`` on its own weight when ``library_sized(x)``,
         else its columns of the packed product. (The caller has checked ``applies``.)"""
-        if self.library_sized(x):
-            m = self.modules[index]
+        if self.library_sized(x) and not (len(self.modules) == 1 and self._prefill_sized(x)):
+            m = self.modules[index]          # (a group's member alone: not the whole group's product)
             return F.linear(x, m.weight, m.bias)
         out = self.outputs(x)[index]
         return out if out.is_contiguous() else out.contiguous()
@@ -226,7 +267,7 @@ def unpack_pending_weights(model: torch.nn.Module) -> None:
 class PrepackedLinears:
     """Packed copies of a model's CPU linear weights (see the module doc)."""
 
-    def __init__(self, model: torch.nn.Module, group_siblings: bool = False):
+    def __init__(self, model: torch.nn.Module, group_siblings: bool = False, prefill_rows: int | None = None):
         start = time.perf_counter()
         unpack_pending_weights(model)
         groups = _sibling_groups(model) if group_siblings else []
@@ -240,14 +281,38 @@ class PrepackedLinears:
                         "check)", need / 2**20, available / 2**20)
             units = []
         ops = _linear_ops() if any(m.weight.dtype == torch.float32 for unit in units for m in unit) else None
-        packed = [_Packed(unit, ops) for unit in units]
+        prefill = self._prefill_units(model, units, ops, prefill_rows, available - need)
+        packed = [_Packed(unit, ops, prefill_rows if id(unit) in prefill else None) for unit in units]
         self.layers: list[_PackedLinear] = [_PackedLinear(m, p, i) for p in packed for i, m in enumerate(p.modules)]
         self._forwards = SharedForwards()
         self.seconds = time.perf_counter() - start
         self.bytes = sum(p.packed.numel() * p.packed.element_size() for p in packed)
+        # MKL's buffers are opaque: counted as the weights they copy (measured within 2% on SmolLM2)
+        self.prefill_bytes = sum(4 * m.weight.numel() for p in packed if p.prefill is not None for m in p.modules)
         log.info("prepacked %d linear layers (%d sibling groups; %s) in %.2f s (%.0f MiB beside the model's "
-                 "weights; enforce_eager=True skips this)", len(self.layers), len(groups),
-                 "float32 through hf_paged's kernel" if ops is not None else "oneDNN", self.seconds, self.bytes / 2**20)
+                 "weights%s; enforce_eager=True skips this)", len(self.layers), len(groups),
+                 "float32 through hf_paged's kernel" if ops is not None else "oneDNN", self.seconds,
+                 (self.bytes + self.prefill_bytes) / 2**20,
+                 f", {self.prefill_bytes / 2**20:.0f} MiB of them MKL's copies for {prefill_rows}-token steps"
+                 if prefill else "")
+
+    @staticmethod
+    def _prefill_units(model, units: list, ops, rows: int | None, spare: int) -> set[int]:
+        """ids of the float32 units that get MKL's packed copy for steps of ``rows`` rows (``_PrefillPack``):
+        all but the LM head (it sees the sampled rows only), when the steps are library-sized, this torch has
+        MKL and the copies (counted at 4/3 of their weights here: MKL pads its panels) fit in half of the memory
+        left."""
+        if ops is None or rows is None or rows <= LIBRARY_ROWS or not mkl_packing_available():
+            return set()
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        chosen = [u for u in units if u[0].weight.dtype == torch.float32 and head not in u]
+        need = sum(4 * m.weight.numel() for u in chosen for m in u) * 4 // 3
+        if need > spare // 2:
+            log.warning("no MKL copies of the linear weights for %d-token steps: they need %.0f MiB and %.0f MiB is "
+                        "left after the other packed copies (at most half of it is used); prefill steps run F.linear",
+                        rows, need / 2**20, spare / 2**20)
+            return set()
+        return {id(u) for u in chosen}
 
     def installed(self):
         """The packed forwards for the block (nested and concurrent blocks share one installation)."""

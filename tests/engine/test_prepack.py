@@ -126,3 +126,86 @@ def test_a_hooked_sibling_keeps_its_call_in_the_fused_forward():
     llm = LLM(model, max_num_batched_tokens=32, num_blocks=64)
     llm.generate([[3, 9, 27, 4, 11]], max_new_tokens=3, do_sample=False, ignore_eos=True, use_tqdm=False)
     assert len(seen) == 3, "the hook ran at every step"
+
+
+needs_mkl = pytest.mark.skipif(not __import__("hf_paged.engine.prepack", fromlist=["x"]).mkl_packing_available(),
+                               reason="this torch build has no MKL packed GEMM")
+
+
+@needs_mkl
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_mkl_copy_for_budget_sized_steps_gives_f_linears_bits(family, monkeypatch):
+    """Steps of exactly ``prefill_rows`` rows read MKL's packed copy (grouped q/k/v with qwen2's biases, gate/up,
+    o, down): the same bits as F.linear per module; other large steps and a group's member alone run F.linear;
+    the LM head gets no copy."""
+    from hf_paged.engine import prepack
+    from hf_paged.engine.prepack import LIBRARY_ROWS, _PrefillPack, sibling_outputs
+    calls = []
+    product = _PrefillPack.product
+    monkeypatch.setattr(_PrefillPack, "product", lambda self, flat, bias: calls.append(flat.shape[0]) or
+                        product(self, flat, bias))
+    model = make_model(family, seed=6)
+    with torch.no_grad():                   # (transformers initialises biases to zero)
+        for m in model.modules():
+            if isinstance(m, torch.nn.Linear) and m.bias is not None:
+                m.bias.normal_()
+    rows = LIBRARY_ROWS + 8
+    packed = PrepackedLinears(model, group_siblings=True, prefill_rows=rows)
+    head = model.get_output_embeddings()
+    assert all((layer.packed.prefill is None) == (layer.module is head) for layer in packed.layers)
+    assert packed.prefill_bytes > 0
+    attn, mlp = model.model.layers[1].self_attn, model.model.layers[1].mlp
+    qkv = (attn.q_proj, attn.k_proj, attn.v_proj)
+    F = torch.nn.functional
+    with packed.installed(), torch.inference_mode():
+        for n in (rows, rows + 1, LIBRARY_ROWS + 1):
+            x = torch.randn(n, model.config.hidden_size)
+            before = len(calls)
+            got = sibling_outputs(qkv, x)
+            assert all(torch.equal(a, F.linear(x, m.weight, m.bias)) for a, m in zip(got, qkv))
+            assert torch.equal(attn.o_proj(x[:, :attn.o_proj.in_features]),
+                               F.linear(x[:, :attn.o_proj.in_features], attn.o_proj.weight))
+            assert torch.equal(mlp.up_proj(x), F.linear(x, mlp.up_proj.weight))           # a member alone
+            assert len(calls) - before == (2 if n == rows else 0), "MKL's copy for exactly its rows only"
+        with pytest.raises(ValueError, match="for 136 rows, got 3"):
+            attn.o_proj.forward.packed.prefill.product(torch.randn(3, attn.o_proj.in_features), None)
+
+
+@needs_mkl
+def test_no_mkl_copies_when_memory_is_short_or_steps_are_small(monkeypatch, caplog):
+    import logging
+
+    from hf_paged.engine import prepack
+    model = make_model("llama", seed=7)
+    assert PrepackedLinears(model, prefill_rows=prepack.LIBRARY_ROWS).prefill_bytes == 0    # our kernel takes them
+    weights = sum(m.weight.numel() * 4 for m in model.modules() if isinstance(m, torch.nn.Linear))
+    monkeypatch.setattr(prepack, "available_bytes", lambda: 3 * weights)      # ours fit, MKL's would not
+    with caplog.at_level(logging.WARNING, logger="hf_paged.engine"):
+        packed = PrepackedLinears(model, prefill_rows=512)
+    assert packed.layers and packed.prefill_bytes == 0 and "no MKL copies" in caplog.text
+
+
+@needs_mkl
+@pytest.mark.parametrize("family", ["llama", "glm"])
+def test_engine_budget_steps_through_mkls_copy_keep_the_tokens(family, monkeypatch):
+    """An engine whose token budget is over LIBRARY_ROWS fills whole steps through MKL's copies: the same tokens
+    as the same engine with the copies dropped, and the copies were read."""
+    from hf_paged.engine.prepack import LIBRARY_ROWS, _PrefillPack
+    calls = []
+    product = _PrefillPack.product
+    monkeypatch.setattr(_PrefillPack, "product", lambda self, flat, bias: calls.append(flat.shape[0]) or
+                        product(self, flat, bias))
+    model = make_model(family, seed=8)
+    budget = LIBRARY_ROWS + 16
+    g = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(3, model.config.vocab_size, (n,), generator=g).tolist() for n in (90, 130, 70, 150)]
+    outs = []
+    for keep in (True, False):
+        llm = LLM(model, max_num_batched_tokens=budget, num_blocks=128)
+        if not keep:
+            for layer in llm.engine.prepacked.layers:
+                layer.packed.prefill = None
+        outs.append([o.outputs[0].token_ids for o in
+                     llm.generate(prompts, max_new_tokens=6, do_sample=False, ignore_eos=True, use_tqdm=False)])
+    assert calls and set(calls) == {budget}
+    assert outs[0] == outs[1]
