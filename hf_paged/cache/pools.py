@@ -10,6 +10,7 @@ transformers asks of a cache (no sliding/linear/dummy layers it must special-cas
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 from transformers import Cache
@@ -19,6 +20,7 @@ from ..backends.cpu_backend import CpuKernelBackend
 from ..backends.kernel_registry import has_kernels
 from ..backends.step import PagedLayer, Step
 from ..families import KVGeometry, config_geometry
+from ..hugepages import huge_page_buffer
 from ..kivi import KIVI, KiviPool, KiviWrite, write_kv as write_kivi
 from ..kivi_stores import KiviMaps
 from ..kv_formats import KVFormat, QuantizedPool, kv_format, rotation_matrix
@@ -64,8 +66,10 @@ class KVPools(Cache):
         devices = g.layer_devices or (device,) * g.num_layers
         shape = (g.num_kv_heads, num_blocks, block_size, g.head_dim)
         if self.kv_format is None:
+            cpu_pools = iter(self._cpu_pools(shape, dtype, 2 * sum(torch.device(d).type == "cpu" for d in devices)))
+
             def new_pool(d):
-                return torch.zeros(shape, dtype=dtype, device=d)
+                return next(cpu_pools) if torch.device(d).type == "cpu" else torch.zeros(shape, dtype=dtype, device=d)
         elif self.kv_format is KIVI:
             return self._allocate_kivi(shape, dtype, device, devices)
         else:
@@ -80,6 +84,14 @@ class KVPools(Cache):
         if self.backend is None:
             self.backend = select_backend(device)
         self.peer_backends = {d: select_backend(d) for d in set(devices) - {device}}
+
+    @staticmethod
+    def _cpu_pools(shape, dtype: torch.dtype, count: int) -> list[torch.Tensor]:
+        """``count`` zeroed pools of ``shape`` for the CPU, views of one buffer on huge pages where the system
+        allows (``hf_paged.hugepages``: decode steps read the pools' blocks scattered over all of it)."""
+        numel = math.prod(shape)
+        buffer = huge_page_buffer(numel * count, dtype)
+        return [buffer[i * numel:(i + 1) * numel].view(shape).zero_() for i in range(count)]
 
     def _rotations(self, devices) -> dict:
         """R on each distinct device, shared by every layer's quantised pools there."""

@@ -36,6 +36,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from ..hugepages import MIN_BYTES, huge_page_buffer
 from .config import available_bytes
 from .cpu_ops import load_fused_ops
 
@@ -283,6 +284,7 @@ class PrepackedLinears:
         ops = _linear_ops() if any(m.weight.dtype == torch.float32 for unit in units for m in unit) else None
         prefill = self._prefill_units(model, units, ops, prefill_rows, available - need)
         packed = [_Packed(unit, ops, prefill_rows if id(unit) in prefill else None) for unit in units]
+        _onto_huge_pages([p for p in packed if p.ops is not None])
         self.layers: list[_PackedLinear] = [_PackedLinear(m, p, i) for p in packed for i, m in enumerate(p.modules)]
         self._forwards = SharedForwards()
         self.seconds = time.perf_counter() - start
@@ -317,6 +319,18 @@ class PrepackedLinears:
     def installed(self):
         """The packed forwards for the block (nested and concurrent blocks share one installation)."""
         return self._forwards.installed(lambda: self.layers)
+
+
+def _onto_huge_pages(packed: list[_Packed]) -> None:
+    """The kernel's packed weights moved into one buffer on huge pages (``hf_paged.hugepages``; a decode step
+    streams them all), each at a 64-byte boundary, one weight copied at a time (the peak is one weight more)."""
+    sizes = [-(-p.packed.numel() // 16) * 16 for p in packed]          # floats: 64-byte steps
+    if not packed or 4 * sum(sizes) < MIN_BYTES:
+        return
+    buffer, offset = huge_page_buffer(sum(sizes), torch.float32), 0
+    for p, size in zip(packed, sizes):
+        p.packed = buffer[offset:offset + p.packed.numel()].view(p.packed.shape).copy_(p.packed)
+        offset += size
 
 
 def _linear_ops():
