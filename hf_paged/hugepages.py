@@ -25,17 +25,38 @@ log = logging.getLogger("hf_paged")
 HUGE_PAGE = 2 << 20
 MIN_BYTES = 16 << 20            # smaller buffers: an ordinary allocation (the alignment slack would matter)
 _MADV_HUGEPAGE = 14             # linux/mman.h
+_MADV_COLLAPSE = 25             # linux/mman.h, Linux 6.1+
 
 
-def _advise(address: int, nbytes: int) -> bool:
-    """madvise(address, nbytes, MADV_HUGEPAGE); False where that is not possible."""
+def _advise(address: int, nbytes: int, advice: int = _MADV_HUGEPAGE) -> bool:
+    """madvise(address, nbytes, advice); False where that is not possible or was refused."""
     if not sys.platform.startswith("linux"):
         return False
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        return libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(nbytes), _MADV_HUGEPAGE) == 0
+        return libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(nbytes), advice) == 0
     except (OSError, AttributeError):
         return False
+
+
+def collapse_onto_huge_pages(ranges: list[tuple[int, int]]) -> int:
+    """Move the written memory of ``ranges`` ((address, bytes), buffers someone else allocated, such as oneDNN's
+    packed weights) onto huge pages now (``MADV_COLLAPSE``, Linux 6.1+): ranges closer than a huge page are
+    merged (big allocations sit next to each other), and each merged range's whole 2 MiB pages are collapsed.
+    The neighbours sharing those pages (allocator headers, other buffers) move too, which changes nothing but
+    their backing. Returns the bytes collapsed (0 where the kernel cannot: an older kernel, THP ``never``)."""
+    merged: list[list[int]] = []
+    for address, nbytes in sorted(ranges):
+        if merged and address - merged[-1][1] < HUGE_PAGE:
+            merged[-1][1] = max(merged[-1][1], address + nbytes)
+        else:
+            merged.append([address, address + nbytes])
+    done = 0
+    for begin, end in merged:
+        begin, end = -(-begin // HUGE_PAGE) * HUGE_PAGE, end // HUGE_PAGE * HUGE_PAGE
+        if end > begin and _advise(begin, end - begin, _MADV_COLLAPSE):
+            done += end - begin
+    return done
 
 
 def huge_page_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:

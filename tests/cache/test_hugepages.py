@@ -59,3 +59,31 @@ def test_cpu_pools_are_zeroed_views_of_one_buffer(monkeypatch):
     assert all(p.shape == pools[0].shape and p.is_contiguous() and float(p.abs().sum()) == 0 for p in pools)
     pools[0].fill_(1.0)                                              # views do not overlap
     assert all(float(p.abs().sum()) == 0 for p in pools[1:])
+
+
+def test_collapse_merges_near_ranges_and_advises_their_whole_huge_pages(monkeypatch):
+    calls = []
+    monkeypatch.setattr(hugepages, "_advise", lambda address, n, advice=14: calls.append((address, n, advice)) or True)
+    P = HUGE_PAGE
+    ranges = [(10 * P + 100, P), (11 * P + 4196, 3 * P), (40 * P, P // 2), (50 * P - 64, 2 * P + 128)]
+    done = hugepages.collapse_onto_huge_pages(ranges)
+    # the first two merge (gap 4 KiB): 10P+100 .. 14P+4196 -> whole pages 11P .. 14P; the third has no whole page;
+    # the fourth: 50P-64 .. 52P+64 -> 50P .. 52P
+    assert calls == [(11 * P, 3 * P, 25), (50 * P, 2 * P, 25)] and done == 5 * P
+    monkeypatch.setattr(hugepages, "_advise", lambda address, n, advice=14: False)      # an older kernel
+    assert hugepages.collapse_onto_huge_pages(ranges) == 0
+
+
+def test_onednn_packed_weights_are_collapsed(monkeypatch):
+    from hf_paged.engine import prepack
+    from hf_paged.engine.prepack import PrepackedLinears, prepack_available
+    if not prepack_available(torch.bfloat16):
+        import pytest
+        pytest.skip("oneDNN has no bf16 kernels on this CPU")
+    seen = []
+    monkeypatch.setattr(prepack, "MIN_BYTES", 0)
+    monkeypatch.setattr(prepack, "collapse_onto_huge_pages", lambda ranges: seen.extend(ranges) or 0)
+    model = make_model("llama", seed=3).to(torch.bfloat16)
+    packed = PrepackedLinears(model, group_siblings=True)
+    assert len(seen) == len({id(layer.packed) for layer in packed.layers}) > 0
+    assert all(n > 0 and address > 0 for address, n in seen)
