@@ -87,3 +87,27 @@ def test_onednn_packed_weights_are_collapsed(monkeypatch):
     packed = PrepackedLinears(model, group_siblings=True)
     assert len(seen) == len({id(layer.packed) for layer in packed.layers}) > 0
     assert all(n > 0 and address > 0 for address, n in seen)
+
+
+def test_a_failing_onednn_address_query_leaves_packing_intact(monkeypatch):
+    """Where torch's mkldnn address ops raise, the weights are packed as before (only the pages differ)."""
+    from hf_paged.engine import prepack
+    from hf_paged.engine.prepack import PrepackedLinears, prepack_available
+    if not prepack_available(torch.bfloat16):
+        import pytest
+        pytest.skip("oneDNN has no bf16 kernels on this CPU")
+
+    real = torch.ops.mkldnn
+
+    class Ops:                                          # torch.ops.mkldnn with a data_ptr that raises
+        def __getattr__(self, name):
+            if name == "data_ptr":
+                def raise_(*args):
+                    raise RuntimeError("data_ptr: not an mkldnn tensor")
+                return raise_
+            return getattr(real, name)
+    monkeypatch.setattr(prepack, "MIN_BYTES", 0)
+    monkeypatch.setattr(prepack.torch.ops, "mkldnn", Ops(), raising=False)
+    model = make_model("llama", seed=5).to(torch.bfloat16)
+    packed = PrepackedLinears(model, group_siblings=True)
+    assert packed.layers
