@@ -1,8 +1,10 @@
 // One decoder layer of an engine step in one call: the ops that LeanLayer._direct (hf_paged/engine/fused_lean.py)
 // calls, on the same tensors in the same order (so the same numbers, bit for bit), through the dispatcher
 // instead of from Python (SmolLM2-135M, 2 threads: the short workload 1.03x in bf16, 1.01x in fp32, README's
-// "One call per layer"). Registered as torch.ops.hf_paged_fused.lean_layer
-// in the fused-ops extension (hf_paged/engine/cpu_ops.py); for model-dtype pools of the CPU kernel's steps only.
+// "One call per layer"). Registered as torch.ops.hf_paged_fused.lean_layer (model-dtype pools: write_kv and
+// paged_attention) and lean_layer_quant (quantised row formats: write_kv_quant and paged_attention_quant, the calls
+// CpuKernelBackend.write_kv and CpuStep.attend make for such pools) in the fused-ops extension
+// (hf_paged/engine/cpu_ops.py); for the CPU kernel's steps only.
 //
 //   hidden       [N, H] rows (contiguous last dim), the layer's input
 //   norms        input, post-attention, then (qk_norm) q_norm, k_norm, then (sandwich) GLM-4's post-attention and
@@ -11,6 +13,9 @@
 //                output widths; kernel_linear: hf_paged_fused.linear (float32), else oneDNN's _linear_pointwise
 //   qkv_heads    heads of q, k and v in the qkv product; cos / sin [N, R] (fused_lean.rotary_rows)
 //   k_pool ...   the step's pools and metadata as CpuStep.write_direct / attend_direct pass them
+//   k_codes ...  (lean_layer_quant) the quantised pools' codes and scales, their formats (cpu_backend.FORMAT_IDS) and
+//                R (or None), as CpuStep.quant_metadata passes them: keys and values stored rotated by R, the query
+//                rotated and the output unrotated by the attention op
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
@@ -38,6 +43,17 @@ struct LayerOps {
                                   const Tensor&, double, int64_t)> attention;
 };
 
+// The quantised pools' write and attention (the CPU kernel's extension, cuda/kv_write_cpu.cpp and
+// cuda/paged_attention_cpu_quant.cpp).
+struct QuantOps {
+  c10::TypedOperatorHandle<void(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                const Tensor&, int64_t, int64_t, const OptTensor&)> write_kv;
+  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                  const Tensor&, const Tensor&, const Tensor&, double, int64_t, int64_t, int64_t,
+                                  std::optional<at::TensorList>, std::optional<at::TensorList>, const OptTensor&, bool)>
+      attention;
+};
+
 template <typename Sig>
 c10::TypedOperatorHandle<Sig> find(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
@@ -56,6 +72,16 @@ const LayerOps& layer_ops() {
   return ops;
 }
 
+const QuantOps& quant_ops() {
+  static const QuantOps ops{
+      find<void(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                int64_t, int64_t, const OptTensor&)>("hf_paged_cpu::write_kv_quant"),
+      find<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                  const Tensor&, const Tensor&, double, int64_t, int64_t, int64_t, std::optional<at::TensorList>,
+                  std::optional<at::TensorList>, const OptTensor&, bool)>("hf_paged_cpu::paged_attention_quant")};
+  return ops;
+}
+
 // prepack._Packed.product: rows x [M, K] -> [M, n].
 Tensor product(const LayerOps& ops, bool kernel, const Tensor& x, const Tensor& packed, const OptTensor& bias,
                int64_t n) {
@@ -68,12 +94,13 @@ Tensor product(const LayerOps& ops, bool kernel, const Tensor& x, const Tensor& 
   return stack[0].toTensor();
 }
 
-Tensor lean_layer(const Tensor& hidden, at::TensorList norms, at::ArrayRef<double> eps, at::TensorList weights,
-                  const c10::List<OptTensor>& biases, at::IntArrayRef widths, at::IntArrayRef qkv_heads,
-                  int64_t head_dim, bool kernel_linear, bool qk_norm, bool sandwich, bool interleaved,
-                  const Tensor& cos, const Tensor& sin, const Tensor& k_pool, const Tensor& v_pool,
-                  const Tensor& slot_mapping, const Tensor& block_tables, const Tensor& token_row,
-                  const Tensor& token_pos, double scale, int64_t window) {
+// The layer around its keys and values: `attend(query, key, value)` writes the step's keys and values into
+// the pools and returns attention's output [N, Hq, D] (the one thing lean_layer and lean_layer_quant differ in).
+template <typename Attend>
+Tensor layer(const Tensor& hidden, at::TensorList norms, at::ArrayRef<double> eps, at::TensorList weights,
+             const c10::List<OptTensor>& biases, at::IntArrayRef widths, at::IntArrayRef qkv_heads, int64_t head_dim,
+             bool kernel_linear, bool qk_norm, bool sandwich, bool interleaved, const Tensor& cos, const Tensor& sin,
+             const Attend& attend) {
   const int64_t want = 2 + 2 * qk_norm + 2 * sandwich;
   TORCH_CHECK(hidden.dim() == 2 && hidden.stride(1) == 1, "hidden must be [N, H] rows, got ", hidden.sizes());
   TORCH_CHECK(static_cast<int64_t>(norms.size()) == want && static_cast<int64_t>(eps.size()) == want,
@@ -94,9 +121,7 @@ Tensor lean_layer(const Tensor& hidden, at::TensorList norms, at::ArrayRef<doubl
     key = ops.rms_norm.call(key.reshape({-1, head_dim}), norms[3], eps[3]).view({n, -1, head_dim});
   }
   ops.rotary.call(query, key, cos, sin, interleaved);
-  ops.write_kv.call(key, value, slot_mapping, k_pool, v_pool);
-  Tensor out = ops.attention.call(query.contiguous(), k_pool, v_pool, block_tables, token_row, token_pos, scale, window);
-  out = linear(out.view({n, -1}), 1);
+  Tensor out = linear(attend(query.contiguous(), key, value).view({n, -1}), 1);
   const int64_t s = 2 + 2 * qk_norm;         // the sandwich norms' index
   if (sandwich) out = ops.rms_norm.call(out, norms[s], eps[s]);
   auto [total, normed] = ops.add_rms_norm.call(out, hidden, norms[1], eps[1]);
@@ -107,6 +132,38 @@ Tensor lean_layer(const Tensor& hidden, at::TensorList norms, at::ArrayRef<doubl
   return total.add_(out);               // (total: add_rms_norm's own new tensor)
 }
 
+Tensor lean_layer(const Tensor& hidden, at::TensorList norms, at::ArrayRef<double> eps, at::TensorList weights,
+                  const c10::List<OptTensor>& biases, at::IntArrayRef widths, at::IntArrayRef qkv_heads,
+                  int64_t head_dim, bool kernel_linear, bool qk_norm, bool sandwich, bool interleaved,
+                  const Tensor& cos, const Tensor& sin, const Tensor& k_pool, const Tensor& v_pool,
+                  const Tensor& slot_mapping, const Tensor& block_tables, const Tensor& token_row,
+                  const Tensor& token_pos, double scale, int64_t window) {
+  const LayerOps& ops = layer_ops();
+  return layer(hidden, norms, eps, weights, biases, widths, qkv_heads, head_dim, kernel_linear, qk_norm, sandwich,
+               interleaved, cos, sin, [&](const Tensor& query, const Tensor& key, const Tensor& value) {
+                 ops.write_kv.call(key, value, slot_mapping, k_pool, v_pool);
+                 return ops.attention.call(query, k_pool, v_pool, block_tables, token_row, token_pos, scale, window);
+               });
+}
+
+Tensor lean_layer_quant(const Tensor& hidden, at::TensorList norms, at::ArrayRef<double> eps, at::TensorList weights,
+                        const c10::List<OptTensor>& biases, at::IntArrayRef widths, at::IntArrayRef qkv_heads,
+                        int64_t head_dim, bool kernel_linear, bool qk_norm, bool sandwich, bool interleaved,
+                        const Tensor& cos, const Tensor& sin, const Tensor& k_codes, const Tensor& k_scales,
+                        const Tensor& v_codes, const Tensor& v_scales, int64_t k_format, int64_t v_format,
+                        const OptTensor& rotation, const Tensor& slot_mapping, const Tensor& block_tables,
+                        const Tensor& token_row, const Tensor& token_pos, double scale, int64_t window) {
+  const QuantOps& ops = quant_ops();
+  return layer(hidden, norms, eps, weights, biases, widths, qkv_heads, head_dim, kernel_linear, qk_norm, sandwich,
+               interleaved, cos, sin, [&](const Tensor& query, const Tensor& key, const Tensor& value) {
+                 ops.write_kv.call(key, value, slot_mapping, k_codes, k_scales, v_codes, v_scales, k_format, v_format,
+                                   rotation);
+                 return ops.attention.call(query, k_codes, k_scales, v_codes, v_scales, block_tables, token_row,
+                                           token_pos, scale, window, k_format, v_format, std::nullopt, std::nullopt,
+                                           rotation, true);
+               });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(hf_paged_fused, m) {
@@ -114,8 +171,19 @@ TORCH_LIBRARY_FRAGMENT(hf_paged_fused, m) {
         "int[] qkv_heads, int head_dim, bool kernel_linear, bool qk_norm, bool sandwich, bool interleaved, "
         "Tensor cos, Tensor sin, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor slot_mapping, Tensor block_tables, "
         "Tensor token_row, Tensor token_pos, float scale, int window) -> Tensor");
+  m.def("lean_layer_quant(Tensor hidden, Tensor[] norms, float[] eps, Tensor[] weights, Tensor?[] biases, int[] widths, "
+        "int[] qkv_heads, int head_dim, bool kernel_linear, bool qk_norm, bool sandwich, bool interleaved, "
+        "Tensor cos, Tensor sin, Tensor(a!) k_codes, Tensor(b!) k_scales, Tensor(c!) v_codes, Tensor(d!) v_scales, "
+        "int k_format, int v_format, Tensor? rotation, Tensor slot_mapping, Tensor block_tables, Tensor token_row, "
+        "Tensor token_pos, float scale, int window) -> Tensor");
 }
 
 // bf16 layers pass oneDNN's packed weights (MkldnnCPU tensors), which route the call by that key.
-TORCH_LIBRARY_IMPL(hf_paged_fused, CPU, m) { m.impl("lean_layer", &lean_layer); }
-TORCH_LIBRARY_IMPL(hf_paged_fused, MkldnnCPU, m) { m.impl("lean_layer", &lean_layer); }
+TORCH_LIBRARY_IMPL(hf_paged_fused, CPU, m) {
+  m.impl("lean_layer", &lean_layer);
+  m.impl("lean_layer_quant", &lean_layer_quant);
+}
+TORCH_LIBRARY_IMPL(hf_paged_fused, MkldnnCPU, m) {
+  m.impl("lean_layer", &lean_layer);
+  m.impl("lean_layer_quant", &lean_layer_quant);
+}

@@ -232,6 +232,26 @@ class CpuStep(Step):
 
     _metadata: tuple | None = None
 
+    def quant_metadata(self, k_pool, v_pool) -> tuple | None:
+        """(k_codes, k_scales, v_codes, v_scales, k_format, v_format, rotation) then ``direct_metadata``'s four: what
+        ``CpuKernelBackend.write_kv`` and ``attend`` pass ``write_kv_quant`` and ``paged_attention_quant`` for these
+        quantised pools (R: the one both pools store x R of; the op rotates the query and unrotates the output),
+        for a caller that makes those calls itself (``fused_lean``'s one-call layer). None where the Python calls
+        go elsewhere: KIVI pools (its write plan), a format the ops do not know, keys and values under different
+        rotations, pools off this step's device, or ops other than the extension's own (a wrapped op)."""
+        if (isinstance(k_pool, KiviPool) or isinstance(v_pool, KiviPool) or not isinstance(k_pool, QuantizedPool)
+                or not isinstance(v_pool, QuantizedPool) or k_pool.rotation is not v_pool.rotation
+                or k_pool.device != self.device or self.device.type != "cpu"):
+            return None
+        ids = (FORMAT_IDS.get(k_pool.fmt.name), FORMAT_IDS.get(v_pool.fmt.name))
+        backend = self.backend
+        if None in ids or backend.quant_op is not torch.ops.hf_paged_cpu.paged_attention_quant \
+                or backend.write_op is not torch.ops.hf_paged_cpu.write_kv_quant:
+            return None
+        plan = self.plan
+        return (k_pool.data, k_pool.scales, v_pool.data, v_pool.scales, *ids, v_pool.rotation, self.slot_mapping,
+                plan.block_tables, plan.token_row, plan.token_pos)
+
     @property
     def slot_mapping(self) -> torch.Tensor:
         """The plan's slots, contiguous (made once per step)."""

@@ -3,7 +3,8 @@
 
 - ``cuda/fused_ops_cpu.cpp``: ``rms_norm``, ``add_rms_norm``, ``rotary_``, ``silu_mul`` (``engine.fused``);
 - ``cuda/linear_cpu.cpp``: ``pack_linear`` and ``linear``, the float32 linear layers (``engine.prepack``);
-- ``cuda/lean_layer_cpu.cpp``: ``lean_layer``, a decoder layer's direct form in one call (``engine.fused_lean``).
+- ``cuda/lean_layer_cpu.cpp``: ``lean_layer`` and ``lean_layer_quant``, a decoder layer's direct form in one call
+  on model-dtype and on quantised pools (``engine.fused_lean``).
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ FAKES = {                   # shape propagation for torch.compile: each op is on
     "pack_linear": lambda w: w.new_empty(((w.shape[0] + 31) // 32, w.shape[1], 32)),
     "linear": lambda x, packed, bias, n: x.new_empty((x.shape[0], n)),
     "lean_layer": lambda hidden, *args: _like_rows(hidden),
+    "lean_layer_quant": lambda hidden, *args: _like_rows(hidden),
 }
 
 

@@ -68,7 +68,7 @@ class LeanLayer:
     interleaved: bool
     direct: bool = True                       # the direct form where the step allows it (``_direct``)
     qkv_heads: tuple[int, ...] = ()           # heads of q, k and v in the qkv product (``_direct``)
-    layer_call: tuple | None = None           # (lean_layer, its constant arguments): the direct form in one call
+    layer_call: tuple | None = None           # (lean_layer, lean_layer_quant, their constant arguments): one call
 
     @classmethod
     def build(cls, layer: torch.nn.Module, ops, attention_spec: dict, sandwich: bool,
@@ -104,8 +104,9 @@ class LeanLayer:
         if direct and one_call:             # lean_layer's order: input, post, (q, k), (GLM-4's sandwich)
             ordered = fused_norms[:2] + (fused_norms[-2:] if qk_norm else []) + (fused_norms[2:4] if sandwich else [])
             packed = [groups[name] for name in ("qkv", "o", "gate_up", "down")]
-            layer_call = (ops.lean_layer, [n.weight for n in ordered], [float(n.eps) for n in ordered],
-                          [g.packed for g in packed], [g.bias for g in packed], [g.n for g in packed])
+            layer_call = (ops.lean_layer, ops.lean_layer_quant, [n.weight for n in ordered],
+                          [float(n.eps) for n in ordered], [g.packed for g in packed], [g.bias for g in packed],
+                          [g.n for g in packed])
         return cls(ops, dtype, fused_norms[0], fused_norms[1], tuple(fused_norms[2:4]) if sandwich else None,
                    tuple(fused_norms[-2:]) if qk_norm else None, groups["qkv"], groups["o"],
                    groups["gate_up"], split, groups["down"], attn, attn.head_dim, attn.layer_idx, attn.scaling,
@@ -154,9 +155,10 @@ class LeanLayer:
         """``__call__``'s ops on the same tensors (so the same numbers, bit for bit), as rows [N, features]:
         the packed products whole (``_Packed.product``: the views ``outputs`` would split them into), the write
         and the attention without ``update`` and the attention interface (``KVPools.direct``): model-dtype pools
-        straight to the step's C++ calls (all of the layer's calls made by one C++ op, ``lean_layer``, where the
-        step's ops are the extension's own: ``CpuStep.direct_metadata``), quantised ones through
-        ``KVPools.write_rows`` and ``Step.attend``.
+        straight to the step's C++ calls, quantised ones through ``KVPools.write_rows`` and ``Step.attend``; all of
+        the layer's calls made by one C++ op where the step's ops are the extension's own: ``lean_layer``
+        (``CpuStep.direct_metadata``) or, for quantised row formats, ``lean_layer_quant`` (``CpuStep.quant_metadata``;
+        KIVI keeps the Python calls: its writes follow a plan made in Python).
         The Python between the ops was about a quarter of a decode step's layer (SmolLM2, 2 threads)."""
         ops, d = self.ops, self.head_dim
         h = _rows(hidden_states)
@@ -165,13 +167,17 @@ class LeanLayer:
             raise RuntimeError(f"the forward has {n} query tokens but its plan has {step.plan.num_tokens}: the "
                                "inputs changed after the cache planned the step")
         scale = float(self.scaling if self.scaling is not None else d ** -0.5)
-        metadata = step.direct_metadata if self.layer_call is not None and type(k_pool) is torch.Tensor else None
-        if metadata is not None:            # the same calls in C++ (cuda/lean_layer_cpu.cpp)
-            op, norms, eps, weights, biases, widths = self.layer_call
-            cos, sin = rotary_rows(step.workspace, position_embeddings, hidden_states.shape[:-1])
-            return op(h, norms, eps, weights, biases, widths, self.qkv_heads, d, self.qkv.ops is not None,
-                      self.qk_norm is not None, self.sandwich is not None, self.interleaved, cos, sin, k_pool, v_pool,
-                      *metadata, scale, self.window).view(hidden_states.shape)
+        if self.layer_call is not None:     # the same calls in C++ (cuda/lean_layer_cpu.cpp)
+            plain = type(k_pool) is torch.Tensor
+            metadata = step.direct_metadata if plain else step.quant_metadata(k_pool, v_pool)
+            if metadata is not None:
+                plain_op, quant_op, norms, eps, weights, biases, widths = self.layer_call
+                cos, sin = rotary_rows(step.workspace, position_embeddings, hidden_states.shape[:-1])
+                pools = (k_pool, v_pool) if plain else ()
+                return (plain_op if plain else quant_op)(
+                    h, norms, eps, weights, biases, widths, self.qkv_heads, d, self.qkv.ops is not None,
+                    self.qk_norm is not None, self.sandwich is not None, self.interleaved, cos, sin, *pools,
+                    *metadata, scale, self.window).view(hidden_states.shape)
         qkv = self.qkv.product(ops.rms_norm(h, self.input_norm.weight, self.input_norm.eps))
         query, key, value = qkv.view(n, -1, d).split_with_sizes(self.qkv_heads, 1)
         if self.qk_norm is not None:

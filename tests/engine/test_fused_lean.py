@@ -32,9 +32,10 @@ def run(model, lean: bool, monkeypatch, prompts=PROMPTS, llm=None, direct=None, 
     if one_call is False:
         llm.engine.fused.one_call = False
     elif one_call is not None:
-        layer_op = torch.ops.hf_paged_fused.lean_layer
-        monkeypatch.setattr(torch.ops.hf_paged_fused, "lean_layer", lambda *a: one_call.append(1) or layer_op(*a),
-                            raising=False)
+        for name in ("lean_layer", "lean_layer_quant"):
+            layer_op = getattr(torch.ops.hf_paged_fused, name)
+            monkeypatch.setattr(torch.ops.hf_paged_fused, name,
+                                lambda *a, _op=layer_op, _name=name: one_call.append(_name) or _op(*a), raising=False)
     outs = llm.generate(prompts, max_new_tokens=5, do_sample=False, ignore_eos=True, use_tqdm=False)
     monkeypatch.undo()
     return steps, [o.outputs[0].token_ids for o in outs], calls
@@ -58,7 +59,7 @@ def test_lean_layers_equal_the_fused_modules_bit_for_bit(ops, family, dtype, mon
     # direct on every step whose products are packed: all of them in bf16 (oneDNN), the decode steps in f32
     # (the first step's 218 prompt rows go through F.linear); each as one lean_layer call (model-dtype pools)
     assert len(direct) == len(calls) - (0 if dtype == torch.bfloat16 else layers), (len(direct), len(calls))
-    assert len(one_call) == len(direct)
+    assert one_call == ["lean_layer"] * len(direct)
     assert lean_tokens == fused_tokens == python_tokens and len(lean_steps) == len(fused_steps) > 3
     for got, want, python in zip(lean_steps, fused_steps, python_steps):
         assert torch.equal(got, want) and torch.equal(python, want)
@@ -90,27 +91,36 @@ def test_a_weight_changed_between_steps_is_seen(ops, monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(lean_steps, fused_steps))
 
 
-@pytest.mark.parametrize("kv", ["int8", "fp8_e4m3", "nvfp4", "kivi"])
-def test_quantised_pools_take_the_direct_form_too(ops, kv, monkeypatch):
+@pytest.mark.parametrize("family", ["llama", "qwen3", "glm4"])
+@pytest.mark.parametrize("kv", ["int8", "fp8_e4m3", "fp8_e5m2", "int4", "nvfp4", "kivi"])
+def test_quantised_pools_take_the_direct_form_too(ops, kv, family, monkeypatch):
     """Quantised pools: the direct form writes through ``KVPools.write_rows`` (the backend's quantising write,
-    KIVI's plan) and attends through ``Step.attend``; the logits equal the fused modules' bit for bit."""
-    model = make_model("llama", seed=5)
+    KIVI's plan) and attends through ``Step.attend``, or, for the row formats, makes those calls in one C++ op
+    (``lean_layer_quant``); the logits equal the fused modules' and the Python direct form's bit for bit."""
+    model = make_model(family, seed=5)
     direct, one_call, knobs = [], [], dict(kv_cache_dtype=kv, block_size=32 if kv == "kivi" else 16)
     lean_steps, lean_tokens, calls = run(model, True, monkeypatch, direct=direct, one_call=one_call, **knobs)
     fused_steps, fused_tokens, _ = run(model, False, monkeypatch, **knobs)
-    assert calls and direct and not one_call and lean_tokens == fused_tokens
-    assert all(torch.equal(a, b) for a, b in zip(lean_steps, fused_steps))
+    python_steps, python_tokens, _ = run(model, True, monkeypatch, one_call=False, **knobs)
+    assert calls and direct and lean_tokens == fused_tokens == python_tokens
+    assert one_call == ([] if kv == "kivi" else ["lean_layer_quant"] * len(direct))
+    assert len(lean_steps) == len(fused_steps) == len(python_steps) > 3
+    for got, want, python in zip(lean_steps, fused_steps, python_steps):
+        assert torch.equal(got, want) and torch.equal(python, want)
 
 
-def test_a_wrapped_kernel_op_sees_its_calls(ops, monkeypatch):
+@pytest.mark.parametrize("kv", ["auto", "int8"])
+def test_a_wrapped_kernel_op_sees_its_calls(ops, kv, monkeypatch):
     """The one-call layer makes the write and attention calls itself; a step whose backend has other ops than
     the extension's (here a counting wrapper) keeps the Python direct form, which calls them."""
     model = make_model("qwen3", seed=6)
-    llm = LLM(model, max_num_batched_tokens=256, num_blocks=128)
+    llm = LLM(model, max_num_batched_tokens=256, num_blocks=128, kv_cache_dtype=kv)
     backend, seen, one_call = llm.engine.cache.backend, [], []
-    kernel = backend.op
-    monkeypatch.setattr(backend, "op", lambda *a: seen.append(1) or kernel(*a))
+    name = "op" if kv == "auto" else "quant_op"
+    kernel = getattr(backend, name)
+    monkeypatch.setattr(backend, name, lambda *a: seen.append(1) or kernel(*a))
     wrapped_steps, wrapped, _ = run(model, True, monkeypatch, llm=llm, one_call=one_call)
     assert seen and not one_call
-    plain_steps, plain, _ = run(model, True, monkeypatch, llm=llm)
+    plain_steps, plain, _ = run(model, True, monkeypatch, llm=llm, one_call=one_call)
+    assert one_call, "unwrapped, the same engine takes the one-call layer"
     assert wrapped == plain and all(torch.equal(a, b) for a, b in zip(wrapped_steps, plain_steps))
