@@ -188,53 +188,93 @@ inline int64_t squared_error(const float* x, int64_t n, float code_max, float s,
 }
 
 #if defined(__AVX512F__)
+// x / s, correctly rounded, from r = RN(1 / s) without a division (vdivps issues once per 16 cycles; the search
+// divides each element by 16 candidates): q0 = RN(x r) is within an ulp, the remainder x - q0 s is exact (an FMA),
+// and RN(q0 + (x - q0 s) r) is RN(x / s) (Markstein's theorem) where nothing underflows or overflows: s in
+// [2^-50, 2^50], x = 0 or x >= 2^-50 (and x / s <= ~code_max: s is a candidate for x's row), which
+// `reciprocal_divides` checks per candidate and row. The quotient's bits then depend on the mantissas only, and
+// exact_division_failures (kv_write_cpu.cpp) checks all 2^23 x 2^7 pairs of an fp32 and a bf16 mantissa
+// (tests/backends/test_cpu_kernel_quant.py).
+constexpr float kReciprocalLow = 0x1p-50f, kReciprocalHigh = 0x1p50f;
+
+inline __m512 divide_by_reciprocal(__m512 x, __m512 s, __m512 r) {
+  const __m512 q0 = _mm512_mul_ps(x, r);
+  return _mm512_fmadd_ps(_mm512_fnmadd_ps(q0, s, x), r, q0);
+}
+
 // The search below for a group of n = 16k <= 256 elements, in explicit intrinsics: the row's magnitudes loaded
-// once, the constants set once, all 16 candidates in one loop. On |x|: the error is even in x (the division,
-// the clamp, the rounding of magnitudes, the exact x - code * s and round-half-even are all symmetric), so
-// q(-x) = -q(x). q squared into int64 by vpmuldq on the even and the odd int32 lanes (exact, order-free).
-// A candidate stops once its partial sum reaches the best error so far: the terms are not negative and a
-// later candidate wins only with a smaller error. Returns the chosen bf16 scale.
+// once, the constants set once. On |x|: the error is even in x (the division, the clamp, the rounding of
+// magnitudes, the exact x - code * s and round-half-even are all symmetric), so q(-x) = -q(x). q squared into
+// int64 by vpmuldq on the even and the odd int32 lanes (exact, order-free). Every candidate's whole error is
+// summed, four candidates at a time in independent chains: stopping a candidate early (once its partial sum
+// passed the best) saved arithmetic but serialised the candidates behind unpredictable branches (0.58 us per
+// 64-element row, 1 thread; see README "Quantised KV speed"). Least error wins, ties the smallest j.
+template <int M, int B>
+struct Fp8Error {
+  static constexpr uint32_t kMinNormal = static_cast<uint32_t>(128 - B) << 23;
+  static constexpr int kDrop = 23 - M;
+  static constexpr float kUp = static_cast<float>(1 << (B - 1 + M)), kDown = 1.0f / kUp;
+  __m512 high, to_units, to_units2, up, down;
+  __m512i below_half, one, kept, min_normal;
+
+  Fp8Error(float code_max, float first, float second)
+      : high(_mm512_set1_ps(code_max)), to_units(_mm512_set1_ps(first)), to_units2(_mm512_set1_ps(second)),
+        up(_mm512_set1_ps(kUp)), down(_mm512_set1_ps(kDown)), below_half(_mm512_set1_epi32((1 << (kDrop - 1)) - 1)),
+        one(_mm512_set1_epi32(1)), kept(_mm512_set1_epi32(~((1 << kDrop) - 1))),
+        min_normal(_mm512_set1_epi32(static_cast<int32_t>(kMinNormal))) {}
+
+  // sums + the squared errors (in int64 pairs) of 16 magnitudes ax under scale s (reciprocal r, or a division).
+  __m512i add(__m512i sums, __m512 ax, __m512 scale, __m512 reciprocal, bool by_reciprocal) const {
+    const __m512 quotient = by_reciprocal ? divide_by_reciprocal(ax, scale, reciprocal) : _mm512_div_ps(ax, scale);
+    const __m512 y = _mm512_min_ps(quotient, high);
+    const __m512i mag = _mm512_castps_si512(y);
+    __m512i rounded = _mm512_and_si512(
+        _mm512_add_epi32(_mm512_add_epi32(mag, below_half), _mm512_and_si512(_mm512_srli_epi32(mag, kDrop), one)), kept);
+    const __mmask16 subnormal = _mm512_cmplt_epu32_mask(mag, min_normal);
+    if (subnormal) {                          // multiples of 2^(1 - B - M), rounded by an exact scaling
+      const __m512 small = _mm512_mul_ps(
+          _mm512_roundscale_ps(_mm512_mul_ps(y, up), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), down);
+      rounded = _mm512_mask_mov_epi32(rounded, subnormal, _mm512_castps_si512(small));
+    }
+    const __m512 residual = _mm512_sub_ps(ax, _mm512_mul_ps(_mm512_castsi512_ps(rounded), scale));
+    const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_mul_ps(residual, to_units), to_units2));
+    const __m512i odd = _mm512_srli_epi64(q, 32);
+    return _mm512_add_epi64(_mm512_add_epi64(sums, _mm512_mul_epi32(q, q)), _mm512_mul_epi32(odd, odd));
+  }
+};
+
 template <int M, int B>
 inline uint16_t search_scale_avx512(const float* x, int64_t n, float code_max, float base, float first, float second) {
-  constexpr uint32_t kMinNormal = static_cast<uint32_t>(128 - B) << 23;
-  constexpr int kDrop = 23 - M;
-  constexpr float kUp = static_cast<float>(1 << (B - 1 + M)), kDown = 1.0f / kUp;
-  const __m512 high = _mm512_set1_ps(code_max), to_units = _mm512_set1_ps(first), to_units2 = _mm512_set1_ps(second);
-  const __m512 up = _mm512_set1_ps(kUp), down = _mm512_set1_ps(kDown);
-  const __m512i below_half = _mm512_set1_epi32((1 << (kDrop - 1)) - 1), one = _mm512_set1_epi32(1);
-  const __m512i kept = _mm512_set1_epi32(~((1 << kDrop) - 1)), min_normal = _mm512_set1_epi32(static_cast<int32_t>(kMinNormal));
+  const Fp8Error<M, B> term(code_max, first, second);
   __m512 ax[16];
   const int64_t vectors = n / 16;
-  for (int64_t v = 0; v < vectors; ++v) ax[v] = _mm512_abs_ps(_mm512_loadu_ps(x + 16 * v));
+  bool tiny = false;                        // an element in (0, 2^-50): divide_by_reciprocal's range excludes it
+  for (int64_t v = 0; v < vectors; ++v) {
+    ax[v] = _mm512_abs_ps(_mm512_loadu_ps(x + 16 * v));
+    tiny |= (_mm512_cmp_ps_mask(ax[v], _mm512_set1_ps(kReciprocalLow), _CMP_LT_OQ) &
+             _mm512_cmp_ps_mask(ax[v], _mm512_setzero_ps(), _CMP_GT_OQ)) != 0;
+  }
+  constexpr int kChains = 4;
   int64_t best_error = -1;
   uint16_t best = 0;
-  for (const uint32_t step : kScaleSteps) {
-    const uint16_t candidate = stored_scale(base * from_bits(step));
-    const __m512 scale = _mm512_set1_ps(bf16(candidate));
-    __m512i sums = _mm512_setzero_si512();
-    int64_t error = 0;
-    for (int64_t v = 0; v < vectors; ++v) {
-      const __m512 y = _mm512_min_ps(_mm512_div_ps(ax[v], scale), high);
-      const __m512i mag = _mm512_castps_si512(y);
-      __m512i rounded = _mm512_and_si512(
-          _mm512_add_epi32(_mm512_add_epi32(mag, below_half), _mm512_and_si512(_mm512_srli_epi32(mag, kDrop), one)), kept);
-      const __mmask16 subnormal = _mm512_cmplt_epu32_mask(mag, min_normal);
-      if (subnormal) {                          // multiples of 2^(1 - B - M), rounded by an exact scaling
-        const __m512 small = _mm512_mul_ps(
-            _mm512_roundscale_ps(_mm512_mul_ps(y, up), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), down);
-        rounded = _mm512_mask_mov_epi32(rounded, subnormal, _mm512_castps_si512(small));
-      }
-      const __m512 residual = _mm512_sub_ps(ax[v], _mm512_mul_ps(_mm512_castsi512_ps(rounded), scale));
-      const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_mul_ps(residual, to_units), to_units2));
-      const __m512i odd = _mm512_srli_epi64(q, 32);
-      sums = _mm512_add_epi64(_mm512_add_epi64(sums, _mm512_mul_epi32(q, q)), _mm512_mul_epi32(odd, odd));
-      if ((v & 1) && v + 1 < vectors && best_error >= 0) {     // every 32 elements, unless the row ends here
-        error = _mm512_reduce_add_epi64(sums);
-        if (error >= best_error) break;
-      }
-      if (v + 1 == vectors) error = _mm512_reduce_add_epi64(sums);
+  for (int j = 0; j < 16; j += kChains) {
+    uint16_t candidate[kChains];
+    __m512 scale[kChains], reciprocal[kChains];
+    bool by_reciprocal[kChains];
+    __m512i sums[kChains];
+    for (int c = 0; c < kChains; ++c) {
+      candidate[c] = stored_scale(base * from_bits(kScaleSteps[j + c]));
+      const float s = bf16(candidate[c]);
+      scale[c] = _mm512_set1_ps(s), reciprocal[c] = _mm512_set1_ps(1.0f / s);
+      by_reciprocal[c] = !tiny && s >= kReciprocalLow && s <= kReciprocalHigh;
+      sums[c] = _mm512_setzero_si512();
     }
-    if (best_error < 0 || error < best_error) best_error = error, best = candidate;
+    for (int64_t v = 0; v < vectors; ++v)
+      for (int c = 0; c < kChains; ++c) sums[c] = term.add(sums[c], ax[v], scale[c], reciprocal[c], by_reciprocal[c]);
+    for (int c = 0; c < kChains; ++c) {
+      const int64_t error = _mm512_reduce_add_epi64(sums[c]);
+      if (best_error < 0 || error < best_error) best_error = error, best = candidate[c];
+    }
   }
   return best;
 }

@@ -196,12 +196,41 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, const at::Tensor& 
   }
 }
 
+// Test hook: how many of the 2^30 pairs (x, s), x an fp32 in [1, 2), s a bf16 in [1, 2), divide_by_reciprocal
+// (kv_encode_cpu.h, the fp8 scale search's division) gets other than x / s; -1 where the build has no AVX-512 (then
+// the search divides).
+int64_t exact_division_failures() {
+#if defined(__AVX512F__)
+  std::vector<int64_t> failures(128, 0);
+  at::parallel_for(0, 128, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t k = begin; k < end; ++k) {
+      const float s = hfp_codec::from_bits(0x3F800000u | static_cast<uint32_t>(k) << 16);
+      const __m512 scale = _mm512_set1_ps(s), reciprocal = _mm512_set1_ps(1.0f / s);
+      const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+      int64_t wrong = 0;
+      for (uint32_t m = 0; m < (1u << 23); m += 16) {
+        const __m512 x = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(0x3F800000u | m)), lane));
+        wrong += __builtin_popcount(_mm512_cmp_ps_mask(hfp_codec::divide_by_reciprocal(x, scale, reciprocal),
+                                                       _mm512_div_ps(x, scale), _CMP_NEQ_UQ));
+      }
+      failures[k] = wrong;
+    }
+  });
+  int64_t total = 0;
+  for (const int64_t f : failures) total += f;
+  return total;
+#else
+  return -1;
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(hf_paged_cpu, m) {
   m.def("write_kv(Tensor key, Tensor value, Tensor slot_mapping, Tensor(a!) k_pool, Tensor(b!) v_pool) -> ()");
   m.def("write_kv_quant(Tensor key, Tensor value, Tensor slot_mapping, Tensor(a!) k_codes, Tensor(b!) k_scales, "
         "Tensor(c!) v_codes, Tensor(d!) v_scales, int k_format, int v_format, Tensor? rotation) -> ()");
+  m.def("exact_division_failures() -> int", &exact_division_failures);     // no tensor argument: a catch-all kernel
 }
 
 TORCH_LIBRARY_IMPL(hf_paged_cpu, CPU, m) {

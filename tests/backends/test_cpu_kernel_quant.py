@@ -471,7 +471,9 @@ def scale_search_rows(n: int, heads: int, d: int, seed: int) -> torch.Tensor:
     1e37 (the fixed-point error's two power-of-two factors at both ends of the exponent range), a lone
     element, equal magnitudes and rows already on the code grid (candidates tie or one is exact: the
     smallest j must win everywhere), negative zeros, a row that only the subnormal codes' rounding decides,
-    and Gaussian rows."""
+    rows at the edges of the AVX-512 search's division by reciprocal (kv_encode_cpu.h divide_by_reciprocal:
+    elements down to 2^-50 under scales just above 2^-50, scales on both sides of 2^50, an element just under
+    2^-50 beside others that would allow it), and Gaussian rows."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(n, heads, d, generator=gen)
     for i, magnitude in enumerate((1e-40, 1e-39, 1e-30, 1e-12, 1e12, 1e30, 1e37)):
@@ -490,6 +492,16 @@ def scale_search_rows(n: int, heads: int, d: int, seed: int) -> torch.Tensor:
     # and candidate 0 would tie and win).
     x[11, :, : d // 2] = 532.0
     x[11, :, d // 2:] = 2.0 ** -9 * 2.078125
+    signs = torch.where(torch.rand(heads, d, generator=gen) < 0.5, -1.0, 1.0)
+    log_uniform = lambda low, high: signs * 2.0 ** (low + (high - low) * torch.rand(heads, d, generator=gen))  # noqa: E731
+    x[12] = log_uniform(-50, -40)                 # every element >= 2^-50, the scales from ~2^-49
+    x[12, :, 0] = 2.0 ** -50
+    x[13] = log_uniform(40, 58)                   # e4m3: amax / code_max 2^49.6, candidates on both sides of 2^50
+    x[13, :, 1] = 448 * 2.0 ** 49.6
+    x[15] = log_uniform(48, 65)                   # the same for e5m2
+    x[15, :, 1] = 57344 * 2.0 ** 49.6
+    x[14] = log_uniform(-44, -36)
+    x[14, :, 2] = 2.0 ** -50 * 0.999              # one element just under 2^-50: the row divides
     return x
 
 
@@ -513,6 +525,13 @@ def test_write_searches_the_fp8_scale_as_kv_formats(backend, name, d):
     plain = (x.abs().amax(-1) / fmt.code_max).to(torch.bfloat16)
     stored = ours[0].scales.view(heads, -1)[:, slots].transpose(0, 1)
     assert (stored != torch.where(plain > 0, plain, torch.ones_like(plain))).any(), "the search never moved"
+
+
+def test_division_by_reciprocal_is_exact_on_every_mantissa(backend):
+    """The fp8 search divides through a reciprocal and one correction (Markstein's theorem); exhaustively: every
+    fp32 mantissa over every bf16 one gives x / s bit for bit (-1: a build without AVX-512, which divides)."""
+    want = 0 if torch.ops.hf_paged_cpu.codec_lanes() == 16 else -1
+    assert torch.ops.hf_paged_cpu.exact_division_failures() == want
 
 
 def walsh_hadamard(x: torch.Tensor) -> torch.Tensor:
