@@ -74,8 +74,12 @@ class KVPools(Cache):
             return self._allocate_kivi(shape, dtype, device, devices)
         else:
             rotations = self._rotations(devices)
+            on_cpu = [d for d in devices if torch.device(d).type == "cpu"]
+            cpu_pools = iter(self._cpu_quantised_pools(shape, 2 * len(on_cpu), rotations[on_cpu[0]] if on_cpu else None))
 
             def new_pool(d):
+                if torch.device(d).type == "cpu":
+                    return next(cpu_pools)
                 return QuantizedPool.zeros(self.kv_format, *shape, device=d, rotation=rotations[d])
         self.key_pools = [new_pool(d) for d in devices]
         self.value_pools = [new_pool(d) for d in devices]
@@ -92,6 +96,29 @@ class KVPools(Cache):
         numel = math.prod(shape)
         buffer = huge_page_buffer(numel * count, dtype)
         return [buffer[i * numel:(i + 1) * numel].view(shape).zero_() for i in range(count)]
+
+    def _cpu_quantised_pools(self, shape, count: int, rotation) -> list[QuantizedPool]:
+        """``count`` quantised pools of ``shape`` for the CPU (as ``QuantizedPool.zeros`` makes them: zero codes,
+        unit scales), their codes and scales views of one buffer on huge pages where the system allows (as
+        ``_cpu_pools``), each tensor starting on a cache line."""
+        if count == 0:
+            return []
+        fmt, (heads, blocks, block_size, head_dim) = self.kv_format, shape
+        fmt.check_head_dim(head_dim)
+        code_shape = (heads, blocks, block_size, fmt.code_bytes(head_dim))
+        scale_shape = (heads, blocks, block_size, fmt.num_scales(head_dim))
+        code_bytes, scale_bytes = math.prod(code_shape), 2 * math.prod(scale_shape)
+        lines = lambda nbytes: -(-nbytes // 64) * 64           # noqa: E731  (rounded up to whole cache lines)
+        stride = lines(lines(code_bytes) + scale_bytes)         # one pool: codes, then scales
+        buffer = huge_page_buffer(stride * count, torch.uint8)
+        pools = []
+        for i in range(count):
+            at = i * stride
+            scales_at = at + lines(code_bytes)
+            data = buffer[at:at + code_bytes].view(code_shape).zero_()
+            scales = buffer[scales_at:scales_at + scale_bytes].view(torch.bfloat16).view(scale_shape).fill_(1)
+            pools.append(QuantizedPool(data, scales, fmt, head_dim, rotation if fmt.rotate else None))
+        return pools
 
     def _rotations(self, devices) -> dict:
         """R on each distinct device, shared by every layer's quantised pools there."""

@@ -2,6 +2,7 @@
 first touch; small ones are ordinary; the engine's packed weights and the CPU pools use them."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from hf_paged import hugepages
@@ -59,6 +60,42 @@ def test_cpu_pools_are_zeroed_views_of_one_buffer(monkeypatch):
     assert all(p.shape == pools[0].shape and p.is_contiguous() and float(p.abs().sum()) == 0 for p in pools)
     pools[0].fill_(1.0)                                              # views do not overlap
     assert all(float(p.abs().sum()) == 0 for p in pools[1:])
+
+
+@pytest.mark.parametrize("kv", ["int8", "int4", "nvfp4"])
+def test_quantised_cpu_pools_are_views_of_one_buffer(kv, monkeypatch):
+    """Quantised CPU pools: every layer's codes and scales in one buffer (zero codes, unit scales, as
+    QuantizedPool.zeros makes them), no two tensors overlapping, each on a cache line, one R shared; a greedy
+    run on them gives the tokens of pools allocated one by one."""
+    from hf_paged.cache.paged_cache import PagedCache
+    from hf_paged.engine import LLM
+    from hf_paged.kv_formats import QuantizedPool
+    monkeypatch.setattr(hugepages, "MIN_BYTES", 0)
+    model = make_model("llama", seed=2)
+    cache = PagedCache(model.config, kv_cache_dtype=kv)
+    cache.allocate_pools(num_blocks=8, block_size=16, dtype=torch.float32, device=torch.device("cpu"))
+    pools = cache.key_pools + cache.value_pools
+    tensors = [t for pool in pools for t in (pool.data, pool.scales)]
+    assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1
+    assert len({id(pool.rotation) for pool in pools}) == 1 and pools[0].rotation is not None
+    fresh = QuantizedPool.zeros(pools[0].fmt, *pools[0].shape, device=torch.device("cpu"))
+    for pool in pools:
+        assert torch.equal(pool.data, fresh.data) and torch.equal(pool.scales, fresh.scales)
+        assert pool.data.is_contiguous() and pool.scales.is_contiguous()
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.nbytes) for t in tensors)
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:])), "no two tensors overlap"
+    assert all(start % 64 == 0 for start, _ in spans)
+
+    def tokens():
+        llm = LLM(model, kv_cache_dtype=kv, num_blocks=64, max_num_batched_tokens=128)
+        outs = llm.generate([[5, 9, 2, 44, 7] * 7, [3, 1, 4, 1, 5, 9, 2, 6]], max_new_tokens=6, do_sample=False,
+                            ignore_eos=True, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs]
+    one_buffer = tokens()
+    monkeypatch.setattr(PagedCache, "_cpu_quantised_pools", lambda self, shape, count, rotation: [
+        QuantizedPool.zeros(self.kv_format, *shape, device=torch.device("cpu"), rotation=rotation)
+        for _ in range(count)])
+    assert tokens() == one_buffer
 
 
 def test_collapse_merges_near_ranges_and_advises_their_whole_huge_pages(monkeypatch):
