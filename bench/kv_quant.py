@@ -19,7 +19,9 @@ capacity bf16 model, the engine with a fixed 24 MiB KV budget and 96 requests of
 speed    fp32 model, 1 thread: the engine's useful tokens/s per format on 32 ShareGPT-shaped requests,
          3 interleaved rounds (min/median/max), prefix caching off. ``--speed-prompt N --speed-output M
          [--speed-requests R]``: instead, R (16) requests of N random prompt tokens and M generated ones,
-         where a decode step reads more KV bytes than weights (the regime KV quantisation is for).
+         where a decode step reads more KV bytes than weights (the regime KV quantisation is for). Each run's
+         steps are also timed by kind (prefill: steps with a prompt chunk; decode: one token per sequence), and
+         reported as auto's seconds over the format's, per round.
 quantized-cache  transformers' QuantizedCache (optimum-quanto, 4 and 2 bits, residual 128) where installed,
          decoding token by token on two passages, beside our int4 on the same tokens: perplexity,
          KV bytes, seconds.
@@ -156,19 +158,48 @@ def speed(model, names: list[str], progress, rounds: int = 3, prompt: int = 0, o
     # round's blocks would skip its prefill, and the smaller formats keep more)
     engines = {name: hf_paged.LLM(model, kv_cache_dtype=name, max_num_seqs=32, block_size=32 if name == "kivi" else 16,
                                   enable_prefix_caching=False) for name in names}
+    phases = {name: _time_phases(llm.engine.runner) for name, llm in engines.items()}
     for llm in engines.values():                              # warm-up
         llm.generate(prompts[:2], settings[:2], use_tqdm=False)
     rates: dict[str, list[float]] = {name: [] for name in names}
+    seconds: dict[str, dict[str, list[float]]] = {name: {"prefill": [], "decode": []} for name in names}
     for r in range(rounds):
         for name in (names if r % 2 == 0 else names[::-1]):   # interleaved, alternating order
+            phases[name].update(prefill=0.0, decode=0.0)
             t0 = time.perf_counter()
             engines[name].generate(prompts, settings, use_tqdm=False)
             rates[name].append(useful / (time.perf_counter() - t0))
+            for phase in ("prefill", "decode"):
+                seconds[name][phase].append(phases[name][phase])
         progress(f"  round {r + 1}: " + ", ".join(f"{n} {rates[n][-1]:.1f}" for n in names))
-    # each format's rate over the first format's ("auto"), per round: the ratio the noise of a round hits least
+    # each format's rate over the first format's ("auto"), per round: the ratio the noise of a round hits least;
+    # per phase, the first format's seconds over this one's (> 1: this format's steps were faster)
+    first = names[0]
     return {"threads": torch.get_num_threads(), "useful_tokens": useful, "requests": len(prompts), "rounds": rounds,
             "workload": workload,
-            **{n: {**spread(v), "ratio": spread([a / b for a, b in zip(v, rates[names[0]])])} for n, v in rates.items()}}
+            **{n: {**spread(v), "ratio": spread([a / b for a, b in zip(v, rates[first])]),
+                   **{f"{phase}_ratio": spread([a / b for a, b in zip(seconds[first][phase], seconds[n][phase])])
+                      for phase in ("prefill", "decode")},
+                   **{f"{phase}_s": spread(seconds[n][phase]) for phase in ("prefill", "decode")}}
+               for n, v in rates.items()}}
+
+
+def _time_phases(runner) -> dict:
+    """Seconds of the engine's steps by kind, accumulated into the returned dict (reset by the caller): "decode"
+    for steps whose every scheduled sequence computes one token, "prefill" for the rest (prompt chunks, mixed
+    steps). Wraps this runner's ``execute`` on the instance (the bench's own engines only)."""
+    totals = {"prefill": 0.0, "decode": 0.0}
+    execute = runner.execute
+
+    def timed(batch, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return execute(batch, *args, **kwargs)
+        finally:
+            kind = "decode" if all(count == 1 for _, count in batch) else "prefill"
+            totals[kind] += time.perf_counter() - start
+    runner.execute = timed
+    return totals
 
 
 def quantized_cache(model, tokenizer, progress, count: int = 2, tokens: int = 256, prefill: int = 32) -> dict:
@@ -228,6 +259,13 @@ def _quantized_cache_bytes(cache) -> int:
     return total
 
 
+def _ratio(spread_of: dict | None) -> str:
+    """A per-round ratio's "median (min–max)", or "-" where the run did not record it."""
+    if not spread_of:
+        return "-"
+    return f"{spread_of['median']:.2f}x ({spread_of['min']:.2f}–{spread_of['max']:.2f})"
+
+
 def _table(title: str, header: list[str], section: dict, row) -> list[str]:
     """A markdown table: one row per format (the dict entries of ``section``), cells from ``row(entry)``."""
     names = [n for n in section if isinstance(section[n], dict)]
@@ -265,10 +303,11 @@ def report(result: dict) -> str:
             f"## Engine speed, fp32 model, {sp['threads']} thread(s), "
             f"{sp.get('workload', str(sp['requests']) + ' requests')} ({sp['useful_tokens']} useful tokens), "
             "useful tokens/s min / median / max",
-            ["kv_cache_dtype", "tokens/s", "vs auto, per round: median (min–max)"], sp,
+            ["kv_cache_dtype", "tokens/s", "vs auto, per round: median (min–max)", "prefill steps vs auto",
+             "decode steps vs auto"], sp,
             lambda r: [f"{r['min']:.1f} / {r['median']:.1f} / {r['max']:.1f}",
-                       f"{r['ratio']['median']:.2f}x ({r['ratio']['min']:.2f}–{r['ratio']['max']:.2f})" if "ratio" in r
-                       else f"{r['median'] / sp['auto']['median']:.2f}x"])
+                       _ratio(r.get("ratio")) if "ratio" in r else f"{r['median'] / sp['auto']['median']:.2f}x",
+                       _ratio(r.get("prefill_ratio")), _ratio(r.get("decode_ratio"))])
     qc = result.get("quantized_cache")
     if qc and "skipped" in qc:
         lines += ["## Beside transformers' QuantizedCache", "", qc["skipped"], ""]
