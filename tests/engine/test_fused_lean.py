@@ -91,13 +91,18 @@ def test_a_weight_changed_between_steps_is_seen(ops, monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(lean_steps, fused_steps))
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "glm4"])
-@pytest.mark.parametrize("kv", ["int8", "fp8_e4m3", "fp8_e5m2", "int4", "nvfp4", "kivi"])
-def test_quantised_pools_take_the_direct_form_too(ops, kv, family, monkeypatch):
+QUANTISED_CASES = [(kv, family, torch.float32) for kv in ("int8", "fp8_e4m3", "fp8_e5m2", "int4", "nvfp4", "kivi")
+                   for family in ("llama", "qwen3", "glm4")] + [("int8", "llama", torch.bfloat16),
+                                                              ("nvfp4", "qwen3", torch.bfloat16)]
+
+
+@pytest.mark.parametrize(("kv", "family", "dtype"), QUANTISED_CASES)
+def test_quantised_pools_take_the_direct_form_too(ops, kv, family, dtype, monkeypatch):
     """Quantised pools: the direct form writes through ``KVPools.write_rows`` (the backend's quantising write,
     KIVI's plan) and attends through ``Step.attend``, or, for the row formats, makes those calls in one C++ op
-    (``lean_layer_quant``); the logits equal the fused modules' and the Python direct form's bit for bit."""
-    model = make_model(family, seed=5)
+    (``lean_layer_quant``; bf16: with oneDNN's packed weights); the logits equal the fused modules' and the
+    Python direct form's bit for bit."""
+    model = make_model(family, seed=5, dtype=dtype)
     direct, one_call, knobs = [], [], dict(kv_cache_dtype=kv, block_size=32 if kv == "kivi" else 16)
     lean_steps, lean_tokens, calls = run(model, True, monkeypatch, direct=direct, one_call=one_call, **knobs)
     fused_steps, fused_tokens, _ = run(model, False, monkeypatch, **knobs)
