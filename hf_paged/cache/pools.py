@@ -74,7 +74,7 @@ class KVPools(Cache):
             return self._allocate_kivi(shape, dtype, device, devices)
         else:
             rotations = self._rotations(devices)
-            on_cpu = [d for d in devices if torch.device(d).type == "cpu"]
+            on_cpu = [d for d in devices if torch.device(d).type == "cpu"]     # (keys, then values: 2 per layer)
             cpu_pools = iter(self._cpu_quantised_pools(shape, 2 * len(on_cpu), rotations[on_cpu[0]] if on_cpu else None))
 
             def new_pool(d):
