@@ -207,38 +207,51 @@ inline __m512 divide_by_reciprocal(__m512 x, __m512 s, __m512 r) {
 // magnitudes, the exact x - code * s and round-half-even are all symmetric), so q(-x) = -q(x). q squared into
 // int64 by vpmuldq on the even and the odd int32 lanes (exact, order-free). Every candidate's whole error is
 // summed, four candidates at a time in independent chains: stopping a candidate early (once its partial sum
-// passed the best) saved arithmetic but serialised the candidates behind unpredictable branches (0.50 us per
-// 64-element row, 1 thread, against 0.36 us now: README "Quantised pools in one call too"). Least error wins, ties
-// the smallest j.
+// passed the best) saved arithmetic but serialised the candidates behind unpredictable branches (0.43 us per
+// 64-element row, 1 thread, against 0.31 us with the chains and 0.28 us with fp8_rounded_normal and one units
+// factor as well: README "Quantised pools in one call too"). Least error wins, ties the smallest j.
+// Value(Code(y)) for 16 normal magnitudes y (>= 2^(1 - B), <= code_max) without integer steps: Veltkamp's
+// splitting, t = y (2^(23 - M) + 1), y's top M + 1 significant bits = t - (t - y), rounded to nearest even. Equal to
+// fp8_rounded<M, B> on every such fp32 (fp8_rounding_failures, kv_write_cpu.cpp, checks them all). The product is
+// _mm512_mul_round_ps so that no compiler contracts it with the subtraction into an FMA (which would change t - y).
+template <int M, int B>
+inline __m512 fp8_rounded_normal(__m512 y) {
+  const __m512 t = _mm512_mul_round_ps(y, _mm512_set1_ps(static_cast<float>((1u << (23 - M)) + 1)),
+                                       _MM_FROUND_CUR_DIRECTION);
+  return _mm512_sub_ps(t, _mm512_sub_ps(t, y));
+}
+
 template <int M, int B>
 struct Fp8Error {
-  static constexpr uint32_t kMinNormal = static_cast<uint32_t>(128 - B) << 23;
-  static constexpr int kDrop = 23 - M;
   static constexpr float kUp = static_cast<float>(1 << (B - 1 + M)), kDown = 1.0f / kUp;
-  __m512 high, to_units, to_units2, up, down;
-  __m512i below_half, one, kept, min_normal;
+  __m512 high, to_units, to_units2, up, down, min_normal;
+  bool one_factor;                          // first * second is exact and one multiply gives the same units
 
+  // first, second: powers of two (see kScaleSteps). Where both are >= 1 neither step can round (the values only
+  // grow, to below 2^21), so one multiply by their product (normal: it is 2^(151 - e) with e >= 24 here) is exact too.
   Fp8Error(float code_max, float first, float second)
       : high(_mm512_set1_ps(code_max)), to_units(_mm512_set1_ps(first)), to_units2(_mm512_set1_ps(second)),
-        up(_mm512_set1_ps(kUp)), down(_mm512_set1_ps(kDown)), below_half(_mm512_set1_epi32((1 << (kDrop - 1)) - 1)),
-        one(_mm512_set1_epi32(1)), kept(_mm512_set1_epi32(~((1 << kDrop) - 1))),
-        min_normal(_mm512_set1_epi32(static_cast<int32_t>(kMinNormal))) {}
+        up(_mm512_set1_ps(kUp)), down(_mm512_set1_ps(kDown)),
+        min_normal(_mm512_set1_ps(from_bits(static_cast<uint32_t>(128 - B) << 23))),
+        one_factor(first >= 1.f && second >= 1.f && first * second <= 0x1p126f) {
+    if (one_factor) to_units = _mm512_set1_ps(first * second);
+  }
 
   // sums + the squared errors (in int64 pairs) of 16 magnitudes ax under scale s (reciprocal r, or a division).
   __m512i add(__m512i sums, __m512 ax, __m512 scale, __m512 reciprocal, bool by_reciprocal) const {
     const __m512 quotient = by_reciprocal ? divide_by_reciprocal(ax, scale, reciprocal) : _mm512_div_ps(ax, scale);
     const __m512 y = _mm512_min_ps(quotient, high);
-    const __m512i mag = _mm512_castps_si512(y);
-    __m512i rounded = _mm512_and_si512(
-        _mm512_add_epi32(_mm512_add_epi32(mag, below_half), _mm512_and_si512(_mm512_srli_epi32(mag, kDrop), one)), kept);
-    const __mmask16 subnormal = _mm512_cmplt_epu32_mask(mag, min_normal);
+    __m512 rounded = fp8_rounded_normal<M, B>(y);
+    const __mmask16 subnormal = _mm512_cmp_ps_mask(y, min_normal, _CMP_LT_OQ);
     if (subnormal) {                          // multiples of 2^(1 - B - M), rounded by an exact scaling
       const __m512 small = _mm512_mul_ps(
           _mm512_roundscale_ps(_mm512_mul_ps(y, up), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), down);
-      rounded = _mm512_mask_mov_epi32(rounded, subnormal, _mm512_castps_si512(small));
+      rounded = _mm512_mask_mov_ps(rounded, subnormal, small);
     }
-    const __m512 residual = _mm512_sub_ps(ax, _mm512_mul_ps(_mm512_castsi512_ps(rounded), scale));
-    const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_mul_ps(residual, to_units), to_units2));
+    const __m512 residual = _mm512_sub_ps(ax, _mm512_mul_ps(rounded, scale));
+    const __m512 units = one_factor ? _mm512_mul_ps(residual, to_units)
+                                    : _mm512_mul_ps(_mm512_mul_ps(residual, to_units), to_units2);
+    const __m512i q = _mm512_cvtps_epi32(units);
     const __m512i odd = _mm512_srli_epi64(q, 32);
     return _mm512_add_epi64(_mm512_add_epi64(sums, _mm512_mul_epi32(q, q)), _mm512_mul_epi32(odd, odd));
   }

@@ -224,6 +224,37 @@ int64_t exact_division_failures() {
 #endif
 }
 
+// Test hook: how many normal-range magnitudes y in [2^(1 - B), code_max] of e4m3 and e5m2 (every fp32 there)
+// fp8_rounded_normal (kv_encode_cpu.h, the search's rounding) rounds otherwise than fp8_rounded; -1 without AVX-512.
+int64_t fp8_rounding_failures() {
+#if defined(__AVX512F__)
+  auto count = [](auto rounded_normal, auto rounded, int bias, float code_max) {
+    const uint32_t low = static_cast<uint32_t>(128 - bias) << 23, high = hfp_codec::bits_of(code_max);
+    std::vector<int64_t> failures(64, 0);
+    const uint32_t span = (high - low) / 64 + 1;
+    at::parallel_for(0, 64, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t part = begin; part < end; ++part) {
+        const uint32_t from = low + static_cast<uint32_t>(part) * span, to = std::min(high + 1, from + span);
+        alignas(64) float y[16], got[16];
+        for (uint32_t u = from; u < to; u += 16) {
+          const uint32_t lanes = std::min<uint32_t>(16, to - u);
+          for (uint32_t l = 0; l < 16; ++l) y[l] = hfp_codec::from_bits(u + std::min(l, lanes - 1));
+          _mm512_store_ps(got, rounded_normal(_mm512_load_ps(y)));
+          for (uint32_t l = 0; l < lanes; ++l) failures[part] += hfp_codec::bits_of(got[l]) != hfp_codec::bits_of(rounded(y[l]));
+        }
+      }
+    });
+    int64_t total = 0;
+    for (const int64_t f : failures) total += f;
+    return total;
+  };
+  return count([](__m512 y) { return hfp_codec::fp8_rounded_normal<3, 7>(y); }, hfp_codec::fp8_rounded<3, 7>, 7, 448.f) +
+         count([](__m512 y) { return hfp_codec::fp8_rounded_normal<2, 15>(y); }, hfp_codec::fp8_rounded<2, 15>, 15, 57344.f);
+#else
+  return -1;
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(hf_paged_cpu, m) {
@@ -231,6 +262,7 @@ TORCH_LIBRARY_FRAGMENT(hf_paged_cpu, m) {
   m.def("write_kv_quant(Tensor key, Tensor value, Tensor slot_mapping, Tensor(a!) k_codes, Tensor(b!) k_scales, "
         "Tensor(c!) v_codes, Tensor(d!) v_scales, int k_format, int v_format, Tensor? rotation) -> ()");
   m.def("exact_division_failures() -> int", &exact_division_failures);     // no tensor argument: a catch-all kernel
+  m.def("fp8_rounding_failures() -> int", &fp8_rounding_failures);
 }
 
 TORCH_LIBRARY_IMPL(hf_paged_cpu, CPU, m) {

@@ -534,6 +534,13 @@ def test_division_by_reciprocal_is_exact_on_every_mantissa(backend):
     assert torch.ops.hf_paged_cpu.exact_division_failures() == want
 
 
+def test_the_search_rounds_every_normal_fp8_magnitude_as_the_codec(backend):
+    """The AVX-512 search rounds normal magnitudes by Veltkamp's splitting instead of integer steps; exhaustively:
+    every fp32 in e4m3's and e5m2's normal range rounds as fp8_rounded (-1: a build without AVX-512)."""
+    want = 0 if torch.ops.hf_paged_cpu.codec_lanes() == 16 else -1
+    assert torch.ops.hf_paged_cpu.fp8_rounding_failures() == want
+
+
 def walsh_hadamard(x: torch.Tensor) -> torch.Tensor:
     """kv_codec_cpu.h hadamard_row's scalar loop in PyTorch (fp32, the same additions in the same order)."""
     x = x.clone()
