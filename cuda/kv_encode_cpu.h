@@ -202,14 +202,6 @@ inline __m512 divide_by_reciprocal(__m512 x, __m512 s, __m512 r) {
   return _mm512_fmadd_ps(_mm512_fnmadd_ps(q0, s, x), r, q0);
 }
 
-// The search below for a group of n = 16k <= 256 elements, in explicit intrinsics: the row's magnitudes loaded
-// once, the constants set once. On |x|: the error is even in x (the division, the clamp, the rounding of
-// magnitudes, the exact x - code * s and round-half-even are all symmetric), so q(-x) = -q(x). q squared into
-// int64 by vpmuldq on the even and the odd int32 lanes (exact, order-free). Every candidate's whole error is
-// summed, four candidates at a time in independent chains: stopping a candidate early (once its partial sum
-// passed the best) saved arithmetic but serialised the candidates behind unpredictable branches (0.43 us per
-// 64-element row, 1 thread, against 0.31 us with the chains and 0.28 us with fp8_rounded_normal and one units
-// factor as well: README "Quantised pools in one call too"). Least error wins, ties the smallest j.
 // Value(Code(y)) for 16 normal magnitudes y (>= 2^(1 - B), <= code_max) without integer steps: Veltkamp's
 // splitting, t = y (2^(23 - M) + 1), y's top M + 1 significant bits = t - (t - y), rounded to nearest even. Equal to
 // fp8_rounded<M, B> on every such fp32 (fp8_rounding_failures, kv_write_cpu.cpp, checks them all). The product is
@@ -221,6 +213,14 @@ inline __m512 fp8_rounded_normal(__m512 y) {
   return _mm512_sub_ps(t, _mm512_sub_ps(t, y));
 }
 
+// The search below for a group of n = 16k <= 256 elements, in explicit intrinsics: the row's magnitudes loaded
+// once, the constants set once. On |x|: the error is even in x (the division, the clamp, the rounding of
+// magnitudes, the exact x - code * s and round-half-even are all symmetric), so q(-x) = -q(x). q squared into
+// int64 by vpmuldq on the even and the odd int32 lanes (exact, order-free). Every candidate's whole error is
+// summed, four candidates at a time in independent chains: stopping a candidate early (once its partial sum
+// passed the best) saved arithmetic but serialised the candidates behind unpredictable branches (0.43 us per
+// 64-element row, 1 thread, against 0.31 us with the chains and 0.28 us with fp8_rounded_normal and one units
+// factor as well: README "Quantised pools in one call too"). Least error wins, ties the smallest j.
 template <int M, int B>
 struct Fp8Error {
   static constexpr float kUp = static_cast<float>(1 << (B - 1 + M)), kDown = 1.0f / kUp;
