@@ -12,7 +12,15 @@ Schemes (vLLM's flag name ``--quantization``; ``bitsandbytes`` is vLLM's value a
 Exactness on the paged path. The paged path feeds every quantised linear the same activations as the
 default path (same shapes, dtype, contiguity; pad queries' attention output is zero) up to the float
 rounding of attention itself: paged attention reduces in another order than SDPA/eager, ~1e-7 apart in fp32.
-torchao int8/int4 and bnb nf4/fp4 are continuous in their input, so their tokens match the default path.
+torchao int8/int4 and bnb nf4/fp4 are continuous in their input, so their tokens match the default path,
+with one exception by CPU: **bnb >= 0.50's 4-bit CPU kernel on CPUs with AVX-512 BF16** (its
+``support_avx512bf16_for_cpu`` path, taken on a module's first inference forward: the weights are repacked and
+``gemv_4bit`` runs in bfloat16) rounds every activation to bf16, so a 1-ulp fp32 difference that crosses a
+bf16 rounding boundary moves the logits by ~1e-3 and can, rarely, change a token. Measured on a tiny llama on
+an AMD EPYC (Zen 4, AVX-512 BF16), 8 padded prompts, 12 greedy tokens: paged against sdpa 1.0e-3 (nf4) and
+1.5e-3 (fp4), tokens equal; transformers' own eager against sdpa 0.55 (nf4, tokens differ) and 3.1e-3 (fp4).
+``bnb_float32_kernel(model)`` keeps those linears on bnb's float32 dequantising path (exact on the paged
+path: 4.8e-7, the tests' reference on every CPU), at that path's speed.
 **bnb int8 (LLM.int8) is not**: it casts activations to fp16 and rounds each row to int8 codes (row absmax
 / 127), so a 1-ulp fp32 difference can flip a code and the logits move by ~1. Measured on SmolLM2-135M
 (each of the demo's 8 prompts alone, 24 greedy tokens): transformers' own default path with
@@ -86,6 +94,25 @@ def quantize_loaded(model, scheme: str):
     config = Int8WeightOnlyConfig() if scheme == "torchao-int8" else Int4WeightOnlyConfig(group_size=128)
     quantize_(model, config)
     return model
+
+
+def bnb_float32_kernel(model):
+    """Keep ``model``'s bitsandbytes 4-bit linears off bnb's AVX-512 BF16 CPU kernel (which rounds activations
+    to bf16, see the module doc) and on its float32 dequantising path; call it before the first forward (the
+    kernel repacks the weights on that forward). Returns the number of linears switched."""
+    require("bitsandbytes")
+    import bitsandbytes as bnb
+
+    switched = 0
+    for name, module in model.named_modules():
+        if not isinstance(module, bnb.nn.Linear4bit):
+            continue
+        if getattr(getattr(module.weight, "quant_state", None), "packing_format_for_cpu", False):
+            raise ValueError(f"{name} already ran on bitsandbytes' bf16 CPU kernel (its weights are repacked); "
+                             "call bnb_float32_kernel(model) right after loading, before any forward")
+        module.support_avx512bf16_for_cpu = False
+        switched += 1
+    return switched
 
 
 def load_quantized(source: str, scheme: str, dtype: torch.dtype | None, device: str, **options):
