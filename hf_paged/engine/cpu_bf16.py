@@ -27,6 +27,19 @@ def cpu_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> set[str] | None:
     return set()
 
 
+def cpu_vendor(cpuinfo: str | Path = "/proc/cpuinfo") -> str | None:
+    """The first processor's ``vendor_id`` from /proc/cpuinfo (``GenuineIntel``, ``AuthenticAMD``, ...); None
+    where the file or the field is absent (not Linux, not x86)."""
+    try:
+        text = Path(cpuinfo).read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("vendor_id"):
+            return line.partition(":")[2].strip()
+    return None
+
+
 def native_bf16(flags: set[str] | None = None) -> bool:
     """Whether the CPU has bf16 instructions. ``flags``: /proc/cpuinfo's (read when None); without them
     (not Linux) oneDNN's own answer stands in."""

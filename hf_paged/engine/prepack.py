@@ -4,7 +4,8 @@ On the CPU most of a forward is the linear layers, and at decode steps a forward
 memory once. float32 weights go to ``cuda/linear_cpu.cpp`` (``torch.ops.hf_paged_fused.linear``: panels of 32
 output columns streamed with prefetch, registers for up to 14 rows; see its header for why not oneDNN and
 for its summation order, which makes a row's result independent of the batch it came in) for steps of up to
-``LIBRARY_ROWS`` rows, and larger steps (prefill chunks) to MKL's sgemm: through a second copy of the weights in
+``LIBRARY_ROWS`` rows (every step on AMD CPUs, where MKL is the slower: ``library_rows``), and larger steps
+(prefill chunks) to MKL's sgemm: through a second copy of the weights in
 MKL's packed layout for steps of exactly the engine's token budget (``prefill_rows``; every full prefill step),
 else ``F.linear`` on the modules' weights (the same sgemm, packing the weight per call); bfloat16 weights
 to oneDNN's ``_linear_pointwise`` where oneDNN has bf16 kernels (AVX-512 BF16 / AMX), and float32 ones too
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import time
 
@@ -38,6 +40,7 @@ import torch.nn.functional as F
 
 from ..hugepages import MIN_BYTES, collapse_onto_huge_pages, huge_page_buffer
 from .config import available_bytes
+from .cpu_bf16 import cpu_vendor
 from .cpu_ops import load_fused_ops
 
 log = logging.getLogger("hf_paged.engine")
@@ -103,11 +106,31 @@ def _packable(module) -> bool:
             and "forward" not in module.__dict__)
 
 
-# Steps of more rows than this (prefill chunks) run hf_paged's float32 kernel's modules through F.linear: the
-# library's blocked GEMM (which copies blocks of x into its own layout) keeps its speed among an engine step's
-# other ops, where the kernel, reading x in place, measured 14% slower on 512-row steps (SmolLM2, 2 threads,
-# AVX-512 Xeon, 2026-12-05; 4% in isolation). At up to 128 rows the kernel is 1.1-1.4x the library.
+# On Intel CPUs, steps of more rows than this (prefill chunks) run hf_paged's float32 kernel's modules through
+# F.linear: the library's blocked GEMM (which copies blocks of x into its own layout) keeps its speed among an
+# engine step's other ops, where the kernel, reading x in place, measured 14% slower on 512-row steps (SmolLM2,
+# 2 threads, AVX-512 Xeon, 2026-12-05; 4% in isolation). At up to 128 rows the kernel is 1.1-1.4x the library.
 LIBRARY_ROWS = 128
+LIBRARY_ENV = "HF_PAGED_LIBRARY_GEMM"    # "1": the library over LIBRARY_ROWS rows, "0": the kernel for every step
+
+
+def library_rows(vendor: str | None = None) -> int | None:
+    """Rows over which float32 steps go to the library's GEMM (torch's MKL sgemm), or None: hf_paged's kernel
+    takes steps of every size. MKL picks its optimised code by CPU vendor: on AMD it ran well below the kernel
+    (AMD EPYC Zen 4, AVX-512, SmolLM2's 30 layers, 2 threads, 2026-12-06, ``python -m bench linear``: MKL's
+    packed copy 1.35x and F.linear 1.28x the kernel's time at 512 rows, 1.9x at 128; the engine with the kernel
+    for every step 1.15x on the short workload and 1.21x with prompts up to 1,024 tokens), so there the
+    kernel takes every step (and a row's result never depends on the step it came in). Elsewhere (Intel, or a
+    vendor not reported) the library over ``LIBRARY_ROWS``. ``$HF_PAGED_LIBRARY_GEMM`` = 1 / 0 forces either way;
+    ``vendor``: /proc/cpuinfo's (read when None)."""
+    forced = os.environ.get(LIBRARY_ENV)
+    if forced is not None:
+        if forced not in ("0", "1"):
+            raise ValueError(f"{LIBRARY_ENV}={forced!r}: use 1 (the library's GEMM for steps over {LIBRARY_ROWS} "
+                             "rows) or 0 (hf_paged's kernel for every step), or unset it (chosen by CPU vendor)")
+        return LIBRARY_ROWS if forced == "1" else None
+    vendor = cpu_vendor() if vendor is None else vendor
+    return None if vendor == "AuthenticAMD" else LIBRARY_ROWS
 
 
 def mkl_packing_available() -> bool:
@@ -141,10 +164,12 @@ class _PrefillPack:
 class _Packed:
     """One packed weight: a module's, or sibling modules' (same input) with their rows concatenated.
     ``sizes``: each module's output features, in order; ``ops``: the float32 kernel, or None for oneDNN;
-    ``prefill``: a ``_PrefillPack`` of the same weight for library-sized steps of the engine's token budget."""
+    ``prefill``: a ``_PrefillPack`` of the same weight for library-sized steps of the engine's token budget;
+    ``library_rows``: steps of more rows go to the library (``library_rows()``; None: never)."""
 
-    def __init__(self, modules: tuple[torch.nn.Linear, ...], ops, prefill_rows: int | None = None):
-        self.modules = modules
+    def __init__(self, modules: tuple[torch.nn.Linear, ...], ops, prefill_rows: int | None = None,
+                 library_rows: int | None = LIBRARY_ROWS):
+        self.modules, self.library_rows = modules, library_rows
         self.params = [(m.weight, _version(m.weight), m.bias, None if m.bias is None else _version(m.bias))
                        for m in modules]
         weight = torch.cat([m.weight.detach() for m in modules]) if len(modules) > 1 else modules[0].weight.detach()
@@ -172,8 +197,8 @@ class _Packed:
         return not (torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w, *_ in self.params)))
 
     def library_sized(self, x: torch.Tensor) -> bool:
-        """Whether x has more rows than the kernel takes (see LIBRARY_ROWS): F.linear on each module then."""
-        return self.ops is not None and x.numel() > LIBRARY_ROWS * x.shape[-1]
+        """Whether x has more rows than the kernel takes (``library_rows``): F.linear on each module then."""
+        return self.ops is not None and self.library_rows is not None and x.numel() > self.library_rows * x.shape[-1]
 
     def _prefill_sized(self, x: torch.Tensor) -> bool:
         return self.prefill is not None and x.numel() == self.prefill.rows * x.shape[-1]
@@ -282,8 +307,10 @@ class PrepackedLinears:
                         "check)", need / 2**20, available / 2**20)
             units = []
         ops = _linear_ops() if any(m.weight.dtype == torch.float32 for unit in units for m in unit) else None
-        prefill = self._prefill_units(model, units, ops, prefill_rows, available - need)
-        packed = [_Packed(unit, ops, prefill_rows if id(unit) in prefill else None) for unit in units]
+        self.library_rows = library_rows() if ops is not None else None
+        prefill = self._prefill_units(model, units, ops, prefill_rows, self.library_rows, available - need)
+        packed = [_Packed(unit, ops, prefill_rows if id(unit) in prefill else None, self.library_rows)
+                  for unit in units]
         _onto_huge_pages([p for p in packed if p.ops is not None])
         _collapse_onednn([p for p in packed if p.ops is None])
         self.layers: list[_PackedLinear] = [_PackedLinear(m, p, i) for p in packed for i, m in enumerate(p.modules)]
@@ -294,18 +321,20 @@ class PrepackedLinears:
         self.prefill_bytes = sum(4 * m.weight.numel() for p in packed if p.prefill is not None for m in p.modules)
         log.info("prepacked %d linear layers (%d sibling groups; %s) in %.2f s (%.0f MiB beside the model's "
                  "weights%s; enforce_eager=True skips this)", len(self.layers), len(groups),
-                 "float32 through hf_paged's kernel" if ops is not None else "oneDNN", self.seconds,
+                 "oneDNN" if ops is None else "float32 through hf_paged's kernel, " + (
+                     "every step" if self.library_rows is None else f"steps over {self.library_rows} rows through "
+                     "MKL's sgemm") + f" (${LIBRARY_ENV})", self.seconds,
                  (self.bytes + self.prefill_bytes) / 2**20,
                  f", {self.prefill_bytes / 2**20:.0f} MiB of them MKL's copies for {prefill_rows}-token steps"
                  if prefill else "")
 
     @staticmethod
-    def _prefill_units(model, units: list, ops, rows: int | None, spare: int) -> set[int]:
+    def _prefill_units(model, units: list, ops, rows: int | None, library: int | None, spare: int) -> set[int]:
         """ids of the float32 units that get MKL's packed copy for steps of ``rows`` rows (``_PrefillPack``):
         all but the LM head (it sees the sampled rows only), when the steps are library-sized, this torch has
         MKL and the copies fit in half of the memory left (counted at 4/3 of their weights: MKL's buffer size is
         its own business; SmolLM2's measured 1.02x)."""
-        if ops is None or rows is None or rows <= LIBRARY_ROWS or not mkl_packing_available():
+        if ops is None or rows is None or library is None or rows <= library or not mkl_packing_available():
             return set()
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         chosen = [u for u in units if u[0].weight.dtype == torch.float32 and head not in u]

@@ -17,10 +17,14 @@ from tiny_models import FAMILIES, make_model
 PROMPTS = [[3, 9, 27, 4, 11], list(range(5, 40)), [7] * 18, [3 + i % 250 for i in range(160)]]   # the last: a 160-row chunk
 
 
-def run(model, lean: bool, monkeypatch, prompts=PROMPTS, llm=None, direct=None, one_call=None, **knobs):
+def run(model, lean: bool, monkeypatch, prompts=PROMPTS, llm=None, direct=None, one_call=None, library=None,
+        **knobs):
     """(each step's logits, tokens, lean layer calls) of a greedy engine run; ``direct``: a list that gets the
     layer of each direct-form call; ``one_call``: a list that gets one entry per ``lean_layer`` call, or False
-    to run the direct form's Python calls instead of that op."""
+    to run the direct form's Python calls instead of that op; ``library``: $HF_PAGED_LIBRARY_GEMM for a new
+    engine ("1": F.linear over LIBRARY_ROWS rows, as on Intel; "0": the kernel for every step, as on AMD)."""
+    if library is not None:
+        monkeypatch.setenv("HF_PAGED_LIBRARY_GEMM", library)
     llm = llm or LLM(model, max_num_batched_tokens=256, num_blocks=128, **knobs)
     llm.engine.fused.lean = lean
     steps, calls, runner = [], [], llm.engine.runner
@@ -41,9 +45,10 @@ def run(model, lean: bool, monkeypatch, prompts=PROMPTS, llm=None, direct=None, 
     return steps, [o.outputs[0].token_ids for o in outs], calls
 
 
+@pytest.mark.parametrize("library", ["1", "0"], ids=["library", "kernel"])   # $HF_PAGED_LIBRARY_GEMM (Intel / AMD)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_lean_layers_equal_the_fused_modules_bit_for_bit(ops, family, dtype, monkeypatch):
+def test_lean_layers_equal_the_fused_modules_bit_for_bit(ops, family, dtype, library, monkeypatch):
     model = make_model(family, seed=7, dtype=dtype)
     gen = torch.Generator().manual_seed(8)
     with torch.no_grad():                    # norm weights start at ones: make each norm's its own
@@ -51,14 +56,16 @@ def test_lean_layers_equal_the_fused_modules_bit_for_bit(ops, family, dtype, mon
             if "norm" in name:
                 param.copy_(torch.rand(param.shape, generator=gen) + 0.5)
     direct, one_call = [], []
-    lean_steps, lean_tokens, calls = run(model, True, monkeypatch, direct=direct, one_call=one_call)
-    fused_steps, fused_tokens, none = run(model, False, monkeypatch)
-    python_steps, python_tokens, _ = run(model, True, monkeypatch, one_call=False)
+    lean_steps, lean_tokens, calls = run(model, True, monkeypatch, direct=direct, one_call=one_call, library=library)
+    fused_steps, fused_tokens, none = run(model, False, monkeypatch, library=library)
+    python_steps, python_tokens, _ = run(model, True, monkeypatch, one_call=False, library=library)
     layers = model.config.num_hidden_layers
     assert len(calls) == layers * len(lean_steps) and not none, "every layer of every step ran lean, or none"
-    # direct on every step whose products are packed: all of them in bf16 (oneDNN), the decode steps in f32
-    # (the first step's 218 prompt rows go through F.linear); each as one lean_layer call (model-dtype pools)
-    assert len(direct) == len(calls) - (0 if dtype == torch.bfloat16 else layers), (len(direct), len(calls))
+    # direct on every step whose products are packed: all of them in bf16 (oneDNN) and with the kernel for
+    # every step, the decode steps in f32 with the library (the first step's 218 prompt rows go through
+    # F.linear); each as one lean_layer call (model-dtype pools)
+    library_steps = 1 if dtype == torch.float32 and library == "1" else 0
+    assert len(direct) == len(calls) - library_steps * layers, (len(direct), len(calls))
     assert one_call == ["lean_layer"] * len(direct)
     assert lean_tokens == fused_tokens == python_tokens and len(lean_steps) == len(fused_steps) > 3
     for got, want, python in zip(lean_steps, fused_steps, python_steps):

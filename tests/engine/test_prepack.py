@@ -88,9 +88,11 @@ def test_no_packing_when_the_copies_would_crowd_memory(monkeypatch, caplog):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "glm"])
-def test_sibling_groups_give_each_modules_own_numbers(family):
-    """q/k/v (with biases in qwen2 and glm) and gate/up packed as one weight: the same bits as packed apart."""
-    from hf_paged.engine.prepack import LIBRARY_ROWS, sibling_outputs
+def test_sibling_groups_give_each_modules_own_numbers(family, monkeypatch):
+    """q/k/v (with biases in qwen2 and glm) and gate/up packed as one weight: the same bits as packed apart;
+    with the library for large steps (as on Intel CPUs), those steps are F.linear per module."""
+    from hf_paged.engine.prepack import LIBRARY_ENV, LIBRARY_ROWS, sibling_outputs
+    monkeypatch.setenv(LIBRARY_ENV, "1")
     model = make_model(family, seed=4)
     attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
     x = torch.randn(5, model.config.hidden_size)
@@ -139,7 +141,8 @@ def test_mkl_copy_for_budget_sized_steps_gives_f_linears_bits(family, monkeypatc
     o, down): the same bits as F.linear per module; other large steps and a group's member alone run F.linear;
     the LM head gets no copy."""
     from hf_paged.engine import prepack
-    from hf_paged.engine.prepack import LIBRARY_ROWS, _PrefillPack, sibling_outputs
+    from hf_paged.engine.prepack import LIBRARY_ENV, LIBRARY_ROWS, _PrefillPack, sibling_outputs
+    monkeypatch.setenv(LIBRARY_ENV, "1")        # the library over LIBRARY_ROWS rows, as on Intel CPUs
     calls = []
     product = _PrefillPack.product
     monkeypatch.setattr(_PrefillPack, "product", lambda self, flat, bias: calls.append(flat.shape[0]) or
@@ -176,6 +179,7 @@ def test_no_mkl_copies_when_memory_is_short_or_steps_are_small(monkeypatch, capl
     import logging
 
     from hf_paged.engine import prepack
+    monkeypatch.setenv(prepack.LIBRARY_ENV, "1")
     model = make_model("llama", seed=7)
     assert PrepackedLinears(model, prefill_rows=prepack.LIBRARY_ROWS).prefill_bytes == 0    # our kernel takes them
     weights = sum(m.weight.numel() * 4 for m in model.modules() if isinstance(m, torch.nn.Linear))
@@ -190,7 +194,8 @@ def test_no_mkl_copies_when_memory_is_short_or_steps_are_small(monkeypatch, capl
 def test_engine_budget_steps_through_mkls_copy_keep_the_tokens(family, monkeypatch):
     """An engine whose token budget is over LIBRARY_ROWS fills whole steps through MKL's copies: the same tokens
     as the same engine with the copies dropped, and the copies were read."""
-    from hf_paged.engine.prepack import LIBRARY_ROWS, _PrefillPack
+    from hf_paged.engine.prepack import LIBRARY_ENV, LIBRARY_ROWS, _PrefillPack
+    monkeypatch.setenv(LIBRARY_ENV, "1")        # the library over LIBRARY_ROWS rows, as on Intel CPUs
     calls = []
     product = _PrefillPack.product
     monkeypatch.setattr(_PrefillPack, "product", lambda self, flat, bias: calls.append(flat.shape[0]) or
@@ -209,3 +214,67 @@ def test_engine_budget_steps_through_mkls_copy_keep_the_tokens(family, monkeypat
                      llm.generate(prompts, max_new_tokens=6, do_sample=False, ignore_eos=True, use_tqdm=False)])
     assert calls and set(calls) == {budget}
     assert outs[0] == outs[1]
+
+
+def test_library_rows_follow_the_cpu_vendor_and_the_knob(monkeypatch):
+    """MKL's sgemm over LIBRARY_ROWS rows on Intel (or a vendor not reported), hf_paged's kernel for every step
+    on AMD; $HF_PAGED_LIBRARY_GEMM forces either way and a bad value is refused naming the choices."""
+    from hf_paged.engine import prepack
+    monkeypatch.delenv(prepack.LIBRARY_ENV, raising=False)
+    assert prepack.library_rows("GenuineIntel") == prepack.LIBRARY_ROWS
+    assert prepack.library_rows("AuthenticAMD") is None
+    monkeypatch.setattr(prepack, "cpu_vendor", lambda: None)
+    assert prepack.library_rows() == prepack.LIBRARY_ROWS
+    monkeypatch.setenv(prepack.LIBRARY_ENV, "0")
+    assert prepack.library_rows("GenuineIntel") is None
+    monkeypatch.setenv(prepack.LIBRARY_ENV, "1")
+    assert prepack.library_rows("AuthenticAMD") == prepack.LIBRARY_ROWS
+    monkeypatch.setenv(prepack.LIBRARY_ENV, "mkl")
+    with pytest.raises(ValueError, match="HF_PAGED_LIBRARY_GEMM='mkl': use 1 .* or 0"):
+        prepack.library_rows()
+
+
+def test_cpu_vendor_reads_cpuinfo(tmp_path):
+    from hf_paged.engine.cpu_bf16 import cpu_vendor
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\n")
+    assert cpu_vendor(info) == "AuthenticAMD"
+    info.write_text("processor\t: 0\n")
+    assert cpu_vendor(info) is None and cpu_vendor(tmp_path / "absent") is None
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_kernel_for_every_step_keeps_rows_independent_of_the_step(family, monkeypatch):
+    """With the kernel for every step (AMD's default): no MKL copies, a step of any size through the kernel,
+    and each row's output the same bits whatever step it came in (300 rows at once = 7 rows at a time); an
+    engine gives the same tokens and logits with prefix caching on as off."""
+    from hf_paged.engine import prepack
+    from hf_paged.engine.prepack import sibling_outputs
+    monkeypatch.setenv(prepack.LIBRARY_ENV, "0")
+    model = make_model(family, seed=9)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, torch.nn.Linear) and m.bias is not None:
+                m.bias.normal_()
+    packed = PrepackedLinears(model, group_siblings=True, prefill_rows=512)
+    assert packed.library_rows is None and packed.prefill_bytes == 0
+    attn = model.model.layers[0].self_attn
+    qkv = (attn.q_proj, attn.k_proj, attn.v_proj)
+    x = torch.randn(300, model.config.hidden_size)
+    with packed.installed(), torch.inference_mode():
+        whole = sibling_outputs(qkv, x)
+        parts = [sibling_outputs(qkv, x[i:i + 7]) for i in range(0, 300, 7)]
+    for k, m in enumerate(qkv):
+        assert torch.equal(whole[k], torch.cat([p[k] for p in parts]))
+        torch.testing.assert_close(whole[k], torch.nn.functional.linear(x, m.weight, m.bias), rtol=1e-5, atol=1e-5)
+    prompts = [list(range(3, 200)), list(range(3, 150)) + [7, 8]]      # the second shares 9 blocks of 16
+    runs = []
+    for caching in (False, True):
+        llm = LLM(model, max_num_batched_tokens=256, num_blocks=64, enable_prefix_caching=caching)
+        steps, forward = [], llm.engine.runner.forward
+        monkeypatch.setattr(llm.engine.runner, "forward", lambda *a: steps.append(forward(*a).clone()) or steps[-1])
+        outs = [llm.generate([p], max_new_tokens=4, do_sample=False, ignore_eos=True, use_tqdm=False)[0]
+                for p in prompts]
+        runs.append(([o.outputs[0].token_ids for o in outs], steps[-4:]))
+    assert runs[0][0] == runs[1][0]
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1])), "the cached prefix gave other bits"
