@@ -17,10 +17,21 @@
 // whatever the ISA (AVX-512, AVX2 + FMA, scalar std::fma), the thread count and the other rows of the call.
 // So a row's result does not depend on the batch it came in (batch invariance), unlike a library matmul
 // that picks its kernel by shape.
+//
+// bfloat16 (built where the compiler targets AVX-512 BF16; linear_bf16_available() says so): the same panels and
+// streaming over pairs of k, packed [P, ceil(K / 2), 32, 2] (a zero pair element past K), 128 bytes per step as
+// float32's k; every output is acc = 0; for each pair j in order: acc = VDPBF16PS(acc, x[t, 2j:2j+2],
+// w[n, 2j:2j+2]); out = bf16(acc + bias[n]) rounded to nearest even as torch rounds. The instruction's own
+// rounding of the pair's sum (and its flushing of denormals) is the CPU's, so bf16 results are pinned per CPU
+// (batch invariance, equality to each row alone) and against float32 sums within bf16 tolerance. Measured on
+// an AMD EPYC Zen 4 (AVX-512 BF16, no AMX), where oneDNN's bf16 matmul read weights at 13-17 GB/s at 1-14
+// rows against 31 GB/s that memory gives: see prepack.py.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/bit_cast.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -148,17 +159,118 @@ const auto kMicroSingle = micro_table<Stream::kSingle>(std::make_integer_sequenc
 const auto kMicroShared = micro_table<Stream::kShared>(std::make_integer_sequence<int, kRows>{});
 const auto kMicroCompute = micro_table<Stream::kCompute>(std::make_integer_sequence<int, kRows>{});
 
-void check_float_matrix(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, "hf_paged_fused linear: ", name,
-              " must be a float32 CPU tensor, got ", t.scalar_type(), " on ", t.device());
+#if defined(__AVX512BF16__)
+// The bf16 micro-kernel: as micro, over pairs of k (`steps` = ceil(K / 2); x's last pair padded with zero when
+// K is odd), weights w [steps][32 columns][2], results rounded to bf16. Offsets in bf16 elements: 2 per float.
+template <int ROWS, Stream kMode>
+void micro_bf16(const uint16_t* x, int64_t ldx, int64_t K, const uint16_t* w, uint16_t* out, int64_t ldo,
+                int64_t width, const uint16_t* bias, const uint16_t* next, int64_t next_lines, bool own) {
+  const int64_t steps = (K + 1) / 2, full = K / 2;
+  int64_t due = 0;
+  __m512 acc[ROWS][2];
+  for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < steps; ++j) {
+    const uint16_t* wj = w + j * 2 * kPanel;
+    if (kMode == Stream::kSingle || (kMode == Stream::kShared && own)) {
+      prefetch_l2(reinterpret_cast<const float*>(wj) + kAheadL2);
+      prefetch_l2(reinterpret_cast<const float*>(wj) + kAheadL2 + 16);
+    } else {
+      prefetch_l1(reinterpret_cast<const float*>(wj) + kAheadL1);
+      prefetch_l1(reinterpret_cast<const float*>(wj) + kAheadL1 + 16);
+    }
+    if (kMode == Stream::kShared)
+      for (due += next_lines; due >= steps; due -= steps, next += 32) prefetch_l2(reinterpret_cast<const float*>(next));
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wj), w1 = (__m512bh)_mm512_loadu_si512(wj + 32);
+    for (int r = 0; r < ROWS; ++r) {
+      const uint16_t* xr = x + r * ldx + 2 * j;
+      uint32_t pair = xr[0];
+      if (j < full) pair |= static_cast<uint32_t>(xr[1]) << 16;
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xv, w0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xv, w1);
+    }
+  }
+  float tile[2 * 16];
+  for (int r = 0; r < ROWS; ++r) {
+    _mm512_storeu_ps(tile, acc[r][0]);
+    _mm512_storeu_ps(tile + 16, acc[r][1]);
+    uint16_t* o = out + r * ldo;
+    for (int64_t c = 0; c < width; ++c) {
+      float v = tile[c];
+      if (bias) v += static_cast<float>(c10::bit_cast<c10::BFloat16>(bias[c]));
+      o[c] = c10::bit_cast<uint16_t>(c10::BFloat16(v));      // torch's rounding (nearest even, NaN kept)
+    }
+  }
 }
 
+using MicroBf16 = void (*)(const uint16_t*, int64_t, int64_t, const uint16_t*, uint16_t*, int64_t, int64_t,
+                           const uint16_t*, const uint16_t*, int64_t, bool);
+template <Stream kMode, int... R>
+constexpr auto micro_bf16_table(std::integer_sequence<int, R...>) {
+  return std::array<MicroBf16, sizeof...(R)>{&micro_bf16<R + 1, kMode>...};
+}
+const auto kBf16Single = micro_bf16_table<Stream::kSingle>(std::make_integer_sequence<int, kRows>{});
+const auto kBf16Shared = micro_bf16_table<Stream::kShared>(std::make_integer_sequence<int, kRows>{});
+const auto kBf16Compute = micro_bf16_table<Stream::kCompute>(std::make_integer_sequence<int, kRows>{});
+constexpr bool kHasBf16 = true;
+#else
+constexpr bool kHasBf16 = false;
+#endif
+
+// Work items over (panel, row block) for `rows` rows and `steps` weight steps of 128 bytes per panel; calls
+// run(mode, panel, first row, row count, next-panel line offset, lines, first pass) for each (see linear).
+template <typename Run>
+void for_each_item(int64_t rows, int64_t steps, int64_t panels, const Run& run) {
+  // Row blocks of equal size (32 rows: 11 + 11 + 10, not 14 + 14 + 4); a row's outputs do not depend on its block.
+  const int64_t row_blocks = (rows + kRows - 1) / kRows;
+  const int64_t block_rows = (rows + row_blocks - 1) / row_blocks, panel_lines = steps * 2;
+  const int64_t share = (panel_lines + row_blocks - 1) / row_blocks;  // kShared: next-panel lines per pass
+  const Stream mode = row_blocks == 1 ? Stream::kSingle
+                      : row_blocks <= kMaxStreamedPasses ? Stream::kShared : Stream::kCompute;
+  // Items panel-major: a thread's consecutive items reuse one panel's weights from its cache while the rows
+  // of x (read in place) pass by. (Copying row chunks of x k-major and looping panels inside them measured
+  // slower here, 1.0-1.3x the time at 64-512 rows.)
+  at::parallel_for(0, panels * row_blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t p = item / row_blocks, block = item % row_blocks, r0 = block * block_rows;
+      const int64_t count = std::min<int64_t>(block_rows, rows - r0);
+      // kShared: this pass's share of the next panel's lines
+      const int64_t first = std::min(block * share, panel_lines);
+      const int64_t lines = mode == Stream::kShared && p + 1 < panels ? std::min(share, panel_lines - first) : 0;
+      run(mode, p, r0, count, (p + 1) * panel_lines + first, lines, block == 0);
+    }
+  });
+}
+
+// float32, or bfloat16 where this build has the bf16 kernel.
+void check_matrix(const at::Tensor& t, const char* name) {
+  const bool ok = t.scalar_type() == at::kFloat || (kHasBf16 && t.scalar_type() == at::kBFloat16);
+  TORCH_CHECK(t.device().is_cpu() && ok, "hf_paged_fused linear: ", name, " must be a float32",
+              kHasBf16 ? " or bfloat16" : "", " CPU tensor, got ", t.scalar_type(), " on ", t.device(),
+              kHasBf16 ? "" : " (bfloat16 needs a build for a CPU with AVX-512 BF16)");
+}
+
+bool linear_bf16_available() { return kHasBf16; }
+
+// float32 [P, K, 32]; bfloat16 [P, ceil(K / 2), 64] (each step: 32 columns x a pair of k).
 at::Tensor pack_linear(const at::Tensor& weight) {
-  check_float_matrix(weight, "weight");
+  check_matrix(weight, "weight");
   TORCH_CHECK(weight.dim() == 2, "pack_linear: weight must be [N, K], got ", weight.sizes());
   const int64_t n = weight.size(0), k = weight.size(1), panels = (n + kPanel - 1) / kPanel;
-  at::Tensor packed = at::zeros({panels, k, kPanel}, weight.options());
   const at::Tensor w = weight.contiguous();
+  if (weight.scalar_type() == at::kBFloat16) {
+    const int64_t steps = (k + 1) / 2;
+    at::Tensor packed = at::zeros({panels, steps, 2 * kPanel}, weight.options());
+    const uint16_t* src = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+    uint16_t* dst = reinterpret_cast<uint16_t*>(packed.data_ptr<at::BFloat16>());
+    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p)
+        for (int64_t c = 0; c < kPanel && p * kPanel + c < n; ++c)
+          for (int64_t j = 0; j < k; ++j) dst[((p * steps + j / 2) * kPanel + c) * 2 + j % 2] = src[(p * kPanel + c) * k + j];
+    });
+    return packed;
+  }
+  at::Tensor packed = at::zeros({panels, k, kPanel}, weight.options());
   const float* src = w.data_ptr<float>();
   float* dst = packed.data_ptr<float>();
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
@@ -170,51 +282,59 @@ at::Tensor pack_linear(const at::Tensor& weight) {
 }
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias, int64_t n) {
-  check_float_matrix(x, "x");
-  check_float_matrix(packed, "packed");
+  check_matrix(x, "x");
+  check_matrix(packed, "packed");
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "linear: x must be [T, K] with contiguous rows, got ", x.sizes(),
               " strides ", x.strides());
-  const int64_t rows = x.size(0), k = x.size(1), panels = packed.size(0);
-  TORCH_CHECK(packed.dim() == 3 && packed.size(1) == k && packed.size(2) == kPanel && packed.is_contiguous() &&
-                  n > 0 && (n + kPanel - 1) / kPanel == panels,
-              "linear: packed must be pack_linear's [", (n + kPanel - 1) / kPanel, ", ", k, ", ", kPanel,
-              "] for N=", n, ", got ", packed.sizes());
-  const float* bias_ptr = nullptr;
+  const int64_t rows = x.size(0), k = x.size(1), panels = packed.size(0), steps = bf16 ? (k + 1) / 2 : k;
+  const int64_t width = bf16 ? 2 * kPanel : kPanel;
+  TORCH_CHECK(packed.scalar_type() == x.scalar_type() && packed.dim() == 3 && packed.size(1) == steps &&
+                  packed.size(2) == width && packed.is_contiguous() && n > 0 && (n + kPanel - 1) / kPanel == panels,
+              "linear: packed must be pack_linear's ", x.scalar_type(), " [", (n + kPanel - 1) / kPanel, ", ", steps,
+              ", ", width, "] for N=", n, ", got ", packed.scalar_type(), " ", packed.sizes());
+  const void* bias_ptr = nullptr;
   if (bias.has_value() && bias->defined()) {
-    check_float_matrix(*bias, "bias");
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous(), "linear: bias must be [", n, "]");
-    bias_ptr = bias->data_ptr<float>();
+    TORCH_CHECK(bias->scalar_type() == x.scalar_type() && bias->device().is_cpu() && bias->dim() == 1 &&
+                    bias->size(0) == n && bias->is_contiguous(),
+                "linear: bias must be a contiguous ", x.scalar_type(), " [", n, "], got ", bias->scalar_type(), " ",
+                bias->sizes());
+    bias_ptr = bias->data_ptr();
   }
   at::Tensor out = at::empty({rows, n}, x.options());
   if (rows == 0) return out;
+  const int64_t ldx = x.stride(0);
+#if defined(__AVX512BF16__)
+  if (bf16) {
+    const uint16_t* xd = reinterpret_cast<const uint16_t*>(x.data_ptr());
+    const uint16_t* wd = reinterpret_cast<const uint16_t*>(packed.data_ptr());
+    const uint16_t* bd = static_cast<const uint16_t*>(bias_ptr);
+    uint16_t* od = reinterpret_cast<uint16_t*>(out.data_ptr());
+    for_each_item(rows, steps, panels, [&](Stream mode, int64_t p, int64_t r0, int64_t count, int64_t next_line,
+                                           int64_t lines, bool own) {
+      const auto& micros = mode == Stream::kSingle ? kBf16Single : mode == Stream::kShared ? kBf16Shared : kBf16Compute;
+      const int64_t col = p * kPanel;
+      micros[count - 1](xd + r0 * ldx, ldx, k, wd + p * steps * width, od + r0 * n + col, n,
+                        std::min<int64_t>(kPanel, n - col), bd ? bd + col : nullptr,
+                        lines ? wd + next_line * 32 : nullptr, lines, own);
+    });
+    return out;
+  }
+#endif
   const float* xd = x.data_ptr<float>();
   const float* wd = packed.data_ptr<float>();
+  const float* bd = static_cast<const float*>(bias_ptr);
   float* od = out.data_ptr<float>();
-  // Row blocks of equal size (32 rows: 11 + 11 + 10, not 14 + 14 + 4); a row's outputs do not depend on its block.
-  const int64_t ldx = x.stride(0), slice = kVecs * kLanes, row_blocks = (rows + kRows - 1) / kRows;
-  const int64_t block_rows = (rows + row_blocks - 1) / row_blocks, panel_lines = k * kPanel / 16;
-  const int64_t share = (panel_lines + row_blocks - 1) / row_blocks;  // kShared: next-panel lines per pass
-  const Stream mode = row_blocks == 1 ? Stream::kSingle
-                      : row_blocks <= kMaxStreamedPasses ? Stream::kShared : Stream::kCompute;
-  const auto& micros = mode == Stream::kSingle ? kMicroSingle : mode == Stream::kShared ? kMicroShared : kMicroCompute;
-  // Items panel-major: a thread's consecutive items reuse one panel's weights from its cache while the rows
-  // of x (read in place) pass by. (Copying row chunks of x k-major and looping panels inside them measured
-  // slower here, 1.0-1.3x the time at 64-512 rows.)
-  at::parallel_for(0, panels * row_blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t p = item / row_blocks, block = item % row_blocks, r0 = block * block_rows;
-      const int64_t count = std::min<int64_t>(block_rows, rows - r0);
-      // kShared: this pass's share of the next panel's lines, split between the panel's column slices
-      const int64_t first = std::min(block * share, panel_lines);
-      const int64_t lines =
-          mode == Stream::kShared && p + 1 < panels ? std::min(share, panel_lines - first) / kSlices : 0;
-      for (int64_t s = 0; s < kSlices; ++s) {
-        const int64_t col = p * kPanel + s * slice, width = std::min<int64_t>(slice, n - col);
-        if (width <= 0) break;
-        micros[count - 1](xd + r0 * ldx, ldx, k, wd + p * k * kPanel + s * slice, od + r0 * n + col, n, width,
-                          bias_ptr ? bias_ptr + col : nullptr,
-                          lines ? wd + ((p + 1) * panel_lines + first + s * lines) * 16 : nullptr, lines, block == 0);
-      }
+  const int64_t slice = kVecs * kLanes;
+  for_each_item(rows, k, panels, [&](Stream mode, int64_t p, int64_t r0, int64_t count, int64_t next_line,
+                                     int64_t lines, bool own) {
+    const auto& micros = mode == Stream::kSingle ? kMicroSingle : mode == Stream::kShared ? kMicroShared : kMicroCompute;
+    lines /= kSlices;                     // split between the panel's column slices
+    for (int64_t s = 0; s < kSlices; ++s) {
+      const int64_t col = p * kPanel + s * slice, width = std::min<int64_t>(slice, n - col);
+      if (width <= 0) break;
+      micros[count - 1](xd + r0 * ldx, ldx, k, wd + p * k * kPanel + s * slice, od + r0 * n + col, n, width,
+                        bd ? bd + col : nullptr, lines ? wd + (next_line + s * lines) * 16 : nullptr, lines, own);
     }
   });
   return out;
@@ -225,6 +345,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::opti
 TORCH_LIBRARY_FRAGMENT(hf_paged_fused, m) {
   m.def("pack_linear(Tensor weight) -> Tensor");
   m.def("linear(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
+  m.def("linear_bf16_available() -> bool", &linear_bf16_available);   // no tensor to dispatch on: catch-all
 }
 
 TORCH_LIBRARY_IMPL(hf_paged_fused, CPU, m) {

@@ -2,7 +2,8 @@
 ``cpu_backend.build_extension`` (cached by torch per source, flags and CPU) from
 
 - ``cuda/fused_ops_cpu.cpp``: ``rms_norm``, ``add_rms_norm``, ``rotary_``, ``silu_mul`` (``engine.fused``);
-- ``cuda/linear_cpu.cpp``: ``pack_linear`` and ``linear``, the float32 linear layers (``engine.prepack``);
+- ``cuda/linear_cpu.cpp``: ``pack_linear`` and ``linear``, the float32 (and, built for AVX-512 BF16, bfloat16)
+  linear layers (``engine.prepack``; ``linear_bf16_available``);
 - ``cuda/lean_layer_cpu.cpp``: ``lean_layer`` and ``lean_layer_quant``, a decoder layer's direct form in one call
   on model-dtype and on quantised pools (``engine.fused_lean``).
 """
@@ -22,7 +23,8 @@ FAKES = {                   # shape propagation for torch.compile: each op is on
     "add_rms_norm": lambda x, r, w, eps: (_like_rows(x), _like_rows(x)),
     "rotary_": lambda q, k, c, s, interleaved: None,
     "silu_mul": _like_rows,
-    "pack_linear": lambda w: w.new_empty(((w.shape[0] + 31) // 32, w.shape[1], 32)),
+    "pack_linear": lambda w: w.new_empty(((w.shape[0] + 31) // 32, w.shape[1], 32) if w.dtype == torch.float32
+                                         else ((w.shape[0] + 31) // 32, (w.shape[1] + 1) // 2, 64)),
     "linear": lambda x, packed, bias, n: x.new_empty((x.shape[0], n)),
     "lean_layer": lambda hidden, *args: _like_rows(hidden),
     "lean_layer_quant": lambda hidden, *args: _like_rows(hidden),

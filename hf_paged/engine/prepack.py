@@ -177,7 +177,9 @@ class _Packed:
         self.bias = torch.cat([m.bias.detach() for m in modules]).contiguous() if has_bias else None
         self.sizes = [m.out_features for m in modules]
         self.n, self.dtype = sum(self.sizes), weight.dtype
-        self.ops = ops if ops is not None and weight.dtype == torch.float32 else None
+        self.ops = ops if kernel_takes(ops, weight.dtype) else None
+        if weight.dtype != torch.float32:       # the library's GEMM is MKL's float32 sgemm: bf16 never goes there
+            self.library_rows = None
         self.packed = (self.ops.pack_linear(weight) if self.ops is not None
                        else torch.ops.mkldnn._reorder_linear_weight(weight, None))
         self.prefill = _PrefillPack(weight, prefill_rows) if self.ops is not None and prefill_rows else None
@@ -306,7 +308,7 @@ class PrepackedLinears:
                         "(at most half of it is used); the engine runs plain F.linear (enforce_eager=True skips this "
                         "check)", need / 2**20, available / 2**20)
             units = []
-        ops = _linear_ops() if any(m.weight.dtype == torch.float32 for unit in units for m in unit) else None
+        ops = _linear_ops() if any(m.weight.dtype in KERNEL_DTYPES for unit in units for m in unit) else None
         self.library_rows = library_rows() if ops is not None else None
         prefill = self._prefill_units(model, units, ops, prefill_rows, self.library_rows, available - need)
         packed = [_Packed(unit, ops, prefill_rows if id(unit) in prefill else None, self.library_rows)
@@ -321,7 +323,8 @@ class PrepackedLinears:
         self.prefill_bytes = sum(4 * m.weight.numel() for p in packed if p.prefill is not None for m in p.modules)
         log.info("prepacked %d linear layers (%d sibling groups; %s) in %.2f s (%.0f MiB beside the model's "
                  "weights%s; enforce_eager=True skips this)", len(self.layers), len(groups),
-                 "oneDNN" if ops is None else "float32 through hf_paged's kernel, " + (
+                 "oneDNN" if ops is None else ("float32 and bf16" if kernel_takes(ops, torch.bfloat16) else "float32")
+                 + " through hf_paged's kernel, " + (
                      "every step" if self.library_rows is None else f"steps over {self.library_rows} rows through "
                      "MKL's sgemm") + f" (${LIBRARY_ENV})", self.seconds,
                  (self.bytes + self.prefill_bytes) / 2**20,
@@ -354,12 +357,13 @@ class PrepackedLinears:
 def _onto_huge_pages(packed: list[_Packed]) -> None:
     """The kernel's packed weights moved into one buffer on huge pages (``hf_paged.hugepages``; a decode step
     streams them all), each at a 64-byte boundary, one weight copied at a time (the peak is one weight more)."""
-    sizes = [-(-p.packed.numel() // 16) * 16 for p in packed]          # floats: 64-byte steps
-    if not packed or 4 * sum(sizes) < MIN_BYTES:
+    sizes = [-(-p.packed.nbytes // 64) * 64 for p in packed]          # bytes: 64-byte steps
+    if not packed or sum(sizes) < MIN_BYTES:
         return
-    buffer, offset = huge_page_buffer(sum(sizes), torch.float32), 0
+    buffer, offset = huge_page_buffer(sum(sizes), torch.uint8), 0
     for p, size in zip(packed, sizes):
-        p.packed = buffer[offset:offset + p.packed.numel()].view(p.packed.shape).copy_(p.packed)
+        dst = buffer[offset:offset + p.packed.nbytes].view(p.packed.dtype).view(p.packed.shape)
+        p.packed = dst.copy_(p.packed)
         offset += size
 
 
@@ -378,8 +382,19 @@ def _collapse_onednn(packed: list[_Packed]) -> None:
                   collapse_onto_huge_pages(ranges) >> 20)
 
 
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def kernel_takes(ops, dtype: torch.dtype) -> bool:
+    """Whether hf_paged's linear kernel (``ops``, or None) packs weights of ``dtype``: float32 always, bfloat16
+    where the extension was built for a CPU with AVX-512 BF16 (else oneDNN's bf16 matmul)."""
+    if ops is None or dtype not in KERNEL_DTYPES:
+        return False
+    return dtype == torch.float32 or bool(ops.linear_bf16_available())
+
+
 def _linear_ops():
-    """The float32 linear kernel (``cpu_ops``), or None (oneDNN then packs float32 too) when it cannot be built."""
+    """The linear kernel (``cpu_ops``), or None (oneDNN then packs float32 and bf16) when it cannot be built."""
     try:
         return load_fused_ops()
     except RuntimeError as err:

@@ -1,6 +1,7 @@
 """The engine's float32 linear kernel (cuda/linear_cpu.cpp, torch.ops.hf_paged_fused.linear): every output is
 the sequential fused multiply-add over k, bit for bit, whatever the batch, the thread count and the ISA it
-was built for; packing pads panels with zeros; bad arguments are refused by name."""
+was built for; packing pads panels with zeros; bad arguments are refused by name. Its bfloat16 form (built
+for AVX-512 BF16): the pairwise VDPBF16PS sum, rows independent of their batch."""
 from __future__ import annotations
 
 import platform
@@ -110,3 +111,80 @@ def test_every_isa_build_gives_the_same_bits(ops, tmp_path, march):
     w, b, x = torch.randn(100, 70, generator=gen), torch.randn(100, generator=gen), torch.randn(31, 70, generator=gen)
     assert torch.equal(variant.pack_linear(w), ops.pack_linear(w))
     assert torch.equal(variant.linear(x, variant.pack_linear(w), b, 100), ops.linear(x, ops.pack_linear(w), b, 100))
+
+
+# --- bfloat16 (built for a CPU with AVX-512 BF16) ---
+
+def pairwise_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """VDPBF16PS as the SDM defines it, pair by pair in order: acc += x[2j+1] w[2j+1], then acc += x[2j] w[2j],
+    each product exact in float32 (8-bit significands) and each sum rounded to float32; then + bias, rounded
+    to bf16 as torch rounds. (On Gaussian data the even-first and single-rounding orders give the same bf16
+    outputs: this pins the packing, pairing, odd K and bias, not the instruction's last bit.)"""
+    xf, wf, k = x.float(), weight.float(), x.shape[1]
+    acc = torch.zeros(x.shape[0], weight.shape[0], dtype=torch.float32)
+    for j in range(0, k, 2):
+        for i in (j + 1, j):
+            if i < k:
+                acc = (acc.double() + xf[:, i, None].double() * wf[None, :, i].double()).float()
+    return (acc if bias is None else acc + bias.float()).bfloat16()
+
+
+@pytest.fixture(scope="module")
+def bf16_ops(ops):
+    if not ops.linear_bf16_available():
+        pytest.skip("this build has no bf16 kernel (the compiler's target lacks AVX-512 BF16): bf16 stays on oneDNN")
+    return ops
+
+
+def test_bf16_kernel_follows_the_cpu(ops):
+    """Built with -march=native, the bf16 kernel is there exactly where the CPU has AVX-512 BF16."""
+    flags = set(cpu_backend._cpu_features().split())
+    assert ops.linear_bf16_available() == ("avx512_bf16" in flags)
+
+
+@pytest.mark.parametrize("rows,n,k,bias", [(1, 64, 64, False), (14, 100, 37, True), (15, 33, 16, True),
+                                           (29, 200, 65, True), (240, 70, 33, False), (3, 32, 1, True)])
+def test_bf16_linear_is_the_pairwise_sum(bf16_ops, rows, n, k, bias):
+    gen = torch.Generator().manual_seed(rows * 1000 + n + k)
+    x, w = torch.randn(rows, k, generator=gen).bfloat16(), torch.randn(n, k, generator=gen).bfloat16()
+    b = torch.randn(n, generator=gen).bfloat16() if bias else None
+    got = bf16_ops.linear(x, bf16_ops.pack_linear(w), b, n)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    assert torch.equal(got, pairwise_bf16(x, w, b))
+
+
+def test_bf16_packing_pairs_k_per_column(bf16_ops):
+    w = torch.arange(40 * 3, dtype=torch.float32).view(40, 3).bfloat16()
+    packed = bf16_ops.pack_linear(w)
+    assert packed.shape == (2, 2, 64) and packed.dtype == torch.bfloat16
+    pairs = packed.view(2, 2, 32, 2)                    # [panel, pair, column, k of the pair]
+    assert torch.equal(pairs[0, 0, :, 0], w[:32, 0]) and torch.equal(pairs[0, 0, :, 1], w[:32, 1])
+    assert torch.equal(pairs[0, 1, :, 0], w[:32, 2]) and not pairs[:, 1, :, 1].any()     # K = 3: a zero pair half
+    assert torch.equal(pairs[1, 0, :8, 0], w[32:, 0]) and not pairs[1, :, 8:].any()
+
+
+def test_bf16_rows_give_the_same_bits_alone_in_any_batch_and_with_any_threads(bf16_ops):
+    gen = torch.Generator().manual_seed(6)
+    w, b = torch.randn(96, 81, generator=gen).bfloat16(), torch.randn(96, generator=gen).bfloat16()
+    x = torch.randn(300, 81, generator=gen).bfloat16()
+    packed = bf16_ops.pack_linear(w)
+    threads = torch.get_num_threads()
+    try:
+        batch = bf16_ops.linear(x, packed, b, 96)
+        torch.set_num_threads(1)
+        single_thread = bf16_ops.linear(x, packed, b, 96)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(batch, single_thread)
+    for i in (0, 13, 14, 150, 299):
+        assert torch.equal(bf16_ops.linear(x[i:i + 1], packed, b, 96)[0], batch[i])
+        assert torch.equal(bf16_ops.linear(x[i:i + 20], packed, b, 96)[0], batch[i])
+
+
+def test_bf16_arguments_of_another_dtype_are_refused(bf16_ops):
+    w = torch.randn(40, 24).bfloat16()
+    packed = bf16_ops.pack_linear(w)
+    with pytest.raises(RuntimeError, match="packed must be pack_linear's BFloat16"):
+        bf16_ops.linear(torch.randn(2, 24).bfloat16(), bf16_ops.pack_linear(w.float()), None, 40)
+    with pytest.raises(RuntimeError, match="bias must be a contiguous BFloat16"):
+        bf16_ops.linear(torch.randn(2, 24).bfloat16(), packed, torch.randn(40), 40)

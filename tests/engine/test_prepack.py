@@ -278,3 +278,30 @@ def test_kernel_for_every_step_keeps_rows_independent_of_the_step(family, monkey
         runs.append(([o.outputs[0].token_ids for o in outs], steps[-4:]))
     assert runs[0][0] == runs[1][0]
     assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1])), "the cached prefix gave other bits"
+
+
+def test_bf16_linears_take_the_kernel_where_it_is_built(monkeypatch):
+    """A bfloat16 model's linears go to hf_paged's bf16 kernel where the extension has it (AVX-512 BF16; every
+    step, one copy of the weights, no library over LIBRARY_ROWS rows), else to oneDNN's packed matmul: each
+    output within a bf16 step of F.linear's, and a row the same bits alone as in a 300-row step."""
+    from hf_paged.engine.cpu_ops import load_fused_ops
+    from hf_paged.engine.prepack import LIBRARY_ENV, sibling_outputs
+    if not prepack_available(torch.bfloat16):
+        pytest.skip("oneDNN has no bf16 kernels on this CPU")
+    monkeypatch.setenv(LIBRARY_ENV, "1")
+    model = make_model("qwen2", seed=10, dtype=torch.bfloat16)
+    packed = PrepackedLinears(model, group_siblings=True, prefill_rows=512)
+    kernel = bool(load_fused_ops().linear_bf16_available())
+    assert all((layer.packed.ops is not None) == kernel for layer in packed.layers)
+    assert all(layer.packed.library_rows is None for layer in packed.layers) and packed.prefill_bytes == 0
+    attn = model.model.layers[0].self_attn
+    qkv = (attn.q_proj, attn.k_proj, attn.v_proj)
+    x = torch.randn(300, model.config.hidden_size).bfloat16()
+    with packed.installed(), torch.inference_mode():
+        whole = sibling_outputs(qkv, x)
+        one = sibling_outputs(qkv, x[7:8])
+    for k, m in enumerate(qkv):
+        want = torch.nn.functional.linear(x, m.weight, m.bias).float()
+        assert (whole[k].float() - want).abs().max() <= 2 ** -7 * want.abs().max()
+        if kernel:
+            assert torch.equal(one[k][0], whole[k][7])
