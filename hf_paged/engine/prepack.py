@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 from ..hugepages import MIN_BYTES, collapse_onto_huge_pages, huge_page_buffer
 from .config import available_bytes
-from .cpu_bf16 import cpu_vendor
+from .cpu_bf16 import cpu_flags, cpu_vendor
 from .cpu_ops import load_fused_ops
 
 log = logging.getLogger("hf_paged.engine")
@@ -111,7 +111,8 @@ def _packable(module) -> bool:
 # engine step's other ops, where the kernel, reading x in place, measured 14% slower on 512-row steps (SmolLM2,
 # 2 threads, AVX-512 Xeon, 2026-12-05; 4% in isolation). At up to 128 rows the kernel is 1.1-1.4x the library.
 LIBRARY_ROWS = 128
-LIBRARY_ENV = "HF_PAGED_LIBRARY_GEMM"    # "1": the library over LIBRARY_ROWS rows, "0": the kernel for every step
+# "1": the library (float32: MKL over LIBRARY_ROWS rows; bf16: oneDNN), "0": hf_paged's kernel for every step
+LIBRARY_ENV = "HF_PAGED_LIBRARY_GEMM"
 
 
 def library_rows(vendor: str | None = None) -> int | None:
@@ -385,12 +386,24 @@ def _collapse_onednn(packed: list[_Packed]) -> None:
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def kernel_takes(ops, dtype: torch.dtype) -> bool:
-    """Whether hf_paged's linear kernel (``ops``, or None) packs weights of ``dtype``: float32 always, bfloat16
-    where the extension was built for a CPU with AVX-512 BF16 (else oneDNN's bf16 matmul)."""
+def kernel_takes(ops, dtype: torch.dtype, flags: set[str] | None = None) -> bool:
+    """Whether hf_paged's linear kernel (``ops``, or None) packs weights of ``dtype``: float32 always; bfloat16
+    where the extension was built for a CPU with AVX-512 BF16 and the CPU has no AMX (else oneDNN's bf16
+    matmul). On an AMD EPYC Zen 4 (AVX-512 BF16, no AMX; SmolLM2's 30 layers, 2 threads, 2026-12-06) the kernel
+    took 0.56-0.62x oneDNN's time at 1-14 rows, 0.73-0.78x at 24-32, the same at 128-512; on a Xeon with AMX an
+    earlier bf16 kernel of the same kind ran at 0.47x oneDNN's speed at 32 rows (AMX's tiles). $HF_PAGED_LIBRARY_GEMM
+    = 1 / 0 forces oneDNN / the kernel (where built); ``flags``: /proc/cpuinfo's (read when None)."""
     if ops is None or dtype not in KERNEL_DTYPES:
         return False
-    return dtype == torch.float32 or bool(ops.linear_bf16_available())
+    if dtype == torch.float32:
+        return True
+    if not ops.linear_bf16_available():
+        return False
+    forced = os.environ.get(LIBRARY_ENV)
+    if forced in ("0", "1"):
+        return forced == "0"
+    flags = cpu_flags() if flags is None else flags
+    return not (flags and "amx_bf16" in flags)
 
 
 def _linear_ops():

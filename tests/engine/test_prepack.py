@@ -286,12 +286,13 @@ def test_bf16_linears_take_the_kernel_where_it_is_built(monkeypatch):
     output within a bf16 step of F.linear's, and a row the same bits alone as in a 300-row step."""
     from hf_paged.engine.cpu_ops import load_fused_ops
     from hf_paged.engine.prepack import LIBRARY_ENV, sibling_outputs
+    from hf_paged.engine.cpu_bf16 import cpu_flags
     if not prepack_available(torch.bfloat16):
         pytest.skip("oneDNN has no bf16 kernels on this CPU")
-    monkeypatch.setenv(LIBRARY_ENV, "1")
+    monkeypatch.delenv(LIBRARY_ENV, raising=False)
     model = make_model("qwen2", seed=10, dtype=torch.bfloat16)
     packed = PrepackedLinears(model, group_siblings=True, prefill_rows=512)
-    kernel = bool(load_fused_ops().linear_bf16_available())
+    kernel = bool(load_fused_ops().linear_bf16_available()) and "amx_bf16" not in (cpu_flags() or set())
     assert all((layer.packed.ops is not None) == kernel for layer in packed.layers)
     assert all(layer.packed.library_rows is None for layer in packed.layers) and packed.prefill_bytes == 0
     attn = model.model.layers[0].self_attn
@@ -305,3 +306,26 @@ def test_bf16_linears_take_the_kernel_where_it_is_built(monkeypatch):
         assert (whole[k].float() - want).abs().max() <= 2 ** -7 * want.abs().max()
         if kernel:
             assert torch.equal(one[k][0], whole[k][7])
+
+
+def test_bf16_goes_to_the_kernel_unless_the_cpu_has_amx_or_the_knob_says_so(monkeypatch):
+    from hf_paged.engine import prepack
+
+    class Built:
+        def __init__(self, bf16):
+            self.bf16 = bf16
+
+        def linear_bf16_available(self):
+            return self.bf16
+
+    monkeypatch.delenv(prepack.LIBRARY_ENV, raising=False)
+    zen4, sapphire = {"avx512f", "avx512_bf16"}, {"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}
+    assert prepack.kernel_takes(Built(True), torch.bfloat16, zen4)
+    assert not prepack.kernel_takes(Built(True), torch.bfloat16, sapphire)        # oneDNN's AMX tiles
+    assert not prepack.kernel_takes(Built(False), torch.bfloat16, zen4)           # built without AVX-512 BF16
+    assert prepack.kernel_takes(Built(False), torch.float32, sapphire) and not prepack.kernel_takes(None, torch.float32)
+    assert not prepack.kernel_takes(Built(True), torch.float16, zen4)
+    monkeypatch.setenv(prepack.LIBRARY_ENV, "0")
+    assert prepack.kernel_takes(Built(True), torch.bfloat16, sapphire)
+    monkeypatch.setenv(prepack.LIBRARY_ENV, "1")
+    assert not prepack.kernel_takes(Built(True), torch.bfloat16, zen4)
