@@ -12,6 +12,7 @@ steps of exactly its token budget use). Reported per row count T: ms per step mi
 ratio to hf_paged within each round, and the weight bytes streamed per second.
 
     python -m bench linear --rows 1,8,14,32,64,128,512 --rounds 5 --threads 2 --json FILE
+    python -m bench linear --dtype bfloat16 --rows 1,8,14,32,128,512 --rounds 5 --threads 2   # bf16 kernel vs oneDNN
     python -m bench linear --engine --rounds 4 --threads 2      # the engine with the kernel vs with oneDNN
 
 ``--engine``: SmolLM2 itself, the short ShareGPT workload of ``python -m bench engine`` (32 requests, prompts
@@ -46,7 +47,7 @@ class Way:
     kernel, None for oneDNN, "f_linear" for plain ``F.linear`` (MKL's sgemm, the weight packed per call) and
     ("mkl", T) for MKL's packed copy made for steps of T rows (what the engine uses for steps of its budget)."""
 
-    def __init__(self, name: str, m: dict, grouped: bool, ops, gen: torch.Generator):
+    def __init__(self, name: str, m: dict, grouped: bool, ops, gen: torch.Generator, dtype=torch.float32):
         self.name, self.ops = name, ops
         if ops == "f_linear":
             pack = lambda w: w                                                         # noqa: E731
@@ -56,10 +57,12 @@ class Way:
             pack = ops.pack_linear
         else:
             pack = lambda w: torch.ops.mkldnn._reorder_linear_weight(w, None)          # noqa: E731
-        self.layers = [[(pack(torch.randn(n, k, generator=gen) / k ** 0.5), n, k) for n, k in layer_shapes(m, grouped)]
-                       for _ in range(m["layers"])]
-        self.head = (pack(torch.randn(m["vocab"], m["hidden"], generator=gen) / m["hidden"] ** 0.5), m["vocab"], m["hidden"])
-        self.bytes = sum(4 * n * k for layer in self.layers for _, n, k in layer) + 4 * m["vocab"] * m["hidden"]
+        size = torch.empty((), dtype=dtype).element_size()
+        self.layers = [[(pack((torch.randn(n, k, generator=gen) / k ** 0.5).to(dtype)), n, k)
+                        for n, k in layer_shapes(m, grouped)] for _ in range(m["layers"])]
+        self.head = (pack((torch.randn(m["vocab"], m["hidden"], generator=gen) / m["hidden"] ** 0.5).to(dtype)),
+                     m["vocab"], m["hidden"])
+        self.bytes = size * (sum(n * k for layer in self.layers for _, n, k in layer) + m["vocab"] * m["hidden"])
 
     def call(self, packed, n, x):
         if self.ops == "f_linear":
@@ -134,6 +137,8 @@ def main(argv=None, prog: str = "python -m bench linear") -> dict:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument("--head-rows", type=int, default=32, help="rows the LM head computes at most (sampled rows)")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="weights and inputs (bfloat16: the kernel's bf16 form where built, oneDNN, F.linear; no MKL)")
     ap.add_argument("--engine", action="store_true", help="the engine with the kernel vs with oneDNN (module doc)")
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args(argv)
@@ -150,19 +155,22 @@ def main(argv=None, prog: str = "python -m bench linear") -> dict:
     from hf_paged.engine.cpu_ops import load_fused_ops
     ops = load_fused_ops()
     gen = torch.Generator().manual_seed(0)
-    ways = [Way("hf_paged", SMOLLM2, True, ops, gen), Way("onednn", SMOLLM2, False, None, gen),
-            Way("onednn_grouped", SMOLLM2, True, None, gen)]
+    dtype = getattr(torch, args.dtype)
+    if dtype == torch.bfloat16 and not ops.linear_bf16_available():
+        raise SystemExit("the extension has no bf16 kernel here (built for a CPU without AVX-512 BF16)")
+    ways = [Way("hf_paged", SMOLLM2, True, ops, gen, dtype), Way("onednn", SMOLLM2, False, None, gen, dtype),
+            Way("onednn_grouped", SMOLLM2, True, None, gen, dtype)]
     start_load = load_avg()
-    print(f"SmolLM2-135M shapes, {SMOLLM2['layers']} layers + LM head ({ways[0].bytes / 2**20:.0f} MiB of fp32 weights "
+    print(f"SmolLM2-135M shapes, {SMOLLM2['layers']} layers + LM head ({ways[0].bytes / 2**20:.0f} MiB of {args.dtype} weights "
           f"per step), {torch.get_num_threads()} threads, {args.rounds} interleaved rounds", flush=True)
     result = {"machine": machine(), "threads": torch.get_num_threads(), "rounds": args.rounds, "shapes": SMOLLM2,
-              "head_rows": args.head_rows, "rows": {}}
-    mkl = hasattr(torch.ops.mkl, "_mkl_linear") and torch.backends.mkl.is_available()
-    ways.append(Way("f_linear_apart", SMOLLM2, False, "f_linear", gen))     # the engine's large steps before MKL's copy
+              "head_rows": args.head_rows, "dtype": args.dtype, "rows": {}}
+    mkl = hasattr(torch.ops.mkl, "_mkl_linear") and torch.backends.mkl.is_available() and dtype == torch.float32
+    ways.append(Way("f_linear_apart", SMOLLM2, False, "f_linear", gen, dtype))     # the engine's large steps before MKL's copy
     for rows in (int(r) for r in args.rows.split(",")):
         if mkl:                                  # MKL's copy is made for one row count: remade per T
             ways = [w for w in ways if w.name != "mkl_packed"] + [Way("mkl_packed", SMOLLM2, True, ("mkl", rows), gen)]
-        inputs = {k: torch.randn(rows, k, generator=gen) for k in {k for w in ways for layer in w.layers for _, _, k in layer}}
+        inputs = {k: torch.randn(rows, k, generator=gen).to(dtype) for k in {k for w in ways for layer in w.layers for _, _, k in layer}}
         head_rows = min(rows, args.head_rows)
         for w in ways:
             w.step(inputs, head_rows)                       # warm-up

@@ -10,7 +10,8 @@
 //   norms        input, post-attention, then (qk_norm) q_norm, k_norm, then (sandwich) GLM-4's post-attention and
 //                post-MLP norms: RMSNorm weights, with their eps in the same order
 //   weights      the packed products of (q, k, v), o, (gate, up), down (prepack._Packed.packed), with biases and
-//                output widths; kernel_linear: hf_paged_fused.linear (float32), else oneDNN's _linear_pointwise
+//                output widths; kernel_linear: hf_paged_fused.linear (float32; bf16 where prepack.kernel_takes), else
+//                oneDNN's _linear_pointwise
 //   qkv_heads    heads of q, k and v in the qkv product; cos / sin [N, R] (fused_lean.rotary_rows)
 //   k_pool ...   the step's pools and metadata as CpuStep.write_direct / attend_direct pass them
 //   k_codes ...  (lean_layer_quant) the quantised pools' codes and scales, their formats (cpu_backend.FORMAT_IDS) and

@@ -8,7 +8,8 @@ for its summation order, which makes a row's result independent of the batch it 
 (prefill chunks) to MKL's sgemm: through a second copy of the weights in
 MKL's packed layout for steps of exactly the engine's token budget (``prefill_rows``; every full prefill step),
 else ``F.linear`` on the modules' weights (the same sgemm, packing the weight per call); bfloat16 weights
-to oneDNN's ``_linear_pointwise`` where oneDNN has bf16 kernels (AVX-512 BF16 / AMX), and float32 ones too
+to the kernel's bf16 form where it is built (AVX-512 BF16) and the CPU has no AMX (``kernel_takes``), else to
+oneDNN's ``_linear_pointwise`` where oneDNN has bf16 kernels (AVX-512 BF16 / AMX), and float32 ones too
 when the extension cannot be built. Torch's default ``F.linear`` re-lays the weight out for every call.
 Measured on SmolLM2-135M's 30 layers and LM head (2 threads, Xeon with AVX-512 and AMX, 2026-12-05,
 ``python -m bench linear``): 1.15-1.29x oneDNN's prepacked fp32 matmul at 1-64 rows, 1.07x at 128,
