@@ -31,21 +31,29 @@ def test_a_refused_advice_leaves_an_ordinary_buffer(monkeypatch):
     assert buf.numel() == MIN_BYTES // 2 and float(buf.abs().sum()) == 0.0
 
 
-def test_engine_packed_weights_share_one_huge_page_buffer(monkeypatch):
-    """The kernel's packed float32 weights are moved into one buffer (past MIN_BYTES), numbers unchanged."""
-    from hf_paged.engine.prepack import PrepackedLinears
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_engine_packed_weights_share_one_huge_page_buffer(dtype, monkeypatch):
+    """The kernel's packed float32 (and, where built, bf16) weights are moved into one buffer (past MIN_BYTES),
+    each at a 64-byte boundary, numbers unchanged."""
+    from hf_paged.engine.cpu_ops import load_fused_ops
+    from hf_paged.engine.prepack import LIBRARY_ENV, PrepackedLinears
+    if dtype == torch.bfloat16 and not load_fused_ops().linear_bf16_available():
+        pytest.skip("no bf16 kernel in this build (AVX-512 BF16): bf16 weights are oneDNN's")
+    monkeypatch.setenv(LIBRARY_ENV, "0")
     monkeypatch.setattr("hf_paged.engine.prepack.MIN_BYTES", 0)
     monkeypatch.setattr(hugepages, "MIN_BYTES", 0)
-    model = make_model("llama", seed=9)
+    model = make_model("llama", seed=9).to(dtype)
     packed = PrepackedLinears(model, group_siblings=True)
     kernel = {id(p.packed): p.packed for p in (layer.packed for layer in packed.layers) if p.ops is not None}
     assert len(kernel) > 2
     storages = {t.untyped_storage().data_ptr() for t in kernel.values()}
     assert len(storages) == 1, "one buffer"
-    x = torch.randn(3, model.config.hidden_size)
+    assert all(t.data_ptr() % 64 == 0 and t.dtype == dtype for t in kernel.values())
+    x = torch.randn(3, model.config.hidden_size).to(dtype)
     q = model.model.layers[0].self_attn.q_proj
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -7
     with packed.installed(), torch.inference_mode():
-        torch.testing.assert_close(q(x), torch.nn.functional.linear(x, q.weight), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(q(x), torch.nn.functional.linear(x, q.weight), rtol=tol, atol=tol)
 
 
 def test_cpu_pools_are_zeroed_views_of_one_buffer(monkeypatch):
@@ -113,6 +121,7 @@ def test_collapse_merges_near_ranges_and_advises_their_whole_huge_pages(monkeypa
 
 def test_onednn_packed_weights_are_collapsed(monkeypatch):
     from hf_paged.engine import prepack
+    monkeypatch.setenv(prepack.LIBRARY_ENV, "1")          # bf16 on oneDNN (as on CPUs with AMX)
     from hf_paged.engine.prepack import PrepackedLinears, prepack_available
     if not prepack_available(torch.bfloat16):
         import pytest
@@ -129,6 +138,7 @@ def test_onednn_packed_weights_are_collapsed(monkeypatch):
 def test_a_failing_onednn_address_query_leaves_packing_intact(monkeypatch):
     """Where torch's mkldnn address ops raise, the weights are packed as before (only the pages differ)."""
     from hf_paged.engine import prepack
+    monkeypatch.setenv(prepack.LIBRARY_ENV, "1")          # bf16 on oneDNN (as on CPUs with AMX)
     from hf_paged.engine.prepack import PrepackedLinears, prepack_available
     if not prepack_available(torch.bfloat16):
         import pytest
