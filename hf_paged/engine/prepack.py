@@ -390,8 +390,9 @@ KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 def kernel_takes(ops, dtype: torch.dtype, flags: set[str] | None = None) -> bool:
     """Whether hf_paged's linear kernel (``ops``, or None) packs weights of ``dtype``: float32 always; bfloat16
     where the extension was built for a CPU with AVX-512 BF16 and the CPU has no AMX (else oneDNN's bf16
-    matmul). On an AMD EPYC Zen 4 (AVX-512 BF16, no AMX; SmolLM2's 30 layers, 2 threads, 2026-12-06) the kernel
-    took 0.56-0.62x oneDNN's time at 1-14 rows, 0.73-0.78x at 24-32, the same at 128-512; on a Xeon with AMX an
+    matmul). On an AMD EPYC Zen 4 (AVX-512 BF16, no AMX; SmolLM2's 30 layers + LM head, 2 threads, 2026-12-06,
+    ``python -m bench linear --dtype bfloat16``) the kernel took 0.60-0.66x the time of oneDNN's (siblings grouped)
+    at 1-14 rows, 0.78-0.84x at 24-64, 0.95-0.99x at 128-512; on a Xeon with AMX an
     earlier bf16 kernel of the same kind ran at 0.47x oneDNN's speed at 32 rows (AMX's tiles). $HF_PAGED_LIBRARY_GEMM
     = 1 / 0 forces oneDNN / the kernel (where built); ``flags``: /proc/cpuinfo's (read when None)."""
     if ops is None or dtype not in KERNEL_DTYPES:
