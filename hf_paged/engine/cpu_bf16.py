@@ -15,29 +15,26 @@ import torch
 NATIVE_FLAGS = ("avx512_bf16", "amx_bf16")      # either suffices; amx_bf16 comes with amx_tile
 
 
+def _cpuinfo_field(key: str, cpuinfo: str | Path) -> tuple[bool, str | None]:
+    """(whether /proc/cpuinfo could be read, the first processor's ``key`` field or None)."""
+    try:
+        lines = Path(cpuinfo).read_text().splitlines()
+    except OSError:
+        return False, None
+    return True, next((line.partition(":")[2] for line in lines if line.startswith(key)), None)
+
+
 def cpu_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> set[str] | None:
     """The first processor's flags from /proc/cpuinfo; None where the file is absent (not Linux)."""
-    try:
-        text = Path(cpuinfo).read_text()
-    except OSError:
-        return None
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.partition(":")[2].split())
-    return set()
+    readable, flags = _cpuinfo_field("flags", cpuinfo)
+    return set((flags or "").split()) if readable else None
 
 
 def cpu_vendor(cpuinfo: str | Path = "/proc/cpuinfo") -> str | None:
     """The first processor's ``vendor_id`` from /proc/cpuinfo (``GenuineIntel``, ``AuthenticAMD``, ...); None
     where the file or the field is absent (not Linux, not x86)."""
-    try:
-        text = Path(cpuinfo).read_text()
-    except OSError:
-        return None
-    for line in text.splitlines():
-        if line.startswith("vendor_id"):
-            return line.partition(":")[2].strip()
-    return None
+    vendor = _cpuinfo_field("vendor_id", cpuinfo)[1]
+    return vendor.strip() if vendor is not None else None
 
 
 def native_bf16(flags: set[str] | None = None) -> bool:
