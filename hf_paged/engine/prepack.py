@@ -116,15 +116,16 @@ LIBRARY_ROWS = 128
 LIBRARY_ENV = "HF_PAGED_LIBRARY_GEMM"
 
 
-def library_rows(vendor: str | None = None) -> int | None:
+def library_rows(vendor: str | None = None, flags: set[str] | None = None) -> int | None:
     """Rows over which float32 steps go to the library's GEMM (torch's MKL sgemm), or None: hf_paged's kernel
     takes steps of every size. MKL picks its optimised code by CPU vendor: on AMD it ran well below the kernel
     (AMD EPYC Zen 4, AVX-512, SmolLM2's 30 layers, 2 threads, 2026-12-06, ``python -m bench linear``: MKL's
     packed copy 1.35x and F.linear 1.28x the kernel's time at 512 rows, 1.9x at 128; the engine with the kernel
     for every step 1.15x on the short workload and 1.21x with prompts up to 1,024 tokens), so there the
-    kernel takes every step (and a row's result never depends on the step it came in). Elsewhere (Intel, or a
-    vendor not reported) the library over ``LIBRARY_ROWS``. ``$HF_PAGED_LIBRARY_GEMM`` = 1 / 0 forces either way;
-    ``vendor``: /proc/cpuinfo's (read when None)."""
+    kernel takes every step on AMD CPUs with AVX-512 (and a row's result never depends on the step it came in).
+    Elsewhere (Intel, AMD with AVX2 only, where the kernel's 6-row AVX2 blocks were not measured against MKL at
+    prefill sizes, or a vendor not reported) the library over ``LIBRARY_ROWS``. ``$HF_PAGED_LIBRARY_GEMM`` = 1 /
+    0 forces either way; ``vendor`` and ``flags``: /proc/cpuinfo's (read when None)."""
     forced = os.environ.get(LIBRARY_ENV)
     if forced is not None:
         if forced not in ("0", "1"):
@@ -132,7 +133,8 @@ def library_rows(vendor: str | None = None) -> int | None:
                              "rows) or 0 (hf_paged's kernel for every step), or unset it (chosen by CPU vendor)")
         return LIBRARY_ROWS if forced == "1" else None
     vendor = cpu_vendor() if vendor is None else vendor
-    return None if vendor == "AuthenticAMD" else LIBRARY_ROWS
+    flags = cpu_flags() if flags is None else flags
+    return None if vendor == "AuthenticAMD" and "avx512f" in (flags or set()) else LIBRARY_ROWS
 
 
 def mkl_packing_available() -> bool:

@@ -217,18 +217,20 @@ def test_engine_budget_steps_through_mkls_copy_keep_the_tokens(family, monkeypat
 
 
 def test_library_rows_follow_the_cpu_vendor_and_the_knob(monkeypatch):
-    """MKL's sgemm over LIBRARY_ROWS rows on Intel (or a vendor not reported), hf_paged's kernel for every step
-    on AMD; $HF_PAGED_LIBRARY_GEMM forces either way and a bad value is refused naming the choices."""
+    """MKL's sgemm over LIBRARY_ROWS rows on Intel, AVX2-only AMD or a vendor not reported, hf_paged's kernel for
+    every step on AMD with AVX-512; $HF_PAGED_LIBRARY_GEMM forces either way, a bad value is refused naming them."""
     from hf_paged.engine import prepack
     monkeypatch.delenv(prepack.LIBRARY_ENV, raising=False)
-    assert prepack.library_rows("GenuineIntel") == prepack.LIBRARY_ROWS
-    assert prepack.library_rows("AuthenticAMD") is None
+    avx512, avx2 = {"avx2", "fma", "avx512f"}, {"avx2", "fma"}
+    assert prepack.library_rows("GenuineIntel", avx512) == prepack.LIBRARY_ROWS
+    assert prepack.library_rows("AuthenticAMD", avx512) is None
+    assert prepack.library_rows("AuthenticAMD", avx2) == prepack.LIBRARY_ROWS       # not measured: the library
     monkeypatch.setattr(prepack, "cpu_vendor", lambda: None)
-    assert prepack.library_rows() == prepack.LIBRARY_ROWS
+    assert prepack.library_rows(flags=avx512) == prepack.LIBRARY_ROWS
     monkeypatch.setenv(prepack.LIBRARY_ENV, "0")
-    assert prepack.library_rows("GenuineIntel") is None
+    assert prepack.library_rows("GenuineIntel", avx2) is None
     monkeypatch.setenv(prepack.LIBRARY_ENV, "1")
-    assert prepack.library_rows("AuthenticAMD") == prepack.LIBRARY_ROWS
+    assert prepack.library_rows("AuthenticAMD", avx512) == prepack.LIBRARY_ROWS
     monkeypatch.setenv(prepack.LIBRARY_ENV, "mkl")
     with pytest.raises(ValueError, match="HF_PAGED_LIBRARY_GEMM='mkl': use 1 .* or 0"):
         prepack.library_rows()
