@@ -111,6 +111,23 @@ inline void prefetch_l2(const float*) {}
 constexpr int kVecs = 2;                          // vectors per row of a micro-kernel: 2 * kLanes columns
 constexpr int kSlices = kPanel / (kVecs * kLanes);  // column slices of a panel (1 with AVX-512, 2 otherwise)
 
+// One weight step's prefetches (128 bytes at wk, float32's k or bf16's pair of k): its own panel ahead into L2
+// (kSingle, and kShared's first pass) or from L2 into L1 (the other passes), and kShared's due share of the next
+// panel's 64-byte lines (`due`: next_lines * step, less `steps` for every line prefetched so far).
+template <Stream kMode>
+inline void prefetch_step(const float* wk, bool own, const float*& next, int64_t next_lines, int64_t steps,
+                          int64_t& due) {
+  if (kMode == Stream::kSingle || (kMode == Stream::kShared && own)) {
+    prefetch_l2(wk + kAheadL2);
+    prefetch_l2(wk + kAheadL2 + 16);
+  } else {
+    prefetch_l1(wk + kAheadL1);
+    prefetch_l1(wk + kAheadL1 + 16);
+  }
+  if (kMode == Stream::kShared)
+    for (due += next_lines; due >= steps; due -= steps, next += 16) prefetch_l2(next);
+}
+
 // rows x (kVecs * kLanes) outputs of one column slice of a panel: x rows [ROWS][ldx], panel slice w (k-th row at
 // w + k * kPanel), results to out (row stride ldo; `width` of the slice's columns are kept), plus bias when given.
 // `next`/`next_lines` (kShared only): the 64-byte lines of the next panel this pass prefetches, spread evenly
@@ -124,15 +141,7 @@ void micro(const float* x, int64_t ldx, int64_t K, const float* w, float* out, i
     for (int v = 0; v < kVecs; ++v) acc[r][v] = vzero();
   for (int64_t k = 0; k < K; ++k) {
     const float* wk = w + k * kPanel;
-    if (kMode == Stream::kSingle || (kMode == Stream::kShared && own)) {
-      prefetch_l2(wk + kAheadL2);
-      prefetch_l2(wk + kAheadL2 + 16);
-    } else {
-      prefetch_l1(wk + kAheadL1);
-      prefetch_l1(wk + kAheadL1 + 16);
-    }
-    if (kMode == Stream::kShared)
-      for (due += next_lines; due >= K; due -= K, next += 16) prefetch_l2(next);
+    prefetch_step<kMode>(wk, own, next, next_lines, K, due);
     V wv[kVecs];
     for (int v = 0; v < kVecs; ++v) wv[v] = vload(wk + v * kLanes);
     for (int r = 0; r < ROWS; ++r) {
@@ -167,19 +176,12 @@ void micro_bf16(const uint16_t* x, int64_t ldx, int64_t K, const uint16_t* w, ui
                 int64_t width, const uint16_t* bias, const uint16_t* next, int64_t next_lines, bool own) {
   const int64_t steps = (K + 1) / 2, full = K / 2;
   int64_t due = 0;
+  const float* next_line = reinterpret_cast<const float*>(next);
   __m512 acc[ROWS][2];
   for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   for (int64_t j = 0; j < steps; ++j) {
     const uint16_t* wj = w + j * 2 * kPanel;
-    if (kMode == Stream::kSingle || (kMode == Stream::kShared && own)) {
-      prefetch_l2(reinterpret_cast<const float*>(wj) + kAheadL2);
-      prefetch_l2(reinterpret_cast<const float*>(wj) + kAheadL2 + 16);
-    } else {
-      prefetch_l1(reinterpret_cast<const float*>(wj) + kAheadL1);
-      prefetch_l1(reinterpret_cast<const float*>(wj) + kAheadL1 + 16);
-    }
-    if (kMode == Stream::kShared)
-      for (due += next_lines; due >= steps; due -= steps, next += 32) prefetch_l2(reinterpret_cast<const float*>(next));
+    prefetch_step<kMode>(reinterpret_cast<const float*>(wj), own, next_line, next_lines, steps, due);
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wj), w1 = (__m512bh)_mm512_loadu_si512(wj + 32);
     for (int r = 0; r < ROWS; ++r) {
       const uint16_t* xr = x + r * ldx + 2 * j;

@@ -167,7 +167,8 @@ class _PrefillPack:
 
 class _Packed:
     """One packed weight: a module's, or sibling modules' (same input) with their rows concatenated.
-    ``sizes``: each module's output features, in order; ``ops``: the float32 kernel, or None for oneDNN;
+    ``sizes``: each module's output features, in order; ``ops``: hf_paged's kernel where it takes this weight's
+    dtype (``kernel_takes``, decided by the caller), or None for oneDNN;
     ``prefill``: a ``_PrefillPack`` of the same weight for library-sized steps of the engine's token budget;
     ``library_rows``: steps of more rows go to the library (``library_rows()``; None: never)."""
 
@@ -181,7 +182,7 @@ class _Packed:
         self.bias = torch.cat([m.bias.detach() for m in modules]).contiguous() if has_bias else None
         self.sizes = [m.out_features for m in modules]
         self.n, self.dtype = sum(self.sizes), weight.dtype
-        self.ops = ops if kernel_takes(ops, weight.dtype) else None
+        self.ops = ops
         if weight.dtype != torch.float32:       # the library's GEMM is MKL's float32 sgemm: bf16 never goes there
             self.library_rows = None
         self.packed = (self.ops.pack_linear(weight) if self.ops is not None
@@ -313,10 +314,11 @@ class PrepackedLinears:
                         "check)", need / 2**20, available / 2**20)
             units = []
         ops = _linear_ops() if any(m.weight.dtype in KERNEL_DTYPES for unit in units for m in unit) else None
+        takes = {dtype for dtype in KERNEL_DTYPES if kernel_takes(ops, dtype)}       # once: reads env and cpuinfo
         self.library_rows = library_rows() if ops is not None else None
         prefill = self._prefill_units(model, units, ops, prefill_rows, self.library_rows, available - need)
-        packed = [_Packed(unit, ops, prefill_rows if id(unit) in prefill else None, self.library_rows)
-                  for unit in units]
+        packed = [_Packed(unit, ops if unit[0].weight.dtype in takes else None,
+                          prefill_rows if id(unit) in prefill else None, self.library_rows) for unit in units]
         _onto_huge_pages([p for p in packed if p.ops is not None])
         _collapse_onednn([p for p in packed if p.ops is None])
         self.layers: list[_PackedLinear] = [_PackedLinear(m, p, i) for p in packed for i, m in enumerate(p.modules)]
@@ -327,7 +329,7 @@ class PrepackedLinears:
         self.prefill_bytes = sum(4 * m.weight.numel() for p in packed if p.prefill is not None for m in p.modules)
         log.info("prepacked %d linear layers (%d sibling groups; %s) in %.2f s (%.0f MiB beside the model's "
                  "weights%s; enforce_eager=True skips this)", len(self.layers), len(groups),
-                 "oneDNN" if ops is None else ("float32 and bf16" if kernel_takes(ops, torch.bfloat16) else "float32")
+                 "oneDNN" if ops is None else ("float32 and bf16" if torch.bfloat16 in takes else "float32")
                  + " through hf_paged's kernel, " + (
                      "every step" if self.library_rows is None else f"steps over {self.library_rows} rows through "
                      "MKL's sgemm") + f" (${LIBRARY_ENV})", self.seconds,
