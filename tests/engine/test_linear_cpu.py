@@ -5,6 +5,7 @@ for AVX-512 BF16): the pairwise VDPBF16PS sum, rows independent of their batch."
 from __future__ import annotations
 
 import platform
+import struct
 
 import pytest
 import torch
@@ -154,6 +155,29 @@ def test_bf16_linear_is_the_pairwise_sum(bf16_ops, rows, n, k, bias):
     got = bf16_ops.linear(x, bf16_ops.pack_linear(w), b, n)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
     assert torch.equal(got, pairwise_bf16(x, w, b))
+
+
+def c10_bf16_bits(value: float) -> int:
+    """c10::BFloat16(float)'s bits: round to nearest even on the float32 bits, any NaN to 0x7FC0."""
+    if value != value:
+        return 0x7FC0
+    u = struct.unpack("<I", struct.pack("<f", value))[0]
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
+
+
+def test_bf16_outputs_round_as_c10_does_denormals_and_nans_too(bf16_ops):
+    """The epilogue rounds 16 outputs at a time (VCVTNEPS2BF16, which flushes denormals and keeps NaN payloads);
+    vectors holding either go through c10's scalar rounding: denormal sums kept, every NaN 0x7FC0, as torch's
+    scalar conversion gives (its vectorised .bfloat16() gives other NaN bits). x = 0, so each output is its bias."""
+    odd = [0x0001, 0x8003, 0x007F, 0xFFC1, 0x7F81, 0x3F80, 0x0000, 0x8000]
+    bits = odd * 2 + [0x3F80 + i for i in range(16)] + odd[:5]       # one vector with odd lanes, one without, a tail
+    b = torch.tensor([v - 65536 if v > 32767 else v for v in bits], dtype=torch.int16).view(torch.bfloat16)
+    n = len(bits)
+    w = torch.randn(n, 6).bfloat16()
+    got = bf16_ops.linear(torch.zeros(3, 6).bfloat16(), bf16_ops.pack_linear(w), b, n)
+    want = [c10_bf16_bits(0.0 + float(v)) for v in b.float().tolist()]
+    for row in got.view(torch.int16).tolist():
+        assert [v & 0xFFFF for v in row] == want
 
 
 def test_bf16_packing_pairs_k_per_column(bf16_ops):
