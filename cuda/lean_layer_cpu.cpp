@@ -2,9 +2,10 @@
 // calls, on the same tensors in the same order (so the same numbers, bit for bit), through the dispatcher
 // instead of from Python (SmolLM2-135M, 2 threads: the short workload 1.03x in bf16, 1.01x in fp32, README's
 // "One call per layer"). Registered as torch.ops.hf_paged_fused.lean_layer (model-dtype pools: write_kv and
-// paged_attention) and lean_layer_quant (quantised row formats: write_kv_quant and paged_attention_quant, the calls
-// CpuKernelBackend.write_kv and CpuStep.attend make for such pools) in the fused-ops extension
-// (hf_paged/engine/cpu_ops.py); for the CPU kernel's steps only.
+// paged_attention), lean_layer_quant (quantised row formats: write_kv_quant and paged_attention_quant, the calls
+// CpuKernelBackend.write_kv and CpuStep.attend make for such pools) and lean_layer_kivi (KIVI pools: kivi_write_kv and
+// paged_attention_quant, see below) in the fused-ops extension (hf_paged/engine/cpu_ops.py); for the CPU kernel's
+// steps only.
 //
 //   hidden       [N, H] rows (contiguous last dim), the layer's input
 //   norms        input, post-attention, then (qk_norm) q_norm, k_norm, then (sandwich) GLM-4's post-attention and
@@ -53,6 +54,12 @@ struct QuantOps {
                                   const Tensor&, const Tensor&, const Tensor&, double, int64_t, int64_t, int64_t,
                                   std::optional<at::TensorList>, std::optional<at::TensorList>, const OptTensor&, bool)>
       attention;
+  // KIVI's write of a layer's keys and values (cuda/kivi_write_cpu.cpp): -> the fresh rows of each pool
+  c10::TypedOperatorHandle<std::tuple<Tensor, Tensor>(
+      const Tensor&, const Tensor&, const OptTensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+      const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+      const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&)>
+      kivi_write;
 };
 
 template <typename Sig>
@@ -79,7 +86,12 @@ const QuantOps& quant_ops() {
                 int64_t, int64_t, const OptTensor&)>("hf_paged_cpu::write_kv_quant"),
       find<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                   const Tensor&, const Tensor&, double, int64_t, int64_t, int64_t, std::optional<at::TensorList>,
-                  std::optional<at::TensorList>, const OptTensor&, bool)>("hf_paged_cpu::paged_attention_quant")};
+                  std::optional<at::TensorList>, const OptTensor&, bool)>("hf_paged_cpu::paged_attention_quant"),
+      find<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const OptTensor&, const Tensor&, const Tensor&,
+                                      const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                      const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                      const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                      const Tensor&)>("hf_paged_cpu::kivi_write_kv")};
   return ops;
 }
 
@@ -165,6 +177,46 @@ Tensor lean_layer_quant(const Tensor& hidden, at::TensorList norms, at::ArrayRef
                });
 }
 
+// KIVI pools (hf_paged.kivi): the layer's write through kivi_write_kv, as kivi.write_kv makes it when one call
+// does (kivi.one_call_args: the plan applied to the shared entries, the side stores fitted), then the attention
+// as CpuStep.attend makes it for KIVI pools (keys unrotated, values stored x R: the output unrotated), with each
+// pool's side rows [open, open_slot, fresh, fresh_slot, sink, sink_slot] where `fresh` is what the write just
+// sealed. Returns (out, the key pool's fresh rows, the value pool's), for the caller to keep in the pools.
+//   plan      kivi_write_kv's ten index tensors: src, dst, seal_blocks, seal_slots, seal_rows, seal_sink,
+//             sink_rows, sink_entries, new_src, new_dst (kivi_plan.KiviStep.kv_args)
+//   k_stores  the key pool's open rows, sink rows, codes and scales (written); v_stores: the value pool's
+//   k_maps    the key pool's open_slot, fresh_slot, sink_slot maps; v_maps: the value pool's
+constexpr int64_t kKiviKeyFormat = 4, kKiviValueFormat = 3;      // cpu_backend.KIVI_KEY_ID / KIVI_VALUE_ID
+
+std::tuple<Tensor, Tensor, Tensor> lean_layer_kivi(
+    const Tensor& hidden, at::TensorList norms, at::ArrayRef<double> eps, at::TensorList weights,
+    const c10::List<OptTensor>& biases, at::IntArrayRef widths, at::IntArrayRef qkv_heads, int64_t head_dim,
+    bool kernel_linear, bool qk_norm, bool sandwich, bool interleaved, const Tensor& cos, const Tensor& sin,
+    const OptTensor& rotation, at::TensorList plan, at::TensorList k_stores, at::TensorList v_stores,
+    at::TensorList k_maps, at::TensorList v_maps, const Tensor& block_tables, const Tensor& token_row,
+    const Tensor& token_pos, double scale, int64_t window) {
+  TORCH_CHECK(plan.size() == 10 && k_stores.size() == 4 && v_stores.size() == 4 && k_maps.size() == 3 &&
+                  v_maps.size() == 3,
+              "lean_layer_kivi: 10 plan tensors, 4 stores (open, sink, codes, scales) and 3 maps (open_slot, "
+              "fresh_slot, sink_slot) per pool, got ", plan.size(), ", ", k_stores.size(), "/", v_stores.size(),
+              " and ", k_maps.size(), "/", v_maps.size());
+  const QuantOps& ops = quant_ops();
+  Tensor k_fresh, v_fresh;
+  Tensor out = layer(hidden, norms, eps, weights, biases, widths, qkv_heads, head_dim, kernel_linear, qk_norm,
+                     sandwich, interleaved, cos, sin, [&](const Tensor& query, const Tensor& key, const Tensor& value) {
+    std::tie(k_fresh, v_fresh) = ops.kivi_write.call(
+        key, value, rotation, plan[0], plan[1], plan[2], plan[3], plan[4], plan[5], plan[6], plan[7], plan[8],
+        plan[9], k_stores[0], k_stores[1], k_stores[2], k_stores[3], v_stores[0], v_stores[1], v_stores[2],
+        v_stores[3]);
+    const std::vector<Tensor> k_side{k_stores[0], k_maps[0], k_fresh, k_maps[1], k_stores[1], k_maps[2]};
+    const std::vector<Tensor> v_side{v_stores[0], v_maps[0], v_fresh, v_maps[1], v_stores[1], v_maps[2]};
+    return ops.attention.call(query, k_stores[2], k_stores[3], v_stores[2], v_stores[3], block_tables, token_row,
+                              token_pos, scale, window, kKiviKeyFormat, kKiviValueFormat, at::TensorList(k_side),
+                              at::TensorList(v_side), rotation, false);
+  });
+  return {out, k_fresh, v_fresh};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(hf_paged_fused, m) {
@@ -177,14 +229,21 @@ TORCH_LIBRARY_FRAGMENT(hf_paged_fused, m) {
         "Tensor cos, Tensor sin, Tensor(a!) k_codes, Tensor(b!) k_scales, Tensor(c!) v_codes, Tensor(d!) v_scales, "
         "int k_format, int v_format, Tensor? rotation, Tensor slot_mapping, Tensor block_tables, Tensor token_row, "
         "Tensor token_pos, float scale, int window) -> Tensor");
+  m.def("lean_layer_kivi(Tensor hidden, Tensor[] norms, float[] eps, Tensor[] weights, Tensor?[] biases, int[] widths, "
+        "int[] qkv_heads, int head_dim, bool kernel_linear, bool qk_norm, bool sandwich, bool interleaved, "
+        "Tensor cos, Tensor sin, Tensor? rotation, Tensor[] plan, Tensor(a!)[] k_stores, Tensor(b!)[] v_stores, "
+        "Tensor[] k_maps, Tensor[] v_maps, Tensor block_tables, Tensor token_row, Tensor token_pos, float scale, "
+        "int window) -> (Tensor, Tensor, Tensor)");
 }
 
 // bf16 layers pass oneDNN's packed weights (MkldnnCPU tensors), which route the call by that key.
 TORCH_LIBRARY_IMPL(hf_paged_fused, CPU, m) {
   m.impl("lean_layer", &lean_layer);
   m.impl("lean_layer_quant", &lean_layer_quant);
+  m.impl("lean_layer_kivi", &lean_layer_kivi);
 }
 TORCH_LIBRARY_IMPL(hf_paged_fused, MkldnnCPU, m) {
   m.impl("lean_layer", &lean_layer);
   m.impl("lean_layer_quant", &lean_layer_quant);
+  m.impl("lean_layer_kivi", &lean_layer_kivi);
 }

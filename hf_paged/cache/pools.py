@@ -268,13 +268,14 @@ class KVPools(Cache):
         return k_pool, v_pool, step
 
     def write_rows(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
-                   writes_all: bool, positions: torch.Tensor | None) -> None:
+                   writes_all: bool, positions: torch.Tensor | None, kivi_plan: KiviWrite | None = None) -> None:
         """[N, Hkv, D] keys / values (``write``'s states as rows, checked and, for a backend that does not rotate
-        on write, rotated) into layer ``layer_idx``'s pools: KIVI's write plan, else the backend's write."""
+        on write, rotated) into layer ``layer_idx``'s pools: KIVI's write plan (``kivi_plan``: the one this layer
+        already took from ``kivi_write_plan``), else the backend's write."""
         k_pool, v_pool = self.key_pools[layer_idx], self.value_pools[layer_idx]
         if isinstance(k_pool, KiviPool):        # on every backend: no kernel writes or seals KIVI blocks
             write_kivi(k_pool, v_pool, key, value,
-                       self._kivi_write(layer_idx, slot_mapping, positions, k_pool.data.shape[2]),
+                       kivi_plan or self.kivi_write_plan(layer_idx, slot_mapping, positions),
                        self.kivi_ops(k_pool.device))
         else:
             self.backend.write_kv(k_pool, v_pool, key, value, slot_mapping, writes_all)
@@ -318,12 +319,13 @@ class KVPools(Cache):
         backend = self.peer_backends.get(device, self.backend)
         return backend if hasattr(backend, "kivi_write_kv") and torch.device(device).type == "cpu" else None
 
-    def _kivi_write(self, layer_idx: int, slot_mapping: torch.Tensor, positions: torch.Tensor,
-                    block_size: int) -> KiviWrite:
-        """The KIVI write plan of these slots and positions, one per write of all layers: the pools of a device
-        share their entries, which change once per plan (``kivi_plan.transition``). In a step, the plan of the
-        slot_mapping tensor (the same object reaches every layer); outside one (direct ``write`` calls), the
-        latest plan while the slots and positions are equal and the layer has not written it yet."""
+    def kivi_write_plan(self, layer_idx: int, slot_mapping: torch.Tensor, positions: torch.Tensor) -> KiviWrite:
+        """The KIVI write plan of these slots and positions for layer ``layer_idx``'s write, one per write of all
+        layers: the pools of a device share their entries, which change once per plan (``kivi_plan.transition``).
+        In a step, the plan of the slot_mapping tensor (the same object reaches every layer); outside one (direct
+        ``write`` calls), the latest plan while the slots and positions are equal and the layer has not written
+        it yet. A layer takes it once per write (a second call is its next write)."""
+        block_size = self.key_pools[layer_idx].data.shape[2]
         known = self._kivi_writes.get(id(slot_mapping))
         if known is not None and known[0] is slot_mapping and known[1] is positions and layer_idx not in known[3]:
             known[3].add(layer_idx)

@@ -4,8 +4,8 @@
 - ``cuda/fused_ops_cpu.cpp``: ``rms_norm``, ``add_rms_norm``, ``rotary_``, ``silu_mul`` (``engine.fused``);
 - ``cuda/linear_cpu.cpp``: ``pack_linear`` and ``linear``, the float32 (and, built for AVX-512 BF16, bfloat16)
   linear layers (``engine.prepack``; ``linear_bf16_available``);
-- ``cuda/lean_layer_cpu.cpp``: ``lean_layer`` and ``lean_layer_quant``, a decoder layer's direct form in one call
-  on model-dtype and on quantised pools (``engine.fused_lean``).
+- ``cuda/lean_layer_cpu.cpp``: ``lean_layer``, ``lean_layer_quant`` and ``lean_layer_kivi``, a decoder layer's direct
+  form in one call on model-dtype, quantised-row and KIVI pools (``engine.fused_lean``).
 """
 from __future__ import annotations
 
@@ -28,6 +28,9 @@ FAKES = {                   # shape propagation for torch.compile: each op is on
     "linear": lambda x, packed, bias, n: x.new_empty((x.shape[0], n)),
     "lean_layer": lambda hidden, *args: _like_rows(hidden),
     "lean_layer_quant": lambda hidden, *args: _like_rows(hidden),
+    # (out, each pool's rows sealed by the write: [Hkv, sealed blocks, BS, D] of its open rows)
+    "lean_layer_kivi": lambda hidden, *args: (_like_rows(hidden), *(
+        s[0].new_empty((s[0].shape[0], args[14][2].shape[0], *s[0].shape[2:])) for s in (args[15], args[16]))),
 }
 
 

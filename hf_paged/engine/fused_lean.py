@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ..attention_interface import ATTENTION_NAME, paged_attention
+from ..kivi import KiviPool
 from .fused_base import _DTYPES, _has_hooks, _rows, _silu, norm_fusible, rotate_qk
 from .prepack import packed_group
 
@@ -68,7 +69,7 @@ class LeanLayer:
     interleaved: bool
     direct: bool = True                       # the direct form where the step allows it (``_direct``)
     qkv_heads: tuple[int, ...] = ()           # heads of q, k and v in the qkv product (``_direct``)
-    layer_call: tuple | None = None           # (lean_layer, lean_layer_quant, their constant arguments): one call
+    layer_call: tuple | None = None           # (lean_layer, _quant, _kivi, their constant arguments): one call
 
     @classmethod
     def build(cls, layer: torch.nn.Module, ops, attention_spec: dict, sandwich: bool,
@@ -104,7 +105,7 @@ class LeanLayer:
         if direct and one_call:             # lean_layer's order: input, post, (q, k), (GLM-4's sandwich)
             ordered = fused_norms[:2] + (fused_norms[-2:] if qk_norm else []) + (fused_norms[2:4] if sandwich else [])
             packed = [groups[name] for name in ("qkv", "o", "gate_up", "down")]
-            layer_call = (ops.lean_layer, ops.lean_layer_quant, [n.weight for n in ordered],
+            layer_call = (ops.lean_layer, ops.lean_layer_quant, ops.lean_layer_kivi, [n.weight for n in ordered],
                           [float(n.eps) for n in ordered], [g.packed for g in packed], [g.bias for g in packed],
                           [g.n for g in packed])
         return cls(ops, dtype, fused_norms[0], fused_norms[1], tuple(fused_norms[2:4]) if sandwich else None,
@@ -157,8 +158,9 @@ class LeanLayer:
         and the attention without ``update`` and the attention interface (``KVPools.direct``): model-dtype pools
         straight to the step's C++ calls, quantised ones through ``KVPools.write_rows`` and ``Step.attend``; all of
         the layer's calls made by one C++ op where the step's ops are the extension's own: ``lean_layer``
-        (``CpuStep.direct_metadata``) or, for quantised row formats, ``lean_layer_quant`` (``CpuStep.quant_metadata``;
-        KIVI keeps the Python calls: its writes follow a plan made in Python).
+        (``CpuStep.direct_metadata``), for quantised row formats ``lean_layer_quant`` (``CpuStep.quant_metadata``), for
+        KIVI pools ``lean_layer_kivi`` (``CpuStep.kivi_metadata``: the write plan made in Python, once per step, its
+        index tensors and the sealed rows it returns passed through).
         The Python between the ops was about a quarter of a decode step's layer (SmolLM2, 2 threads)."""
         ops, d = self.ops, self.head_dim
         h = _rows(hidden_states)
@@ -167,17 +169,26 @@ class LeanLayer:
             raise RuntimeError(f"the forward has {n} query tokens but its plan has {step.plan.num_tokens}: the "
                                "inputs changed after the cache planned the step")
         scale = float(self.scaling if self.scaling is not None else d ** -0.5)
+        plan, kivi_plan = step.plan, None
+        if isinstance(k_pool, KiviPool):    # this layer's share of the step's KIVI write plan, taken once
+            kivi_plan = cache.kivi_write_plan(self.layer_idx, plan.slot_mapping, plan.token_pos)
         if self.layer_call is not None:     # the same calls in C++ (cuda/lean_layer_cpu.cpp)
-            plain = type(k_pool) is torch.Tensor
-            metadata = step.direct_metadata if plain else step.quant_metadata(k_pool, v_pool)
+            plain_op, quant_op, kivi_op, norms, eps, weights, biases, widths = self.layer_call
+            if type(k_pool) is torch.Tensor:
+                op, metadata = plain_op, step.direct_metadata
+            elif kivi_plan is not None:
+                op, metadata = kivi_op, step.kivi_metadata(k_pool, v_pool, kivi_plan, self.dtype)
+            else:
+                op, metadata = quant_op, step.quant_metadata(k_pool, v_pool)
             if metadata is not None:
-                plain_op, quant_op, norms, eps, weights, biases, widths = self.layer_call
                 cos, sin = rotary_rows(step.workspace, position_embeddings, hidden_states.shape[:-1])
-                pools = (k_pool, v_pool) if plain else ()
-                return (plain_op if plain else quant_op)(
-                    h, norms, eps, weights, biases, widths, self.qkv_heads, d, self.qkv.ops is not None,
-                    self.qk_norm is not None, self.sandwich is not None, self.interleaved, cos, sin, *pools,
-                    *metadata, scale, self.window).view(hidden_states.shape)
+                pools = (k_pool, v_pool) if op is plain_op else ()
+                out = op(h, norms, eps, weights, biases, widths, self.qkv_heads, d, self.qkv.ops is not None,
+                         self.qk_norm is not None, self.sandwich is not None, self.interleaved, cos, sin, *pools,
+                         *metadata, scale, self.window)
+                if op is kivi_op:            # the rows the write sealed, read by this step's queries in them
+                    out, k_pool.fresh.rows, v_pool.fresh.rows = out
+                return out.view(hidden_states.shape)
         qkv = self.qkv.product(ops.rms_norm(h, self.input_norm.weight, self.input_norm.eps))
         query, key, value = qkv.view(n, -1, d).split_with_sizes(self.qkv_heads, 1)
         if self.qk_norm is not None:
@@ -189,8 +200,7 @@ class LeanLayer:
             step.write_direct(key, value, k_pool, v_pool)
             out = step.attend_direct(query.contiguous(), k_pool, v_pool, scale, self.window)
         else:
-            plan = step.plan
-            cache.write_rows(self.layer_idx, key, value, plan.slot_mapping, plan.writes_all, plan.token_pos)
+            cache.write_rows(self.layer_idx, key, value, plan.slot_mapping, plan.writes_all, plan.token_pos, kivi_plan)
             out = step.attend(query, k_pool, v_pool, scale, self.window)
         out = self.o.product(out.view(n, -1))
         if self.sandwich is not None:

@@ -36,7 +36,7 @@ def run(model, lean: bool, monkeypatch, prompts=PROMPTS, llm=None, direct=None, 
     if one_call is False:
         llm.engine.fused.one_call = False
     elif one_call is not None:
-        for name in ("lean_layer", "lean_layer_quant"):
+        for name in ("lean_layer", "lean_layer_quant", "lean_layer_kivi"):
             layer_op = getattr(torch.ops.hf_paged_fused, name)
             monkeypatch.setattr(torch.ops.hf_paged_fused, name,
                                 lambda *a, _op=layer_op, _name=name: one_call.append(_name) or _op(*a), raising=False)
@@ -100,35 +100,37 @@ def test_a_weight_changed_between_steps_is_seen(ops, monkeypatch):
 
 QUANTISED_CASES = [(kv, family, torch.float32) for kv in ("int8", "fp8_e4m3", "fp8_e5m2", "int4", "nvfp4", "kivi")
                    for family in ("llama", "qwen3", "glm4")] + [("int8", "llama", torch.bfloat16),
-                                                              ("nvfp4", "qwen3", torch.bfloat16)]
+                                                              ("nvfp4", "qwen3", torch.bfloat16),
+                                                              ("kivi", "qwen3", torch.bfloat16)]
 
 
 @pytest.mark.parametrize(("kv", "family", "dtype"), QUANTISED_CASES)
 def test_quantised_pools_take_the_direct_form_too(ops, kv, family, dtype, monkeypatch):
     """Quantised pools: the direct form writes through ``KVPools.write_rows`` (the backend's quantising write,
-    KIVI's plan) and attends through ``Step.attend``, or, for the row formats, makes those calls in one C++ op
-    (``lean_layer_quant``; bf16: with oneDNN's packed weights); the logits equal the fused modules' and the
-    Python direct form's bit for bit."""
+    KIVI's plan) and attends through ``Step.attend``, or makes those calls in one C++ op (``lean_layer_quant``,
+    ``lean_layer_kivi``; bf16: with oneDNN's packed weights where the kernel does not take bf16); the logits equal
+    the fused modules' and the Python direct form's bit for bit."""
     model = make_model(family, seed=5, dtype=dtype)
     direct, one_call, knobs = [], [], dict(kv_cache_dtype=kv, block_size=32 if kv == "kivi" else 16)
     lean_steps, lean_tokens, calls = run(model, True, monkeypatch, direct=direct, one_call=one_call, **knobs)
     fused_steps, fused_tokens, _ = run(model, False, monkeypatch, **knobs)
     python_steps, python_tokens, _ = run(model, True, monkeypatch, one_call=False, **knobs)
     assert calls and direct and lean_tokens == fused_tokens == python_tokens
-    assert one_call == ([] if kv == "kivi" else ["lean_layer_quant"] * len(direct))
+    assert one_call == ["lean_layer_kivi" if kv == "kivi" else "lean_layer_quant"] * len(direct)
     assert len(lean_steps) == len(fused_steps) == len(python_steps) > 3
     for got, want, python in zip(lean_steps, fused_steps, python_steps):
         assert torch.equal(got, want) and torch.equal(python, want)
 
 
-@pytest.mark.parametrize("kv", ["auto", "int8"])
+@pytest.mark.parametrize("kv", ["auto", "int8", "kivi"])
 def test_a_wrapped_kernel_op_sees_its_calls(ops, kv, monkeypatch):
     """The one-call layer makes the write and attention calls itself; a step whose backend has other ops than
     the extension's (here a counting wrapper) keeps the Python direct form, which calls them. Prefix caching
     off: with it, the second run's first step would compute only the uncached rows, through other linears
     (our kernel instead of MKL's sgemm, whose rounding differs on some CPUs, e.g. AMD Zen 4)."""
     model = make_model("qwen3", seed=6)
-    llm = LLM(model, max_num_batched_tokens=256, num_blocks=128, kv_cache_dtype=kv, enable_prefix_caching=False)
+    llm = LLM(model, max_num_batched_tokens=256, num_blocks=128, kv_cache_dtype=kv, enable_prefix_caching=False,
+              block_size=32 if kv == "kivi" else 16)
     backend, seen, one_call = llm.engine.cache.backend, [], []
     name = "op" if kv == "auto" else "quant_op"
     kernel = getattr(backend, name)
@@ -138,3 +140,25 @@ def test_a_wrapped_kernel_op_sees_its_calls(ops, kv, monkeypatch):
     plain_steps, plain, _ = run(model, True, monkeypatch, llm=llm, one_call=one_call)
     assert one_call, "unwrapped, the same engine takes the one-call layer"
     assert wrapped == plain and all(torch.equal(a, b) for a, b in zip(wrapped_steps, plain_steps))
+
+
+def test_kivi_one_call_layer_follows_the_plan_across_prefix_hits(ops, monkeypatch):
+    """KIVI in one call (``lean_layer_kivi``) with prefix caching: a second run of prompts sharing whole blocks with
+    the first starts inside cached blocks' successors, so its writes open, fill and seal blocks after a hit; two
+    engines, one on the one-call layer and one on the Python direct form, give the same logits bit for bit, every
+    direct call of the first being one call."""
+    model = make_model("llama", seed=7)
+    shared = [5 + i % 97 for i in range(70)]                            # two whole 32-token blocks and 6 more
+    first = [shared + [11, 12, 13], shared[:40] + [9] * 30]
+    second = [shared + [21, 22], shared[:64] + [8] * 3, shared[:33]]
+    knobs = dict(kv_cache_dtype="kivi", block_size=32, max_num_batched_tokens=256, num_blocks=128)
+    one, python = LLM(model, **knobs), LLM(model, **knobs)
+    got, want, direct, one_call = [], [], [], []
+    for prompts in (first, second):
+        got.append(run(model, True, monkeypatch, prompts=prompts, llm=one, direct=direct, one_call=one_call))
+        want.append(run(model, True, monkeypatch, prompts=prompts, llm=python, one_call=False))
+    assert one.stats().prefix_hit_tokens > 0 and python.stats().prefix_hit_tokens == one.stats().prefix_hit_tokens
+    assert direct and one_call == ["lean_layer_kivi"] * len(direct)
+    for (steps, tokens, _), (ref_steps, ref_tokens, _) in zip(got, want):
+        assert tokens == ref_tokens and len(steps) == len(ref_steps)
+        assert all(torch.equal(a, b) for a, b in zip(steps, ref_steps))
