@@ -21,11 +21,13 @@ speed    fp32 model, 1 thread: the engine's useful tokens/s per format on 32 Sha
          [--speed-requests R]``: instead, R (16) requests of N random prompt tokens and M generated ones,
          where a decode step reads more KV bytes than weights (the regime KV quantisation is for). Each run's
          steps are also timed by kind (prefill: steps with a prompt chunk; decode: one token per sequence), and
-         reported as auto's seconds over the format's, per round.
+         reported as auto's seconds over the format's, per round. A second auto engine ("auto (control)",
+         ``--no-speed-control`` leaves it out) runs beside them: its ratio to auto is this run's noise floor
+         (identical engines in one process differed by 0.92-1.02x round to round on a 2-core EPYC).
 quantized-cache  transformers' QuantizedCache (optimum-quanto, 4 and 2 bits, residual 128) where installed,
          decoding token by token on two passages, beside our int4 on the same tokens: perplexity,
          KV bytes, seconds.
-Writes ``kv-quant-<stamp>.json`` and ``.md`` (and a plot) under bench/results.
+Writes ``kv-quant-<stamp>.json`` and ``.md`` (and a plot, matplotlib installed) under bench/results.
 """
 from __future__ import annotations
 
@@ -139,11 +141,15 @@ def capacity(model, names: list[str], progress, budget: int = 24 * 2**20, reques
     return out
 
 
+CONTROL = "auto (control)"
+
+
 def speed(model, names: list[str], progress, rounds: int = 3, prompt: int = 0, output: int = 0,
-          requests: int = 16) -> dict:
+          requests: int = 16, control: bool = False) -> dict:
     """``prompt``/``output`` (both > 0): ``requests`` requests of that shape instead of the ShareGPT-shaped
     ones. Every format gets the engine's default KV budget on the CPU (512 MiB), so where auto's pool cannot
-    hold every request at once the smaller formats also run more of them per step."""
+    hold every request at once the smaller formats also run more of them per step. ``control``: one more
+    engine of the first format (``CONTROL``), timed as the others: how far an identical engine strays."""
     if prompt > 0 and output > 0:
         gen = torch.Generator().manual_seed(2)
         prompts = torch.randint(100, model.config.vocab_size, (requests, prompt), generator=gen).tolist()
@@ -156,8 +162,10 @@ def speed(model, names: list[str], progress, rounds: int = 3, prompt: int = 0, o
     useful = sum(outputs)
     # prefix caching off: every round prefills its prompts (with it, a format whose pool keeps the previous
     # round's blocks would skip its prefill, and the smaller formats keep more)
-    engines = {name: hf_paged.LLM(model, kv_cache_dtype=name, max_num_seqs=32, block_size=32 if name == "kivi" else 16,
-                                  enable_prefix_caching=False) for name in names}
+    formats = {name: name for name in names} | ({CONTROL: names[0]} if control else {})
+    names = list(formats)
+    engines = {name: hf_paged.LLM(model, kv_cache_dtype=fmt, max_num_seqs=32, block_size=32 if fmt == "kivi" else 16,
+                                  enable_prefix_caching=False) for name, fmt in formats.items()}
     phases = {name: _time_phases(llm.engine.runner) for name, llm in engines.items()}
     for llm in engines.values():                              # warm-up
         llm.generate(prompts[:2], settings[:2], use_tqdm=False)
@@ -320,28 +328,49 @@ def report(result: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(result: dict, path: Path) -> None:
+def plot(result: dict, path: Path) -> bool:
+    """Perplexity change against KV bytes (quality sections) and each format's speed ratio to auto with its
+    per-round range, the noise control beside them (speed section), side by side; False when there is
+    nothing to draw or no matplotlib."""
     plt = pyplot()
-    if plt is None:
-        return
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for dtype, marker in (("fp32", "o"), ("bf16", "s")):
-        q = result.get(f"quality_{dtype}")
-        if not q:
-            continue
-        names = [n for n in q if isinstance(q[n], dict)]
-        x = [q[n]["bytes_per_token"] / q["auto"]["bytes_per_token"] for n in names]
-        y = [q[n]["ppl_delta_pct"] for n in names]
-        ax.scatter(x, y, marker=marker, label=f"{dtype} model")
-        for n, xi, yi in zip(names, x, y):
-            ax.annotate(n, (xi, yi), fontsize=7, xytext=(3, 3), textcoords="offset points")
-    ax.axhline(0, color="grey", lw=0.5)
-    ax.set_xlabel("KV bytes per token vs the model's dtype (scales included)")
-    ax.set_ylabel("perplexity change, %")
-    ax.set_title("SmolLM2-135M: quantised KV blocks")
-    ax.legend()
+    quality_runs = [(dtype, marker, result[f"quality_{dtype}"]) for dtype, marker in (("fp32", "o"), ("bf16", "s"))
+                    if result.get(f"quality_{dtype}")]
+    sp = result.get("speed")
+    panels = bool(quality_runs) + bool(sp)
+    if plt is None or not panels:
+        return False
+    fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4), squeeze=False)
+    axes = list(axes[0])
+    if quality_runs:
+        ax = axes.pop(0)
+        for dtype, marker, q in quality_runs:
+            names = [n for n in q if isinstance(q[n], dict)]
+            x = [q[n]["bytes_per_token"] / q["auto"]["bytes_per_token"] for n in names]
+            y = [q[n]["ppl_delta_pct"] for n in names]
+            ax.scatter(x, y, marker=marker, label=f"{dtype} model")
+            for n, xi, yi in zip(names, x, y):
+                ax.annotate(n, (xi, yi), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        ax.axhline(0, color="grey", lw=0.5)
+        ax.set_xlabel("KV bytes per token vs the model's dtype (scales included)")
+        ax.set_ylabel("perplexity change, %")
+        ax.set_title("SmolLM2-135M: quantised KV blocks")
+        ax.legend()
+    if sp:
+        ax = axes.pop(0)
+        names = [n for n in sp if isinstance(sp[n], dict) and "ratio" in sp[n]]
+        med = [sp[n]["ratio"]["median"] for n in names]
+        low = [m - sp[n]["ratio"]["min"] for n, m in zip(names, med)]
+        high = [sp[n]["ratio"]["max"] - m for n, m in zip(names, med)]
+        for i, n in enumerate(names):
+            ax.errorbar([i], [med[i]], yerr=[[low[i]], [high[i]]], fmt="o", capsize=4,
+                        color="grey" if n == CONTROL else "tab:blue")
+        ax.axhline(1.0, color="black", lw=0.5)
+        ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
+        ax.set_ylabel("tokens/s vs auto per round (median, min–max)")
+        ax.set_title(f"speed: {sp.get('workload', '')}", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    return True
 
 
 def main(argv=None, prog: str = "python -m bench kv-quant") -> None:
@@ -356,6 +385,8 @@ def main(argv=None, prog: str = "python -m bench kv-quant") -> None:
     parser.add_argument("--speed-prompt", type=int, default=0, help="speed: prompt tokens of each long request")
     parser.add_argument("--speed-requests", type=int, default=16, help="speed: how many long requests")
     parser.add_argument("--speed-output", type=int, default=0, help="speed: tokens each long request generates")
+    parser.add_argument("--no-speed-control", dest="speed_control", action="store_false",
+                        help="speed: no second engine of the first format (the noise control)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -370,7 +401,8 @@ def main(argv=None, prog: str = "python -m bench kv-quant") -> None:
         ("quality", torch.float32, "quality_fp32", lambda m, tok: quality(m, tok, names, progress)),
         ("held-out", torch.float32, "held_out", lambda m, tok: held_out(m, tok, names, progress, args.prompt)),
         ("speed", torch.float32, "speed", lambda m, tok: speed(m, names, progress, args.rounds, args.speed_prompt,
-                                                            args.speed_output, args.speed_requests)),
+                                                            args.speed_output, args.speed_requests,
+                                                            args.speed_control)),
         ("quantized-cache", torch.float32, "quantized_cache", lambda m, tok: quantized_cache(m, tok, progress)),
         ("quality", torch.bfloat16, "quality_bf16", lambda m, tok: quality(m, tok, names, progress)),
         ("capacity", torch.bfloat16, "capacity", lambda m, tok: capacity(m, names, progress))]
@@ -387,6 +419,6 @@ def main(argv=None, prog: str = "python -m bench kv-quant") -> None:
     stem = args.out / f"kv-quant-{stamp()}"
     stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
     stem.with_suffix(".md").write_text(report(result))
-    plot(result, stem.with_suffix(".png"))
+    plotted = plot(result, stem.with_suffix(".png"))
     print(report(result))
-    print(f"wrote {stem}.json, .md, .png")
+    print(f"wrote {stem}.json, .md" + (", .png" if plotted else ""))

@@ -8,9 +8,10 @@ from tiny_models import make_model
 
 def test_speed_reports_rates_and_the_phase_split():
     model = make_model("llama", seed=3)
-    result = kv_quant.speed(model, ["auto", "int8"], lambda line: None, rounds=2, prompt=40, output=4, requests=3)
+    result = kv_quant.speed(model, ["auto", "int8"], lambda line: None, rounds=2, prompt=40, output=4, requests=3,
+                            control=True)
     assert result["useful_tokens"] == 12 and result["rounds"] == 2
-    for name in ("auto", "int8"):
+    for name in ("auto", "int8", kv_quant.CONTROL):
         r = result[name]
         assert r["n"] == 2 and r["min"] > 0
         for phase in ("prefill", "decode"):
@@ -22,3 +23,5 @@ def test_speed_reports_rates_and_the_phase_split():
     assert "prefill steps vs auto" in header and "decode steps vs auto" in header
     int8_row = next(line for line in lines if line.startswith("| int8"))
     assert int8_row.count("x (") == 3
+    control_row = next(line for line in lines if line.startswith(f"| {kv_quant.CONTROL}"))
+    assert control_row.count("x (") == 3, "the noise control is reported as the formats are"
