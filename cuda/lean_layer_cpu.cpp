@@ -186,15 +186,14 @@ Tensor lean_layer_quant(const Tensor& hidden, at::TensorList norms, at::ArrayRef
 //             sink_rows, sink_entries, new_src, new_dst (kivi_plan.KiviStep.kv_args)
 //   k_stores  the key pool's open rows, sink rows, codes and scales (written); v_stores: the value pool's
 //   k_maps    the key pool's open_slot, fresh_slot, sink_slot maps; v_maps: the value pool's
-constexpr int64_t kKiviKeyFormat = 4, kKiviValueFormat = 3;      // cpu_backend.KIVI_KEY_ID / KIVI_VALUE_ID
-
+//   k_format, v_format: KIVI keys' and values' format ids (cpu_backend.KIVI_KEY_ID / KIVI_VALUE_ID)
 std::tuple<Tensor, Tensor, Tensor> lean_layer_kivi(
     const Tensor& hidden, at::TensorList norms, at::ArrayRef<double> eps, at::TensorList weights,
     const c10::List<OptTensor>& biases, at::IntArrayRef widths, at::IntArrayRef qkv_heads, int64_t head_dim,
     bool kernel_linear, bool qk_norm, bool sandwich, bool interleaved, const Tensor& cos, const Tensor& sin,
-    const OptTensor& rotation, at::TensorList plan, at::TensorList k_stores, at::TensorList v_stores,
-    at::TensorList k_maps, at::TensorList v_maps, const Tensor& block_tables, const Tensor& token_row,
-    const Tensor& token_pos, double scale, int64_t window) {
+    const OptTensor& rotation, int64_t k_format, int64_t v_format, at::TensorList plan, at::TensorList k_stores,
+    at::TensorList v_stores, at::TensorList k_maps, at::TensorList v_maps, const Tensor& block_tables,
+    const Tensor& token_row, const Tensor& token_pos, double scale, int64_t window) {
   TORCH_CHECK(plan.size() == 10 && k_stores.size() == 4 && v_stores.size() == 4 && k_maps.size() == 3 &&
                   v_maps.size() == 3,
               "lean_layer_kivi: 10 plan tensors, 4 stores (open, sink, codes, scales) and 3 maps (open_slot, "
@@ -211,7 +210,7 @@ std::tuple<Tensor, Tensor, Tensor> lean_layer_kivi(
     const std::vector<Tensor> k_side{k_stores[0], k_maps[0], k_fresh, k_maps[1], k_stores[1], k_maps[2]};
     const std::vector<Tensor> v_side{v_stores[0], v_maps[0], v_fresh, v_maps[1], v_stores[1], v_maps[2]};
     return ops.attention.call(query, k_stores[2], k_stores[3], v_stores[2], v_stores[3], block_tables, token_row,
-                              token_pos, scale, window, kKiviKeyFormat, kKiviValueFormat, at::TensorList(k_side),
+                              token_pos, scale, window, k_format, v_format, at::TensorList(k_side),
                               at::TensorList(v_side), rotation, false);
   });
   return {out, k_fresh, v_fresh};
@@ -231,9 +230,9 @@ TORCH_LIBRARY_FRAGMENT(hf_paged_fused, m) {
         "Tensor token_pos, float scale, int window) -> Tensor");
   m.def("lean_layer_kivi(Tensor hidden, Tensor[] norms, float[] eps, Tensor[] weights, Tensor?[] biases, int[] widths, "
         "int[] qkv_heads, int head_dim, bool kernel_linear, bool qk_norm, bool sandwich, bool interleaved, "
-        "Tensor cos, Tensor sin, Tensor? rotation, Tensor[] plan, Tensor(a!)[] k_stores, Tensor(b!)[] v_stores, "
-        "Tensor[] k_maps, Tensor[] v_maps, Tensor block_tables, Tensor token_row, Tensor token_pos, float scale, "
-        "int window) -> (Tensor, Tensor, Tensor)");
+        "Tensor cos, Tensor sin, Tensor? rotation, int k_format, int v_format, Tensor[] plan, Tensor(a!)[] k_stores, "
+        "Tensor(b!)[] v_stores, Tensor[] k_maps, Tensor[] v_maps, Tensor block_tables, Tensor token_row, "
+        "Tensor token_pos, float scale, int window) -> (Tensor, Tensor, Tensor)");
 }
 
 // bf16 layers pass oneDNN's packed weights (MkldnnCPU tensors), which route the call by that key.

@@ -254,9 +254,9 @@ class CpuStep(Step):
 
     def kivi_metadata(self, k_pool, v_pool, plan, dtype: torch.dtype) -> tuple | None:
         """What ``fused_lean``'s one-call KIVI layer (``lean_layer_kivi``) takes after cos and sin, for a layer whose
-        write follows ``plan`` (``KVPools.kivi_write_plan``) with states in ``dtype``: R, the write's index tensors,
-        each pool's (open, sink, codes, scales) and (open_slot, fresh_slot, sink_slot), then the block tables,
-        token rows and positions. The plan is applied to the shared entries here (``kivi.one_call_args``). None
+        write follows ``plan`` (``KVPools.kivi_write_plan``) with states in ``dtype``: R, the keys' and values' format
+        ids, the write's index tensors, each pool's (open, sink, codes, scales) and (open_slot, fresh_slot,
+        sink_slot), then the block tables, token rows and positions. The plan is applied to the shared entries here (``kivi.one_call_args``). None
         where the Python calls go elsewhere: a plan that drops tokens or reopens a block, values not rotated,
         pools off this step's device, ops other than the extension's own."""
         backend = self.backend
@@ -271,7 +271,8 @@ class CpuStep(Step):
         rotation, indices, stores = args[0], list(args[1:-8]), (list(args[-8:-4]), list(args[-4:]))
         maps = ([p.open.block_slot, p.fresh.block_slot, p.sink.block_slot] for p in (k_pool, v_pool))
         step = self.plan
-        return rotation, indices, *stores, *maps, step.block_tables, step.token_row, step.token_pos
+        return (rotation, KIVI_KEY_ID, KIVI_VALUE_ID, indices, *stores, *maps, step.block_tables, step.token_row,
+                step.token_pos)
 
     @property
     def slot_mapping(self) -> torch.Tensor:

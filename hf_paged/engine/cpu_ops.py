@@ -30,7 +30,7 @@ FAKES = {                   # shape propagation for torch.compile: each op is on
     "lean_layer_quant": lambda hidden, *args: _like_rows(hidden),
     # (out, each pool's rows sealed by the write: [Hkv, sealed blocks, BS, D] of its open rows)
     "lean_layer_kivi": lambda hidden, *args: (_like_rows(hidden), *(
-        s[0].new_empty((s[0].shape[0], args[14][2].shape[0], *s[0].shape[2:])) for s in (args[15], args[16]))),
+        s[0].new_empty((s[0].shape[0], args[16][2].shape[0], *s[0].shape[2:])) for s in (args[17], args[18]))),
 }
 
 
