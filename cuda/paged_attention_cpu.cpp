@@ -20,6 +20,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <type_traits>
+
 #include "paged_attention_cpu.h"
 
 namespace {
@@ -46,6 +48,10 @@ struct PlainTiles {
 template <typename T>
 void run(const at::Tensor& query, const at::Tensor& k_pool, const at::Tensor& v_pool, const Geometry& g,
          at::Tensor& out) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {      // decode steps by VDPBF16PS where built for it
+    if (attend_decode_bf16(g, k_pool.data_ptr<T>(), v_pool.data_ptr<T>(), query.data_ptr<T>(), out.data_ptr<T>()))
+      return;
+  }
   const int64_t tile = g.block_size * g.head_dim;
   const PlainTiles<T> tiles{k_pool.data_ptr<T>(), v_pool.data_ptr<T>(), g.num_blocks, tile, g.head_dim};
   attend<T>(g, tiles, query.data_ptr<T>(), out.data_ptr<T>());

@@ -428,6 +428,11 @@ void attend(const Geometry& g, const Tiles& tiles, const T* q_data, T* o_data) {
   });
 }
 
+// A decode step of bf16 pools through VDPBF16PS (paged_attention_cpu_bf16.cpp), into o_data; false (nothing done)
+// where it does not apply: a build without AVX-512 BF16, D not a multiple of 32, a row with several tokens.
+bool attend_decode_bf16(const Geometry& g, const c10::BFloat16* k_pool, const c10::BFloat16* v_pool,
+                        const c10::BFloat16* q_data, c10::BFloat16* o_data);
+
 // The geometry of a call: query [T, Hq, D], pools of `num_blocks` blocks of `block_size` per KV head.
 inline Geometry geometry(const at::Tensor& query, int64_t num_kv_heads, int64_t num_blocks, int64_t block_size,
                          const at::Tensor& block_tables, const at::Tensor& token_row, const at::Tensor& token_pos,

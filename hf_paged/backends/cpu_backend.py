@@ -38,7 +38,8 @@ from .step import Step
 log = logging.getLogger("hf_paged.backends")
 KERNEL_ENV = "HF_PAGED_CPU_KERNEL"
 SOURCE = "paged_attention_cpu.cpp"
-SOURCES = (SOURCE, "paged_attention_cpu_quant.cpp", "kv_write_cpu.cpp", "kivi_write_cpu.cpp")  # one extension
+SOURCES = (SOURCE, "paged_attention_cpu_bf16.cpp", "paged_attention_cpu_quant.cpp", "kv_write_cpu.cpp",
+           "kivi_write_cpu.cpp")  # one extension
 # part of the build's cache key
 HEADERS = ("paged_attention_cpu.h", "paged_attention_cpu_util.h", "paged_attention_cpu_tile.h",
            "paged_attention_cpu_simd.h", "kv_codec_cpu.h", "kv_encode_cpu.h")

@@ -237,3 +237,21 @@ def test_write_refuses_what_it_cannot_store(backend):
         backend.plain_write_op(x.double(), x.double(), torch.tensor([0, 1, 2]), *pools)
     with pytest.raises(RuntimeError, match="do not fit pools"):
         backend.plain_write_op(torch.randn(3, 3, 64), torch.randn(3, 3, 64), torch.tensor([0, 1, 2]), *pools)
+
+
+@pytest.mark.parametrize("head_dim,block_size,heads,window", [(64, 16, (9, 3), 0), (64, 32, (8, 1), 7), (128, 12, (4, 2), 0),
+                                                              (128, 32, (8, 2), 0), (32, 1, (2, 2), 0),
+                                                              (256, 8, (16, 2), 33), (80, 16, (4, 2), 0)])
+def test_bf16_decode_steps_match_torch(backend, head_dim, block_size, heads, window):
+    """A decode step of bf16 pools: where built for AVX-512 BF16 and D % 32 == 0 the keys are scored in place by
+    VDPBF16PS (paged_attention_cpu_bf16.cpp), else through attend's float tiles; both against the PyTorch
+    reference, with empty rows (zeros), rows ending inside a block, 16-key groups and their tails."""
+    num_q, num_kv = heads
+    lengths = [0, 1, 5, block_size, block_size + 17, 3 * block_size + 5, 211, 64]
+    k_pool, v_pool, tables, lens, gen = make_cache(lengths, block_size, num_kv, head_dim, torch.bfloat16, seed=head_dim)
+    query = torch.randn(len(lengths), num_q, head_dim, generator=gen).bfloat16()
+    scale = head_dim ** -0.5
+    out = backend.decode_attention(query, k_pool, v_pool, tables, lens, scale, window)
+    ref = ta.decode_attention(query, k_pool, v_pool, tables, lens, scale, window)
+    assert_close(out, ref, torch.bfloat16)
+    assert torch.all(out[0] == 0), "a row with no stored tokens gives zeros"
