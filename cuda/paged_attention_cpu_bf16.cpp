@@ -51,9 +51,13 @@ bool attend_decode_bf16(const Geometry& g, const c10::BFloat16* k_pool, const c1
                         const c10::BFloat16* q_data, c10::BFloat16* o_data) {
 #if defined(__AVX512BF16__)
   if (g.head_dim % 32 != 0) return false;
+  // A decode step: no two consecutive tokens of one row (make_chunks would join them: attend's prefill chunks,
+  // which reuse each block for the chunk's tokens). Checked here without make_chunks, so that prefill steps
+  // (answered false) do not build their chunks twice.
+  for (int64_t t = 1; t < g.tokens; ++t)
+    if (g.pos_of[t] >= 0 && g.pos_of[t - 1] >= 0 && g.row_of[t] == g.row_of[t - 1]) return false;
   std::vector<int64_t> start, count;
-  make_chunks(g, start, count);                   // (also checks every token's row and table width)
-  if (!std::all_of(count.begin(), count.end(), [](int64_t c) { return c == 1; })) return false;
+  make_chunks(g, start, count);                   // checks every token's row and table width
   const int64_t d = g.head_dim, group = g.group, items = g.num_kv_heads * g.tokens, tile = g.block_size * d;
   const uint16_t* q_bits = reinterpret_cast<const uint16_t*>(q_data);
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {

@@ -277,7 +277,8 @@ def write_kv(k_pool: KiviPool, v_pool: KiviPool, key: torch.Tensor, value: torch
         return
     args = one_call_args(k_pool, v_pool, plan, key.dtype)
     if args is not None:
-        k_pool.fresh.rows, v_pool.fresh.rows = ops.kivi_write_kv(key, value, *args)
+        rotation, indices, k_stores, v_stores = args
+        k_pool.fresh.rows, v_pool.fresh.rows = ops.kivi_write_kv(key, value, rotation, *indices, *k_stores, *v_stores)
         return
     k_pool.write_planned(key, plan, ops.kivi_write)
     v_pool.write_planned(rotated_values(v_pool, value, ops), plan, ops.kivi_write)
@@ -285,8 +286,8 @@ def write_kv(k_pool: KiviPool, v_pool: KiviPool, key: torch.Tensor, value: torch
 
 def one_call_args(k_pool: KiviPool, v_pool: KiviPool, plan: KiviWrite, dtype: torch.dtype) -> tuple | None:
     """``kivi_write_kv``'s arguments after the keys and values, for a write of ``plan`` (every token kept) of states
-    in ``dtype`` into CPU pools: the rotation, the plan's index tensors, then each pool's open rows, sink rows,
-    codes and scales. The plan is applied to the shared entries first (``transition``, once per plan) and the
+    in ``dtype`` into CPU pools: (the rotation, the plan's index tensors, the key pool's open rows, sink rows, codes
+    and scales, the value pool's). The plan is applied to the shared entries first (``transition``, once per plan) and the
     side stores fitted to them. None where the write takes ``kivi_write`` per pool instead: pools that do not
     share their entries, a block reopened from its codes, states in another dtype than the side rows'."""
     step = transition(k_pool.maps, plan)
@@ -295,8 +296,8 @@ def one_call_args(k_pool: KiviPool, v_pool: KiviPool, plan: KiviWrite, dtype: to
         return None
     for store in (k_pool.open, k_pool.sink, v_pool.open, v_pool.sink):
         store.fit()
-    return (v_pool.rotation, *step.kv_args, k_pool.open.rows, k_pool.sink.rows, k_pool.data, k_pool.scales,
-            v_pool.open.rows, v_pool.sink.rows, v_pool.data, v_pool.scales)
+    return (v_pool.rotation, list(step.kv_args), [k_pool.open.rows, k_pool.sink.rows, k_pool.data, k_pool.scales],
+            [v_pool.open.rows, v_pool.sink.rows, v_pool.data, v_pool.scales])
 
 
 def rotated_values(v_pool: KiviPool, value: torch.Tensor, ops=None) -> torch.Tensor:

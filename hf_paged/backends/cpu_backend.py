@@ -257,23 +257,22 @@ class CpuStep(Step):
         """What ``fused_lean``'s one-call KIVI layer (``lean_layer_kivi``) takes after cos and sin, for a layer whose
         write follows ``plan`` (``KVPools.kivi_write_plan``) with states in ``dtype``: R, the keys' and values' format
         ids, the write's index tensors, each pool's (open, sink, codes, scales) and (open_slot, fresh_slot,
-        sink_slot), then the block tables, token rows and positions. The plan is applied to the shared entries here (``kivi.one_call_args``). None
-        where the Python calls go elsewhere: a plan that drops tokens or reopens a block, values not rotated,
-        pools off this step's device, ops other than the extension's own."""
+        sink_slot), then the block tables, token rows and positions. The plan is applied to the shared entries here
+        (``kivi.one_call_args``). None where the Python calls go elsewhere: a plan that drops tokens or reopens a
+        block, values not rotated, pools off this step's device, ops other than the extension's own."""
         backend = self.backend
-        if (not isinstance(k_pool, KiviPool) or not isinstance(v_pool, KiviPool) or plan.keep is not None
-                or v_pool.rotation is None or k_pool.device != self.device or self.device.type != "cpu"
+        if (plan.keep is not None or v_pool.rotation is None or k_pool.device != self.device or self.device.type != "cpu"
                 or backend.quant_op is not torch.ops.hf_paged_cpu.paged_attention_quant
                 or getattr(backend, "kivi_write_kv", None) is not torch.ops.hf_paged_cpu.kivi_write_kv):
             return None
         args = one_call_args(k_pool, v_pool, plan, dtype)
         if args is None or not (k_pool.open.rows.is_contiguous() and v_pool.open.rows.is_contiguous()):
             return None
-        rotation, indices, stores = args[0], list(args[1:-8]), (list(args[-8:-4]), list(args[-4:]))
+        rotation, indices, k_stores, v_stores = args
         maps = ([p.open.block_slot, p.fresh.block_slot, p.sink.block_slot] for p in (k_pool, v_pool))
         step = self.plan
-        return (rotation, KIVI_KEY_ID, KIVI_VALUE_ID, indices, *stores, *maps, step.block_tables, step.token_row,
-                step.token_pos)
+        return (rotation, KIVI_KEY_ID, KIVI_VALUE_ID, indices, k_stores, v_stores, *maps, step.block_tables,
+                step.token_row, step.token_pos)
 
     @property
     def slot_mapping(self) -> torch.Tensor:

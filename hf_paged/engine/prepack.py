@@ -116,6 +116,17 @@ LIBRARY_ROWS = 128
 LIBRARY_ENV = "HF_PAGED_LIBRARY_GEMM"
 
 
+def library_forced() -> bool | None:
+    """``$HF_PAGED_LIBRARY_GEMM``: True ("1", the library), False ("0", hf_paged's kernel), None (unset: chosen by
+    CPU); any other value raises, naming the two."""
+    forced = os.environ.get(LIBRARY_ENV)
+    if forced is not None and forced not in ("0", "1"):
+        raise ValueError(f"{LIBRARY_ENV}={forced!r}: use 1 (the library's GEMM: MKL for float32 steps over "
+                         f"{LIBRARY_ROWS} rows, oneDNN for bf16) or 0 (hf_paged's kernel for every step), or unset it "
+                         "(chosen by CPU vendor)")
+    return None if forced is None else forced == "1"
+
+
 def library_rows(vendor: str | None = None, flags: set[str] | None = None) -> int | None:
     """Rows over which float32 steps go to the library's GEMM (torch's MKL sgemm), or None: hf_paged's kernel
     takes steps of every size. MKL picks its optimised code by CPU vendor: on AMD it ran well below the kernel
@@ -126,12 +137,9 @@ def library_rows(vendor: str | None = None, flags: set[str] | None = None) -> in
     Elsewhere (Intel, AMD with AVX2 only, where the kernel's 6-row AVX2 blocks were not measured against MKL at
     prefill sizes, or a vendor not reported) the library over ``LIBRARY_ROWS``. ``$HF_PAGED_LIBRARY_GEMM`` = 1 /
     0 forces either way; ``vendor`` and ``flags``: /proc/cpuinfo's (read when None)."""
-    forced = os.environ.get(LIBRARY_ENV)
+    forced = library_forced()
     if forced is not None:
-        if forced not in ("0", "1"):
-            raise ValueError(f"{LIBRARY_ENV}={forced!r}: use 1 (the library's GEMM for steps over {LIBRARY_ROWS} "
-                             "rows) or 0 (hf_paged's kernel for every step), or unset it (chosen by CPU vendor)")
-        return LIBRARY_ROWS if forced == "1" else None
+        return LIBRARY_ROWS if forced else None
     vendor = cpu_vendor() if vendor is None else vendor
     flags = cpu_flags() if flags is None else flags
     return None if vendor == "AuthenticAMD" and "avx512f" in (flags or set()) else LIBRARY_ROWS
@@ -174,7 +182,7 @@ class _Packed:
 
     def __init__(self, modules: tuple[torch.nn.Linear, ...], ops, prefill_rows: int | None = None,
                  library_rows: int | None = LIBRARY_ROWS):
-        self.modules, self.library_rows = modules, library_rows
+        self.modules = modules
         self.params = [(m.weight, _version(m.weight), m.bias, None if m.bias is None else _version(m.bias))
                        for m in modules]
         weight = torch.cat([m.weight.detach() for m in modules]) if len(modules) > 1 else modules[0].weight.detach()
@@ -183,8 +191,8 @@ class _Packed:
         self.sizes = [m.out_features for m in modules]
         self.n, self.dtype = sum(self.sizes), weight.dtype
         self.ops = ops
-        if weight.dtype != torch.float32:       # the library's GEMM is MKL's float32 sgemm: bf16 never goes there
-            self.library_rows = None
+        # the library's GEMM is MKL's float32 sgemm: bf16 never goes there
+        self.library_rows = library_rows if weight.dtype == torch.float32 else None
         self.packed = (self.ops.pack_linear(weight) if self.ops is not None
                        else torch.ops.mkldnn._reorder_linear_weight(weight, None))
         self.prefill = _PrefillPack(weight, prefill_rows) if self.ops is not None and prefill_rows else None
@@ -405,9 +413,9 @@ def kernel_takes(ops, dtype: torch.dtype, flags: set[str] | None = None) -> bool
         return True
     if not ops.linear_bf16_available():
         return False
-    forced = os.environ.get(LIBRARY_ENV)
-    if forced in ("0", "1"):
-        return forced == "0"
+    forced = library_forced()
+    if forced is not None:
+        return not forced
     flags = cpu_flags() if flags is None else flags
     return not (flags and "amx_bf16" in flags)
 
