@@ -44,8 +44,18 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key, value, at
                            f"{key.step.plan.num_tokens}: the inputs changed after the cache planned the step")
     scale = scaling if scaling is not None else head_dim ** -0.5
     tokens = query.transpose(1, 2).reshape(batch * q_len, num_heads, head_dim)
-    out = key.step.attend(tokens, key.k_pool, key.v_pool, scale, int(sliding_window or 0))
+    out = key.step.attend(tokens, key.k_pool, key.v_pool, scale, layer_window(module, sliding_window))
     return out.reshape(batch, q_len, num_heads, head_dim), None
+
+
+def layer_window(module: torch.nn.Module, sliding_window: int | None) -> int:
+    """The window a layer's attention applies (0: none): the ``sliding_window`` its forward passes, else
+    its own ``sliding_window`` attribute. Qwen2-MoE's attention passes none and sets the attribute on its
+    sliding layers only (transformers then applies the window through the layer's mask, which the paged
+    path never builds); the other families that set the attribute pass it too."""
+    if sliding_window is None:
+        sliding_window = getattr(module, "sliding_window", None)
+    return int(sliding_window or 0)
 
 
 def no_dense_mask(*args, **kwargs) -> None:

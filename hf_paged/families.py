@@ -1,8 +1,11 @@
 """The supported model families, declared: what hf_paged needs to know about each, read from a config.
 
-All five are native transformers models whose attention calls ``cache.update`` with post-RoPE keys
-and then the registered attention function, so a family is a declaration: where the KV geometry
-lives in the config, and which layers use a sliding window. What a loaded model instance holds (its
+All are native transformers models whose attention calls ``cache.update`` with post-RoPE keys and
+then the registered attention function, so a family is a declaration: where the KV geometry lives in
+the config, and which layers use a sliding window. Beside the five families the project was built for
+(llama, qwen2, qwen3, glm, glm4) stand their relatives whose attention is one of theirs: Mistral and
+Mixtral (LLaMA's attention with a window over every layer), Qwen2-MoE and Qwen3-MoE (Qwen2's and Qwen3's
+attention; the MoE blocks are MLPs, which the cache never sees). What a loaded model instance holds (its
 tensor-parallel share of the heads, each layer's device) is read by ``hf_paged.introspect``.
 """
 from __future__ import annotations
@@ -37,18 +40,23 @@ class ModelFamily:
     """One supported ``model_type``; ``geometry`` reads its KV geometry from a (decoder) config."""
     model_type: str
     notes: str
+    # True: every layer's attention takes config.sliding_window whenever it is set (Mistral, Mixtral and
+    # Qwen3-MoE pass it whatever use_sliding_window says); False: layer_types, else use_sliding_window decide.
+    window_from_config: bool = False
 
     def geometry(self, config) -> KVGeometry:
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         layers = config.num_hidden_layers
-        return KVGeometry(layers, kv_heads, head_dim, _sliding_windows(config, layers))
+        return KVGeometry(layers, kv_heads, head_dim, _sliding_windows(config, layers, self.window_from_config))
 
 
-def _sliding_windows(config, num_layers: int) -> tuple[int, ...]:
+def _sliding_windows(config, num_layers: int, from_config: bool = False) -> tuple[int, ...]:
     layer_types = getattr(config, "layer_types", None)
     window = getattr(config, "sliding_window", None) or 0
+    if from_config:
+        return (window,) * num_layers
     if layer_types is None:
         return (window,) * num_layers if window and getattr(config, "use_sliding_window", True) else (0,) * num_layers
     return tuple(window if kind == "sliding_attention" else 0 for kind in layer_types)
@@ -63,6 +71,11 @@ FAMILIES = {
         ModelFamily("glm", "GLM-4-9B-chat-hf and ChatGLM2/3 checkpoints loaded by integrations.chatglm:"
                              " partial interleaved RoPE, few KV heads."),
         ModelFamily("glm4", "GLM-4-0414: as glm, with two extra norms per layer."),
+        ModelFamily("mistral", "Mistral: LLaMA's attention, config.sliding_window on every layer.", True),
+        ModelFamily("mixtral", "Mixtral: Mistral's attention, MoE MLPs.", True),
+        ModelFamily("qwen2_moe", "Qwen2-MoE / Qwen1.5-MoE: Qwen2's attention (window by layer_types), MoE MLPs."),
+        ModelFamily("qwen3_moe", "Qwen3-MoE: Qwen3's attention, config.sliding_window on every layer, MoE MLPs.",
+                    True),
     )
 }
 

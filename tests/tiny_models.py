@@ -1,4 +1,4 @@
-"""Tiny random models of the five supported families, and helpers to compare against transformers.
+"""Tiny random models of the five supported families and their relatives, and helpers to compare against transformers.
 
 (A module of its own, not conftest.py: tests/backends has a conftest too, and ``from conftest import``
 would pick whichever is first on sys.path.)
@@ -9,7 +9,9 @@ import contextlib
 
 import torch
 from transformers import (Glm4Config, Glm4ForCausalLM, GlmConfig, GlmForCausalLM, LlamaConfig, LlamaForCausalLM,
-                          Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+                          MistralConfig, MistralForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3Config, Qwen3ForCausalLM,
+                          Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 import hf_paged
 
@@ -30,9 +32,28 @@ FAMILIES = {
                                                head_dim=64)),
 }
 
+# The families' relatives (hf_paged.families): windows shorter than the tests' prompts where the family has
+# one (Qwen3-MoE's attention takes config.sliding_window on every layer); MoE layers beside a dense one
+# (Qwen2-MoE's mlp_only_layers).
+MOE = dict(num_experts_per_tok=2, moe_intermediate_size=64)
+RELATIVES = {
+    "mistral": (MistralConfig, MistralForCausalLM, dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+                                                        head_dim=32, sliding_window=9)),
+    "mixtral": (MixtralConfig, MixtralForCausalLM, dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+                                                        num_local_experts=4, num_experts_per_tok=2,
+                                                        sliding_window=None)),
+    "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM, dict(
+        hidden_size=128, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3, num_experts=4,
+        shared_expert_intermediate_size=96, mlp_only_layers=[1], use_sliding_window=True, sliding_window=7,
+        max_window_layers=3, **MOE)),
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, dict(
+        hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=4,
+        sliding_window=11, use_sliding_window=True, **MOE)),
+}
+
 
 def make_model(family: str, seed: int = 0, dtype=torch.float32, **overrides):
-    config_cls, model_cls, shape = FAMILIES[family]
+    config_cls, model_cls, shape = FAMILIES[family] if family in FAMILIES else RELATIVES[family]
     config = config_cls(**{**COMMON, **shape, **overrides})
     torch.manual_seed(seed)
     model = model_cls(config).to(dtype).eval()

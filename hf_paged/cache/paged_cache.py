@@ -35,7 +35,7 @@ from .rows import RowBook, duplicate_leaders
 
 
 class PagedCache(KVPools):
-    """Paged KV cache for llama, qwen2, qwen3, glm and glm4 models.
+    """Paged KV cache for the models of hf_paged.families (llama, qwen2, qwen3, glm, glm4 and their relatives).
 
     Args:
         config: the model's config (its KV geometry and sliding windows are read from it).

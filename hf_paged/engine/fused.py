@@ -7,7 +7,7 @@ the residual adds as more; at the engine's short steps on a CPU that per-op over
 (the layer's residual add and the next norm), ``rotary_`` (q and k in place; half-split or GLM's
 interleaved, partial rotary) and ``silu_mul``.
 
-``FusedOps(model)`` finds the modules of the five families' known classes (``_specs``); ``with
+``FusedOps(model)`` finds the modules of the families' known classes (``_specs``, ``FAMILY_CLASSES``); ``with
 fused.installed():`` gives each an instance ``forward`` that uses the ops and removes it on exit, so the
 model is untouched outside the block (as ``prepack.PrepackedLinears``). Modules of another class, with
 hooks (checked at every install) or whose sub-modules that a fused forward would bypass have hooks, keep
@@ -25,7 +25,7 @@ import logging
 import torch
 
 from .cpu_ops import load_fused_ops
-from .fused_base import _Fused, _known_norms, _Mlp, _modeling, _Norm, _silu
+from .fused_base import FAMILY_CLASSES, _Fused, _known_norms, _Mlp, _modeling, _Norm, _silu
 from .fused_layers import DecoderLayer
 from .prepack import SharedForwards
 
@@ -36,14 +36,14 @@ def _specs() -> dict[type, tuple[type, dict]]:
     """Known class -> (its fused forward, the spec that forward needs)."""
     from .fused_layers import Attention, DecoderLayer
     specs = {norm: (_Norm, {}) for norm in _known_norms()}
-    for family, prefix in (("llama", "Llama"), ("qwen2", "Qwen2"), ("qwen3", "Qwen3"), ("glm", "Glm"), ("glm4", "Glm4")):
-        mod = _modeling(family)
-        glm = family.startswith("glm")
-        specs[getattr(mod, f"{prefix}MLP")] = (_Mlp, {"split": glm})
-        specs[getattr(mod, f"{prefix}Attention")] = (Attention, {
-            "qk_norm": family == "qwen3", "interleaved": glm, "window": family in ("qwen2", "qwen3"),
+    for f in FAMILY_CLASSES:
+        mod = _modeling(f.family)
+        if f.classes("MLP") is not None:            # (Mixtral has none: its MoE blocks keep their forward)
+            specs[f.classes("MLP")] = (_Mlp, {"split": f.split})
+        specs[f.classes("Attention")] = (Attention, {
+            "qk_norm": f.qk_norm, "interleaved": f.interleaved, "window": f.window,
             "eager": mod.eager_attention_forward})
-        specs[getattr(mod, f"{prefix}DecoderLayer")] = (DecoderLayer, {"sandwich": family == "glm4"})
+        specs[f.classes("DecoderLayer")] = (DecoderLayer, {"sandwich": f.sandwich})
     return specs
 
 

@@ -4,6 +4,7 @@ and attention forwards are in ``fused_layers``; both import from here, nothing h
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
 
 import torch
 
@@ -102,10 +103,46 @@ def _silu(act) -> bool:
     return type(act) in (SiLUActivation, torch.nn.SiLU) and not _has_hooks(act)
 
 
+@dataclass(frozen=True)
+class FamilyClasses:
+    """One family's module classes as the fused forwards take them (``transformers.models.<family>``'s
+    ``<prefix>RMSNorm``, ``<prefix>MLP`` where it has a dense one, ``<prefix>Attention``,
+    ``<prefix>DecoderLayer``). window: the ``sliding_window`` its attention's forward passes ("module": its
+    attribute, "config": its config's, None: none); qk_norm: Qwen3's q/k norms; interleaved: GLM's rotary;
+    sandwich: GLM-4-0414's two extra norms; split: GLM's gate_up_proj."""
+    family: str
+    prefix: str
+    window: str | None = None
+    qk_norm: bool = False
+    interleaved: bool = False
+    sandwich: bool = False
+    split: bool = False
+
+    def classes(self, suffix: str):
+        return getattr(_modeling(self.family), f"{self.prefix}{suffix}", None)
+
+
+FAMILY_CLASSES = (
+    FamilyClasses("llama", "Llama"), FamilyClasses("qwen2", "Qwen2", window="module"),
+    FamilyClasses("qwen3", "Qwen3", window="module", qk_norm=True),
+    FamilyClasses("glm", "Glm", interleaved=True, split=True),
+    FamilyClasses("glm4", "Glm4", interleaved=True, sandwich=True, split=True),
+    FamilyClasses("mistral", "Mistral", window="config"), FamilyClasses("mixtral", "Mixtral", window="config"),
+    FamilyClasses("qwen2_moe", "Qwen2Moe"), FamilyClasses("qwen3_moe", "Qwen3Moe", window="module", qk_norm=True),
+)
+
+
+def passed_window(attention, how: str | None) -> int | None:
+    """The ``sliding_window`` an attention module's own forward passes (``how``: FamilyClasses.window)."""
+    if how == "module":
+        return attention.sliding_window
+    if how == "config":
+        return getattr(attention.config, "sliding_window", None)
+    return None
+
+
 def _known_norms() -> tuple[type, ...]:
-    return tuple(getattr(_modeling(f), cls) for f, cls in (("llama", "LlamaRMSNorm"), ("qwen2", "Qwen2RMSNorm"),
-                                                          ("qwen3", "Qwen3RMSNorm"), ("glm", "GlmRMSNorm"),
-                                                          ("glm4", "Glm4RMSNorm")))
+    return tuple(f.classes("RMSNorm") for f in FAMILY_CLASSES)
 
 
 def _modeling(family: str):

@@ -1,6 +1,6 @@
 """The fused attention and decoder-layer forwards of ``hf_paged.engine.fused`` (see its module doc).
 
-Both restate transformers 5.24's forwards of the five families (llama, qwen2, qwen3, glm, glm4) step by
+Both restate transformers 5.24's forwards of the families (fused_base.FAMILY_CLASSES) step by
 step, with rotary embedding as one in-place op on the fresh q/k projections and the layer's residual add
 fused with the norm that follows it; every other step is the module's own (sub-modules are called as
 modules, so prepacked linears, fused norms and their hooks apply).
@@ -10,15 +10,15 @@ from __future__ import annotations
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .fused_base import _Fused, _has_hooks, _rows, _usable, norm_fusible, rotate_qk
+from .fused_base import _Fused, _has_hooks, _rows, _usable, norm_fusible, passed_window, rotate_qk
 from .fused_lean import LeanLayer
 from .prepack import sibling_outputs
 
 
 class Attention(_Fused):
     """spec: qk_norm (Qwen3's q_norm/k_norm before rotary), interleaved (GLM's pairwise, partial rotary),
-    window (the class passes ``sliding_window`` to the attention function), eager (the family's eager
-    attention, transformers' default when no implementation is registered)."""
+    window (what the class passes as ``sliding_window`` to the attention function: fused_base.passed_window),
+    eager (the family's eager attention, transformers' default when no implementation is registered)."""
 
     def __init__(self, module, ops, **spec):
         super().__init__(module, ops, **spec)
@@ -44,8 +44,8 @@ class Attention(_Fused):
         if cache is not None:
             key, value = cache.update(key, value, m.layer_idx, kwargs=kwargs)
         attend = ALL_ATTENTION_FUNCTIONS.get_interface(m.config._attn_implementation, spec["eager"])
-        if spec["window"]:
-            kwargs = {**kwargs, "sliding_window": m.sliding_window}
+        if spec["window"] is not None:
+            kwargs = {**kwargs, "sliding_window": passed_window(m, spec["window"])}
         out, weights = attend(m, query, key, value, attention_mask,
                               dropout=0.0 if not m.training else m.attention_dropout, scaling=m.scaling, **kwargs)
         return m.o_proj(out.reshape(*input_shape, -1).contiguous()), weights

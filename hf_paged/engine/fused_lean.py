@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..attention_interface import ATTENTION_NAME, paged_attention
+from ..attention_interface import ATTENTION_NAME, layer_window, paged_attention
 from ..kivi import KiviPool
-from .fused_base import _DTYPES, _has_hooks, _rows, _silu, norm_fusible, rotate_qk
+from .fused_base import _DTYPES, _has_hooks, _rows, _silu, norm_fusible, passed_window, rotate_qk
 from .prepack import packed_group
 
 
@@ -45,6 +45,12 @@ def rotary_rows(workspace, position_embeddings, rows: tuple[int, ...]) -> tuple[
         kept = workspace.rotary = (cos, sin, *(t.expand(*rows, t.shape[-1]).reshape(-1, t.shape[-1]).contiguous()
                                                 for t in (cos, sin)))
     return kept[2], kept[3]
+
+
+def _dense_mlp(mlp) -> bool:
+    """Whether ``mlp`` is a dense gated MLP of nn.Linear projections (GLM's gate_up_proj, or gate/up)."""
+    names = ("gate_up_proj", "down_proj") if hasattr(mlp, "gate_up_proj") else ("gate_proj", "up_proj", "down_proj")
+    return all(isinstance(getattr(mlp, n, None), torch.nn.Linear) for n in names)
 
 
 @dataclass(frozen=True)
@@ -76,6 +82,8 @@ class LeanLayer:
               direct: bool = True, one_call: bool = True) -> LeanLayer | None:
         """The lean forward of ``layer`` (a known decoder layer), or None when a check fails."""
         attn, mlp = layer.self_attn, layer.mlp
+        if not _dense_mlp(mlp):
+            return None                     # a MoE block (Mixtral, Qwen2/3-MoE): the layer runs module by module
         split = hasattr(mlp, "gate_up_proj")
         if split:
             act = getattr(mlp, "activation_fn", None)
@@ -99,7 +107,7 @@ class LeanLayer:
         if dtype not in _DTYPES or None in groups.values() or None in fused_norms \
                 or len({g.dtype for g in groups.values()}) != 1:
             return None
-        window = getattr(attn, "sliding_window", None) if attention_spec["window"] else None
+        window = layer_window(attn, passed_window(attn, attention_spec["window"]))
         qk_norm = attention_spec["qk_norm"]
         layer_call = None
         if direct and one_call:             # lean_layer's order: input, post, (q, k), (GLM-4's sandwich)
@@ -111,7 +119,7 @@ class LeanLayer:
         return cls(ops, dtype, fused_norms[0], fused_norms[1], tuple(fused_norms[2:4]) if sandwich else None,
                    tuple(fused_norms[-2:]) if qk_norm else None, groups["qkv"], groups["o"],
                    groups["gate_up"], split, groups["down"], attn, attn.head_dim, attn.layer_idx, attn.scaling,
-                   int(window or 0), attention_spec["interleaved"], direct,
+                   window, attention_spec["interleaved"], direct,
                    tuple(size // attn.head_dim for size in groups["qkv"].sizes), layer_call)
 
     def applies(self, hidden_states: torch.Tensor, position_embeddings, cache) -> bool:

@@ -169,11 +169,11 @@ def test_invalid_cache_options(kwargs, message):
 
 
 def test_unsupported_model_type_is_named():
-    from transformers import MistralConfig, MistralForCausalLM
+    from transformers import Phi3Config, Phi3ForCausalLM
 
-    model = MistralForCausalLM(MistralConfig(vocab_size=64, hidden_size=64, intermediate_size=64,
-                                             num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
-    with pytest.raises(UnsupportedModelError, match="model_type='mistral'.*glm, glm4, llama, qwen2, qwen3"):
+    model = Phi3ForCausalLM(Phi3Config(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                                       num_attention_heads=2, num_key_value_heads=1, pad_token_id=0))
+    with pytest.raises(UnsupportedModelError, match="model_type='phi3'.*glm, glm4, llama, mistral, mixtral, qwen2"):
         hf_paged.patch(model)
     with pytest.raises(UnsupportedModelError):
         hf_paged.PagedCache(model.config)
