@@ -190,12 +190,14 @@ class Engine:
 
     def compile_grammar(self, spec):
         """``spec`` (a StructuredOutput) compiled for this engine's tokenizer and vocabulary; ValueError
-        when it cannot compile. Safe to call from another thread (the server compiles off the engine thread)."""
+        when it cannot compile (its subclass StructuredOutputUnavailable when no spec could: no tokenizer, or
+        one llguidance cannot read). Safe to call from another thread (the server compiles off the engine thread)."""
         with self._grammars_lock:      # one compiler per engine: a step's masks must share it
             if self._grammars is None:
+                from .structured import GrammarCompiler, StructuredOutputUnavailable
                 if self.tokenizer is None:
-                    raise ValueError("structured output needs a tokenizer: Engine(model, tokenizer=...)")
-                from .structured import GrammarCompiler
+                    raise StructuredOutputUnavailable("structured output needs a tokenizer: "
+                                                      "Engine(model, tokenizer=...)")
                 vocab = self.model.get_input_embeddings().weight.shape[0]
                 eos = self.model.generation_config.eos_token_id
                 eos = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)

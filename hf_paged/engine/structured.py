@@ -102,6 +102,11 @@ class StructuredOutput:
         return kind, "" if kind == "json_object" else getattr(self, kind)
 
 
+class StructuredOutputUnavailable(ValueError):
+    """Structured output cannot run with this engine at all (no tokenizer, or one llguidance cannot read):
+    the engine's limit, not the grammar's fault."""
+
+
 def _eos_words(eos_token_ids, words: int) -> torch.Tensor:
     """An int32 bitmask row [words] allowing only ``eos_token_ids`` (bit t % 32 of word t // 32)."""
     row = [0] * words
@@ -131,8 +136,14 @@ class GrammarCompiler:
             raise ValueError(f"vocab_size {vocab_size} is below the tokenizer's {len(tokenizer)} ids or an EOS id")
         self.vocab_size = int(vocab_size)
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
-        self._tokenizer = llg.hf.from_tokenizer(tokenizer, n_vocab=self.vocab_size,
-                                                eos_token=sorted(self.eos_token_ids))
+        try:
+            self._tokenizer = llg.hf.from_tokenizer(tokenizer, n_vocab=self.vocab_size,
+                                                    eos_token=sorted(self.eos_token_ids))
+        except (ValueError, TypeError, AttributeError) as exc:
+            raise StructuredOutputUnavailable(
+                f"structured output cannot use this tokenizer ({type(tokenizer).__name__}): llguidance reads "
+                f"Hugging Face fast tokenizers whose decoder it knows (byte-level, metaspace, byte fallback) and "
+                f"said: {exc}") from None
         self._limits = llg.LLParserLimits(verbose_errors=False)   # errors without the whole parser state
         self._executor = llg.LLExecutor(mask_threads)
         self._json_options = {} if any_whitespace else {

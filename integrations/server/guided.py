@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from typing import Optional
 
-from hf_paged.engine.structured import StructuredOutput
+from hf_paged.engine.structured import StructuredOutput, StructuredOutputUnavailable
 
 from .errors import ApiError
 
@@ -77,13 +77,16 @@ def structured_spec(req) -> Optional[tuple[str, StructuredOutput]]:
 
 async def compile_structured(engine, param: str, spec: StructuredOutput):
     """``engine.compile_grammar(spec)`` in a worker thread (compiling a schema can take long; the event
-    loop serves other requests meanwhile); its ValueError is a 400 ``invalid_grammar``."""
+    loop serves other requests meanwhile); its ValueError is a 400 ``invalid_grammar``, or ``unsupported`` where
+    no grammar could compile (StructuredOutputUnavailable: no tokenizer, or one llguidance cannot read)."""
     compile_grammar = getattr(engine, "compile_grammar", None)
     if compile_grammar is None:            # an engine without a grammar compiler (e.g. a stand-in)
         raise ApiError(400, "structured output needs the engine's grammar compiler (Engine.compile_grammar), "
                             "which this engine does not have", param=param, code="unsupported")
     try:
         return await asyncio.to_thread(compile_grammar, spec)
+    except StructuredOutputUnavailable as exc:
+        raise ApiError(400, f"{param}: {exc}", param=param, code="unsupported") from None
     except ValueError as exc:
         raise ApiError(400, f"the {KINDS[spec.kind]} of {param} does not compile: {exc}", param=param,
                        code="invalid_grammar") from None

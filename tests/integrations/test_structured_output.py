@@ -114,3 +114,25 @@ def test_server_refuses_a_grammar_that_cannot_compile(client):
         client.completions.create(model="smollm2", prompt="x", max_tokens=4,
                                   extra_body={"guided_json": {"type": "object", "properties": {"a": {"type": "nope"}}}})
     assert "json" in str(err.value)
+
+
+def test_a_tokenizer_llguidance_cannot_read_is_the_engines_limit_not_the_grammars():
+    """A word-level tokenizer without a decoder: the offline engine raises StructuredOutputUnavailable (a
+    ValueError) naming the tokenizer, and the server answers 400 ``unsupported``, not ``invalid_grammar``."""
+    from hf_paged.engine.structured import StructuredOutputUnavailable  # noqa: PLC0415
+    from tiny_models import make_model, word_tokenizer  # noqa: PLC0415
+
+    model, tokenizer = make_model("llama", seed=1), word_tokenizer()
+    llm = LLM(model, tokenizer, num_blocks=32)
+    with pytest.raises(StructuredOutputUnavailable, match="cannot use this tokenizer .*decoder"):
+        llm.generate(["w5 w6"], structured_output=StructuredOutput(regex="w[0-9]"), max_new_tokens=3)
+    with pytest.raises(StructuredOutputUnavailable, match="needs a tokenizer"):
+        LLM(model, num_blocks=32).generate([[5, 6]], structured_output=StructuredOutput(regex="w[0-9]"),
+                                           max_new_tokens=3)
+    app = create_app(model, tokenizer, served_model_name="tiny", num_blocks=32)
+    with running(app) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model="tiny", prompt="w5", max_tokens=4, extra_body={"guided_regex": "w[0-9]"})
+        assert err.value.body["code"] == "unsupported" and "tokenizer" in err.value.body["message"]
+        assert client.completions.create(model="tiny", prompt="w5", max_tokens=2).choices[0].text   # still serving
