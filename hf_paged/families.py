@@ -4,8 +4,9 @@ All are native transformers models whose attention calls ``cache.update`` with p
 then the registered attention function, so a family is a declaration: where the KV geometry lives in
 the config, and which layers use a sliding window. Beside the five families the project was built for
 (llama, qwen2, qwen3, glm, glm4) stand their relatives whose attention is one of theirs: Mistral and
-Mixtral (LLaMA's attention with a window over every layer), Qwen2-MoE and Qwen3-MoE (Qwen2's and Qwen3's
-attention; the MoE blocks are MLPs, which the cache never sees). What a loaded model instance holds (its
+Mixtral (LLaMA's attention with a window over every layer), SmolLM3 and Granite (LLaMA's, without RoPE
+on some layers / with its own scale), Qwen2-MoE and Qwen3-MoE (Qwen2's and Qwen3's attention; the MoE
+blocks are MLPs, which the cache never sees). What a loaded model instance holds (its
 tensor-parallel share of the heads, each layer's device) is read by ``hf_paged.introspect``.
 """
 from __future__ import annotations
@@ -72,6 +73,8 @@ FAMILIES = {
                              " partial interleaved RoPE, few KV heads."),
         ModelFamily("glm4", "GLM-4-0414: as glm, with two extra norms per layer."),
         ModelFamily("mistral", "Mistral: LLaMA's attention, config.sliding_window on every layer.", True),
+        ModelFamily("smollm3", "SmolLM3: LLaMA's attention, no RoPE on the no_rope_layers, a window by layer_types."),
+        ModelFamily("granite", "Granite: LLaMA's attention scaled by attention_multiplier; multipliers elsewhere."),
         ModelFamily("mixtral", "Mixtral: Mistral's attention, MoE MLPs.", True),
         ModelFamily("qwen2_moe", "Qwen2-MoE / Qwen1.5-MoE: Qwen2's attention (window by layer_types), MoE MLPs."),
         ModelFamily("qwen3_moe", "Qwen3-MoE: Qwen3's attention, config.sliding_window on every layer, MoE MLPs.",

@@ -149,6 +149,12 @@ def kv_format(kv_cache_dtype: str | None) -> KVFormat | None:
     return FORMATS[name]
 
 
+def default_block_size(kv_cache_dtype: str | None) -> int:
+    """Tokens per block when none is asked: KIVI's key group (``KIVI_BLOCK_SIZE``, the only size it takes) for
+    "kivi", else 16 (vLLM's default on GPUs)."""
+    return KIVI_BLOCK_SIZE if kv_format(kv_cache_dtype) is KIVI else 16
+
+
 def rotation_matrix(head_dim: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """The fixed orthogonal fp32 [D, D] matrix R that quantised pools store ``x @ R`` of."""
     if head_dim & (head_dim - 1) == 0:

@@ -73,7 +73,7 @@ def _expand_hook(decoder, args, kwargs, output):
     return cache.end_forward(output)
 
 
-def patch(model, *, default: bool = False, block_size: int = 16, num_blocks: int | None = None,
+def patch(model, *, default: bool = False, block_size: int | None = None, num_blocks: int | None = None,
           max_memory_bytes: int | None = None, release_finished_rows: bool = True, kv_cache_dtype: str = "auto",
           enable_prefix_caching: bool = False, prefix_cache_bytes: int | None = None):
     """Make ``model`` generate through a PagedCache when asked for ``cache_implementation="paged"``.
@@ -88,8 +88,9 @@ def patch(model, *, default: bool = False, block_size: int = 16, num_blocks: int
         half precision a near-tie can flip a token. ``prefix_cache_bytes``: the store's K/V budget (default
         256 MiB), evicted least recently used; patching again with other options empties it.
     Patching a patched model applies the new options (the state to restore on unpatch is kept).
-    Returns the model. Raises UnsupportedModelError for model types other than llama, qwen2, qwen3,
-    glm, glm4. The hook needs the decoder's ``get_input_embeddings`` (all supported families have it).
+    Returns the model. Raises UnsupportedModelError for model types hf_paged.families does not declare
+    (llama, qwen2, qwen3, glm, glm4 and their relatives: mistral, mixtral, smollm3, granite, qwen2_moe,
+    qwen3_moe). The hook needs the decoder's ``get_input_embeddings`` (all supported families have it).
     """
     options = dict(block_size=block_size, num_blocks=num_blocks, max_memory_bytes=max_memory_bytes,
                    release_finished_rows=release_finished_rows, kv_cache_dtype=kv_cache_dtype)
@@ -97,7 +98,7 @@ def patch(model, *, default: bool = False, block_size: int = 16, num_blocks: int
     probe = PagedCache(model.config, dtype=model.dtype, **options)       # validates the options now
     budget = _prefix_budget(enable_prefix_caching, prefix_cache_bytes)
     if budget is not None:
-        blocks_for_budget(budget, probe.bytes_per_token, block_size, "prefix_cache_bytes")
+        blocks_for_budget(budget, probe.bytes_per_token, probe.block_size, "prefix_cache_bytes")
     state = getattr(model, STATE_ATTR, None)
     if state is not None:
         if (options, budget) != (state.cache_options, state.prefix_cache_bytes):

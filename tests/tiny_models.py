@@ -8,10 +8,11 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from transformers import (Glm4Config, Glm4ForCausalLM, GlmConfig, GlmForCausalLM, LlamaConfig, LlamaForCausalLM,
-                          MistralConfig, MistralForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen2Config,
-                          Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3Config, Qwen3ForCausalLM,
-                          Qwen3MoeConfig, Qwen3MoeForCausalLM)
+from transformers import (Glm4Config, Glm4ForCausalLM, GlmConfig, GlmForCausalLM, GraniteConfig, GraniteForCausalLM,
+                          LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig,
+                          MixtralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM,
+                          Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM, SmolLM3Config,
+                          SmolLM3ForCausalLM)
 
 import hf_paged
 
@@ -34,7 +35,7 @@ FAMILIES = {
 
 # The families' relatives (hf_paged.families): windows shorter than the tests' prompts where the family has
 # one (Qwen3-MoE's attention takes config.sliding_window on every layer); MoE layers beside a dense one
-# (Qwen2-MoE's mlp_only_layers).
+# (Qwen2-MoE's mlp_only_layers); SmolLM3's fourth layer without RoPE and windowed; Granite's multipliers.
 MOE = dict(num_experts_per_tok=2, moe_intermediate_size=64)
 RELATIVES = {
     "mistral": (MistralConfig, MistralForCausalLM, dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
@@ -42,6 +43,12 @@ RELATIVES = {
     "mixtral": (MixtralConfig, MixtralForCausalLM, dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
                                                         num_local_experts=4, num_experts_per_tok=2,
                                                         sliding_window=None)),
+    "smollm3": (SmolLM3Config, SmolLM3ForCausalLM, dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+                                                        num_hidden_layers=4, use_sliding_window=True,
+                                                        sliding_window=8)),
+    "granite": (GraniteConfig, GraniteForCausalLM, dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+                                                        attention_multiplier=0.09, residual_multiplier=0.6,
+                                                        embedding_multiplier=3.0, logits_scaling=2.0)),
     "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM, dict(
         hidden_size=128, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3, num_experts=4,
         shared_expert_intermediate_size=96, mlp_only_layers=[1], use_sliding_window=True, sliding_window=7,

@@ -27,7 +27,7 @@ import torch
 from ..backends import Step
 from ..blocks import BlockPool, PoolExhaustedError, blocks_for_budget
 from ..families import KVGeometry
-from ..kv_formats import kv_format
+from ..kv_formats import default_block_size, kv_format
 from ..plan import padded_plan
 from .active_rows import ActiveRows
 from .pools import KVPools
@@ -39,7 +39,7 @@ class PagedCache(KVPools):
 
     Args:
         config: the model's config (its KV geometry and sliding windows are read from it).
-        block_size: tokens per block (1..1024; 16 by default, as in vLLM).
+        block_size: tokens per block (1..1024; by default 16, as in vLLM, or 32 for kv_cache_dtype="kivi").
         num_blocks: fixed pool size in blocks.
         max_memory_bytes: fixed pool size as a KV byte budget (over all layers, keys and values).
         release_finished_rows: once a row's input is an EOS token (generate sets the EOS ids), store it,
@@ -56,12 +56,14 @@ class PagedCache(KVPools):
             quality bounds (README, "Quantised KV").
     """
 
-    def __init__(self, config, *, block_size: int = 16, num_blocks: int | None = None,
+    def __init__(self, config, *, block_size: int | None = None, num_blocks: int | None = None,
                  max_memory_bytes: int | None = None, release_finished_rows: bool = True,
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None,
                  backend=None, geometry: KVGeometry | None = None, kv_cache_dtype: str = "auto"):
         super().__init__(config, backend, geometry, kv_format(kv_cache_dtype))
         self.kv_cache_dtype = "auto" if self.kv_format is None else self.kv_format.name
+        if block_size is None:
+            block_size = default_block_size(kv_cache_dtype)
         if not isinstance(block_size, int) or not 1 <= block_size <= 1024:
             raise ValueError(f"block_size must be an int in 1..1024, got {block_size!r}")
         if num_blocks is not None and max_memory_bytes is not None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..blocks import blocks_for_budget
-from ..kv_formats import kv_format
+from ..kv_formats import default_block_size, kv_format
 
 log = logging.getLogger("hf_paged.engine")
 _CPU_DEFAULT_CAP = 512 * 2**20
@@ -23,7 +23,8 @@ _CPU_DEFAULT_CAP = 512 * 2**20
 
 @dataclass
 class EngineConfig:
-    """block_size: tokens per KV block. max_num_seqs: sequences running at once. max_num_batched_tokens:
+    """block_size: tokens per KV block (None: 16, or 32 for kv_cache_dtype="kivi", the size it needs).
+    max_num_seqs: sequences running at once. max_num_batched_tokens:
     tokens per forward (decode tokens + prefill chunks). max_model_len: longest prompt + output (default
     the model's ``max_position_embeddings``). enable_prefix_caching: reuse full blocks across requests.
     kv_cache_dtype: how blocks store K/V ("auto" = the model's dtype; "fp8", "fp8_e4m3", "fp8_e5m2", "int8",
@@ -35,7 +36,7 @@ class EngineConfig:
     add), rotary embedding and SiLU·mul as fused C++ ops inside the engine's steps (``hf_paged.engine.fused``;
     False, or enforce_eager, keeps the model's own module forwards). max_logprobs: the
     most top tokens a request may ask per log-probability entry (``logprobs``, ``prompt_logprobs``), as vLLM's."""
-    block_size: int = 16
+    block_size: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None
@@ -50,6 +51,8 @@ class EngineConfig:
 
     def validate(self) -> None:
         kv_format(self.kv_cache_dtype)          # raises with the known values
+        if self.block_size is None:
+            self.block_size = default_block_size(self.kv_cache_dtype)
         for name in ("enforce_eager", "fused_ops"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")

@@ -142,6 +142,22 @@ def test_block_size_other_than_32_is_refused_with_the_knob():
         KVPools(make_model("llama").config, kv_format=KIVI).allocate_pools(2, 16, torch.float32, "cpu")
 
 
+def test_the_block_size_left_unset_is_kivis_own_everywhere():
+    """A user who names only kv_cache_dtype="kivi" gets its 32-token blocks: engine, PagedCache, patch."""
+    model = make_model("llama", seed=2)
+    llm = hf_paged.LLM(model, kv_cache_dtype="kivi", num_blocks=16)
+    assert llm.engine.config.block_size == BLOCK_SIZE == 32
+    assert hf_paged.LLM(model, num_blocks=16).engine.config.block_size == 16
+    assert hf_paged.PagedCache(model.config, kv_cache_dtype="kivi").block_size == BLOCK_SIZE
+    assert hf_paged.PagedCache(model.config, kv_cache_dtype="int8").block_size == 16
+    ids, mask = make_batch([5, 37], seed=1)
+    with patched(model, kv_cache_dtype="kivi"):
+        out = model.generate(input_ids=ids, attention_mask=mask, cache_implementation="paged", max_new_tokens=4)
+    assert out.shape == (2, ids.shape[1] + 4)
+    with pytest.raises(ValueError, match="set block_size=32"):          # asked for: refused, with the knob
+        hf_paged.LLM(model, kv_cache_dtype="kivi", block_size=16, num_blocks=16)
+
+
 def _generate(model, kv_cache_dtype, ids, mask, **kw):
     with patched(model, kv_cache_dtype=kv_cache_dtype, block_size=BS):
         return model.generate(input_ids=ids, attention_mask=mask, cache_implementation="paged", **kw)

@@ -173,7 +173,7 @@ def test_unsupported_model_type_is_named():
 
     model = Phi3ForCausalLM(Phi3Config(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
                                        num_attention_heads=2, num_key_value_heads=1, pad_token_id=0))
-    with pytest.raises(UnsupportedModelError, match="model_type='phi3'.*glm, glm4, llama, mistral, mixtral, qwen2"):
+    with pytest.raises(UnsupportedModelError, match="model_type='phi3'.*glm, glm4, granite, llama, mistral"):
         hf_paged.patch(model)
     with pytest.raises(UnsupportedModelError):
         hf_paged.PagedCache(model.config)

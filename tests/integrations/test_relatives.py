@@ -1,5 +1,5 @@
-"""The families' relatives (Mistral, Mixtral, Qwen2-MoE, Qwen3-MoE: hf_paged.families): patched generate
-equals transformers' default path in tokens and logits (greedy, sampling, beams, left padding, prompts
+"""The families' relatives (Mistral, Mixtral, SmolLM3, Granite, Qwen2-MoE, Qwen3-MoE: hf_paged.families):
+patched generate equals transformers' default path in tokens and logits (greedy, sampling, beams, left padding, prompts
 longer than the sliding windows), the engine gives each prompt's own greedy tokens with and without its
 fused ops, and the fused forwards leave MoE blocks to their own forward (tiny random models, fp32)."""
 from __future__ import annotations
@@ -73,6 +73,7 @@ def test_windows_follow_what_each_attention_applies():
     assert config_geometry(make_model("mixtral").config).sliding_windows == (0, 0)
     assert config_geometry(make_model("qwen2_moe").config).sliding_windows == (7, 0, 7)     # layer_types
     assert config_geometry(make_model("qwen3_moe").config).sliding_windows == (11, 11)
+    assert config_geometry(make_model("smollm3").config).sliding_windows == (0, 0, 0, 8)
 
 
 def test_fused_forwards_leave_moe_blocks_to_their_own():
