@@ -38,12 +38,12 @@ def _specs() -> dict[type, tuple[type, dict]]:
     specs = {norm: (_Norm, {}) for norm in _known_norms()}
     for f in FAMILY_CLASSES:
         mod = _modeling(f.family)
-        if f.classes("MLP") is not None:            # (Mixtral has none: its MoE blocks keep their forward)
-            specs[f.classes("MLP")] = (_Mlp, {"split": f.split})
-        specs[f.classes("Attention")] = (Attention, {
+        if f.module_class("MLP") is not None:            # (Mixtral has none: its MoE blocks keep their forward)
+            specs[f.module_class("MLP")] = (_Mlp, {"split": f.split})
+        specs[f.module_class("Attention")] = (Attention, {
             "qk_norm": f.qk_norm, "interleaved": f.interleaved, "window": f.window,
             "eager": mod.eager_attention_forward})
-        specs[f.classes("DecoderLayer")] = (DecoderLayer, {"sandwich": f.sandwich})
+        specs[f.module_class("DecoderLayer")] = (DecoderLayer, {"sandwich": f.sandwich})
     return specs
 
 

@@ -66,7 +66,7 @@ class _Norm(_Fused):
 
 def norm_fusible(norm, x: torch.Tensor) -> bool:
     """Whether ``add_rms_norm`` may stand for the norm module ``norm`` on ``x``."""
-    return type(norm) in _known_norms() and not _has_hooks(norm) and norm.weight.dtype == x.dtype \
+    return _is_known_norm(type(norm)) and not _has_hooks(norm) and norm.weight.dtype == x.dtype \
         and norm.weight.is_contiguous()
 
 
@@ -118,7 +118,7 @@ class FamilyClasses:
     sandwich: bool = False
     split: bool = False
 
-    def classes(self, suffix: str):
+    def module_class(self, suffix: str):
         return getattr(_modeling(self.family), f"{self.prefix}{suffix}", None)
 
 
@@ -141,8 +141,16 @@ def passed_window(attention, how: str | None) -> int | None:
     return None
 
 
+# modeling module -> its RMSNorm class's name: norm_fusible's per-call test (no import on the hot path)
+_NORM_NAMES = {f"transformers.models.{f.family}.modeling_{f.family}": f"{f.prefix}RMSNorm" for f in FAMILY_CLASSES}
+
+
+def _is_known_norm(cls: type) -> bool:
+    return _NORM_NAMES.get(cls.__module__) == cls.__name__
+
+
 def _known_norms() -> tuple[type, ...]:
-    return tuple(f.classes("RMSNorm") for f in FAMILY_CLASSES)
+    return tuple(f.module_class("RMSNorm") for f in FAMILY_CLASSES)
 
 
 def _modeling(family: str):

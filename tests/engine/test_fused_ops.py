@@ -147,3 +147,12 @@ def test_grad_and_other_dtypes_run_the_modules_own_forward(ops):
 def test_fused_ops_must_be_a_bool():
     with pytest.raises(ValueError, match="fused_ops"):
         Engine(make_model("llama", seed=0), fused_ops="no")
+
+
+def test_every_known_norm_class_passes_the_per_call_test():
+    """norm_fusible tells known RMSNorm classes by module and name (no import per call); a transformers that
+    defined one elsewhere (an alias of another family's) would lose its fused norms without this."""
+    from hf_paged.engine.fused_base import _is_known_norm, _known_norms
+
+    assert all(_is_known_norm(cls) for cls in _known_norms())
+    assert not _is_known_norm(torch.nn.LayerNorm)
