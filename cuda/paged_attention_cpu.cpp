@@ -43,6 +43,10 @@ struct PlainTiles {
   bool rotates_query() const { return false; }
   bool hadamard() const { return false; }
   static constexpr bool kConverts = false;       // f32 read in place; 16-bit converted per item, as before
+  static constexpr bool kBf16Keys = std::is_same_v<T, c10::BFloat16>;
+  const uint16_t* key_bits(int64_t h, int64_t block) const {
+    return reinterpret_cast<const uint16_t*>(k + (h * num_blocks + block) * tile);
+  }
 };
 
 template <typename T>

@@ -16,7 +16,10 @@
 // tile is produced once per (KV head, block, work item) and serves every query of the item (the GQA
 // group, and the tokens of a prefill row's chunk), so dequantisation costs once per stored row read.
 // Decode items (one token) take dot products per key; prefill chunks go through the register-tiled query
-// and key tiles of paged_attention_cpu_tile.h.
+// and key tiles of paged_attention_cpu_tile.h. A source may also declare
+//   static constexpr bool kBf16Keys      its keys are bf16 in place: const uint16_t* key_bits(h, block) const
+// and then, in a build for AVX-512 BF16, prefill chunks score them by VDPBF16PS (score_block_bf16) against
+// the unscaled bf16 queries instead of converting them to float.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -28,6 +31,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <unordered_map>
 #include <vector>
 
@@ -37,6 +41,13 @@
 namespace hfp_cpu {
 
 constexpr int kMaxGroup = 64;       // query heads per KV head (refused above this, with the limit named)
+
+// The bf16 bits of a float that holds a bf16 value exactly (a converted bf16 query): its top half.
+inline uint32_t bf16_bits(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  return u >> 16;
+}
 
 template <typename T>
 inline void to_float(const T* src, float* dst, int64_t n) {
@@ -74,11 +85,13 @@ inline const float* float_tile<float>(const float* src, float*, int64_t) { retur
 struct Scratch {
   int64_t rows, tile_keys;
   std::vector<float> q, qt, acc, m, l, corr, lo, hi, kbuf, vbuf, scores, row;
+  std::vector<uint32_t> qt2;              // [D/2][R] bf16 query pairs (score_block_bf16)
   std::vector<TileBlock> blocks;
   Scratch(int64_t queries, int64_t head_dim, int64_t block_size)
       : rows(pad(queries)), tile_keys(std::max(kTileKeys, block_size)), q(rows * head_dim), qt(head_dim * rows),
         acc(rows * head_dim), m(rows), l(rows), corr(rows), lo(rows), hi(rows), kbuf(tile_keys * head_dim),
-        vbuf(tile_keys * head_dim), scores(tile_keys * rows), row(head_dim), blocks(tile_keys / block_size) {}
+        vbuf(tile_keys * head_dim), scores(tile_keys * rows), row(head_dim), qt2(head_dim / 2 * rows),
+        blocks(tile_keys / block_size) {}
   static int64_t pad(int64_t n) { return (n + kRowStep - 1) / kRowStep * kRowStep; }
 };
 
@@ -226,6 +239,22 @@ inline void single_token(Scratch& s, int64_t pos, int64_t window, int64_t base, 
   }
 }
 
+// Whether prefill chunks of `Tiles` score bf16 keys in place by VDPBF16PS (see the top of this file).
+template <typename Tiles, typename = void>
+struct HasBf16Keys : std::false_type {};
+template <typename Tiles>
+struct HasBf16Keys<Tiles, std::void_t<decltype(Tiles::kBf16Keys)>> : std::bool_constant<Tiles::kBf16Keys> {};
+
+template <typename Tiles>
+inline bool dot_scores(int64_t head_dim) {
+#if defined(__AVX512BF16__)
+  return HasBf16Keys<Tiles>::value && head_dim % 2 == 0;
+#else
+  (void)head_dim;
+  return false;
+#endif
+}
+
 // K and V tiles of one block for a work item, converted (16-bit pools) into kbuf / vbuf when not read in
 // place: a prefill chunk of a converting source goes through the thread's cache instead (tiles shared by
 // the row's chunks); decode items (one token, each block read once) convert into the scratch.
@@ -313,10 +342,20 @@ void chunk_item(Scratch& s, TileCache& cache, const Geometry& g, const Tiles& ti
                 int64_t count, int64_t lo_key, int64_t hi_key) {
   const int64_t head_dim = g.head_dim, live = count * g.group, rows = s.rows, row = g.row_of[t0];
   const int64_t own = g.own_blocks ? g.pos_of[t0] / g.block_size : -1;     // every query's block (make_chunks)
-  for (int64_t d = 0; d < head_dim; ++d) {
-    float* column = s.qt.data() + d * rows;
-    for (int64_t r = 0; r < live; ++r) column[r] = s.q[r * head_dim + d];
-    std::fill(column + live, column + rows, 0.f);
+  const bool dot = dot_scores<Tiles>(head_dim);          // s.q then holds the unscaled bf16 queries' values
+  if (dot) {
+    for (int64_t p = 0; p < head_dim / 2; ++p) {
+      uint32_t* pairs = s.qt2.data() + p * rows;
+      for (int64_t r = 0; r < live; ++r)      // the exact bf16 bits: the top halves of the floats
+        pairs[r] = bf16_bits(s.q[r * head_dim + 2 * p]) | bf16_bits(s.q[r * head_dim + 2 * p + 1]) << 16;
+      std::fill(pairs + live, pairs + rows, 0u);
+    }
+  } else {
+    for (int64_t d = 0; d < head_dim; ++d) {
+      float* column = s.qt.data() + d * rows;
+      for (int64_t r = 0; r < live; ++r) column[r] = s.q[r * head_dim + d];
+      std::fill(column + live, column + rows, 0.f);
+    }
   }
   const int64_t vectors = (live + simd::kLanes - 1) / simd::kLanes * simd::kLanes;   // rows the softmax runs
   std::fill(s.m.begin(), s.m.begin() + vectors, -std::numeric_limits<float>::infinity());
@@ -326,8 +365,17 @@ void chunk_item(Scratch& s, TileCache& cache, const Geometry& g, const Tiles& ti
     int64_t n = 0, nb = 0;
     for (int64_t b = b0; b < b0 + per_tile && b * g.block_size < hi_key; ++b, ++nb) {
       const int64_t keys = std::min(g.block_size, hi_key - b * g.block_size);     // keys anyone sees
-      const float *k, *v;
-      block_tiles(tiles, cache, h, table_block(g, row, b), g.num_blocks, keys, head_dim, true, b == own,
+      const float *k = nullptr, *v;
+      const int64_t block = table_block(g, row, b);
+      if constexpr (HasBf16Keys<Tiles>::value) {
+        if (dot) {                                       // keys scored in place; values as floats
+          v = tiles.values(h, block, keys, s.vbuf.data() + n * head_dim, false);
+          s.blocks[nb] = TileBlock{nullptr, v, keys, tiles.key_bits(h, block)};
+          n += keys;
+          continue;
+        }
+      }
+      block_tiles(tiles, cache, h, block, g.num_blocks, keys, head_dim, true, b == own,
                   s.kbuf.data() + n * head_dim, s.vbuf.data() + n * head_dim, k, v);
       s.blocks[nb] = TileBlock{k, v, keys};
       n += keys;
@@ -340,9 +388,17 @@ void chunk_item(Scratch& s, TileCache& cache, const Geometry& g, const Tiles& ti
     for (int64_t r0 = 0; r0 < vectors; r0 += kRowStep) {
       simd::V scored_max[2] = {simd::set1(-std::numeric_limits<float>::infinity()),
                                simd::set1(-std::numeric_limits<float>::infinity())};
-      for (int64_t b = 0, at = 0; b < nb; at += s.blocks[b].keys, ++b)
+      for (int64_t b = 0, at = 0; b < nb; at += s.blocks[b].keys, ++b) {
+#if defined(__AVX512BF16__)
+        if (dot) {
+          score_block_bf16(s.blocks[b].kbits, s.blocks[b].keys, s.qt2.data(), head_dim, rows, r0, g.scale,
+                           s.scores.data() + at * rows, scored_max);
+          continue;
+        }
+#endif
         score_block(s.blocks[b].k, s.blocks[b].keys, s.qt.data(), head_dim, rows, r0, s.scores.data() + at * rows,
                     scored_max);
+      }
       softmax_rows(s.scores.data(), n, rows, r0, std::min(r0 + kRowStep, vectors), state, masked, scored_max);
     }
     value_tile(s.acc.data(), s.corr.data(), s.scores.data(), rows, s.blocks.data(), nb, live, head_dim);
@@ -383,7 +439,8 @@ void attend_item(Scratch& s, TileCache& cache, const Geometry& g, const Tiles& t
   if (rotation != nullptr && tiles.rotates_query())
     for (int64_t qi = 0; qi < queries; ++qi)
       rotate_row(s.q.data() + qi * head_dim, rotation, head_dim, false, s.row.data(), hadamard);
-  for (int64_t i = 0; i < queries * head_dim; ++i) s.q[i] *= g.scale;
+  if (count == 1 || !dot_scores<Tiles>(head_dim))       // (VDPBF16PS scores are scaled after their sums)
+    for (int64_t i = 0; i < queries * head_dim; ++i) s.q[i] *= g.scale;
   std::fill(s.acc.begin(), s.acc.begin() + queries * head_dim, 0.f);
   if (count == 1) {
     decode_item(s, cache, g, tiles, h, t0, lo_key, hi_key);

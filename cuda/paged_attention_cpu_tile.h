@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 
 #include "paged_attention_cpu_simd.h"
@@ -26,10 +27,12 @@ constexpr int64_t kRowStep = 2 * simd::kLanes;         // query rows per score r
 constexpr int64_t kTileKeys = 64;                      // keys per key tile (more when one block holds more)
 constexpr int64_t kTargetRows = 128;                   // query rows per work item: tokens = this / GQA group
 
-// One block of a key tile: its K and V rows ([keys, D] floats, where the tile source put them).
+// One block of a key tile: its K and V rows ([keys, D] floats, where the tile source put them); kbits: the
+// block's bf16 K rows in place, when the tile's scores are made from them (score_block_bf16; k is then unused).
 struct TileBlock {
   const float *k, *v;
   int64_t keys;
+  const uint16_t* kbits = nullptr;
 };
 
 // st[kb][r0 : r0 + kRowStep] = k[kb] . qt[:, r0 : r0 + kRowStep] for KB consecutive keys (rows of k); tmax
@@ -73,6 +76,56 @@ inline void score_block(const float* k, int64_t keys, const float* qt, int64_t h
     default: break;
   }
 }
+
+#if defined(__AVX512BF16__)
+// score_keys for bf16 keys read in place and bf16 queries in pairs: qt2 [D/2][R] holds each row's
+// (q[2p], q[2p+1]) as one 32-bit lane, a key's (k[2p], k[2p+1]) is broadcast, and VDPBF16PS adds both products
+// (exact in float) to float sums: half the instructions of the float kernel. The sums are then scaled (the
+// queries arrive unscaled: a bf16 query times a non-power-of-two scale would round).
+template <int KB>
+inline void score_keys_bf16(const uint16_t* k, const uint32_t* qt2, int64_t head_dim, int64_t rows, int64_t r0,
+                            float scale, float* st, __m512* tmax) {
+  __m512 a[KB][2];
+  for (int kb = 0; kb < KB; ++kb) a[kb][0] = a[kb][1] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < head_dim / 2; ++p) {
+    const __m512bh q0 = (__m512bh)_mm512_loadu_si512(qt2 + p * rows + r0);
+    const __m512bh q1 = (__m512bh)_mm512_loadu_si512(qt2 + p * rows + r0 + 16);
+    for (int kb = 0; kb < KB; ++kb) {
+      int32_t pair;
+      std::memcpy(&pair, k + kb * head_dim + 2 * p, sizeof pair);
+      const __m512bh kp = (__m512bh)_mm512_set1_epi32(pair);
+      a[kb][0] = _mm512_dpbf16_ps(a[kb][0], q0, kp);
+      a[kb][1] = _mm512_dpbf16_ps(a[kb][1], q1, kp);
+    }
+  }
+  const __m512 s = _mm512_set1_ps(scale);
+  for (int kb = 0; kb < KB; ++kb) {
+    const __m512 x0 = _mm512_mul_ps(a[kb][0], s), x1 = _mm512_mul_ps(a[kb][1], s);
+    _mm512_storeu_ps(st + kb * rows + r0, x0);
+    _mm512_storeu_ps(st + kb * rows + r0 + 16, x1);
+    tmax[0] = _mm512_max_ps(tmax[0], x0);
+    tmax[1] = _mm512_max_ps(tmax[1], x1);
+  }
+}
+
+// score_block for a block's bf16 keys in place (see score_keys_bf16).
+inline void score_block_bf16(const uint16_t* k, int64_t keys, const uint32_t* qt2, int64_t head_dim, int64_t rows,
+                             int64_t r0, float scale, float* st, __m512* tmax) {
+  int64_t j = 0;
+  for (; j + kKeyRegs <= keys; j += kKeyRegs)
+    score_keys_bf16<kKeyRegs>(k + j * head_dim, qt2, head_dim, rows, r0, scale, st + j * rows, tmax);
+  const uint16_t* kj = k + j * head_dim;
+  float* sj = st + j * rows;
+  switch (keys - j) {
+    case 5: score_keys_bf16<5>(kj, qt2, head_dim, rows, r0, scale, sj, tmax); break;
+    case 4: score_keys_bf16<4>(kj, qt2, head_dim, rows, r0, scale, sj, tmax); break;
+    case 3: score_keys_bf16<3>(kj, qt2, head_dim, rows, r0, scale, sj, tmax); break;
+    case 2: score_keys_bf16<2>(kj, qt2, head_dim, rows, r0, scale, sj, tmax); break;
+    case 1: score_keys_bf16<1>(kj, qt2, head_dim, rows, r0, scale, sj, tmax); break;
+    default: break;
+  }
+}
+#endif
 
 // Per-row state of the online softmax, [R] each. lo/hi: the tile's keys row r sees, lo <= j < hi (tile
 // coordinates, as floats: exact below 2^24); padding rows have lo = hi = 0 and see none.

@@ -190,6 +190,24 @@ def test_prefill_tiles_match_torch(backend, head_dim, block_size, heads, window,
     assert_close(out, ref, dtype)
 
 
+# bf16 prefill chunks, scored by VDPBF16PS where built for AVX-512 BF16 (score_block_bf16): D 32-256 and an odd
+# 35 (the float tiles); blocks of 1, 5 and 7 keys (the 6-key register tile's tails); GQA 1 to 16; windows.
+BF16_PREFILL_CASES = [(128, 16, (16, 2), 0), (256, 8, (8, 1), 37), (64, 1, (9, 3), 0), (64, 5, (3, 3), 100),
+                      (32, 7, (8, 8), 0), (35, 16, (4, 2), 0)]
+
+
+@pytest.mark.parametrize("head_dim,block_size,heads,window", BF16_PREFILL_CASES)
+def test_bf16_prefill_tiles_match_torch(backend, head_dim, block_size, heads, window):
+    (num_q, num_kv), lengths = heads, [b + n for b, n in PREFILL_ROWS]
+    k_pool, v_pool, tables, lens, gen = make_cache(lengths, block_size, num_kv, head_dim, torch.bfloat16,
+                                                   seed=head_dim + block_size)
+    query, query_pos = prefill_query(PREFILL_ROWS, num_q, head_dim, torch.bfloat16, gen)
+    scale = head_dim ** -0.5           # (not a power of two at 32, 128 and 35: applied after the sums)
+    out = backend.extend_attention(query, k_pool, v_pool, tables, lens, query_pos, scale, window)
+    ref = ta.extend_attention(query, k_pool, v_pool, tables, lens, query_pos, scale, window)
+    assert_close(out, ref, torch.bfloat16)
+
+
 @pytest.mark.parametrize("name,head_dim,heads,window", [("int8", 64, (9, 3), 0), ("int4", 128, (16, 2), 37),
                                                         ("fp8_e4m3", 80, (3, 3), 0)])
 def test_prefill_tiles_over_quantised_pools(backend, name, head_dim, heads, window):
