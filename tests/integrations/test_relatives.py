@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import hf_paged
 from hf_paged.engine import LLM
 from hf_paged.families import config_geometry
 from tiny_models import RELATIVES, make_batch, make_model, patched
