@@ -64,8 +64,7 @@ def passages(tokenizer, count: int = 8, tokens: int = 512) -> list[torch.Tensor]
 
 
 def paged_cache(model, name: str) -> hf_paged.PagedCache:
-    return hf_paged.PagedCache(model.config, kv_cache_dtype=name, dtype=model.dtype,
-                               block_size=32 if name == "kivi" else 16)      # kivi's key groups are its blocks
+    return hf_paged.PagedCache(model.config, kv_cache_dtype=name, dtype=model.dtype)    # (kivi: its 32-token blocks)
 
 
 def _log_probs(model, ids: torch.Tensor, cache=None) -> torch.Tensor:
@@ -124,8 +123,7 @@ def capacity(model, names: list[str], progress, budget: int = 24 * 2**20, reques
     prompts = torch.randint(100, model.config.vocab_size, (requests, prompt), generator=gen).tolist()
     out = {"budget_bytes": budget, "requests": requests, "prompt": prompt, "output": output}
     for name in names:
-        llm = hf_paged.LLM(model, kv_cache_memory_bytes=budget, kv_cache_dtype=name, max_num_seqs=requests,
-                           block_size=32 if name == "kivi" else 16)
+        llm = hf_paged.LLM(model, kv_cache_memory_bytes=budget, kv_cache_dtype=name, max_num_seqs=requests)
         peak = 0
         t0 = time.perf_counter()
         for _ in llm.stream(prompts, max_new_tokens=output, ignore_eos=True, do_sample=False, use_tqdm=False):
@@ -164,8 +162,8 @@ def speed(model, names: list[str], progress, rounds: int = 3, prompt: int = 0, o
     # round's blocks would skip its prefill, and the smaller formats keep more)
     formats = {name: name for name in names} | ({CONTROL: names[0]} if control else {})
     names = list(formats)
-    engines = {name: hf_paged.LLM(model, kv_cache_dtype=fmt, max_num_seqs=32, block_size=32 if fmt == "kivi" else 16,
-                                  enable_prefix_caching=False) for name, fmt in formats.items()}
+    engines = {name: hf_paged.LLM(model, kv_cache_dtype=fmt, max_num_seqs=32, enable_prefix_caching=False)
+               for name, fmt in formats.items()}
     phases = {name: _time_phases(llm.engine.runner) for name, llm in engines.items()}
     for llm in engines.values():                              # warm-up
         llm.generate(prompts[:2], settings[:2], use_tqdm=False)

@@ -24,8 +24,7 @@ from .kv_quant_texts import FORCED, LONG_KINDS, PROMPT, held_out_passages
 
 def decoded_log_probs(model, ids: torch.Tensor, name: str, prompt: int = PROMPT) -> torch.Tensor:
     """log-softmax [FORCED, V] of each forced position given the prompt, one forward per forced token."""
-    block_size = 32 if name == "kivi" else 16
-    cache = hf_paged.PagedCache(model.config, kv_cache_dtype=name, dtype=model.dtype, block_size=block_size)
+    cache = hf_paged.PagedCache(model.config, kv_cache_dtype=name, dtype=model.dtype)    # (kivi: 32-token blocks)
     with torch.no_grad(), hf_paged.use_paged_attention(model):
         logits = [model(input_ids=ids[None, :prompt], past_key_values=cache).logits[0, -1]]
         for t in range(prompt, len(ids) - 1):

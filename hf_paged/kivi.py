@@ -287,8 +287,8 @@ def write_kv(k_pool: KiviPool, v_pool: KiviPool, key: torch.Tensor, value: torch
 def one_call_args(k_pool: KiviPool, v_pool: KiviPool, plan: KiviWrite, dtype: torch.dtype) -> tuple | None:
     """``kivi_write_kv``'s arguments after the keys and values, for a write of ``plan`` (every token kept) of states
     in ``dtype`` into CPU pools: (the rotation, the plan's index tensors, the key pool's open rows, sink rows, codes
-    and scales, the value pool's). The plan is applied to the shared entries first (``transition``, once per plan) and the
-    side stores fitted to them. None where the write takes ``kivi_write`` per pool instead: pools that do not
+    and scales, the value pool's). The plan is applied to the shared entries first (``transition``, once per plan)
+    and the side stores fitted to them. None where the write takes ``kivi_write`` per pool instead: pools that do not
     share their entries, a block reopened from its codes, states in another dtype than the side rows'."""
     step = transition(k_pool.maps, plan)
     if (v_pool.maps is not k_pool.maps or step.reopen_first or step.reopen_after or step.kv_args is None

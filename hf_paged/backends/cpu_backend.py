@@ -261,7 +261,8 @@ class CpuStep(Step):
         (``kivi.one_call_args``). None where the Python calls go elsewhere: a plan that drops tokens or reopens a
         block, values not rotated, pools off this step's device, ops other than the extension's own."""
         backend = self.backend
-        if (plan.keep is not None or v_pool.rotation is None or k_pool.device != self.device or self.device.type != "cpu"
+        if (plan.keep is not None or v_pool.rotation is None or k_pool.device != self.device
+                or self.device.type != "cpu"
                 or backend.quant_op is not torch.ops.hf_paged_cpu.paged_attention_quant
                 or getattr(backend, "kivi_write_kv", None) is not torch.ops.hf_paged_cpu.kivi_write_kv):
             return None
