@@ -79,13 +79,14 @@ def build_baseline(ref: str):
     missing = [n for n in cpu_backend.SOURCES if n not in texts]
     if missing:
         raise SystemExit(f"--baseline {ref}: no {', '.join(missing)} in cuda/ at that commit")
-    digest = hashlib.sha1("\0".join([ref, *texts.values(), *cpu_backend.CFLAGS]).encode()).hexdigest()[:12]
+    flags = cpu_backend.cflags()
+    digest = hashlib.sha1("\0".join([ref, *texts.values(), *flags]).encode()).hexdigest()[:12]
     folder = Path(tempfile.gettempdir()) / f"hf_paged_cpu_base_{digest}"
     folder.mkdir(exist_ok=True)
     for name, text in texts.items():
         (folder / name).write_text(text)
     cpp_extension.load(name=f"hf_paged_cpu_base_{digest}", sources=[str(folder / n) for n in cpu_backend.SOURCES],
-                       extra_cflags=cpu_backend.CFLAGS, extra_ldflags=cpu_backend.LDFLAGS, is_python_module=False)
+                       extra_cflags=flags, extra_ldflags=cpu_backend.LDFLAGS, is_python_module=False)
     return getattr(torch.ops, BASE_NAMESPACE).paged_attention
 
 

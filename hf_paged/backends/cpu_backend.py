@@ -1,7 +1,7 @@
 """CPU kernel backend: attention that reads K/V in place through the block tables.
 
 ``cuda/paged_attention_cpu.cpp`` is compiled on first use through torch's extension loader for this
-CPU (``-O3 -march=native``; the build is cached under ``$TORCH_EXTENSIONS_DIR``, default
+CPU (``-O3 -march=native``, or ``HF_PAGED_CPU_ARCH``'s value: ``cflags``; the build is cached under ``$TORCH_EXTENSIONS_DIR``, default
 ``~/.cache/torch_extensions``, keyed by the source, the flags, torch's version and the CPU's features) and
 registered as ``torch.ops.hf_paged_cpu.paged_attention`` (with a fake implementation, so that ``torch.compile``
 traces through it without a graph break). It replaces the PyTorch path's per-layer gather
@@ -37,6 +37,7 @@ from .step import Step
 
 log = logging.getLogger("hf_paged.backends")
 KERNEL_ENV = "HF_PAGED_CPU_KERNEL"
+ARCH_ENV = "HF_PAGED_CPU_ARCH"     # the builds' -march (default native): e.g. x86-64-v3 for an AVX2 build
 SOURCE = "paged_attention_cpu.cpp"
 SOURCES = (SOURCE, "paged_attention_cpu_bf16.cpp", "paged_attention_cpu_quant.cpp", "kv_write_cpu.cpp",
            "kivi_write_cpu.cpp")  # one extension
@@ -48,8 +49,18 @@ FORMAT_IDS = {"int8": 0, "fp8_e4m3": 1, "fp8_e5m2": 2, "int4": 3, "nvfp4": 5}
 KIVI_KEY_ID, KIVI_VALUE_ID = 4, 3     # KIVI values: asymmetric 4-bit groups along head_dim, int4's row layout
 # -fopenmp: at::parallel_for is inline OpenMP in torch's headers (serial without it); the extension then
 # needs libgomp.so.1, which resolves to the copy torch has already loaded (one OpenMP runtime, torch's threads).
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-std=c++17"]
 LDFLAGS = ["-fopenmp"]
+
+
+def cflags() -> list[str]:
+    """The C++ extensions' compiler flags: ``-march`` from ``HF_PAGED_CPU_ARCH`` (default ``native``, this CPU's
+    every extension). Another value builds what an older CPU runs (``x86-64-v3``: AVX2 + FMA, ``x86-64``: the
+    scalar paths) -- to run the kernels' other code paths on this machine, or to time them. Read when a process
+    first builds or loads an extension; a process keeps the build it loaded."""
+    arch = os.environ.get(ARCH_ENV, "").strip() or "native"
+    if not arch.replace("-", "").replace("_", "").replace(".", "").isalnum():
+        raise ValueError(f"{ARCH_ENV}={arch!r} is not a -march value (e.g. native, x86-64-v3, x86-64)")
+    return ["-O3", f"-march={arch}", "-fopenmp", "-fno-math-errno", "-std=c++17"]
 
 
 def kernel_enabled() -> bool:
@@ -81,21 +92,22 @@ def _registered():
         return None
 
 
-def build_extension(prefix: str, sources: tuple[str, ...], headers: tuple[str, ...] = (), cflags=CFLAGS,
+def build_extension(prefix: str, sources: tuple[str, ...], headers: tuple[str, ...] = (), flags=None,
                     what: str = "the CPU paged-attention kernel") -> None:
     """Build (or load from torch's extension cache) the C++ ``sources`` of ``hf_paged.cuda`` into this process.
     The library name hashes the sources, ``headers``, the flags, torch's and Python's versions and the CPU's
     features, so a changed source or another CPU builds anew. Raises RuntimeError with the compiler's
-    complaint when it cannot be built."""
+    complaint when it cannot be built. ``flags``: the compiler's, default ``cflags()``."""
     from torch.utils import cpp_extension  # noqa: PLC0415  (pulls in setuptools; only when building)
+    flags = cflags() if flags is None else flags
     folder = resources.files("hf_paged.cuda")
     texts = [(folder / name).read_text() for name in sources + headers]
-    key = "\0".join([*texts, " ".join(cflags + LDFLAGS), torch.__version__, sys.version, _cpu_features()])
+    key = "\0".join([*texts, " ".join(flags + LDFLAGS), torch.__version__, sys.version, _cpu_features()])
     name = prefix + hashlib.sha1(key.encode()).hexdigest()[:12]
     log.info("building or loading %s, %s (built once per machine, ~20 s; cached by torch)", what, name)
     try:
         with resources.as_file(folder) as path:        # the sources include their headers from this folder
-            cpp_extension.load(name=name, sources=[str(path / n) for n in sources], extra_cflags=list(cflags),
+            cpp_extension.load(name=name, sources=[str(path / n) for n in sources], extra_cflags=list(flags),
                                extra_ldflags=LDFLAGS, is_python_module=False, verbose=False)
     except Exception as err:    # compiler missing or failing: the caller decides whether to fall back
         raise RuntimeError(f"could not build {what} ({', '.join(sources)}): {err}") from err

@@ -42,10 +42,10 @@ def load_fused_ops():
         return torch.ops.hf_paged_fused
     except (AttributeError, RuntimeError):
         pass
-    from ..backends.cpu_backend import CFLAGS, build_extension
+    from ..backends.cpu_backend import build_extension, cflags
     # -ffp-contract=off: a*b + c stays two roundings, as eager PyTorch computes it (the linear kernel's
     # fused multiply-adds are explicit intrinsics / std::fma, which this flag does not touch)
-    build_extension("hf_paged_fused_", SOURCES, cflags=[*CFLAGS, "-ffp-contract=off"], what="the fused CPU ops")
+    build_extension("hf_paged_fused_", SOURCES, flags=[*cflags(), "-ffp-contract=off"], what="the fused CPU ops")
     for name, fake in FAKES.items():
         try:
             torch.library.register_fake(f"hf_paged_fused::{name}")(fake)
