@@ -400,7 +400,8 @@ KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def kernel_takes(ops, dtype: torch.dtype, flags: set[str] | None = None) -> bool:
-    """Whether hf_paged's linear kernel (``ops``, or None) packs weights of ``dtype``: float32 always; bfloat16
+    """Whether hf_paged's linear kernel (``ops``, or None) packs weights of ``dtype``: float32 where its build has
+    hardware FMA (every x86 CPU with AVX2 or AVX-512, aarch64; not a plain x86-64 build); bfloat16
     where the extension was built for a CPU with AVX-512 BF16 and the CPU has no AMX (else oneDNN's bf16
     matmul). On an AMD EPYC Zen 4 (AVX-512 BF16, no AMX; SmolLM2's 30 layers + LM head, 2 threads, 2026-12-06,
     ``python -m bench linear --dtype bfloat16``) the kernel took 0.60-0.66x the time of oneDNN's (siblings grouped)
@@ -410,6 +411,11 @@ def kernel_takes(ops, dtype: torch.dtype, flags: set[str] | None = None) -> bool
     if ops is None or dtype not in KERNEL_DTYPES:
         return False
     if dtype == torch.float32:
+        if not ops.linear_hardware_fma():
+            from ..backends.cpu_backend import cflags  # noqa: PLC0415  (only for this message)
+            log.warning("hf_paged's linear kernel was built without hardware FMA (%s), where its sums would be "
+                        "emulated: float32 linears go through oneDNN", " ".join(cflags()))
+            return False
         return True
     if not ops.linear_bf16_available():
         return False

@@ -39,6 +39,8 @@ def test_engine_packed_weights_share_one_huge_page_buffer(dtype, monkeypatch):
     from hf_paged.engine.prepack import LIBRARY_ENV, PrepackedLinears
     if dtype == torch.bfloat16 and not load_fused_ops().linear_bf16_available():
         pytest.skip("no bf16 kernel in this build (AVX-512 BF16): bf16 weights are oneDNN's")
+    if dtype == torch.float32 and not load_fused_ops().linear_hardware_fma():
+        pytest.skip("this build's linear kernel has no hardware FMA: float32 weights are oneDNN's")
     monkeypatch.setenv(LIBRARY_ENV, "0")
     monkeypatch.setattr("hf_paged.engine.prepack.MIN_BYTES", 0)
     monkeypatch.setattr(hugepages, "MIN_BYTES", 0)

@@ -111,6 +111,7 @@ def test_every_isa_build_gives_the_same_bits(ops, tmp_path, march):
     cpp_extension.load(name=name, sources=[str(path)], extra_cflags=["-O2", f"-march={march}", "-fopenmp"],
                        extra_ldflags=["-fopenmp"], build_directory=str(tmp_path), is_python_module=False)
     variant = getattr(torch.ops, name)
+    assert variant.linear_hardware_fma() == (march == "x86-64-v3")     # plain x86-64: std::fma is libm's
     gen = torch.Generator().manual_seed(11)
     w, b, x = torch.randn(100, 70, generator=gen), torch.randn(100, generator=gen), torch.randn(31, 70, generator=gen)
     assert torch.equal(variant.pack_linear(w), ops.pack_linear(w))
@@ -138,6 +139,15 @@ def bf16_ops(ops):
     if not ops.linear_bf16_available():
         pytest.skip("this build has no bf16 kernel (the compiler's target lacks AVX-512 BF16): bf16 stays on oneDNN")
     return ops
+
+
+def test_the_native_build_has_hardware_fma(ops):
+    """Every CPU this runs on in practice (x86 since AVX2, aarch64) gets FMA instructions from -march=native;
+    the engine's float32 linears use the kernel only then (prepack.kernel_takes)."""
+    flags = set(cpu_backend._cpu_features().split())
+    if cpu_backend.cflags()[1] != "-march=native" or (platform.machine() == "x86_64" and "fma" not in flags):
+        pytest.skip("not a native build on a CPU with FMA")
+    assert ops.linear_hardware_fma()
 
 
 def test_bf16_kernel_follows_the_cpu(ops):

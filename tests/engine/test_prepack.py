@@ -88,7 +88,7 @@ def test_no_packing_when_the_copies_would_crowd_memory(monkeypatch, caplog):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "glm"])
-def test_sibling_groups_give_each_modules_own_numbers(family, monkeypatch):
+def test_sibling_groups_give_each_modules_own_numbers(fp32_kernel, family, monkeypatch):
     """q/k/v (with biases in qwen2 and glm) and gate/up packed as one weight: the same bits as packed apart;
     with the library for large steps (as on Intel CPUs), those steps are F.linear per module."""
     from hf_paged.engine.prepack import LIBRARY_ENV, LIBRARY_ROWS, sibling_outputs
@@ -136,7 +136,7 @@ needs_mkl = pytest.mark.skipif(not __import__("hf_paged.engine.prepack", fromlis
 
 @needs_mkl
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_mkl_copy_for_budget_sized_steps_gives_f_linears_bits(family, monkeypatch):
+def test_mkl_copy_for_budget_sized_steps_gives_f_linears_bits(fp32_kernel, family, monkeypatch):
     """Steps of exactly ``prefill_rows`` rows read MKL's packed copy (grouped q/k/v with qwen2's biases, gate/up,
     o, down): the same bits as F.linear per module; other large steps and a group's member alone run F.linear;
     the LM head gets no copy."""
@@ -191,7 +191,7 @@ def test_no_mkl_copies_when_memory_is_short_or_steps_are_small(monkeypatch, capl
 
 @needs_mkl
 @pytest.mark.parametrize("family", ["llama", "glm"])
-def test_engine_budget_steps_through_mkls_copy_keep_the_tokens(family, monkeypatch):
+def test_engine_budget_steps_through_mkls_copy_keep_the_tokens(fp32_kernel, family, monkeypatch):
     """An engine whose token budget is over LIBRARY_ROWS fills whole steps through MKL's copies: the same tokens
     as the same engine with the copies dropped, and the copies were read."""
     from hf_paged.engine.prepack import LIBRARY_ENV, LIBRARY_ROWS, _PrefillPack
@@ -246,7 +246,7 @@ def test_cpu_vendor_reads_cpuinfo(tmp_path):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_kernel_for_every_step_keeps_rows_independent_of_the_step(family, monkeypatch):
+def test_kernel_for_every_step_keeps_rows_independent_of_the_step(fp32_kernel, family, monkeypatch):
     """With the kernel for every step (AMD's default): no MKL copies, a step of any size through the kernel,
     and each row's output the same bits whatever step it came in (300 rows at once = 7 rows at a time); an
     engine gives the same tokens and logits with prefix caching on as off."""
@@ -314,11 +314,14 @@ def test_bf16_goes_to_the_kernel_unless_the_cpu_has_amx_or_the_knob_says_so(monk
     from hf_paged.engine import prepack
 
     class Built:
-        def __init__(self, bf16):
-            self.bf16 = bf16
+        def __init__(self, bf16, fma=True):
+            self.bf16, self.fma = bf16, fma
 
         def linear_bf16_available(self):
             return self.bf16
+
+        def linear_hardware_fma(self):
+            return self.fma
 
     monkeypatch.delenv(prepack.LIBRARY_ENV, raising=False)
     zen4, sapphire = {"avx512f", "avx512_bf16"}, {"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}
@@ -327,6 +330,7 @@ def test_bf16_goes_to_the_kernel_unless_the_cpu_has_amx_or_the_knob_says_so(monk
     assert not prepack.kernel_takes(Built(False), torch.bfloat16, zen4)           # built without AVX-512 BF16
     assert prepack.kernel_takes(Built(False), torch.float32, sapphire) and not prepack.kernel_takes(None, torch.float32)
     assert not prepack.kernel_takes(Built(True), torch.float16, zen4)
+    assert not prepack.kernel_takes(Built(False, fma=False), torch.float32, zen4)  # std::fma emulated: oneDNN
     monkeypatch.setenv(prepack.LIBRARY_ENV, "0")
     assert prepack.kernel_takes(Built(True), torch.bfloat16, sapphire)
     monkeypatch.setenv(prepack.LIBRARY_ENV, "1")
