@@ -21,7 +21,9 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
-#include <immintrin.h>
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>  // x86 only: aarch64 and others take the scalar loops below
+#endif
 
 #include <algorithm>
 #include <cmath>
