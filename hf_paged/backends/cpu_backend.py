@@ -24,6 +24,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import sys
 from importlib import resources
 
@@ -58,8 +59,8 @@ def cflags() -> list[str]:
     scalar paths) -- to run the kernels' other code paths on this machine, or to time them. Read when a process
     first builds or loads an extension; a process keeps the build it loaded."""
     arch = os.environ.get(ARCH_ENV, "").strip() or "native"
-    if not arch.replace("-", "").replace("_", "").replace(".", "").isalnum():
-        raise ValueError(f"{ARCH_ENV}={arch!r} is not a -march value (e.g. native, x86-64-v3, x86-64)")
+    if not re.fullmatch(r"[A-Za-z0-9_.+-]+", arch):
+        raise ValueError(f"{ARCH_ENV}={arch!r} is not a -march value (e.g. native, x86-64-v3, x86-64, armv8.2-a+fp16)")
     return ["-O3", f"-march={arch}", "-fopenmp", "-fno-math-errno", "-std=c++17"]
 
 

@@ -73,3 +73,15 @@ def test_other_isa_builds_read_and_write_as_the_native_one(native, tmp_path, fla
         for transposed in (False, True):
             assert torch.equal(variant.rotate_rows(x, hadamard, transposed)[0],
                                native.rotate_rows(x, hadamard, transposed)[0])
+
+
+def test_the_arch_knob_sets_march_and_refuses_what_is_not_one(monkeypatch):
+    monkeypatch.delenv(cpu_backend.ARCH_ENV, raising=False)
+    assert "-march=native" in cpu_backend.cflags()
+    monkeypatch.setenv(cpu_backend.ARCH_ENV, " x86-64-v3 ")
+    assert "-march=x86-64-v3" in cpu_backend.cflags() and "-march=native" not in cpu_backend.cflags()
+    monkeypatch.setenv(cpu_backend.ARCH_ENV, "armv8.2-a+fp16+dotprod")
+    assert "-march=armv8.2-a+fp16+dotprod" in cpu_backend.cflags()
+    monkeypatch.setenv(cpu_backend.ARCH_ENV, "native -O0")
+    with pytest.raises(ValueError, match="HF_PAGED_CPU_ARCH"):
+        cpu_backend.cflags()
