@@ -1,8 +1,8 @@
 """CPU kernel backend: attention that reads K/V in place through the block tables.
 
 ``cuda/paged_attention_cpu.cpp`` is compiled on first use through torch's extension loader for this
-CPU (``-O3 -march=native``, or ``HF_PAGED_CPU_ARCH``'s value: ``cflags``; the build is cached under ``$TORCH_EXTENSIONS_DIR``, default
-``~/.cache/torch_extensions``, keyed by the source, the flags, torch's version and the CPU's features) and
+CPU (``-O3 -march=native``, or ``HF_PAGED_CPU_ARCH``'s value: ``cflags``; the build is cached under
+``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``, keyed by the source, the flags, torch's version and the CPU's features) and
 registered as ``torch.ops.hf_paged_cpu.paged_attention`` (with a fake implementation, so that ``torch.compile``
 traces through it without a graph break). It replaces the PyTorch path's per-layer gather
 of every row's whole context: one ragged call per layer serves decode, prefill and packed steps.

@@ -3,7 +3,8 @@
 
 - ``cuda/fused_ops_cpu.cpp``: ``rms_norm``, ``add_rms_norm``, ``rotary_``, ``silu_mul`` (``engine.fused``);
 - ``cuda/linear_cpu.cpp``: ``pack_linear`` and ``linear``, the float32 (and, built for AVX-512 BF16, bfloat16)
-  linear layers (``engine.prepack``; ``linear_bf16_available``);
+  linear layers (``engine.prepack``; ``linear_bf16_available``); its float32 micro-kernel per ISA (AVX-512, AVX2,
+  NEON, portable) is ``cuda/linear_cpu_micro.h``;
 - ``cuda/lean_layer_cpu.cpp``: ``lean_layer``, ``lean_layer_quant`` and ``lean_layer_kivi``, a decoder layer's direct
   form in one call on model-dtype, quantised-row and KIVI pools (``engine.fused_lean``).
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import torch
 
 SOURCES = ("fused_ops_cpu.cpp", "linear_cpu.cpp", "lean_layer_cpu.cpp")
+HEADERS = ("linear_cpu_micro.h",)       # part of the build's cache key
 
 
 def _like_rows(x, *args):
@@ -45,7 +47,8 @@ def load_fused_ops():
     from ..backends.cpu_backend import build_extension, cflags
     # -ffp-contract=off: a*b + c stays two roundings, as eager PyTorch computes it (the linear kernel's
     # fused multiply-adds are explicit intrinsics / std::fma, which this flag does not touch)
-    build_extension("hf_paged_fused_", SOURCES, flags=[*cflags(), "-ffp-contract=off"], what="the fused CPU ops")
+    build_extension("hf_paged_fused_", SOURCES, HEADERS, flags=[*cflags(), "-ffp-contract=off"],
+                    what="the fused CPU ops")
     for name, fake in FAKES.items():
         try:
             torch.library.register_fake(f"hf_paged_fused::{name}")(fake)

@@ -104,10 +104,11 @@ def test_every_isa_build_gives_the_same_bits(ops, tmp_path, march):
     from importlib import resources
 
     from torch.utils import cpp_extension
-    source = (resources.files("hf_paged.cuda") / "linear_cpu.cpp").read_text()
+    folder = resources.files("hf_paged.cuda")
     path = tmp_path / "linear_variant.cpp"
-    path.write_text(source.replace("hf_paged_fused", f"hfp_linear_{march.replace('-', '_')}"))
     name = f"hfp_linear_{march.replace('-', '_')}"
+    path.write_text((folder / "linear_cpu.cpp").read_text().replace("hf_paged_fused", name))
+    (tmp_path / "linear_cpu_micro.h").write_text((folder / "linear_cpu_micro.h").read_text())
     cpp_extension.load(name=name, sources=[str(path)], extra_cflags=["-O2", f"-march={march}", "-fopenmp"],
                        extra_ldflags=["-fopenmp"], build_directory=str(tmp_path), is_python_module=False)
     variant = getattr(torch.ops, name)
