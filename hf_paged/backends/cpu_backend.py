@@ -2,14 +2,14 @@
 
 ``cuda/paged_attention_cpu.cpp`` is compiled on first use through torch's extension loader for this
 CPU (``-O3 -march=native``, or ``HF_PAGED_CPU_ARCH``'s value: ``cflags``; the build is cached under
-``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``, keyed by the source, the flags, torch's version and the CPU's features) and
-registered as ``torch.ops.hf_paged_cpu.paged_attention`` (with a fake implementation, so that ``torch.compile``
-traces through it without a graph break). It replaces the PyTorch path's per-layer gather
+``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``, keyed by the source, the flags, torch's
+version and the CPU's features) and registered as ``torch.ops.hf_paged_cpu.paged_attention`` (with a fake
+implementation, so that ``torch.compile`` traces through it without a graph break). It replaces the PyTorch path's per-layer gather
 of every row's whole context: one ragged call per layer serves decode, prefill and packed steps.
 Quantised pools (``kv_cache_dtype``: int8, fp8_e4m3, fp8_e5m2, int4, nvfp4 and KIVI's sealed blocks and side rows)
 go to ``torch.ops.hf_paged_cpu.paged_attention_quant`` (``paged_attention_cpu_quant.cpp``), which reads codes
 and scales in place and dequantises each stored row once per work item (``kv_codec_cpu.h``, AVX-512 / AVX2 /
-scalar as the build's ``-march=native`` allows); their writes go to ``write_kv_quant`` (``kv_write_cpu.cpp``:
+scalar as the build's ``-march`` allows); their writes go to ``write_kv_quant`` (``kv_write_cpu.cpp``:
 rotation and quantisation fused, one pass per row); KIVI pools' to ``kivi_write`` (``kivi_write_cpu.cpp``: rows into
 open slots and sealing, which ``hf_paged.kivi`` plans and calls); model-dtype pools' to ``write_kv`` (the same
 file: one copy per layer, -1 slots skipped without reading a mask back). Copy-on-write stays on
@@ -54,13 +54,14 @@ LDFLAGS = ["-fopenmp"]
 
 
 def cflags() -> list[str]:
-    """The C++ extensions' compiler flags: ``-march`` from ``HF_PAGED_CPU_ARCH`` (default ``native``, this CPU's
-    every extension). Another value builds what an older CPU runs (``x86-64-v3``: AVX2 + FMA, ``x86-64``: the
-    scalar paths) -- to run the kernels' other code paths on this machine, or to time them. Read when a process
-    first builds or loads an extension; a process keeps the build it loaded."""
+    """Both C++ extensions' compiler flags, ``-march`` from ``HF_PAGED_CPU_ARCH`` (default ``native``: all that
+    this CPU has). Another value builds what an older CPU runs (``x86-64-v3``: AVX2 + FMA, ``x86-64``: the
+    scalar paths), to run or time the kernels' other code paths on this machine. Read when a process first
+    builds or loads an extension; a process keeps the build it loaded."""
     arch = os.environ.get(ARCH_ENV, "").strip() or "native"
     if not re.fullmatch(r"[A-Za-z0-9_.+-]+", arch):
-        raise ValueError(f"{ARCH_ENV}={arch!r} is not a -march value (e.g. native, x86-64-v3, x86-64, armv8.2-a+fp16)")
+        raise ValueError(f"{ARCH_ENV}={arch!r} is not a -march value "
+                         "(e.g. native, x86-64-v3, x86-64, armv8.2-a+fp16)")
     return ["-O3", f"-march={arch}", "-fopenmp", "-fno-math-errno", "-std=c++17"]
 
 
