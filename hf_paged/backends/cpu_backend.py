@@ -4,8 +4,9 @@
 CPU (``-O3 -march=native``, or ``HF_PAGED_CPU_ARCH``'s value: ``cflags``; the build is cached under
 ``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``, keyed by the source, the flags, torch's
 version and the CPU's features) and registered as ``torch.ops.hf_paged_cpu.paged_attention`` (with a fake
-implementation, so that ``torch.compile`` traces through it without a graph break). It replaces the PyTorch path's per-layer gather
-of every row's whole context: one ragged call per layer serves decode, prefill and packed steps.
+implementation, so that ``torch.compile`` traces through it without a graph break). It replaces the PyTorch
+path's per-layer gather of every row's whole context: one ragged call per layer serves decode, prefill and
+packed steps.
 Quantised pools (``kv_cache_dtype``: int8, fp8_e4m3, fp8_e5m2, int4, nvfp4 and KIVI's sealed blocks and side rows)
 go to ``torch.ops.hf_paged_cpu.paged_attention_quant`` (``paged_attention_cpu_quant.cpp``), which reads codes
 and scales in place and dequantises each stored row once per work item (``kv_codec_cpu.h``, AVX-512 / AVX2 /
