@@ -132,17 +132,20 @@ def library_rows(vendor: str | None = None, flags: set[str] | None = None) -> in
     takes steps of every size. MKL picks its optimised code by CPU vendor: on AMD it ran well below the kernel
     (AMD EPYC Zen 4, AVX-512, SmolLM2's 30 layers, 2 threads, 2026-12-06, ``python -m bench linear``: MKL's
     packed copy 1.35x and F.linear 1.28x the kernel's time at 512 rows, 1.9x at 128; the engine with the kernel
-    for every step 1.15x on the short workload and 1.21x with prompts up to 1,024 tokens), so there the
-    kernel takes every step on AMD CPUs with AVX-512 (and a row's result never depends on the step it came in).
-    Elsewhere (Intel, AMD with AVX2 only, where the kernel's 6-row AVX2 blocks were not measured against MKL at
-    prefill sizes, or a vendor not reported) the library over ``LIBRARY_ROWS``. ``$HF_PAGED_LIBRARY_GEMM`` = 1 /
+    for every step 1.15x on the short workload and 1.21x with prompts up to 1,024 tokens), and on the same CPU
+    with everything built for / limited to AVX2 (the stand-in for Zen 2 / Zen 3; ``HF_PAGED_CPU_ARCH=x86-64-v3``,
+    ``MKL_ENABLE_INSTRUCTIONS=AVX2``, ``ONEDNN_MAX_CPU_ISA=AVX2``): F.linear 1.24x / 1.19x / 1.09x the kernel's
+    time at 128 / 256 / 512 rows, MKL's packed copy 1.34x / 1.26x / 1.17x. So on AMD CPUs with AVX-512 or AVX2 +
+    FMA the kernel takes every step (and a row's result never depends on the step it came in). Elsewhere (Intel,
+    or a vendor not reported) the library over ``LIBRARY_ROWS``. ``$HF_PAGED_LIBRARY_GEMM`` = 1 /
     0 forces either way; ``vendor`` and ``flags``: /proc/cpuinfo's (read when None)."""
     forced = library_forced()
     if forced is not None:
         return LIBRARY_ROWS if forced else None
     vendor = cpu_vendor() if vendor is None else vendor
-    flags = cpu_flags() if flags is None else flags
-    return None if vendor == "AuthenticAMD" and "avx512f" in (flags or set()) else LIBRARY_ROWS
+    flags = (cpu_flags() if flags is None else flags) or set()
+    kernel_isa = "avx512f" in flags or {"avx2", "fma"} <= flags
+    return None if vendor == "AuthenticAMD" and kernel_isa else LIBRARY_ROWS
 
 
 def mkl_packing_available() -> bool:
