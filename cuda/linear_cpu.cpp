@@ -15,7 +15,7 @@
 //
 // Summation order (the invariant the tests pin): every output is
 //   acc = 0; for k in 0..K-1: acc = fma(x[t, k], w[n, k], acc); out = acc + bias[n]
-// whatever the ISA (AVX-512, AVX2 + FMA, scalar std::fma), the thread count and the other rows of the call.
+// whatever the ISA (AVX-512, AVX2 + FMA, NEON, scalar std::fma), the thread count and the other rows of the call.
 // So a row's result does not depend on the batch it came in (batch invariance), unlike a library matmul
 // that picks its kernel by shape.
 //
