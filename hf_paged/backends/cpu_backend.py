@@ -1,7 +1,7 @@
 """CPU kernel backend: attention that reads K/V in place through the block tables.
 
 ``cuda/paged_attention_cpu.cpp`` is compiled on first use through torch's extension loader for this
-CPU (``-O3 -march=native``, or ``HF_PAGED_CPU_ARCH``'s value: ``cflags``; the build is cached under
+CPU (``-O3 -march=native``, or ``HF_PAGED_CPU_ARCH``'s value: ``march``; the build is cached under
 ``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``, keyed by the source, the flags, torch's
 version and the CPU's features) and registered as ``torch.ops.hf_paged_cpu.paged_attention`` (with a fake
 implementation, so that ``torch.compile`` traces through it without a graph break). It replaces the PyTorch
@@ -54,16 +54,21 @@ KIVI_KEY_ID, KIVI_VALUE_ID = 4, 3     # KIVI values: asymmetric 4-bit groups alo
 LDFLAGS = ["-fopenmp"]
 
 
-def cflags() -> list[str]:
-    """Both C++ extensions' compiler flags, ``-march`` from ``HF_PAGED_CPU_ARCH`` (default ``native``: all that
-    this CPU has). Another value builds what an older CPU runs (``x86-64-v3``: AVX2 + FMA, ``x86-64``: the
-    scalar paths), to run or time the kernels' other code paths on this machine. Read when a process first
-    builds or loads an extension; a process keeps the build it loaded."""
+def march() -> str:
+    """The C++ extensions' ``-march``: ``HF_PAGED_CPU_ARCH`` (default ``native``: all that this CPU has). Another
+    value builds what an older CPU runs (``x86-64-v3``: AVX2 + FMA, ``x86-64``: the scalar paths), to run or time
+    the kernels' other code paths on this machine. Read when a process first builds or loads an extension; a
+    process keeps the build it loaded."""
     arch = os.environ.get(ARCH_ENV, "").strip() or "native"
     if not re.fullmatch(r"[A-Za-z0-9_.+-]+", arch):
         raise ValueError(f"{ARCH_ENV}={arch!r} is not a -march value "
                          "(e.g. native, x86-64-v3, x86-64, armv8.2-a+fp16)")
-    return ["-O3", f"-march={arch}", "-fopenmp", "-fno-math-errno", "-std=c++17"]
+    return arch
+
+
+def cflags() -> list[str]:
+    """Both C++ extensions' compiler flags (``-march`` from ``march()``)."""
+    return ["-O3", f"-march={march()}", "-fopenmp", "-fno-math-errno", "-std=c++17"]
 
 
 def kernel_enabled() -> bool:
