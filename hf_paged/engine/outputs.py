@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .continuation import CONTEXT, continuation
+
 import torch
 
 
@@ -95,13 +97,15 @@ class RequestOutput:
 
 def write_record(request, tokenizer) -> bool:
     """Write ``request``'s output record (one CompletionOutput per sequence, in index order, with its
-    text when there is a tokenizer) unless it was written already; True when written now."""
+    text when there is a tokenizer: the continuation of the prompt's text, ``hf_paged.engine.continuation``)
+    unless it was written already; True when written now."""
     if request.recorded:
         return False
     request.recorded = True
     completions = []
     for seq in sorted(request.sequences, key=lambda s: s.index):
-        text = tokenizer.decode(seq.output_ids, skip_special_tokens=True) if tokenizer else None
+        text = (continuation(tokenizer, request.prompt[-CONTEXT:], seq.output_ids, skip_special_tokens=True)
+                if tokenizer else None)
         cumulative = seq.cumulative_logprob if seq.logprobs is not None else None
         completions.append(CompletionOutput(seq.index, seq.output_ids, text, seq.finish_reason, seq.logprobs,
                                             cumulative))

@@ -54,6 +54,8 @@ class SamplingParams:
     logit_bias: tuple = ()                      # (token id, bias) pairs
     allowed_token_ids: frozenset | None = None
     stop_token_ids: frozenset = frozenset()     # end the sequence like EOS ("stop"), token kept
+    stop_strings_wait: bool = False             # vLLM's min_tokens: a stop string must end after the first
+                                                # min_new_tokens tokens' text (generate's stop strings do not wait)
     logprobs: int | None = None                 # top-k log-probabilities per new token (0: the chosen one only)
     prompt_logprobs: int | None = None          # the same for every prompt token (the first has none)
     structured_output: object = None            # a compiled hf_paged.engine.structured.Grammar

@@ -29,8 +29,8 @@ UNSUPPORTED = dict(num_beams=1, num_beam_groups=1, no_repeat_ngram_size=0,
                    prompt_lookup_num_tokens=None, encoder_repetition_penalty=1.0,
                    exponential_decay_length_penalty=None, watermarking_config=None)
 # vLLM's settings that GenerationConfig does not have (hf_paged.engine.processors, .logprobs, .structured).
-ENGINE_ONLY = ("seed", "ignore_eos", "presence_penalty", "frequency_penalty", "logit_bias", "allowed_token_ids",
-               "stop_token_ids", "logprobs", "prompt_logprobs", "structured_output")
+ENGINE_ONLY = ("seed", "ignore_eos", "min_tokens", "presence_penalty", "frequency_penalty", "logit_bias",
+               "allowed_token_ids", "stop_token_ids", "logprobs", "prompt_logprobs", "structured_output")
 
 
 def merged_generation_config(model_generation_config, generation_config=None, **kwargs):
@@ -55,6 +55,13 @@ def resolve_generation(model_generation_config, **kwargs) -> SamplingParams:
     ``seed`` and ``ignore_eos``. Unknown names and settings the engine does not implement raise
     ValueError; so do values transformers refuses (e.g. ``temperature=0`` with sampling)."""
     engine_only = {k: kwargs.pop(k) for k in ENGINE_ONLY if k in kwargs}
+    min_tokens = engine_only.pop("min_tokens", None)
+    if min_tokens is not None:        # vLLM's: min_new_tokens that stop strings wait for too
+        if kwargs.get("min_new_tokens") is not None:
+            raise ValueError("pass min_tokens (vLLM's: stop strings wait for it too) or min_new_tokens, not both")
+        if not isinstance(min_tokens, int) or isinstance(min_tokens, bool) or min_tokens < 0:
+            raise ValueError(f"min_tokens must be an int >= 0, got {min_tokens!r}")
+        kwargs["min_new_tokens"] = min_tokens
     passed = kwargs.pop("generation_config", None)
     config, unknown, default_max_length = merged_generation_config(model_generation_config, passed, **kwargs)
     if unknown:
@@ -88,7 +95,8 @@ def resolve_generation(model_generation_config, **kwargs) -> SamplingParams:
         repetition_penalty=float(config.repetition_penalty if config.repetition_penalty is not None else 1.0),
         min_p=None if config.min_p is None else float(config.min_p),
         bad_words_ids=tuple(tuple(w) for w in config.bad_words_ids) if config.bad_words_ids else None,
-        sequence_bias=config.sequence_bias or None, **vllm_settings(engine_only))
+        sequence_bias=config.sequence_bias or None, stop_strings_wait=min_tokens is not None,
+        **vllm_settings(engine_only))
     if params.do_sample:
         warpers(params)            # transformers' own warpers refuse bad temperature / top_k / top_p now
     if params.bad_words_ids and any(not w or any(not isinstance(t, int) or t < 0 for t in w)
@@ -114,7 +122,7 @@ def _count(name: str, value) -> int | None:
 
 
 def vllm_settings(given: dict) -> dict:
-    """SamplingParams fields of vLLM's settings (``ENGINE_ONLY`` but seed / ignore_eos), checked."""
+    """SamplingParams fields of vLLM's settings (``ENGINE_ONLY`` but seed / ignore_eos / min_tokens), checked."""
     out = {}
     for name in ("presence_penalty", "frequency_penalty"):
         value = float(given.get(name) or 0.0)

@@ -9,6 +9,8 @@ Two readers, one rule (a stop string is found as a plain substring of the decode
 """
 from __future__ import annotations
 
+from .continuation import continuation
+
 
 class StopStrings:
     """A tuple of stop strings (as given: the caller drops empty ones if it must)."""
@@ -24,21 +26,30 @@ class StopStrings:
     def __bool__(self) -> bool:
         return bool(self.strings)
 
-    def first(self, text: str) -> int | None:
-        """Index in ``text`` of the earliest stop string, or None."""
-        hits = [i for i in (text.find(s) for s in self.strings) if i >= 0]
+    def first(self, text: str, after: int = 0) -> int | None:
+        """Index in ``text`` of the earliest stop string that ends after its first ``after`` characters, or None."""
+        hits = [i for i in (text.find(s, max(0, after - len(s) + 1)) for s in self.strings) if i >= 0]
         return min(hits) if hits else None
 
-    def cut(self, text: str, keep: bool = False) -> tuple[str, bool]:
-        """(``text`` up to the first stop string — through it when ``keep`` —, whether one was found)."""
-        at = self.first(text) if self.strings else None
+    def cut(self, text: str, keep: bool = False, after: int = 0) -> tuple[str, bool]:
+        """(``text`` up to the first stop string — through it when ``keep`` —, whether one was found);
+        ``after``: only stop strings ending after that many characters count (vLLM's ``min_tokens``)."""
+        at = self.first(text, after) if self.strings else None
         if at is None:
             return text, False
         if keep:
-            at += max(len(s) for s in self.strings if text.startswith(s, at))
+            at += max(len(s) for s in self.strings if text.startswith(s, at) and at + len(s) > after)
         return text[:at], True
 
-    def in_tail(self, tokenizer, output_ids: list[int]) -> bool:
-        """Whether the decoded last ``window`` of ``output_ids`` (a sequence's new tokens) contains one."""
-        text = tokenizer.decode(output_ids[-self.window:])
-        return any(s in text for s in self.strings)
+    def in_tail(self, tokenizer, token_ids: list[int], num_output: int, min_tokens: int = 0) -> bool:
+        """Whether the text of a sequence's new tokens (the last ``num_output`` of ``token_ids``) holds one
+        in its last ``window`` tokens' text, decoded as the continuation of the token before them
+        (``hf_paged.engine.continuation``); with ``min_tokens`` (vLLM's), only stop strings ending after the
+        first ``min_tokens`` new tokens' text count."""
+        if num_output <= min_tokens:
+            return False
+        first = len(token_ids) - min(num_output, self.window)      # the first new token decoded
+        context = token_ids[max(0, first - 1):first]
+        held = len(token_ids) - num_output + min_tokens             # token_ids[:held]: the prompt and min_tokens
+        after = len(continuation(tokenizer, context, token_ids[first:held])) if held > first else 0
+        return self.first(continuation(tokenizer, context, token_ids[first:]), after) is not None

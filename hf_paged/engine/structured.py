@@ -181,8 +181,10 @@ class GrammarCompiler:
                     text if kind == "json" else '{"type": "object"}', defaults=self._json_options)
             elif kind == "regex":
                 grammar = llg.LLMatcher.grammar_from_regex(text)
-            elif kind == "choice":   # each alternative a JSON-escaped lark string literal
-                grammar = llg.grammar_from("choice", text)
+            elif kind == "choice":   # one lark terminal of JSON-escaped literals: a lexer DFA, however many
+                # (as grammar rules, "start: a | b | ...", llguidance's parser refuses tokens past 2,000 alternatives)
+                grammar = llg.LLMatcher.grammar_from_lark(
+                    "start: CHOICE\nCHOICE: " + " | ".join(_json.dumps(c) for c in _json.loads(text)))
             else:                    # lark passes through; GBNF (``::=``) is converted to lark
                 grammar = llg.grammar_from("grammar", text)
         except ValueError as exc:

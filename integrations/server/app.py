@@ -2,10 +2,10 @@
 
 ``create_app(model, tokenizer, **options)`` builds the Engine (options: ``AppConfig`` fields and
 EngineConfig knobs) and the app; the engine thread starts and stops with the app's lifespan.
-Endpoints (``routes``): ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``
-(``stream`` as server-sent events ending in ``data: [DONE]``), ``GET /health`` (open even with an API
-key), ``GET /metrics`` (Prometheus), vLLM's ``POST /tokenize``, ``POST /detokenize`` and
-``GET /version`` (``tokenization``). Every error answers an OpenAI-style body
+Endpoints (``routes``): ``GET /v1/models`` (and ``/v1/models/{name}``), ``POST /v1/completions``,
+``POST /v1/chat/completions`` (``stream`` as server-sent events ending in ``data: [DONE]``), ``GET`` /
+``HEAD /health`` and vLLM's ``/ping`` (both open even with an API key), ``GET /metrics`` (Prometheus),
+vLLM's ``POST /tokenize``, ``POST /detokenize``, ``GET /version`` and ``GET /tokenizer_info`` (``tokenization``). Every error answers an OpenAI-style body
 ``{"error": {"message", "type", "param", "code"}}`` (``errors``); no traceback reaches a client.
 
 The pieces: ``state`` (what the handlers share), ``body`` (size-limited, strict JSON), ``protocol`` /

@@ -36,13 +36,16 @@ class Delta:
 class ApiCall:
     """Choice ``i * n + j`` is sequence ``j`` of prompt ``i``."""
 
-    def __init__(self, worker: EngineWorker, tokenizer, prompts: list[list[int]], params, options: CallOptions):
+    def __init__(self, worker: EngineWorker, tokenizer, prompts: list[list[int]], params, options: CallOptions,
+                 texts: list[str | None] | None = None):
         self.worker, self.tokenizer, self.options, self.n = worker, tokenizer, options, options.n
         self.prompts = prompts
+        self.texts = texts or [None] * len(prompts)     # what an echo answers (None: the ids decoded)
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
         self.streams = {(i, j): TextStream(tokenizer, options.stops, options.skip_special_tokens,
-                                           options.include_stop_str_in_output)
+                                           options.include_stop_str_in_output, context=prompts[i],
+                                           min_tokens=options.min_tokens)
                         for i in range(len(prompts)) for j in range(self.n)}
         self.pending = {key: ([], []) for key in self.streams}     # tokens / entries not sent yet
         self.done: set[tuple[int, int]] = set()          # (prompt, sequence) pairs whose last delta went out
@@ -107,7 +110,7 @@ class ApiCall:
             return []
         self.echoed.add(i)
         ids = self.prompts[i]
-        text = self.tokenizer.decode(ids, skip_special_tokens=False)
+        text = self.texts[i] if self.texts[i] is not None else self.tokenizer.decode(ids, skip_special_tokens=False)
         entries = self.prompt_logprobs.get(i) if self.options.logprobs is not None else None
         return [Delta(i * self.n + j, text, None, list(ids) if entries else [], list(entries or []), prompt=True)
                 for j in range(self.n)]
@@ -131,7 +134,9 @@ class ApiCall:
             tokens, entries = self.pending[key]
             tokens.append(event.token)
             entries.append(event.logprobs)
-        delta = stream.add(event.token)
+        # EOS or a stop_token_ids token that ended the sequence: its text stays out (vLLM's rule)
+        last_stop = event.finished == "stop" and event.token in self.handles[i].params.stops_on
+        delta = stream.add(event.token, last_stop)
         if event.finished or stream.stopped:
             self.done.add(key)
             delta += stream.finish()                     # may find a stop string in the last characters

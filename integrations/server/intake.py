@@ -86,6 +86,15 @@ def completion_prompts(state: ServerState, req: CompletionRequest) -> list[list[
     return [check_ids(state, truncated(req, ids, state.max_model_len), "prompt") for ids in prompts]
 
 
+def echo_texts(req: CompletionRequest) -> list[str | None]:
+    """Per prompt, the text ``echo`` answers: the prompt as sent where it was a text (vLLM's; its tokens'
+    decode may begin with a BOS the tokenizer added), else None: the ids are decoded (also for a text
+    that ``truncate_prompt_tokens`` may have cut)."""
+    p = req.prompt
+    texts = [p] if isinstance(p, str) else [None] if isinstance(p[0], int) else list(p)
+    return [t if isinstance(t, str) and req.truncate_prompt_tokens is None else None for t in texts]
+
+
 def chat_text(state: ServerState, req) -> str:
     """``req.messages`` through the tokenizer's chat template, with the assistant's turn opened (or the
     last message continued) and vLLM's template options applied (``req``: a chat completion or a
@@ -132,6 +141,9 @@ def context_checked(prompts: list[list[int]], max_tokens: int | None, max_model_
     longest = max(len(p) for p in prompts)
     if max_tokens is None:
         max_tokens = max_model_len - longest
+        if max_tokens < 1:
+            raise ApiError(400, f"the prompt ({longest} tokens) fills the model's context of {max_model_len} tokens "
+                                "(max_model_len): no room for a new token", param="prompt", code="context_too_long")
     if longest + max_tokens > max_model_len:
         raise ApiError(400, f"prompt ({longest} tokens) + max_tokens ({max_tokens}) exceeds the model's "
                             f"context of {max_model_len} tokens (max_model_len)",
@@ -159,7 +171,7 @@ def generation_settings(req, max_tokens: int, state) -> dict:
     optional = dict(
         top_p=req.top_p, top_k=None if req.top_k is None else max(req.top_k, 0), seed=req.seed,
         stop_strings=list(req.stops()) or None, ignore_eos=req.ignore_eos or None,
-        min_new_tokens=_off(req.min_tokens, 0), repetition_penalty=_off(req.repetition_penalty, 1.0),
+        min_tokens=_off(req.min_tokens, 0), repetition_penalty=_off(req.repetition_penalty, 1.0),
         min_p=_off(req.min_p, 0.0), presence_penalty=_off(req.presence_penalty, 0.0),
         frequency_penalty=_off(req.frequency_penalty, 0.0), logit_bias=logit_bias(state, req.logit_bias),
         bad_words_ids=bad_words_ids(state, req.bad_words),
@@ -186,6 +198,12 @@ async def sampling_params(state: ServerState, req, prompts: list[list[int]], max
     """The engine's SamplingParams for every prompt of ``req`` (400 for what ``generate`` refuses)."""
     max_tokens = context_checked(prompts, max_tokens, state.max_model_len)
     settings = await engine_settings(state, req, max_tokens)
+    greedy = not settings.get("do_sample", bool(getattr(state.model.generation_config, "do_sample", False)))
+    if req.n > 1 and greedy:           # generate refuses it in its own words
+        why = "temperature is 0" if req.temperature is not None else "no temperature was given and the model's " \
+            "generation config decodes greedily"
+        raise ApiError(400, f"n={req.n} asks several sequences per prompt, but {why}: greedy decoding makes one; "
+                            "set temperature > 0 (sampling) or n=1", param="n", code="invalid_sampling")
     try:
         return resolve_generation(state.model.generation_config, **settings)
     except ValueError as exc:
@@ -199,4 +217,5 @@ def call_options(req) -> CallOptions:
                        skip_special_tokens=req.skip_special_tokens, logprobs=generated_logprobs(req, chat)[0],
                        echo=bool(not chat and req.echo), max_tokens_zero=not chat and req.max_tokens == 0,
                        prompt_logprobs=req.prompt_logprobs, chat=chat,
-                       return_tokens_as_token_ids=bool(req.return_tokens_as_token_ids))
+                       return_tokens_as_token_ids=bool(req.return_tokens_as_token_ids),
+                       min_tokens=req.min_tokens or 0)

@@ -35,16 +35,20 @@ class LogprobFormat:
             return logprob.decoded_token
         return self.tokenizer.decode([token], skip_special_tokens=False)
 
+    def text_length(self, tokens: list[int], entries: list) -> int:
+        """The characters of ``tokens``' texts (as ``completion`` writes them), one after the other."""
+        return sum(len(self.text(t, None if e is None else e[t])) for t, e in zip(tokens, entries))
+
     def _top(self, token: int, entry: dict) -> list[tuple[int, object]]:
         """(id, Logprob) of the token and of the k most likely, the token first."""
         others = sorted(((t, lp) for t, lp in entry.items() if t != token), key=lambda x: x[1].rank)
         return [(token, entry[token])] + [(t, lp) for t, lp in others if lp.rank <= (self.k or 0)]
 
     def completion(self, tokens: list[int], entries: list, offset: int = 0, end: int | None = None) -> dict:
-        """The completions ``logprobs`` object for ``tokens``, the tokens of one text delta: ``offset`` is
-        where the delta starts in the choice's text, ``end`` where it ends (a token's offset is the
-        delta's start plus the lengths of the tokens before it in the delta, at most ``end``: a
-        tokenizer's text need not be the concatenation of its tokens' texts)."""
+        """The completions ``logprobs`` object for ``tokens``: ``offset`` is where the first one's text
+        starts in the choice's text, each next one's is the previous plus its token's text length, at most
+        ``end`` when given (a tokenizer's text need not be the concatenation of its tokens' texts, and a stop
+        string cuts it)."""
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for token, entry in zip(tokens, entries):
             own = None if entry is None else entry[token]

@@ -5,11 +5,11 @@ import hmac
 
 from .errors import error_response
 
-OPEN_PATHS = ("/health",)
+OPEN_PATHS = ("/health", "/ping")
 
 
 class ApiKeyMiddleware:
-    """Every path but /health needs ``Authorization: Bearer <key>`` (constant-time compare); else 401."""
+    """Every path but /health and /ping needs ``Authorization: Bearer <key>`` (constant-time compare); else 401."""
 
     def __init__(self, app, api_key: str):
         self.app, self.key = app, api_key.encode()

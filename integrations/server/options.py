@@ -13,7 +13,8 @@ class CallOptions:
     answer the prompt's text (and, with ``logprobs``, its log-probabilities) before the completion.
     max_tokens_zero: ``max_tokens`` was 0 (echo only): the one token the engine makes is dropped.
     prompt_logprobs: vLLM's ``prompt_logprobs`` extension (top-k per prompt token). chat: the call is a
-    chat completion. return_tokens_as_token_ids: tokens written "token_id:N" (vLLM's extension)."""
+    chat completion. return_tokens_as_token_ids: tokens written "token_id:N" (vLLM's extension).
+    min_tokens: vLLM's (a stop string must end after the first min_tokens tokens' text)."""
     n: int = 1
     stops: tuple[str, ...] = ()
     include_stop_str_in_output: bool = False
@@ -24,3 +25,4 @@ class CallOptions:
     prompt_logprobs: int | None = None
     chat: bool = False
     return_tokens_as_token_ids: bool = False
+    min_tokens: int = 0

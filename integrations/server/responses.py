@@ -28,13 +28,26 @@ class CompletionShape:
     id_prefix = "cmpl-"
 
     def choice(self, index: int, text: str, reason: str | None, fmt, deltas) -> dict:
-        """``deltas``: (tokens, entries, offset, text length) of the choice's deltas, in order."""
-        logprobs = (fmt.merged([fmt.completion(t, e, offset, offset + n) for t, e, offset, n in deltas])
-                    if fmt.k is not None else None)
-        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
+        """``deltas``: (tokens, entries, offset, text length, prompt) of the choice's deltas, in order. An
+        echoed prompt's tokens are placed from its text's start, the generated ones from where their text
+        starts, each after the one before (at most the text's end): text held back (a possible stop string)
+        reaches the client in a later delta than its tokens, so a delta's start is not its tokens'."""
+        if fmt.k is None:
+            return {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
+        pieces = [fmt.completion(t, e, offset, offset + n) for t, e, offset, n, prompt in deltas if prompt]
+        generated = [d for d in deltas if not d[4]]
+        if generated:
+            pieces.append(fmt.completion([t for d in generated for t in d[0]], [e for d in generated for e in d[1]],
+                                         generated[0][2], len(text)))
+        return {"index": index, "text": text, "logprobs": fmt.merged(pieces), "finish_reason": reason}
 
-    def delta(self, index: int, text: str, reason: str | None, fmt, tokens, entries, offset: int = 0) -> dict:
-        return self.choice(index, text, reason, fmt, [(tokens, entries, offset, len(text))])
+    def delta(self, index: int, text: str, reason: str | None, fmt, tokens, entries, offset: int = 0,
+              prompt: bool = False) -> dict:
+        """A stream's chunk: ``offset``, where its first token's text starts (an echoed prompt's are kept
+        within its text; a generated token's offset is the previous one's plus that token's text length)."""
+        logprobs = fmt.completion(tokens, entries, offset, offset + len(text) if prompt else None) \
+            if fmt.k is not None else None
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
 
     def opening(self, choices: int) -> list[dict]:
         return []
@@ -54,7 +67,8 @@ class ChatShape:
         return {"index": index, "message": {"role": "assistant", "content": text},
                 "logprobs": self._logprobs(fmt, tokens, entries), "finish_reason": reason}
 
-    def delta(self, index: int, delta: str, reason: str | None, fmt, tokens, entries, offset: int = 0) -> dict:
+    def delta(self, index: int, delta: str, reason: str | None, fmt, tokens, entries, offset: int = 0,
+              prompt: bool = False) -> dict:
         return {"index": index, "delta": {"content": delta} if delta or not reason else {},
                 "logprobs": self._logprobs(fmt, tokens, entries), "finish_reason": reason}
 
@@ -113,12 +127,15 @@ async def events(call: ApiCall, reply: Reply, include_usage: bool):
         if opening:
             yield reply.chunk(opening, include_usage)
         fmt, sent, first = formatter(call), [0] * call.choices, set()
+        offsets = [0] * call.choices          # where each choice's next generated token's text starts
         async for d in call.deltas():
-            choice = reply.shape.delta(d.index, d.text, d.reason, fmt, d.tokens, d.entries, sent[d.index])
+            at = sent[d.index] if d.prompt else offsets[d.index]
+            choice = reply.shape.delta(d.index, d.text, d.reason, fmt, d.tokens, d.entries, at, d.prompt)
             if d.index not in first and reply.shape is COMPLETION:
                 first.add(d.index)
                 with_prompt_logprobs(choice, call, d.index)
             sent[d.index] += len(d.text)
+            offsets[d.index] = sent[d.index] if d.prompt else at + fmt.text_length(d.tokens, d.entries)
             yield reply.chunk([choice], include_usage)
         if include_usage:
             yield reply.chunk([], include_usage, call.usage())
@@ -132,11 +149,11 @@ async def events(call: ApiCall, reply: Reply, include_usage: bool):
 async def whole(request: Request, call: ApiCall, reply: Reply) -> Response:
     """The whole text of every choice in one body, or 499 when the client left first."""
     texts, reasons = [""] * call.choices, [None] * call.choices
-    deltas = [[] for _ in texts]          # (tokens, entries, offset, length) per delta
+    deltas = [[] for _ in texts]          # (tokens, entries, offset, length, prompt) per delta
 
     async def collect():
         async for d in call.deltas():
-            deltas[d.index].append((d.tokens, d.entries, len(texts[d.index]), len(d.text)))
+            deltas[d.index].append((d.tokens, d.entries, len(texts[d.index]), len(d.text), d.prompt))
             texts[d.index] += d.text
             if d.reason:
                 reasons[d.index] = d.reason

@@ -6,8 +6,8 @@ from fastapi.responses import Response
 
 from .call import ApiCall
 from .errors import error_response
-from .intake import (call_options, chat_prompt, completion_prompts, read_request, requested_max_tokens,
-                     sampling_params)
+from .intake import (call_options, chat_prompt, completion_prompts, echo_texts, read_request,
+                     requested_max_tokens, sampling_params)
 from .metrics import CONTENT_TYPE_LATEST
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .responses import CHAT, COMPLETION, Reply, respond
@@ -28,17 +28,29 @@ async def prometheus(request: Request):
     return Response(state_of(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
+def model_card(state: ServerState) -> dict:
+    return {"id": state.name, "object": "model", "created": state.created, "owned_by": "hf_paged", "root": state.name,
+            "parent": None, "max_model_len": state.max_model_len}
+
+
 async def models(request: Request):
-    state = state_of(request)
-    return {"object": "list", "data": [{"id": state.name, "object": "model", "created": state.created,
-                                        "owned_by": "hf_paged", "root": state.name, "parent": None,
-                                        "max_model_len": state.max_model_len}]}
+    return {"object": "list", "data": [model_card(state_of(request))]}
+
+
+async def model(request: Request):
+    """GET /v1/models/{name} (the OpenAI client's ``models.retrieve``): the served model's card, else 404."""
+    state, name = state_of(request), request.path_params["name"]
+    if name != state.name:
+        return error_response(404, f"model {name!r} is not served here; this server serves {state.name!r}",
+                              param="model", code="model_not_found")
+    return model_card(state)
 
 
 async def completions(request: Request):
     state = state_of(request)
     req = await read_request(request, CompletionRequest, state)
-    return await answer(request, state, req, completion_prompts(state, req), COMPLETION)
+    prompts = completion_prompts(state, req)
+    return await answer(request, state, req, prompts, COMPLETION, echo_texts(req) if req.echo else None)
 
 
 async def chat_completions(request: Request):
@@ -47,15 +59,17 @@ async def chat_completions(request: Request):
     return await answer(request, state, req, [chat_prompt(state, req)], CHAT)
 
 
-async def answer(request: Request, state: ServerState, req, prompts: list[list[int]], shape):
-    """Run ``prompts`` with ``req``'s settings and answer in ``shape`` (whole or streamed)."""
+async def answer(request: Request, state: ServerState, req, prompts: list[list[int]], shape, texts=None):
+    """Run ``prompts`` with ``req``'s settings and answer in ``shape`` (whole or streamed); ``texts``: the
+    prompts' texts an echo answers (None where the ids are decoded)."""
     params = await sampling_params(state, req, prompts, requested_max_tokens(req))
-    call = ApiCall(state.worker, state.tokenizer, prompts, params, call_options(req))
+    call = ApiCall(state.worker, state.tokenizer, prompts, params, call_options(req), texts)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     return await respond(request, call, Reply(shape, state.name), req.stream, include_usage)
 
 
-ROUTES = (("GET", "/health", health), ("GET", "/metrics", prometheus), ("GET", "/v1/models", models),
+ROUTES = (("GET", "/health", health), ("HEAD", "/health", health), ("GET", "/ping", health), ("POST", "/ping", health),
+          ("GET", "/metrics", prometheus), ("GET", "/v1/models", models), ("GET", "/v1/models/{name:path}", model),
           ("POST", "/v1/completions", completions), ("POST", "/v1/chat/completions", chat_completions),
           ("POST", "/tokenize", tokenize_endpoint), ("POST", "/detokenize", detokenize_endpoint),
           ("GET", "/version", version), ("GET", "/tokenizer_info", tokenizer_info))

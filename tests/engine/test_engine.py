@@ -179,7 +179,11 @@ def test_stream_callbacks_and_text_prompts():
         ids = tok(text, return_tensors="pt")
         expected = model.generate(**ids, max_new_tokens=6, do_sample=False)
         assert out.sequences.tolist() == expected.tolist()
-        assert out.outputs[0].text == tok.decode(expected[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+        # the text continues the prompt's, as the text-generation pipeline's (return_full_text=False) and vLLM's:
+        # the whole sequence's decode less the prompt's (the word tokenizer's space between them included)
+        whole, prompt = (tok.decode(x, skip_special_tokens=True) for x in (expected[0], ids["input_ids"][0]))
+        assert whole.startswith(prompt) and out.outputs[0].text == whole[len(prompt):]
+        assert out.outputs[0].text.startswith(" ")
     assert [got[i] for i in range(3)] == [o.outputs[0].token_ids for o in outs]
 
 

@@ -21,10 +21,21 @@ def test_first_cut_and_hold():
     assert not none and none.hold == 0 and none.cut("abc") == ("abc", False)
 
 
-def test_in_tail_reads_only_the_last_window_of_tokens():
+def test_in_tail_reads_only_the_last_window_of_new_tokens():
     stops = StopStrings(("cd",))                     # window: 2 + 2 = 4 tokens
     tok = Letters()
-    assert stops.in_tail(tok, [0, 1, 2, 3])           # "abcd"
-    assert not stops.in_tail(tok, [0, 1, 2, 4])
-    assert not stops.in_tail(tok, [2, 3, 0, 0, 0, 0])  # "cd" fell out of the window
-    assert stops.in_tail(tok, [0, 0, 2, 3, 0, 0])
+    assert stops.in_tail(tok, [0, 1, 2, 3], 4)        # "abcd"
+    assert not stops.in_tail(tok, [0, 1, 2, 4], 4)
+    assert not stops.in_tail(tok, [2, 3, 0, 0, 0, 0], 6)  # "cd" fell out of the window
+    assert stops.in_tail(tok, [0, 0, 2, 3, 0, 0], 6)
+    assert not stops.in_tail(tok, [2, 3, 0], 1)       # "cd" is the prompt's: only the new tokens' text counts
+    assert not stops.in_tail(tok, [2, 3, 0], 2)       # nor one that begins in the prompt
+    assert stops.in_tail(tok, [0, 2, 3], 2)
+
+
+def test_cut_after_a_boundary():
+    stops = StopStrings(("cd", "x"))
+    assert stops.cut("abcdx", after=3) == ("ab", True)       # "cd" ends at 4 > 3
+    assert stops.cut("abcdx", after=4) == ("abcd", True)     # only "x" ends after 4
+    assert stops.cut("abcdx", after=5) == ("abcdx", False)
+    assert stops.cut("abcdx", keep=True, after=4) == ("abcdx", True)

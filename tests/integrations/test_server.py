@@ -120,8 +120,10 @@ def test_stream_equals_whole_and_usage(client):
 
 
 def test_n_and_stop(client):
-    with pytest.raises(openai.BadRequestError, match="num_return_sequences"):      # as generate refuses it
+    with pytest.raises(openai.BadRequestError, match=r"n=2 .* temperature is 0: .* set temperature > 0"):
         client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0, n=2)
+    with pytest.raises(openai.BadRequestError, match=r"no temperature was given .* decodes greedily"):
+        client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, n=2)
     n = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=6, temperature=1.0, n=3, seed=1)
     assert [c.index for c in n.choices] == [0, 1, 2] and n.usage.completion_tokens >= 3
     r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0)

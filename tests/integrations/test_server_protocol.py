@@ -103,7 +103,7 @@ def test_vllm_defaults_resolve_as_before():
 
 
 @pytest.mark.parametrize("body, expected", [
-    ({"min_tokens": 2}, {"min_new_tokens": 2}),
+    ({"min_tokens": 2}, {"min_tokens": 2}),          # vLLM's: stop strings wait for it too
     ({"repetition_penalty": 1.3}, {"repetition_penalty": 1.3}),
     ({"min_p": 0.1, "temperature": 1.0}, {"min_p": 0.1}),
     ({"presence_penalty": 0.5, "frequency_penalty": -0.5}, {"presence_penalty": 0.5, "frequency_penalty": -0.5}),
@@ -127,11 +127,11 @@ def test_completion_fields_map_to_engine_settings(body, expected):
     ({"logprobs": True}, {"logprobs": 0}),
     ({"logprobs": True, "top_logprobs": 3}, {"logprobs": 3}),
     ({"logprobs": False, "top_logprobs": 0}, {}),
-    ({"min_tokens": 1, "repetition_penalty": 0.9}, {"min_new_tokens": 1, "repetition_penalty": 0.9}),
+    ({"min_tokens": 1, "repetition_penalty": 0.9}, {"min_tokens": 1, "repetition_penalty": 0.9}),
 ])
 def test_chat_fields_map_to_engine_settings(body, expected):
     got = settings(body, chat=True)
-    keys = {"logprobs", "prompt_logprobs", "min_new_tokens", "repetition_penalty"}
+    keys = {"logprobs", "prompt_logprobs", "min_tokens", "repetition_penalty"}
     assert {k: v for k, v in got.items() if k in keys} == expected
 
 

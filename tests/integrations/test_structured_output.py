@@ -72,6 +72,16 @@ def test_engine_mixed_batch_is_valid_and_leaves_neighbours_alone(real):
         jsonschema.validate(json.loads(seq.text), PERSON)
 
 
+def test_a_choice_among_thousands(real):
+    """A choice is one lexer terminal: llguidance's parser refuses tokens once a rule has over 2,000
+    alternatives (the answer was then cut short and not one of the choices)."""
+    model, tokenizer = real
+    choices = tuple(f"option {i}" for i in range(5000))
+    out = LLM(model, tokenizer).generate([chat(tokenizer, "Pick an option.")], max_new_tokens=8, do_sample=False,
+                                         structured_output=StructuredOutput(choice=choices))[0].outputs[0]
+    assert out.text in choices and out.finish_reason == "stop"
+
+
 @pytest.fixture(scope="module")
 def client(real):
     model, tokenizer = real

@@ -1,0 +1,169 @@
+"""The text a client reads, as vLLM writes it: the new tokens' text continues the prompt's (a SentencePiece
+tokenizer's first new token keeps its space), ``min_tokens`` holds stop strings back, the EOS / stop token
+that ended a sequence leaves its text out, ``text_offset`` follows the tokens when a stop string holds
+text back, an echo answers the prompt as sent; and the endpoints clients probe (``/v1/models/{name}``,
+``/ping``, ``HEAD /health``) and the refusals that name the knob.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("httpx")
+
+from starlette.testclient import TestClient  # noqa: E402
+
+from hf_paged.engine.continuation import continuation  # noqa: E402
+from hf_paged.engine.stop_strings import StopStrings  # noqa: E402
+from hf_paged.integrations.server import create_app  # noqa: E402
+from hf_paged.integrations.server.detokenize import TextStream  # noqa: E402
+from tiny_models import EOS, VOCAB, chat_word_tokenizer, make_model, word_tokenizer  # noqa: E402
+
+MODEL = "tiny"
+KNOBS = dict(num_blocks=64, max_num_seqs=6, max_num_batched_tokens=64, block_size=16)
+
+
+def metaspace_tokenizer():
+    """A SentencePiece-style (Metaspace) word tokenizer over the tiny vocabulary that adds BOS, as Llama 2's:
+    decoded alone, a token loses the space that begins it ("▁w5" -> "w5")."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "</s>": EOS, "<s>": 2, **{f"▁w{i}": i for i in range(3, VOCAB)}}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
+    backend.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 2)])
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+
+
+def streamed(stream: TextStream, ids, last_stop: bool = False) -> str:
+    out = [stream.add(t, last_stop and k == len(ids) - 1) for k, t in enumerate(ids)]
+    return "".join(out) + stream.finish()
+
+
+# -- the rules, without a server ------------------------------------------------------------------------
+@pytest.mark.parametrize("make", [metaspace_tokenizer, word_tokenizer], ids=["metaspace", "word-level"])
+def test_new_text_continues_the_prompt(make):
+    tok = make()
+    prompt, new = tok("w5 w6", add_special_tokens=True).input_ids, [7, 8, 9]
+    whole, ahead = tok.decode(prompt + new, skip_special_tokens=True), tok.decode(prompt, skip_special_tokens=True)
+    assert whole == ahead + " w7 w8 w9" and tok.decode(new) == "w7 w8 w9"         # alone: the space is lost
+    assert continuation(tok, prompt[-5:], new, skip_special_tokens=True) == " w7 w8 w9"
+    assert streamed(TextStream(tok, context=prompt), new) == " w7 w8 w9"
+    assert streamed(TextStream(tok), new) == "w7 w8 w9"                            # no context: as decoded alone
+    assert streamed(TextStream(tok, stop=(" w7",), context=prompt), new) == ""     # a stop string at the start
+
+
+def test_engine_stop_strings_see_the_first_token_s_space():
+    tok = metaspace_tokenizer()
+    stops = StopStrings((" w7",))
+    assert stops.in_tail(tok, [2, 5, 6, 7], num_output=1)          # " w7" begins the continuation
+    assert not StopStrings(("w5 w6",)).in_tail(tok, [2, 5, 6, 7], num_output=1)     # the prompt's text is not searched
+
+
+def test_min_tokens_holds_stop_strings_back():
+    """vLLM's rule: a stop string counts only where it ends after the first min_tokens tokens' text."""
+    tok = word_tokenizer()
+    ids = [7, 8, 7, 9]                                              # " w7 w8 w7 w9" after the prompt
+    prompt = [5, 6]
+    assert streamed(TextStream(tok, stop=("w7",), context=prompt), ids) == " "
+    assert streamed(TextStream(tok, stop=("w7",), context=prompt, min_tokens=1), ids) == " w7 w8 "
+    assert streamed(TextStream(tok, stop=("w7",), context=prompt, min_tokens=3), ids) == " w7 w8 w7 w9"
+    assert streamed(TextStream(tok, stop=("w8 w7",), context=prompt, min_tokens=2), ids) == " w7 "   # straddles it
+    stops = StopStrings(("w7",))
+    seq = prompt + ids
+    assert stops.in_tail(tok, seq[:3], 1) and not stops.in_tail(tok, seq[:3], 1, min_tokens=1)
+    assert not stops.in_tail(tok, seq[:4], 2, min_tokens=1) and stops.in_tail(tok, seq[:5], 3, min_tokens=1)
+    assert not stops.in_tail(tok, seq, 4, min_tokens=3)
+    assert StopStrings(("w8 w7",)).in_tail(tok, seq[:5], 3, min_tokens=2)
+
+
+def test_the_token_that_stopped_a_sequence_leaves_its_text_out():
+    tok = word_tokenizer()
+    assert streamed(TextStream(tok, skip_special_tokens=False, context=[5]), [7, EOS], last_stop=True) == " w7"
+    assert streamed(TextStream(tok, skip_special_tokens=False, context=[5]), [7, EOS]) == " w7 </s>"
+    assert streamed(TextStream(tok, context=[5]), [7, 8], last_stop=True) == " w7"          # a stop_token_ids one
+    kept = TextStream(tok, context=[5], include_stop=True)
+    assert streamed(kept, [7, 8], last_stop=True) == " w7 w8"
+
+
+# -- through the server ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def client():
+    app = create_app(make_model("llama", seed=4), chat_word_tokenizer(), served_model_name=MODEL, **KNOBS)
+    with TestClient(app, raise_server_exceptions=False) as c:
+        yield c
+
+
+def complete(client, **body) -> dict:
+    r = client.post("/v1/completions", json={"model": MODEL, "temperature": 0, **body})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]
+
+
+def test_the_completion_continues_the_prompt_text(client):
+    prompt = "w5 w6 w7"
+    text = complete(client, prompt=prompt, max_tokens=4, ignore_eos=True)["text"]
+    assert text.startswith(" w") and len(text.split()) == 4
+    echoed = complete(client, prompt=prompt, max_tokens=4, ignore_eos=True, echo=True)["text"]
+    assert echoed == prompt + text                              # the prompt as sent, then the new text
+
+
+def test_text_offsets_follow_the_tokens_when_a_stop_string_holds_text_back(client):
+    body = dict(prompt="w5 w6 w7", max_tokens=8, ignore_eos=True, logprobs=1)
+    plain = complete(client, **body)
+    held = complete(client, **body, stop=["zzzzzzzzzz"])        # never matches, holds 9 characters back
+    assert held["text"] == plain["text"]
+    offsets = plain["logprobs"]["text_offset"]
+    assert held["logprobs"]["text_offset"] == offsets
+    tokens = plain["logprobs"]["tokens"]
+    assert offsets == [sum(len(t) for t in tokens[:k]) for k in range(len(tokens))]     # vLLM's rule
+    chunks = client.post("/v1/completions", json={"model": MODEL, "temperature": 0, "stream": True, **body,
+                                                   "stop": ["zzzzzzzzzz"]}).text
+    parts = [json.loads(line[6:]) for line in chunks.splitlines() if line.startswith("data: {")]
+    streamed_offsets = [o for p in parts for c in p["choices"] if c["logprobs"] for o in c["logprobs"]["text_offset"]]
+    assert streamed_offsets == offsets
+
+
+def test_min_tokens_reaches_past_a_stop_string(client):
+    free = complete(client, prompt="w5 w6 w7", max_tokens=10, ignore_eos=True)["text"]
+    words = free.split()
+    stop = words[1]
+    assert complete(client, prompt="w5 w6 w7", max_tokens=10, ignore_eos=True, stop=[stop])["text"] == \
+        free[:free.index(stop)]
+    waited = complete(client, prompt="w5 w6 w7", max_tokens=10, ignore_eos=True, stop=[stop], min_tokens=2)
+    after = free.index(stop, free.index(stop) + 1) if free.count(stop) > 1 else len(free)
+    assert waited["text"] == free[:after]                       # the first one was inside the min_tokens' text
+
+
+def test_stop_token_ids_leave_the_token_s_text_out(client):
+    free = complete(client, prompt="w5 w6 w7", max_tokens=6, ignore_eos=True, logprobs=0)
+    tokens = free["logprobs"]["tokens"]
+    stop_id = int(tokens[2][1:])                                # "w<id>"
+    first = tokens.index(tokens[2])
+    got = complete(client, prompt="w5 w6 w7", max_tokens=6, ignore_eos=True, stop_token_ids=[stop_id])
+    assert got["finish_reason"] == "stop" and got["text"] == "".join(" " + t for t in tokens[:first])
+    kept = complete(client, prompt="w5 w6 w7", max_tokens=6, ignore_eos=True, stop_token_ids=[stop_id],
+                    include_stop_str_in_output=True)
+    assert kept["text"] == "".join(" " + t for t in tokens[:first + 1])
+
+
+def test_probes_and_refusals(client):
+    card = client.get(f"/v1/models/{MODEL}")
+    assert card.status_code == 200 and card.json()["id"] == MODEL
+    missing = client.get("/v1/models/other")
+    assert missing.status_code == 404 and missing.json()["error"]["param"] == "model"
+    assert client.head("/health").status_code == 200 and client.get("/ping").status_code == 200
+    nowhere = client.post("/v1/embeddings", json={"model": MODEL, "input": "w5"})
+    assert nowhere.status_code == 404 and "/v1/completions" in nowhere.json()["error"]["message"]
+    limit = client.get("/v1/models").json()["data"][0]["max_model_len"]
+    full = client.post("/v1/chat/completions", json={"model": MODEL, "messages": [
+        {"role": "user", "content": " ".join(["w5"] * (limit - 1))}]})           # + the template's w9: the context
+    assert full.status_code == 400 and "no room for a new token" in full.json()["error"]["message"]
+    assert full.json()["error"]["param"] == "prompt"
+    many = client.post("/v1/completions", json={"model": MODEL, "prompt": "w5", "n": 2, "max_tokens": 2})
+    assert many.status_code == 400 and many.json()["error"]["param"] == "n"
+    assert "temperature > 0" in many.json()["error"]["message"]
