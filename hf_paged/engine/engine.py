@@ -272,9 +272,21 @@ class Engine:
         logits = logits[rows] if len(rows) != logits.shape[0] else logits
         tokens = self.tp_ranks.share_tokens(sample(logits, samplers))   # tensor-parallel ranks: the first rank's draw
         entries = sampled_logprobs(logits, samplers, tokens, self.token_texts)
-        # An on_token callback may cancel a request mid-loop: its sequences get no further token.
-        events = [self._append(seq, token, entry) for seq, token, entry in zip(samplers, tokens, entries)
-                  if seq.status is Status.RUNNING]
+        # An on_token callback may cancel a request mid-loop: its sequences get no further token. One that
+        # raises stops the callbacks, not the step: every sequence still gets its token (the engine stays
+        # consistent), then the error propagates.
+        events, failure = [], None
+        for seq, token, entry in zip(samplers, tokens, entries):
+            if seq.status is not Status.RUNNING:
+                continue
+            events.append(self._append(seq, token, entry))
+            if failure is None and seq.request.on_token is not None:
+                try:
+                    seq.request.on_token(events[-1])
+                except BaseException as exc:      # noqa: BLE001  (re-raised below, KeyboardInterrupt too)
+                    failure = exc
+        if failure is not None:
+            raise failure
         host_s = (forward_start - start) + prepare_s + (time.perf_counter() - forward_end)
         self.counters.add_step(scheduled.num_tokens, host_s=host_s, forward_s=forward_end - forward_start - prepare_s)
         return events
@@ -293,7 +305,8 @@ class Engine:
 
     def _append(self, seq: Sequence, token: int, entry: dict | None = None) -> TokenEvent:
         """``token`` joins running ``seq`` (``entry``: its log-probabilities, when asked); the sequence
-        finishes if it stops here. Calls ``on_token``."""
+        finishes if it stops here (its request's record is written when it was the last). The caller
+        calls ``on_token``."""
         request = seq.request
         seq.token_ids.append(token)
         if entry is not None:
@@ -312,8 +325,6 @@ class Engine:
         if reason:
             self.scheduler.finish(seq, reason)
         event = TokenEvent(request.request_id, seq.index, token, reason, entry)
-        if request.on_token is not None:
-            request.on_token(event)
         if reason and request.finished:
             self._record(request)
         return event

@@ -41,7 +41,9 @@ class LLM:
         ``SamplingParams``; the same as passing its keys as keywords), or None. A request that fails alone yields
         nothing; its RequestOutput has ``error`` set and ``finish_reason == "error"``. The request ids are
         in ``self.last_ids``, in input order. ``use_tqdm``: a progress bar (default: for lists of
-        ``TQDM_MIN_REQUESTS`` or more, when tqdm is installed).
+        ``TQDM_MIN_REQUESTS`` or more, when tqdm is installed). A call that raises (an ``on_token`` callback,
+        KeyboardInterrupt) or a stream closed before its end cancels its unfinished requests: their blocks go
+        back and no later call runs them.
         """
         engine = self.engine
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
@@ -69,13 +71,17 @@ class LLM:
             raise
         self.last_ids = ids
         show = len(prompts) >= TQDM_MIN_REQUESTS if use_tqdm is None else use_tqdm
-        with _progress(len(prompts) if show else 0) as bar, engine.session():
-            finished = engine.counters.finished
-            while engine.has_work:
-                yield from engine.step()
-                if bar is not None:
-                    bar.update(engine.counters.finished - finished)
-                    finished = engine.counters.finished
+        try:
+            with _progress(len(prompts) if show else 0) as bar, engine.session():
+                finished = engine.counters.finished
+                while engine.has_work:
+                    yield from engine.step()
+                    if bar is not None:
+                        bar.update(engine.counters.finished - finished)
+                        finished = engine.counters.finished
+        finally:        # raised (a callback, KeyboardInterrupt) or a stream left early: nothing of it runs on
+            for rid in ids:
+                engine.cancel(rid)                    # a no-op for the finished ones
 
     def generate(self, prompts, settings=None, *, on_token=None, use_tqdm: bool | None = None,
                  **common) -> list[RequestOutput]:

@@ -27,7 +27,8 @@ UNSUPPORTED = dict(num_beams=1, num_beam_groups=1, no_repeat_ngram_size=0,
                    force_words_ids=None, suppress_tokens=None, begin_suppress_tokens=None,
                    forced_bos_token_id=None, forced_eos_token_id=None, guidance_scale=None,
                    prompt_lookup_num_tokens=None, encoder_repetition_penalty=1.0,
-                   exponential_decay_length_penalty=None, watermarking_config=None)
+                   exponential_decay_length_penalty=None, watermarking_config=None, dola_layers=None,
+                   token_healing=False)
 # vLLM's settings that GenerationConfig does not have (hf_paged.engine.processors, .logprobs, .structured).
 ENGINE_ONLY = ("seed", "ignore_eos", "min_tokens", "presence_penalty", "frequency_penalty", "logit_bias",
                "allowed_token_ids", "stop_token_ids", "logprobs", "prompt_logprobs", "structured_output")

@@ -246,6 +246,35 @@ def test_cancel_from_a_token_callback_stops_the_request_at_once():
     check_pool(engine)
 
 
+def test_a_call_that_raises_or_a_stream_left_early_leaves_nothing_running():
+    """A callback that raises mid-step (or KeyboardInterrupt) and a stream abandoned with ``break`` cancel their
+    call's requests: the blocks go back, the next call runs only its own requests and equals a clean run."""
+    model = make_model("llama", seed=1)
+    gen = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in (5, 21, 2)]
+    settings = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False, use_tqdm=False)
+    llm = LLM(model, block_size=4, num_blocks=40, enable_prefix_caching=False)
+    clean = [o.outputs[0].token_ids for o in llm.generate(prompts, **settings)]
+    calls = []
+
+    def flaky(event):
+        calls.append(event)
+        if len(calls) == 3:                      # mid-step: the first step samples all three
+            raise KeyError("the callback failed")
+
+    with pytest.raises(KeyError, match="the callback failed"):
+        llm.generate(prompts, on_token=flaky, **settings)
+    stats = llm.stats()
+    assert stats["requests_running"] == stats["requests_waiting"] == 0 and llm.engine.pool.num_used == 0
+    delivered = len(calls)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, **settings)] == clean
+    assert len(calls) == delivered, "the failed call's callback fired in the next call"
+    for _ in llm.stream(prompts, max_new_tokens=10, min_new_tokens=10, do_sample=False, use_tqdm=False):
+        break
+    assert llm.engine.pool.num_used == 0 and llm.stats()["requests_running"] == 0
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, **settings)] == clean
+
+
 def test_more_return_sequences_than_max_num_seqs_fails_alone():
     model = make_model("llama", seed=2)
     llm = LLM(model, block_size=4, num_blocks=32, max_num_seqs=2)

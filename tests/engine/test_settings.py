@@ -149,6 +149,11 @@ def test_bad_settings_are_refused_by_name():
         resolve_generation(gc, top_kk=3)
     with pytest.raises(ValueError, match="num_beams"):
         resolve_generation(gc, num_beams=2)
+    for name, value in (("dola_layers", "high"), ("token_healing", True)):     # once silently ignored
+        with pytest.raises(ValueError, match=name):
+            resolve_generation(gc, **{name: value})
+    with pytest.raises(ValueError, match="min_tokens .* or min_new_tokens"):
+        resolve_generation(gc, min_tokens=2, min_new_tokens=2)
     with pytest.raises(ValueError, match="temperature"):       # transformers' own warper refuses it
         resolve_generation(gc, do_sample=True, temperature=0.0)
     with pytest.raises(ValueError, match="max_new_tokens"):
