@@ -42,9 +42,11 @@ class PagedCache(KVPools):
         block_size: tokens per block (1..1024; by default 16, as in vLLM, or 32 for kv_cache_dtype="kivi").
         num_blocks: fixed pool size in blocks.
         max_memory_bytes: fixed pool size as a KV byte budget (over all layers, keys and values).
-        release_finished_rows: once a row's input is an EOS token (generate sets the EOS ids), store it,
+        release_finished_rows: once a row's decode input is an EOS token generate sampled (the generate
+            hook sets the EOS ids and reports each step's sampled tokens: ``note_generated``), store it,
             then leave the row out of later forwards (its logits are zeros from then on) and let the
-            pool reclaim its blocks when it needs them; a continuation of this cache takes them back.
+            pool reclaim its blocks when it needs them; a continuation of this cache takes them back. An
+            EOS inside a prompt (a 1-token prefill chunk) finishes nothing.
         dtype, device: pool dtype/device; by default those of the model on the first forward.
         backend: attention backend object (see ``hf_paged.backends``); by default chosen by device.
         geometry: the KV heads/layers this process holds (``hf_paged.model_geometry(model)``); by default the
@@ -80,6 +82,7 @@ class PagedCache(KVPools):
         self.block_size = block_size
         self.release_finished_rows = release_finished_rows
         self.eos_token_ids: frozenset[int] = frozenset()
+        self._sampled: list[int] | None = None     # each row's last token generate sampled in this call
         self._fixed_blocks = num_blocks
         self._budget = max_memory_bytes
         self._dtype = dtype
@@ -136,9 +139,16 @@ class PagedCache(KVPools):
 
     def begin_generate(self, eos_token_ids: frozenset[int]) -> None:
         """Called by the generate hook before each generate call: rows whose decode input is one of
-        ``eos_token_ids`` are released; finished rows of an earlier call are resumed at the first forward."""
+        ``eos_token_ids``, sampled by generate (``note_generated``), are released; finished rows of an
+        earlier call are resumed at the first forward."""
         self.eos_token_ids = eos_token_ids
+        self._sampled = None
         self._new_call = True
+
+    def note_generated(self, tokens: list[int]) -> None:
+        """The tokens generate just appended, one per row (a finished row's pad): the next forward's inputs.
+        Only such a token ends a row (``release_finished_rows``), never one of the prompt."""
+        self._sampled = list(tokens)
 
     # ------------------------------------------------------------ one forward
     def begin_forward(self, kwargs: dict, dtype: torch.dtype, device: torch.device, compact: bool = True) -> dict:
@@ -248,8 +258,34 @@ class PagedCache(KVPools):
         if len(rows) != batch_size:
             raise ValueError(f"PagedCache holds {len(rows)} rows but the forward has {batch_size}; "
                              "call cache.reset() before reusing it for another batch")
+        if self._new_call and attention_mask is not None:
+            self._check_stored_columns(attention_mask)
         if any(rows.finished) and (self._new_call or q_len > 1):
             self._resume_finished(attention_mask)
+
+    def _check_stored_columns(self, attention_mask) -> None:
+        """A new call's mask must mark real exactly the earlier columns each row stored: the cache cannot
+        unstore a token (a pad stored as real, later masked) nor compute one it skipped (a masked column
+        later marked real). The columns a finished row skipped are ``check_resumable``'s."""
+        rows = self.rows
+        stored = torch.cat(rows.written, dim=1) if rows.written else torch.zeros(len(rows), 0, dtype=torch.bool)
+        marked = attention_mask[:, :stored.shape[1]].to("cpu", torch.bool)
+        for row in range(len(rows)):
+            end = rows.finish_column[row] if rows.finished[row] else stored.shape[1]
+            differ = (stored[row, :end] != marked[row, :end]).nonzero().flatten().tolist()
+            if not differ:
+                continue
+            column = differ[0]
+            if stored[row, column]:
+                raise ValueError(
+                    f"row {row}: column {column} was stored as a real token by an earlier call (its mask marked "
+                    f"it), but this call's attention_mask masks it; a PagedCache cannot drop a stored token. "
+                    f"Pass the earlier call's mask for those columns, or generate the earlier call with "
+                    f"release_finished_rows=True (the default), which never stores the pads after a row's EOS.")
+            raise ValueError(
+                f"row {row}: column {column} was masked in an earlier call, so the cache never computed it, but "
+                f"this call's attention_mask marks it as a real token. Pass the earlier call's mask for those "
+                f"columns, or generate again without past_key_values.")
 
     def _append(self, new_real: torch.Tensor, counts: list[int], leaders: list[int]):
         """Give each row slots for its new tokens (copy-on-write applied). Returns (writes bool [B, Q],
@@ -283,11 +319,16 @@ class PagedCache(KVPools):
         return attention_mask[:, columns:].to("cpu", torch.bool).clone()
 
     def _finishing_rows(self, input_ids, q_len: int) -> list[int]:
-        """Rows whose decode input is an EOS token: they store it and finish after this forward."""
-        if q_len != 1 or not self.release_finished_rows or not self.eos_token_ids or input_ids is None:
+        """Rows whose decode input is an EOS token generate sampled: they store it and finish after this
+        forward. (A 1-token forward also carries the last prompt token, or a 1-token prefill chunk: an EOS
+        there is the prompt's, and the row goes on.)"""
+        sampled = self._sampled
+        if q_len != 1 or not self.release_finished_rows or not self.eos_token_ids or input_ids is None \
+                or sampled is None or len(sampled) != input_ids.shape[0]:
             return []
         finished, eos = self.rows.finished, self.eos_token_ids
-        return [row for row, token in enumerate(input_ids[:, 0].tolist()) if not finished[row] and token in eos]
+        return [row for row, token in enumerate(input_ids[:, 0].tolist())
+                if not finished[row] and token in eos and token == sampled[row]]
 
     def _resume_finished(self, attention_mask) -> None:
         """A new call continues rows that finished in an earlier one: take their blocks back, all or none."""

@@ -239,6 +239,26 @@ def _eos_for_rows_0_and_2(model, ids, mask):
     return eos
 
 
+@pytest.mark.parametrize("chunk", [1, 2, None])
+def test_an_eos_inside_the_prompt_finishes_nothing(chunk):
+    """Only an EOS generate sampled ends a row: EOS tokens inside prompts (1-token prefill chunks, a prompt's
+    last token fed alone by generate's loop, pad == EOS) are computed and stored like any other token."""
+    model = make_model("llama", seed=31)
+    ids, mask = make_batch([9, 6, 12], seed=32)
+    eos = int(ids[0, -4])
+    ids[1, -1] = eos                                    # a prompt that ends with EOS
+    ids[2, -7] = eos                                    # and one with EOS inside
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, eos_token_id=eos,
+              pad_token_id=PAD if chunk != 2 else eos, prefill_chunk_size=chunk, return_dict_in_generate=True,
+              output_logits=True)
+    reference = model.generate(**kw)
+    with patched(model):
+        paged = model.generate(cache_implementation="paged", **kw)
+    assert torch.equal(paged.sequences, reference.sequences)
+    for step, (a, b) in enumerate(zip(reference.logits, paged.logits)):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=0, msg=f"logits differ at step {step}")
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2", "glm"])
 def test_continuation_after_finished_rows_equals_dynamic_cache(family):
     model = make_model(family, seed=21)
@@ -277,6 +297,13 @@ def test_continuation_that_cannot_be_served_names_the_row():
         keep = model.generate(input_ids=ids, attention_mask=mask, **kw,
                               past_key_values=hf_paged.PagedCache(model.config, release_finished_rows=False))
         got = model.generate(input_ids=full, attention_mask=ones, past_key_values=keep.past_key_values, **kw)
+        # That cache stored the pads after row 0's EOS as real (the first call's mask marked them); a
+        # continuation whose mask now masks them is refused, not attended (DynamicCache would mask them).
+        kept = model.generate(input_ids=ids, attention_mask=mask, **kw,
+                              past_key_values=hf_paged.PagedCache(model.config, release_finished_rows=False))
+        with pytest.raises(ValueError, match=r"row 0: column \d+ was stored as a real token.*release_finished_rows="
+                                             r"True \(the default\)"):
+            model.generate(input_ids=full, past_key_values=kept.past_key_values, **kw)    # generate infers the mask
         # Blocks reclaimed by the pool before the continuation: refused, naming the row.
         first = model.generate(input_ids=ids, attention_mask=mask, cache_implementation="paged", **kw)
         cache = first.past_key_values
