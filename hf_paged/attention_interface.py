@@ -6,12 +6,19 @@ Per forward, the cache (PagedCache or the engine's cache) binds its plan to its 
 bound to that step (``backends.step.PagedLayer``), which is how the step reaches every attention call.
 The attention function reads K/V through it and never sees a dense mask. The mask function exists
 because transformers gives a custom attention name without one no padding information at all; ours
-builds nothing, since the plan holds each row's causal limits.
+builds nothing, since the plan holds each row's causal limits: it returns a ``DeferredMask``.
+
+While a model is switched, a forward may run without a PagedCache: another thread's plain forward, or
+generate's own extra forwards inside a paged call (``guidance_scale``'s unconditional pass, an assistant
+that is the model itself, early-exit drafts), each with a cache of its own or none. Their attention runs
+the implementation the switch replaced (``FALLBACK``, on the model's configs while switched), with the
+mask that implementation builds from the deferred one's arguments: the default path's result.
 """
 from __future__ import annotations
 
 import contextlib
 import inspect
+import sys
 import threading
 
 import torch
@@ -19,6 +26,7 @@ import torch
 from .backends.step import PagedLayer
 
 ATTENTION_NAME = "hf_paged"
+FALLBACK = "_hf_paged_replaced_attention"    # config.__dict__ key while switched: the implementation replaced
 
 
 def paged_attention(module: torch.nn.Module, query: torch.Tensor, key, value, attention_mask,
@@ -30,10 +38,8 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key, value, at
     Returns ``(out [B, Q, Hq, D], None)``. Pad queries give zeros.
     """
     if not isinstance(key, PagedLayer):
-        raise RuntimeError(
-            f"attn_implementation={ATTENTION_NAME!r} needs a hf_paged.PagedCache (and a patched model): "
-            "generate with cache_implementation='paged' after hf_paged.patch(model), or pass "
-            "past_key_values=hf_paged.PagedCache(model.config).")
+        return replaced_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                  sliding_window=sliding_window, **kwargs)
     if kwargs.get("output_attentions"):
         raise ValueError("hf_paged does not return attention weights; use output_attentions=False.")
     if dropout:
@@ -58,9 +64,46 @@ def layer_window(module: torch.nn.Module, sliding_window: int | None) -> int:
     return int(sliding_window or 0)
 
 
-def no_dense_mask(*args, **kwargs) -> None:
-    """Mask function for ``ATTENTION_NAME``: the plan carries the masking, so nothing is built."""
-    return None
+class DeferredMask:
+    """What the mask function returns: nothing built (the plan carries the masking). A forward without a
+    PagedCache builds, once, the mask of the implementation the switch replaced, from these arguments."""
+
+    __slots__ = ("kwargs", "built")
+
+    def __init__(self, kwargs: dict):
+        self.kwargs, self.built = kwargs, {}
+
+    def build(self, implementation: str):
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+        if implementation not in self.built:
+            self.built[implementation] = ALL_MASK_ATTENTION_FUNCTIONS[implementation](**self.kwargs)
+        return self.built[implementation]
+
+
+def no_dense_mask(**kwargs) -> DeferredMask:
+    """Mask function for ``ATTENTION_NAME``: nothing is built (see ``DeferredMask``)."""
+    return DeferredMask(kwargs)
+
+
+def replaced_attention(module: torch.nn.Module, query, key, value, attention_mask, **kwargs):
+    """The attention of a forward that runs without a PagedCache while the model is switched: the
+    implementation the switch replaced, with its own mask (see the module's docstring)."""
+    implementation = module.config.__dict__.get(FALLBACK) if hasattr(module, "config") else None
+    if implementation is None:
+        raise RuntimeError(
+            f"attn_implementation={ATTENTION_NAME!r} needs a hf_paged.PagedCache (and a patched model): "
+            "generate with cache_implementation='paged' after hf_paged.patch(model), or pass "
+            "past_key_values=hf_paged.PagedCache(model.config).")
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    function = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager) if implementation != "eager" else eager
+    if function is None:
+        raise RuntimeError(f"a forward without a PagedCache ran while the model is switched to {ATTENTION_NAME!r}, "
+                           f"and the {implementation!r} attention it replaced cannot be found for "
+                           f"{type(module).__name__}")
+    if isinstance(attention_mask, DeferredMask):
+        attention_mask = attention_mask.build(implementation)
+    return function(module, query, key, value, attention_mask, **kwargs)
 
 
 def register() -> None:
@@ -96,6 +139,8 @@ def use_paged_attention(model):
         if switch.users == 0:
             switch.previous = model.config._attn_implementation
             if switch.previous != ATTENTION_NAME:
+                for config in _configs(model):
+                    config.__dict__[FALLBACK] = switch.previous
                 model.set_attn_implementation(ATTENTION_NAME)
         switch.users += 1
     try:
@@ -105,6 +150,18 @@ def use_paged_attention(model):
             switch.users -= 1
             if switch.users == 0 and switch.previous != ATTENTION_NAME:
                 model.set_attn_implementation(switch.previous)
+                for config in _configs(model):
+                    config.__dict__.pop(FALLBACK, None)
+
+
+def _configs(model) -> list:
+    """The distinct config objects of ``model``'s modules (the model's, its text model's, ...)."""
+    found = {id(model.config): model.config}
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "__dict__") and hasattr(config, "_attn_implementation"):
+            found.setdefault(id(config), config)
+    return list(found.values())
 
 
 def cache_keyword(model) -> str:

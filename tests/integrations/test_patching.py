@@ -57,6 +57,41 @@ def test_patched_model_keeps_its_own_path_for_other_calls():
     assert isinstance(out.past_key_values, DynamicCache)
 
 
+def test_plain_forwards_while_a_paged_call_runs_take_the_model_s_own_attention():
+    """While a paged call has the model switched, forwards without a PagedCache (another thread's plain
+    forward; generate's own extra forwards: guidance_scale's unconditional pass, an assistant that is the
+    model itself, early-exit drafts) run the attention the switch replaced, with its mask: the default
+    path's results. use_cache=False is refused by name."""
+    from transformers import StoppingCriteriaList
+    model = make_model("llama", seed=14)
+    ids, mask = make_batch([9, 4, 13], seed=16)
+    reference = model(input_ids=ids, attention_mask=mask).logits
+    gate = _Gate()
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    with patched(model):
+        thread, box = _in_thread(lambda: model.generate(cache_implementation="paged",
+                                                        stopping_criteria=StoppingCriteriaList([gate]), **kw))
+        assert gate.entered.wait(60)
+        assert model.config._attn_implementation == hf_paged.ATTENTION_NAME      # switched, mid-call
+        with torch.no_grad():
+            plain = model(input_ids=ids, attention_mask=mask).logits
+        gate.release.set()
+        thread.join(60)
+    assert "error" not in box, box.get("error")
+    torch.testing.assert_close(plain, reference, atol=1e-6, rtol=0)
+    one, one_mask = make_batch([9], seed=16)
+    single = dict(input_ids=one, attention_mask=one_mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
+    cases = [(kw, dict(guidance_scale=1.5)), (single, dict(assistant_model=model)),
+             (single, dict(assistant_early_exit=1))]
+    expected = [model.generate(**base, **extra) for base, extra in cases]
+    with patched(model):
+        for (base, extra), want in zip(cases, expected):
+            assert torch.equal(model.generate(cache_implementation="paged", **base, **extra), want), extra
+        with pytest.raises(ValueError, match="use_cache=False .* no KV cache to page"):
+            model.generate(cache_implementation="paged", use_cache=False, **kw)
+    assert model.config.num_hidden_layers == 2 and "_hf_paged_replaced_attention" not in model.config.__dict__
+
+
 def test_direct_forward_with_paged_cache_needs_the_scope():
     model = make_model("llama")
     ids, mask = make_batch([5, 3], seed=2)
