@@ -83,3 +83,29 @@ def _execution_device(attention, layer: int) -> torch.device:
             f"layer {layer}'s weights are on the meta device and no accelerate hook says where it runs; load the "
             "model with a device_map (accelerate) or materialise its weights before using hf_paged")
     return torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+
+
+LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+def length_dependent_rope(model) -> tuple[str, int] | None:
+    """(rope type, tokens) where ``model``'s rotary embedding changes its frequencies with the longest
+    position of each forward (transformers' ``dynamic_rope_update``: dynamic NTK grows them past the original
+    context, longrope switches to its long factors past ``original_max_position_embeddings``): a forward whose
+    positions all stay within ``tokens`` computes the original frequencies whatever else it holds. None for
+    static RoPE (default, linear, llama3, yarn, ...). Dynamic NTK's limit is one below its original context:
+    at it, a model whose frequencies an earlier longer call grew keeps them."""
+    found = []
+    for module in model.modules():
+        kinds = getattr(module, "rope_type", None)
+        if kinds is None or not hasattr(module, "original_max_seq_len"):       # not a rotary embedding
+            continue
+        for layer_type, kind in (kinds.items() if isinstance(kinds, dict) else [(None, kinds)]):
+            if kind == "dynamic":
+                found.append((kind, int(module.original_max_seq_len) - 1))
+            elif kind == "longrope":
+                params = module.config.rope_parameters
+                params = params[layer_type] if layer_type is not None else params
+                found.append((kind, int(params.get("original_max_position_embeddings")
+                                        or module.original_max_seq_len)))
+    return min(found, key=lambda f: f[1]) if found else None

@@ -32,7 +32,7 @@ import torch
 from ..attention_interface import use_paged_attention
 from ..backends import backend_kind
 from ..blocks import BlockPool, PrefixCache
-from ..introspect import model_geometry
+from ..introspect import length_dependent_rope, model_geometry
 from ..kivi import split_budget
 from ..kv_formats import kv_format
 from ..parallel import tensor_parallel_ranks
@@ -69,6 +69,7 @@ class Engine:
         self.model, self.tokenizer = model, tokenizer
         text_config = model.config.get_text_config(decoder=True)
         self.max_model_len = config.max_model_len or getattr(text_config, "max_position_embeddings", None) or 2**31
+        self.rope_limit = length_dependent_rope(model)     # requests past it fail alone (never_fits)
         weight = model.get_input_embeddings().weight
         dtype, device = weight.dtype, weight.device
         # Ranks of a tensor-parallel model must hold identical pools and schedules (see hf_paged.parallel).
@@ -160,7 +161,8 @@ class Engine:
         self.requests[request_id] = request
         error = never_fits(len(ids), request.max_new_tokens, params.num_return_sequences,
                            max_model_len=self.max_model_len, max_num_seqs=self.config.max_num_seqs,
-                           block_size=self.config.block_size, num_blocks=self.pool.num_blocks)
+                           block_size=self.config.block_size, num_blocks=self.pool.num_blocks,
+                           rope_limit=self.rope_limit)
         if error:
             request.output.error = error
             self.counters.failed += 1

@@ -26,9 +26,12 @@ def token_ids(prompt, tokenizer) -> list[int]:
 
 
 def never_fits(prompt_len: int, max_new_tokens: int, num_return_sequences: int, *, max_model_len: int,
-               max_num_seqs: int, block_size: int, num_blocks: int) -> str | None:
+               max_num_seqs: int, block_size: int, num_blocks: int, rope_limit: tuple[str, int] | None = None
+               ) -> str | None:
     """Why a request of ``prompt_len`` tokens, ``max_new_tokens`` new ones and ``num_return_sequences``
-    sequences can never run on this engine (the message names the value, the limit and the knob), or None."""
+    sequences can never run on this engine (the message names the value, the limit and the knob), or None.
+    rope_limit: (rope type, tokens) of a RoPE whose frequencies follow each forward's longest position
+    (``hf_paged.introspect.length_dependent_rope``)."""
     if max_new_tokens < 1:       # generate raises "Input length of input_ids is ..." for these
         return (f"input length of {prompt_len} tokens is >= max_length={prompt_len + max_new_tokens} (prompt + "
                 "new tokens, as model.generate counts it, which raises for this prompt): set max_new_tokens, "
@@ -37,6 +40,12 @@ def never_fits(prompt_len: int, max_new_tokens: int, num_return_sequences: int, 
     if total > max_model_len:
         return (f"prompt of {prompt_len} tokens + max_new_tokens={max_new_tokens} = {total} tokens exceeds the "
                 f"model's context of {max_model_len} (max_model_len). Shorten the prompt or lower max_new_tokens.")
+    if rope_limit is not None and total > rope_limit[1]:
+        kind, limit = rope_limit
+        return (f"prompt + max_new_tokens = {total} tokens, but this model's RoPE ({kind!r}) changes its frequencies "
+                f"past {limit} tokens, and transformers computes them from the longest position of each forward: in "
+                f"the engine's packed steps a request's positions would depend on its neighbours. Requests up to "
+                f"{limit} tokens run exactly; generate longer ones with model.generate (its batch is its own).")
     if num_return_sequences > max_num_seqs:
         return (f"num_return_sequences={num_return_sequences} sequences must run together but max_num_seqs="
                 f"{max_num_seqs}. Raise max_num_seqs or lower num_return_sequences.")

@@ -296,3 +296,33 @@ def test_forget_drops_only_finished_requests():
             engine.step()
     out = engine.forget(rid)
     assert out.outputs[0].finish_reason == "length" and rid not in engine.requests
+
+
+@pytest.mark.parametrize("rope", [
+    dict(rope_type="longrope", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=16,
+         short_factor=[1.0] * 32, long_factor=[2.0 + 0.1 * i for i in range(32)]),
+    dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0)], ids=["longrope", "dynamic"])
+def test_length_dependent_rope_runs_exactly_within_its_limit(rope):
+    """transformers computes dynamic-NTK and longrope frequencies from each forward's longest position: packed
+    with a long request, a short one would take the long one's. Requests within the limit (16 tokens for
+    longrope's original context; 15 for dynamic NTK over max_position_embeddings=16) equal generate alone
+    on a fresh model; longer ones fail alone, naming the RoPE and the limit."""
+    from hf_paged.introspect import length_dependent_rope
+    overrides = dict(max_position_embeddings=64 if rope["rope_type"] == "longrope" else 16, rope_parameters=rope)
+    limit = 16 if rope["rope_type"] == "longrope" else 15
+    assert length_dependent_rope(make_model("llama", seed=1, **overrides)) == (rope["rope_type"], limit)
+    assert length_dependent_rope(make_model("llama", seed=1)) is None
+    gen = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in (5, 30, 3, 7)]
+    settings = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, use_tqdm=False)
+    outs = LLM(make_model("llama", seed=1, **overrides), block_size=4, max_num_batched_tokens=16, num_blocks=96,
+               max_model_len=64).generate(prompts, **settings)
+    assert outs[1].error is not None and f"RoPE ('{rope['rope_type']}')" in outs[1].error and str(limit) in outs[1].error
+    for prompt, out in zip(prompts, outs):
+        if len(prompt) + 8 > limit:
+            assert out.error is not None
+            continue
+        ids = torch.tensor([prompt])
+        want = make_model("llama", seed=1, **overrides).generate(ids, attention_mask=torch.ones_like(ids),
+                                                                max_new_tokens=8, min_new_tokens=8, do_sample=False)
+        assert out.outputs[0].token_ids == want[0, len(prompt):].tolist()

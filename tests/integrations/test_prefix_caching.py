@@ -175,3 +175,27 @@ def test_prefix_cache_options_are_checked():
         hf_paged.patch(model, prefix_cache_bytes=2**20)
     with pytest.raises(ValueError, match="prefix_cache_bytes"):
         hf_paged.patch(model, enable_prefix_caching=True, prefix_cache_bytes=10)
+
+
+LONGROPE = dict(max_position_embeddings=64, rope_parameters=dict(
+    rope_type="longrope", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=16,
+    short_factor=[1.0] * 32, long_factor=[2.0 + 0.1 * i for i in range(32)]))
+
+
+def test_length_dependent_rope_reuses_no_block_across_frequency_sets():
+    """Longrope switches every position's frequencies once a forward's longest position passes 16: blocks
+    computed in a call whose prompts pass it are neither stored nor reused; calls within it hit as usual.
+    Each call equals the default path on the same call."""
+    rng = random.Random(5)
+    model = make_model("llama", seed=1, **LONGROPE)
+    prefix = [rng.randrange(3, VOCAB) for _ in range(BLOCK)]
+    long_call = prompts_with_prefix(prefix, [2, 14], rng)               # 22 columns: the long factors
+    short_calls = [prompts_with_prefix(prefix, [3, 1], rng) for _ in range(2)]     # 11 and 9: the short ones
+    refs, outs, stats = reference_and_cached(model, [long_call, *short_calls], max_new_tokens=4, do_sample=False,
+                                             return_dict_in_generate=True, output_logits=True)
+    for ref, out in zip(refs, outs):
+        assert torch.equal(ref.sequences, out.sequences)
+        for a, b in zip(ref.logits, out.logits):
+            torch.testing.assert_close(b, a, atol=1e-5, rtol=0)
+    assert stats[0]["prefix_hit_tokens"] == 0 and stats[1]["prefix_hit_tokens"] == 0   # nothing stored by call 0
+    assert stats[2]["prefix_hit_tokens"] > 0                                          # call 1's blocks serve call 2
