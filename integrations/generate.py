@@ -11,11 +11,12 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 from hf_paged.attention_interface import cache_keyword
 from hf_paged.cache import PagedCache
 from hf_paged.families import config_geometry
-from hf_paged.introspect import model_geometry
+from hf_paged.introspect import length_dependent_rope, model_geometry
 
 PAGED = "paged"
 
@@ -57,6 +58,9 @@ def paged_generate(model, generate, args: tuple, kwargs: dict, cache_options: di
     asked = wants_paged(kwargs, generation_config, model)
     if not asked and not isinstance(cache, PagedCache):
         return generate(*args, **kwargs)
+    if _setting("use_cache", kwargs, generation_config, model) is False:
+        raise ValueError("use_cache=False recomputes the whole sequence at every step: there is no KV cache to "
+                         "page. Drop use_cache=False, or generate without cache_implementation='paged' / a PagedCache.")
     kwargs = dict(kwargs)
     if asked:
         kwargs["cache_implementation"] = None
@@ -78,12 +82,32 @@ def paged_generate(model, generate, args: tuple, kwargs: dict, cache_options: di
     num_beams = _setting("num_beams", kwargs, generation_config, model) or 1
     # Beam search may keep a beam whose last token is EOS among the running ones: keep its blocks.
     cache.begin_generate(eos_ids if num_beams == 1 else frozenset())
+    if num_beams == 1 and eos_ids and cache.release_finished_rows and len(args) < 4:   # args[3]: stopping_criteria
+        _report_sampled_tokens(cache, kwargs)
     try:
         with scope():
             return generate(*args, **kwargs)
     finally:
         if on_cache is not None:
             on_cache(cache)
+
+
+class _SampledTokens(StoppingCriteria):
+    """Stops nothing; tells the cache each step's sampled tokens (``PagedCache.note_generated``), so that
+    only an EOS generate sampled finishes a row, never one in the prompt."""
+
+    def __init__(self, cache):
+        self.cache = cache
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.cache.note_generated(input_ids[:, -1].tolist())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+def _report_sampled_tokens(cache, kwargs: dict) -> None:
+    """Add ``_SampledTokens`` to the call's stopping criteria (a copy of the user's list, theirs kept)."""
+    given = kwargs.get("stopping_criteria")
+    kwargs["stopping_criteria"] = StoppingCriteriaList([*(given or []), _SampledTokens(cache)])
 
 
 def chunked_prefill_continues() -> bool:
@@ -103,7 +127,9 @@ def _attach_prefix(store, cache, args: tuple, kwargs: dict, generation_config, m
     Not for calls whose outputs would show the skipped columns (per-layer outputs of the prefill), that
     start from embeddings, whose padding generate would infer from pad tokens, that decode with a
     candidate generator (assisted, prompt-lookup: their first forward feeds the whole prompt whatever
-    the cache holds), or that chunk their prefill on a transformers whose chunks start at column 0."""
+    the cache holds), that chunk their prefill on a transformers whose chunks start at column 0, or whose
+    prompts reach past where a length-dependent RoPE changes its frequencies (blocks computed under other
+    frequencies than this call's would be reused; ``introspect.length_dependent_rope``)."""
     if kwargs.get("inputs_embeds") is not None or any(
             _setting(name, kwargs, generation_config, model) for name in _NO_PREFIX_SETTINGS):
         return
@@ -113,6 +139,9 @@ def _attach_prefix(store, cache, args: tuple, kwargs: dict, generation_config, m
     mask = kwargs.get("attention_mask")
     pad = _setting("pad_token_id", kwargs, generation_config, model)
     if not isinstance(input_ids, torch.Tensor) or (mask is None and pad is not None and bool((input_ids == pad).any())):
+        return
+    rope = length_dependent_rope(model)     # its prefill's frequencies follow the batch's longest prompt
+    if rope is not None and input_ids.shape[-1] > rope[1]:
         return
     num_beams = _setting("num_beams", kwargs, generation_config, model) or 1
     expand = num_beams if num_beams > 1 else _setting("num_return_sequences", kwargs, generation_config, model) or 1

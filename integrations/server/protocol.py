@@ -123,9 +123,11 @@ class TextPart(Strict):
 
 
 class ChatMessage(Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]   # "tool": refused by name (conflicts)
     content: Optional[Union[str, list[TextPart]]] = None
     name: Optional[str] = None
+    tool_call_id: Optional[str] = None          # OpenAI's tool-calling fields: read to be refused clearly
+    tool_calls: Optional[list[dict[str, Any]]] = None
 
     def text(self) -> str:
         if self.content is None:
@@ -177,6 +179,11 @@ class ChatCompletionRequest(_Sampling):
         if self.continue_final_message and self.add_generation_prompt:
             return "continue_final_message", ("continue_final_message and add_generation_prompt cannot both "
                                               "be true (set add_generation_prompt=false)")
+        for i, m in enumerate(self.messages):
+            if m.role == "tool" or m.tool_calls or m.tool_call_id is not None:
+                return f"messages.{i}", ("tool results and tool calls need tool calling, which this server does "
+                                         "not do (see tools: vLLM parses them with model-specific parsers); send "
+                                         "their text as user / assistant content instead")
         clash = sorted(RESERVED_TEMPLATE_KWARGS & set(self.chat_template_kwargs or {}))
         if clash:
             return "chat_template_kwargs", f"chat_template_kwargs may not set {clash}: the server sets them"

@@ -164,6 +164,10 @@ def test_probes_and_refusals(client):
         {"role": "user", "content": " ".join(["w5"] * (limit - 1))}]})           # + the template's w9: the context
     assert full.status_code == 400 and "no room for a new token" in full.json()["error"]["message"]
     assert full.json()["error"]["param"] == "prompt"
+    tool = client.post("/v1/chat/completions", json={"model": MODEL, "messages": [
+        {"role": "user", "content": "w5"}, {"role": "tool", "tool_call_id": "c1", "content": "w6"}]})
+    assert tool.status_code == 400 and tool.json()["error"]["param"] == "messages.1"
+    assert "tool calling" in tool.json()["error"]["message"]
     many = client.post("/v1/completions", json={"model": MODEL, "prompt": "w5", "n": 2, "max_tokens": 2})
     assert many.status_code == 400 and many.json()["error"]["param"] == "n"
     assert "temperature > 0" in many.json()["error"]["message"]
