@@ -93,6 +93,7 @@ def replay_padded(config, prompt_lens: list[int], output_lens: list[int], block_
     full = torch.cat([mask, torch.ones(batch, max_new, dtype=mask.dtype)], dim=1)
     for k in range(1, max_new):                     # forward k feeds generated token k-1
         fed = torch.where(outs - 1 == k - 1, eos, torch.where(outs - 1 < k - 1, pad, PLAIN))
+        cache.note_generated(fed.tolist())          # the hook's stopping criterion reports the sampled tokens
         cache.plan_step(full[:, :width + k], fed.unsqueeze(1), batch, 1, dtype, META)
         cache.end_step()
         if sample:
