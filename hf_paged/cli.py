@@ -54,12 +54,22 @@ def _positive(cast):
     return parse
 
 
+def port_number(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port in 0..65535, got {text}")
+    return value
+
+
 POSITIVE_INT, SIZE = _positive(int), _positive(parse_bytes)
 # ``serve``'s flags in --help order: (the config holding the field, field, argparse keywords); the
 # default is the field's, the help its docstring's text unless given here.
 SERVE_FLAGS = [
     (ServeConfig, "host", {}),
-    (ServeConfig, "port", dict(type=int)),
+    (ServeConfig, "port", dict(type=port_number)),
     (ServeConfig, "api_key", {}),
     (ServeConfig, "served_model_name", dict(help="the model's name in the API (default: MODEL_DIR)")),
     (ServeConfig, "dtype", dict(choices=list(DTYPES))),
@@ -117,12 +127,18 @@ def main(argv=None) -> int:
         return demo.main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
-        from hf_paged.integrations.server.main import serve
+        from hf_paged.integrations.server.main import checked_options, serve
     except ImportError as exc:
         print(f"hf-paged serve needs the 'serve' extra ({exc.name} is missing): pip install 'hf-paged[serve]'",
               file=sys.stderr)
         return 2
-    return serve(args.model, **{name: getattr(args, name) for _, name, _ in SERVE_FLAGS})
+    options = {name: getattr(args, name) for _, name, _ in SERVE_FLAGS}
+    try:
+        checked_options(options)          # before the model loads: a bad value fails in a second
+        return serve(args.model, **options)
+    except (ValueError, OSError) as exc:  # bad settings, a missing / broken checkpoint: one line, no traceback
+        print(f"hf-paged serve: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@ process-wide patch of transformers, which hf_paged only does on explicit opt-in.
 keeps the pipeline's own preprocessing (tokenizer, chat template, prefix) and postprocessing
 (``return_full_text``, ``return_tensors``, decoding) and replaces only the batched generate calls with
 one engine run over the whole list. Single prompts, and lists asking for what the engine does not do
-(beam search, scores), take the stock path unchanged. ``batch_size`` is accepted and ignored for
+(beam search, scores, no_repeat_ngram_size, ...: whatever ``resolve_generation`` refuses), take the stock
+path unchanged, which also raises transformers' own errors for bad values. ``batch_size`` is accepted and ignored for
 lists: the engine's ``max_num_seqs`` / ``max_num_batched_tokens`` schedule instead.
 
     pipe = hf_paged.pipeline("text-generation", model=model, tokenizer=tok, max_num_seqs=32)
@@ -70,8 +71,15 @@ def run_list_through_engine(pipe: TextGenerationPipeline, llm: LLM, text_inputs,
     params = []
     for x in inputs:
         generate_kwargs = _pipeline_generate_kwargs(pipe, dict(fwd))
-        _, settings = split_options(generate_kwargs)
-        params.append(resolve_generation(pipe.model.generation_config, **settings))   # as generate resolves them
+        generate_kwargs.pop("tokenizer", None)        # stop strings: the engine decodes with the pipeline's own
+        knobs, settings = split_options(generate_kwargs)
+        if knobs:
+            raise ValueError(f"engine knob(s) {sorted(knobs)} are set when the pipeline is built "
+                             "(hf_paged.pipeline(..., block_size=...) or engine_options={...}), not per call")
+        try:
+            params.append(resolve_generation(pipe.model.generation_config, **settings))   # as generate resolves them
+        except ValueError:
+            return None        # a setting the engine does not do (or a bad value): the stock path, its own errors
     engine = llm.engine
     ids = [engine.add_request(x["input_ids"][0], prompt_index=i, params=p) for i, (x, p) in enumerate(zip(inputs, params))]
     engine.run()

@@ -46,7 +46,7 @@ class LLM:
         back and no later call runs them.
         """
         engine = self.engine
-        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        prompts = prompt_list(prompts)
         if isinstance(settings, Mapping):
             clash = sorted(set(settings) & set(common))
             if clash:
@@ -101,6 +101,22 @@ class LLM:
     def stats(self):
         """``Engine.stats()``: a read-only EngineStats snapshot."""
         return self.engine.stats()
+
+
+def prompt_list(prompts) -> list:
+    """``prompts`` as a list of prompts: a text is one, a 1-d tensor of ids is one, a 2-d one is one per row;
+    a flat list of ints is refused (one prompt of ids, or several one-token prompts?)."""
+    import torch
+
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, torch.Tensor):
+        return [prompts] if prompts.dim() == 1 else list(prompts)
+    prompts = list(prompts)
+    if prompts and all(isinstance(p, int) for p in prompts):
+        raise ValueError(f"prompts is a flat list of {len(prompts)} ints: pass [[...]] for one prompt of token ids "
+                         "(prompts is a list of prompts, each a text or a list of token ids)")
+    return prompts
 
 
 def generate_many(model, prompts, tokenizer=None, settings=None, *, on_token=None, use_tqdm: bool | None = None,

@@ -30,8 +30,8 @@ class AppConfig:
             raise ValueError(f"max_queue must be a positive int, got {self.max_queue!r}")
         if not isinstance(self.max_body_bytes, int) or self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be a positive int, got {self.max_body_bytes!r}")
-        if self.shutdown_timeout < 0:
-            raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {self.shutdown_timeout!r}")
+        if not 0 <= self.shutdown_timeout < float("inf"):        # NaN fails it too
+            raise ValueError(f"shutdown_timeout must be a finite number of seconds >= 0, got {self.shutdown_timeout!r}")
 
 
 @dataclass(frozen=True)

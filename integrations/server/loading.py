@@ -68,7 +68,13 @@ def load_model(name: str, dtype="auto", device: str | None = None, trust_remote_
 
 def _model_type(path: Path) -> str | None:
     config = path / "config.json"
-    return json.loads(config.read_text()).get("model_type") if config.is_file() else None
+    if not config.is_file():
+        raise FileNotFoundError(f"{path}: no config.json: not a transformers checkpoint directory "
+                                "(model.save_pretrained(dir) writes one)")
+    try:
+        return json.loads(config.read_text()).get("model_type")
+    except (json.JSONDecodeError, AttributeError) as exc:
+        raise ValueError(f"{config}: not a valid config.json ({exc})") from None
 
 
 def _tokenizer(tokenizer, source: str | None = None, **options):
@@ -79,4 +85,13 @@ def _tokenizer(tokenizer, source: str | None = None, **options):
 
     if tokenizer is not None:
         return AutoTokenizer.from_pretrained(str(tokenizer))
+    folder = Path(source)
+    if folder.is_dir() and not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        raise FileNotFoundError(f"{source}: no tokenizer in the checkpoint directory (none of "
+                                f"{', '.join(TOKENIZER_FILES)}); save the model's tokenizer there "
+                                "(tokenizer.save_pretrained(dir))")
     return AutoTokenizer.from_pretrained(source, **options)
+
+
+# A checkpoint directory's tokenizer files: one of these makes it loadable by AutoTokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "tiktoken.model")

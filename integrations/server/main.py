@@ -49,6 +49,15 @@ def auto_dtype_note(dtype: str, model) -> str | None:
             "token-exact (README, 'bf16 on the CPU'); pass --dtype bfloat16 for that")
 
 
+def checked_options(options: dict) -> None:
+    """Raise ValueError naming the setting for what ``serve`` would refuse only after loading the model
+    (the server's settings, the engine knobs the model's geometry does not decide)."""
+    from hf_paged.engine import EngineConfig
+
+    _, engine_knobs = split_options(options, ServeConfig)
+    EngineConfig(**engine_knobs).validate()
+
+
 def serve(model: str, **options) -> int:
     """Serve ``model`` until a signal stops it; exit status 0. ``options``: ``ServeConfig`` fields (host,
     port, api_key, served_model_name, dtype, max_queue, shutdown_timeout, max_body_bytes,

@@ -275,6 +275,18 @@ def test_a_call_that_raises_or_a_stream_left_early_leaves_nothing_running():
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, **settings)] == clean
 
 
+def test_prompt_forms():
+    """A text, a list of ids, a 1-d tensor (one prompt) or a 2-d one (a prompt per row); a flat list of ints
+    is refused (one prompt of ids, or several one-token prompts?)."""
+    llm = LLM(make_model("llama", seed=2), block_size=4, num_blocks=32)
+    one = llm.generate([[5, 6, 7]], max_new_tokens=2, do_sample=False)[0].outputs[0].token_ids
+    assert llm.generate(torch.tensor([5, 6, 7]), max_new_tokens=2, do_sample=False)[0].outputs[0].token_ids == one
+    rows = llm.generate(torch.tensor([[5, 6, 7], [5, 6, 7]]), max_new_tokens=2, do_sample=False)
+    assert [r.outputs[0].token_ids for r in rows] == [one, one]
+    with pytest.raises(ValueError, match=r"flat list of 3 ints: pass \[\[\.\.\.\]\] for one prompt"):
+        llm.generate([5, 6, 7], max_new_tokens=2)
+
+
 def test_more_return_sequences_than_max_num_seqs_fails_alone():
     model = make_model("llama", seed=2)
     llm = LLM(model, block_size=4, num_blocks=32, max_num_seqs=2)

@@ -1,6 +1,7 @@
 """hf_paged.pipeline over a list of prompts returns what the stock pipeline returns, prompt by prompt."""
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import pipeline
 
@@ -68,3 +69,29 @@ def test_stock_pipeline_routes_lists_to_the_engine_under_the_global_opt_in():
         assert plain(prompts, **kw) == expected and "_hf_paged_llm" not in plain.__dict__
     finally:
         hf_paged.unpatch(model)
+
+
+def test_list_calls_the_engine_cannot_serve_take_the_stock_path():
+    """Settings the engine does not do (no_repeat_ngram_size, suppress_tokens, guidance_scale, ...) send the
+    list to the stock path (its records); engine knobs per call are refused by name."""
+    model = make_model("llama", seed=3)
+    tok = word_tokenizer()
+    prompts = _prompts(4, (4, 1, 7))
+    stock = pipeline("text-generation", model=model, tokenizer=tok)
+    paged = hf_paged.pipeline("text-generation", model=model, tokenizer=tok)
+    for extra in (dict(no_repeat_ngram_size=2), dict(suppress_tokens=[5]), dict(guidance_scale=1.5)):
+        kw = dict(max_new_tokens=4, do_sample=False, **extra)
+        assert paged(prompts, **kw) == [stock(p, **kw) for p in prompts], extra
+    assert paged.engine_stats()["requests_finished"] == 0             # the engine never ran
+    with pytest.raises(ValueError, match=r"engine knob\(s\) \['block_size'\] are set when the pipeline is built"):
+        paged(prompts, max_new_tokens=2, block_size=8)
+
+
+def test_stop_sequence_on_a_list(smollm2):
+    """transformers hands generate a ``tokenizer`` with stop strings: the engine decodes with the pipeline's own."""
+    model, tok = smollm2.load_smollm2()
+    prompts = ["Count from 1 to 9:", "Count: 1, 2,"]
+    kw = dict(max_new_tokens=24, do_sample=False, stop_sequence=", 6")
+    stock = pipeline("text-generation", model=model, tokenizer=tok)
+    expected = [stock(p, **kw) for p in prompts]
+    assert hf_paged.pipeline("text-generation", model=model, tokenizer=tok)(prompts, **kw) == expected

@@ -347,6 +347,40 @@ def test_cli_flags_take_names_and_defaults_from_the_configs():
             parser.parse_args(["serve", "m", *bad])
 
 
+@pytest.mark.parametrize("argv, says", [
+    (["--port", "70000"], "--port: must be a TCP port in 0..65535"),
+    (["--port", "-1"], "--port: must be a TCP port in 0..65535"),
+    (["--shutdown-timeout", "nan"], "shutdown_timeout must be a finite number"),
+    (["--max-logprobs", "-1"], "max_logprobs must be an int >= 0"),
+    (["--gpu-memory-utilization", "1.5"], "gpu_memory_utilization must be in (0, 1]"),
+])
+def test_serve_refuses_bad_settings_in_one_line_before_loading(argv, says, capsys, monkeypatch):
+    """A bad value exits 2 with one line naming it, before any model loads (the checkpoint is never read)."""
+    from hf_paged import cli
+    from hf_paged.integrations.server import loading
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    with pytest.raises(SystemExit) if argv[0] == "--port" else contextlib.nullcontext():
+        assert cli.main(["serve", "smollm2", *argv]) == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err
+
+
+def test_serve_names_a_broken_checkpoint_directory(tmp_path, capsys):
+    from hf_paged import cli
+    assert cli.main(["serve", str(tmp_path / "missing")]) == 2
+    assert "not a checkpoint directory" in capsys.readouterr().err
+    assert cli.main(["serve", str(tmp_path)]) == 2
+    assert "no config.json" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text("{not json")
+    assert cli.main(["serve", str(tmp_path)]) == 2
+    assert "not a valid config.json" in capsys.readouterr().err
+    folder = tmp_path / "no_tokenizer"
+    make_model("llama").save_pretrained(folder)
+    assert cli.main(["serve", str(folder)]) == 2
+    err = capsys.readouterr().err
+    assert "no tokenizer in the checkpoint directory" in err and "Traceback" not in err
+
+
 @pytest.mark.parametrize("text, value", [("1048576", 2**20), ("512k", 2**19), ("256M", 256 * 2**20),
                                          ("2GiB", 2 * 2**30), ("1.5gb", 3 * 2**29), ("1T", 2**40)])
 def test_parse_bytes(text, value):
