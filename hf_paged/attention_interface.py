@@ -11,8 +11,9 @@ builds nothing, since the plan holds each row's causal limits: it returns a ``De
 While a model is switched, a forward may run without a PagedCache: another thread's plain forward, or
 generate's own extra forwards inside a paged call (``guidance_scale``'s unconditional pass, an assistant
 that is the model itself, early-exit drafts), each with a cache of its own or none. Their attention runs
-the implementation the switch replaced (``FALLBACK``, on the model's configs while switched), with the
-mask that implementation builds from the deferred one's arguments: the default path's result.
+the implementation the switch replaced (``FALLBACK``, an attribute of the model's modules while switched:
+not of their configs, which a save would write out), with the mask that implementation builds from the
+deferred one's arguments: the default path's result.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ import torch
 from .backends.step import PagedLayer
 
 ATTENTION_NAME = "hf_paged"
-FALLBACK = "_hf_paged_replaced_attention"    # config.__dict__ key while switched: the implementation replaced
+FALLBACK = "_hf_paged_replaced_attention"    # module attribute while switched: the implementation replaced
 
 
 def paged_attention(module: torch.nn.Module, query: torch.Tensor, key, value, attention_mask,
@@ -88,7 +89,7 @@ def no_dense_mask(**kwargs) -> DeferredMask:
 def replaced_attention(module: torch.nn.Module, query, key, value, attention_mask, **kwargs):
     """The attention of a forward that runs without a PagedCache while the model is switched: the
     implementation the switch replaced, with its own mask (see the module's docstring)."""
-    implementation = module.config.__dict__.get(FALLBACK) if hasattr(module, "config") else None
+    implementation = module.__dict__.get(FALLBACK)
     if implementation is None:
         raise RuntimeError(
             f"attn_implementation={ATTENTION_NAME!r} needs a hf_paged.PagedCache (and a patched model): "
@@ -139,8 +140,8 @@ def use_paged_attention(model):
         if switch.users == 0:
             switch.previous = model.config._attn_implementation
             if switch.previous != ATTENTION_NAME:
-                for config in _configs(model):
-                    config.__dict__[FALLBACK] = switch.previous
+                for module in model.modules():          # plain attributes: no parameter, buffer or config
+                    module.__dict__[FALLBACK] = switch.previous
                 model.set_attn_implementation(ATTENTION_NAME)
         switch.users += 1
     try:
@@ -150,18 +151,8 @@ def use_paged_attention(model):
             switch.users -= 1
             if switch.users == 0 and switch.previous != ATTENTION_NAME:
                 model.set_attn_implementation(switch.previous)
-                for config in _configs(model):
-                    config.__dict__.pop(FALLBACK, None)
-
-
-def _configs(model) -> list:
-    """The distinct config objects of ``model``'s modules (the model's, its text model's, ...)."""
-    found = {id(model.config): model.config}
-    for module in model.modules():
-        config = getattr(module, "config", None)
-        if config is not None and hasattr(config, "__dict__") and hasattr(config, "_attn_implementation"):
-            found.setdefault(id(config), config)
-    return list(found.values())
+                for module in model.modules():
+                    module.__dict__.pop(FALLBACK, None)
 
 
 def cache_keyword(model) -> str:
