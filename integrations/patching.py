@@ -39,6 +39,7 @@ class PatchState:
     temporary_owner: int | None = None      # thread of enable()'s per-call patch, None for patch()
     prefix_cache_bytes: int | None = None    # prefix caching across calls: its budget, None = off
     prefix_store: PrefixStore | None = None  # built on the first paged call that wants it
+    prefix_weights: tuple | None = None      # the weights its K/V were computed with (``weights_key``)
 
 
 _MISSING = object()
@@ -104,6 +105,7 @@ def patch(model, *, default: bool = False, block_size: int | None = None, num_bl
         if (options, budget) != (state.cache_options, state.prefix_cache_bytes):
             state.prefix_store = None
         state.cache_options, state.prefix_cache_bytes = options, budget
+        state.temporary_owner = None      # enable()'s per-call patch, now asked for: it outlives that call
         model.generation_config.cache_implementation = "paged" if default else state.default_cache_implementation
         return model
     register()
@@ -129,7 +131,8 @@ def patch(model, *, default: bool = False, block_size: int | None = None, num_bl
         def record(cache):
             state.last_stats = cache.stats()
         return paged_generate(model, original, args, kwargs, state.cache_options, record,
-                              scope=lambda: use_paged_attention(model), prefix_store=lambda c: _prefix_store(state, c))
+                              scope=lambda: use_paged_attention(model),
+                              prefix_store=lambda c: _prefix_store(state, c, model))
 
     model.generate = generate
     return model
@@ -143,17 +146,31 @@ def _prefix_budget(enabled: bool, budget_bytes: int | None) -> int | None:
     return (budget_bytes or DEFAULT_PREFIX_CACHE_BYTES) if enabled else None
 
 
-def _prefix_store(state: PatchState, cache: PagedCache) -> PrefixStore | None:
-    """The model's prefix store for a cache generate built, made on first use; None when prefix caching
-    is off. Thread-safe enough for concurrent calls: a second store made at once is dropped."""
+def _prefix_store(state: PatchState, cache: PagedCache, model) -> PrefixStore | None:
+    """The model's prefix store for a cache generate built, made on first use, and made anew when the
+    model's weights changed since (``load_state_dict``, ``.to(dtype)``: its K/V are another model's);
+    None when prefix caching is off. Thread-safe enough for concurrent calls: a second store made at once
+    is dropped."""
     if state.prefix_cache_bytes is None:
         return None
-    store = state.prefix_store
-    if store is None:
+    store, weights = state.prefix_store, weights_key(model)
+    if store is None or state.prefix_weights != weights:
         store = PrefixStore(cache.config, cache.geometry, cache.kv_format, cache.block_size,
                             state.prefix_cache_bytes, cache._dtype)
-        state.prefix_store = store
+        state.prefix_store, state.prefix_weights = store, weights
     return store if store.serves(cache) else None
+
+
+def weights_key(model) -> tuple:
+    """Which tensors the model's parameters are and how often each was written in place: it changes when
+    weights are loaded (``copy_`` bumps a tensor's version) or converted (new storage)."""
+    key = []
+    for p in model.parameters():
+        try:
+            key.append((id(p), p.data_ptr(), p._version))
+        except (RuntimeError, NotImplementedError):        # a tensor subclass without plain storage
+            key.append((id(p), id(p.data), getattr(p, "_version", 0)))
+    return tuple(key)
 
 
 def unpatch(model):
@@ -174,6 +191,17 @@ def unpatch(model):
 
 def is_patched(model) -> bool:
     return getattr(model, STATE_ATTR, None) is not None
+
+
+def engine_knobs(model) -> dict:
+    """The EngineConfig knobs a patched model's options mean for the engine (the stock pipeline's lists):
+    block size, KV format, pool size, prefix caching."""
+    state = getattr(model, STATE_ATTR)
+    options = state.cache_options
+    knobs = dict(block_size=options["block_size"], kv_cache_dtype=options["kv_cache_dtype"],
+                 num_blocks=options["num_blocks"], kv_cache_memory_bytes=options["max_memory_bytes"],
+                 enable_prefix_caching=state.prefix_cache_bytes is not None)
+    return {k: v for k, v in knobs.items() if v is not None}
 
 
 def last_stats(model) -> dict:
@@ -209,11 +237,13 @@ def _global_generate(original):
                 getattr(self, STATE_ATTR).temporary_owner = threading.get_ident()
         if not temporary:       # patched: its own generate wrapper already chose the path
             return original(self, *args, **kwargs)
+        state = getattr(self, STATE_ATTR)
         try:
             return self.generate(*args, **kwargs)
         finally:
             with lock:
-                unpatch(self)
+                if getattr(self, STATE_ATTR, None) is state and state.temporary_owner is not None:
+                    unpatch(self)         # not if patch() made it permanent meanwhile
     generate.__hf_paged_original__ = original
     return generate
 
@@ -234,7 +264,8 @@ def enable() -> None:
     if not hasattr(GenerationMixin.generate, "__hf_paged_original__"):
         GenerationMixin.generate = _global_generate(GenerationMixin.generate)
     if not hasattr(TextGenerationPipeline.__call__, "__hf_paged_original__"):
-        TextGenerationPipeline.__call__ = stock_pipeline_call(TextGenerationPipeline.__call__, is_patched)
+        TextGenerationPipeline.__call__ = stock_pipeline_call(TextGenerationPipeline.__call__, is_patched,
+                                                              engine_knobs)
 
 
 def disable() -> None:

@@ -117,17 +117,21 @@ def _pipeline_generate_kwargs(pipe: TextGenerationPipeline, generate_kwargs: dic
     return generate_kwargs
 
 
-def stock_pipeline_call(original, is_patched):
+def stock_pipeline_call(original, is_patched, engine_knobs):
     """For ``hf_paged.enable()``: ``TextGenerationPipeline.__call__`` that sends lists of prompts to the
     engine when the pipeline's model is patched (``is_patched(model)``); every other call goes to
-    ``original`` untouched. The engine (and its prefix cache) lives on the pipeline object."""
+    ``original`` untouched. The engine (and its prefix cache) lives on the pipeline object, built with the
+    knobs the patch's options mean (``engine_knobs(model)``: block size, KV format, pool, prefix caching)
+    and built anew when they change (the model patched again with other options)."""
 
     def __call__(self, text_inputs, *args, **kwargs):
         if args or isinstance(self, PagedTextGenerationPipeline) or not is_patched(self.model):
             return original(self, text_inputs, *args, **kwargs)
-        llm = self.__dict__.get("_hf_paged_llm")
-        if llm is None:
-            llm = self.__dict__["_hf_paged_llm"] = LLM(self.model, self.tokenizer)
+        knobs = engine_knobs(self.model)
+        built = self.__dict__.get("_hf_paged_llm")
+        if built is None or built[0] != knobs:
+            built = self.__dict__["_hf_paged_llm"] = (knobs, LLM(self.model, self.tokenizer, **knobs))
+        llm = built[1]
         records = run_list_through_engine(self, llm, text_inputs, kwargs)
         return records if records is not None else original(self, text_inputs, **kwargs)
 

@@ -68,6 +68,8 @@ class PagedCache(KVPools):
             block_size = default_block_size(kv_cache_dtype)
         if not isinstance(block_size, int) or not 1 <= block_size <= 1024:
             raise ValueError(f"block_size must be an int in 1..1024, got {block_size!r}")
+        if hasattr(self.kv_format, "check_block_size"):     # kivi: its fixed block, refused now, not at the pools
+            self.kv_format.check_block_size(block_size)
         if num_blocks is not None and max_memory_bytes is not None:
             raise ValueError("pass num_blocks or max_memory_bytes, not both")
         if num_blocks is not None and (not isinstance(num_blocks, int) or num_blocks < 1):
@@ -247,9 +249,10 @@ class PagedCache(KVPools):
         self.rows.written = [written.repeat_interleave(expand, 0)]
         return placed
 
-    no_step_message = ("PagedCache.update was called without a step plan: the model is not patched. Call "
-                       "hf_paged.patch(model) (or use `with hf_paged.enabled():`) before generating with a "
-                       "PagedCache.")
+    no_step_message = ("PagedCache.update was called without a step plan: the model is not patched (or was "
+                       "unpatched while this call ran). Call hf_paged.patch(model) (or use `with "
+                       "hf_paged.enabled():`) before generating with a PagedCache, and unpatch only once its "
+                       "calls are over.")
 
     def _check_rows(self, batch_size: int, attention_mask, q_len: int) -> None:
         """A later forward of this cache: the same rows, and finished rows resumed when a new call (or a

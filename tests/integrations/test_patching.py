@@ -93,6 +93,37 @@ def test_plain_forwards_while_a_paged_call_runs_take_the_model_s_own_attention()
     assert not any("_hf_paged_replaced_attention" in m.__dict__ for m in model.modules())
 
 
+def test_kivi_s_block_size_is_refused_when_asked():
+    model = make_model("llama")
+    for make in (lambda: hf_paged.PagedCache(model.config, kv_cache_dtype="kivi", block_size=16),
+                 lambda: hf_paged.patch(model, kv_cache_dtype="kivi", block_size=16)):
+        with pytest.raises(ValueError, match="kivi.*blocks of 32 tokens.*set block_size=32"):
+            make()
+    assert not hf_paged.is_patched(model)
+
+
+def test_a_patch_made_during_a_global_opt_in_call_outlives_it():
+    """enable()'s per-call patch, patched explicitly meanwhile (the advice for concurrent use), stays patched."""
+    from transformers import StoppingCriteriaList
+    model = make_model("llama", seed=3)
+    ids, mask = make_batch([5, 3], seed=1)
+    gate = _Gate()
+    with hf_paged.enabled():
+        thread, box = _in_thread(lambda: model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3,
+                                                        do_sample=False, cache_implementation="paged",
+                                                        stopping_criteria=StoppingCriteriaList([gate])))
+        assert gate.entered.wait(60)
+        hf_paged.patch(model, default=True)
+        gate.release.set()
+        thread.join(60)
+    assert "error" not in box, box.get("error")
+    try:
+        assert hf_paged.is_patched(model) and model.generation_config.cache_implementation == "paged"
+        assert hf_paged.last_stats(model)["blocks_used"] >= 0
+    finally:
+        hf_paged.unpatch(model)
+
+
 def test_direct_forward_with_paged_cache_needs_the_scope():
     model = make_model("llama")
     ids, mask = make_batch([5, 3], seed=2)

@@ -62,8 +62,13 @@ def test_stock_pipeline_routes_lists_to_the_engine_under_the_global_opt_in():
         with hf_paged.enabled():
             pipe = pipeline("text-generation", model=model, tokenizer=tok)
             assert pipe(prompts, batch_size=2, **kw) == expected
-            assert pipe._hf_paged_llm.stats()["requests_finished"] == len(prompts)   # the engine ran them
+            assert pipe._hf_paged_llm[1].stats()["requests_finished"] == len(prompts)   # the engine ran them
             assert pipe(prompts[1], **kw) == expected[1]                              # single prompt: stock
+            hf_paged.patch(model, kv_cache_dtype="int8", block_size=8)               # the engine follows the patch
+            quantised = [pipe(p, cache_implementation="paged", **kw) for p in prompts]     # stock, int8 PagedCache
+            assert pipe(prompts, **kw) == quantised
+            config = pipe._hf_paged_llm[1].engine.config
+            assert (config.kv_cache_dtype, config.block_size) == ("int8", 8)
         assert TextGenerationPipeline.__call__ is original
         plain = pipeline("text-generation", model=model, tokenizer=tok)
         assert plain(prompts, **kw) == expected and "_hf_paged_llm" not in plain.__dict__

@@ -199,3 +199,26 @@ def test_length_dependent_rope_reuses_no_block_across_frequency_sets():
             torch.testing.assert_close(b, a, atol=1e-5, rtol=0)
     assert stats[0]["prefix_hit_tokens"] == 0 and stats[1]["prefix_hit_tokens"] == 0   # nothing stored by call 0
     assert stats[2]["prefix_hit_tokens"] > 0                                          # call 1's blocks serve call 2
+
+
+def test_new_weights_empty_the_store():
+    """Blocks stored under other weights (load_state_dict, a dtype round trip) are never served."""
+    rng = random.Random(9)
+    model, other = make_model("llama", seed=3), make_model("llama", seed=4)
+    prefix = [rng.randrange(3, VOCAB) for _ in range(3 * BLOCK)]
+    ids, mask = prompts_with_prefix(prefix, [2, 5], rng)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, return_dict_in_generate=True,
+              output_logits=True)
+    with patched(model, block_size=BLOCK, enable_prefix_caching=True):
+        model.generate(cache_implementation="paged", **kw)
+        model.generate(cache_implementation="paged", **kw)
+        assert hf_paged.last_stats(model)["prefix_hit_tokens"] > 0          # same weights: hits
+        for change in (lambda: model.load_state_dict(other.state_dict()),
+                       lambda: model.to(torch.bfloat16).to(torch.float32)):
+            change()
+            got = model.generate(cache_implementation="paged", **kw)
+            assert hf_paged.last_stats(model)["prefix_hit_tokens"] == 0
+            ref = model.generate(**kw)                                      # the default path
+            assert torch.equal(got.sequences, ref.sequences)
+            for a, b in zip(ref.logits, got.logits):
+                torch.testing.assert_close(b, a, atol=1e-5, rtol=0)
