@@ -109,3 +109,16 @@ def length_dependent_rope(model) -> tuple[str, int] | None:
                 found.append((kind, int(params.get("original_max_position_embeddings")
                                         or module.original_max_seq_len)))
     return min(found, key=lambda f: f[1]) if found else None
+
+
+def weights_key(model) -> tuple:
+    """Which tensors the model's parameters are and how often each was written in place: it changes when
+    weights are loaded (``load_state_dict``'s ``copy_`` bumps a tensor's version) or converted (new storage).
+    What was computed from the weights (prefix-cached K/V, prepacked copies) is stale once it changes."""
+    key = []
+    for p in model.parameters():
+        try:
+            key.append((id(p), p.data_ptr(), p._version))
+        except (RuntimeError, NotImplementedError):        # a tensor subclass without plain storage
+            key.append((id(p), id(p.data), getattr(p, "_version", 0)))
+    return tuple(key)

@@ -22,6 +22,7 @@ from hf_paged.blocks import blocks_for_budget
 from hf_paged.cache import PagedCache
 from hf_paged.cache.prefix_store import DEFAULT_PREFIX_CACHE_BYTES, PrefixStore
 from hf_paged.families import family_for
+from hf_paged.introspect import weights_key
 
 from .generate import paged_generate, wants_paged
 
@@ -159,18 +160,6 @@ def _prefix_store(state: PatchState, cache: PagedCache, model) -> PrefixStore | 
                             state.prefix_cache_bytes, cache._dtype)
         state.prefix_store, state.prefix_weights = store, weights
     return store if store.serves(cache) else None
-
-
-def weights_key(model) -> tuple:
-    """Which tensors the model's parameters are and how often each was written in place: it changes when
-    weights are loaded (``copy_`` bumps a tensor's version) or converted (new storage)."""
-    key = []
-    for p in model.parameters():
-        try:
-            key.append((id(p), p.data_ptr(), p._version))
-        except (RuntimeError, NotImplementedError):        # a tensor subclass without plain storage
-            key.append((id(p), id(p.data), getattr(p, "_version", 0)))
-    return tuple(key)
 
 
 def unpatch(model):

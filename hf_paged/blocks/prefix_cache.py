@@ -48,6 +48,13 @@ class PrefixCache:
             del self.hash_to_block[h]
             self.block_hash[block] = self.block_tokens[block] = None
 
+    def forget_all(self) -> None:
+        """Forget every block's hash (their K/V no longer match their tokens: the model's weights changed);
+        kept free blocks become plain free blocks."""
+        for block in list(self.hash_to_block.values()):
+            self.evicted(block)
+            self.pool.forget(block)
+
     def match(self, token_ids: list[int], limit: int) -> tuple[list[int], list[int]]:
         """Cached full blocks holding the first tokens of ``token_ids`` (at most ``limit`` tokens).
 

@@ -32,7 +32,7 @@ import torch
 from ..attention_interface import use_paged_attention
 from ..backends import backend_kind
 from ..blocks import BlockPool, PrefixCache
-from ..introspect import length_dependent_rope, model_geometry
+from ..introspect import length_dependent_rope, model_geometry, weights_key
 from ..kivi import split_budget
 from ..kv_formats import kv_format
 from ..parallel import tensor_parallel_ranks
@@ -95,16 +95,43 @@ class Engine:
             self.runner.graphs = DecodeGraphs(self.runner, capture_sizes(config.max_num_seqs), width, blocks, capture)
         if (slow := bf16_warning(dtype, device)) is not None:
             log.warning("%s", slow)
-        self.fused = FusedOps(model) if config.fused_ops and not config.enforce_eager and device.type == "cpu" else None
-        # q/k/v and gate/up as one packed weight each when the fused forwards (which call them as one) run
-        self.prepacked = None if config.enforce_eager or device.type != "cpu" else \
-            PrepackedLinears(model, group_siblings=bool(self.fused and self.fused.forwards),
-                             prefill_rows=config.max_num_batched_tokens)
+        self._device, self._dtype = device, dtype
+        self._build_cpu_forwards()
+        self._weights = weights_key(model)          # what the prefix cache's K/V and the prepacked copies came from
         self.requests: dict[int, Request] = {}
         self._ids = itertools.count()
         self.token_texts = TokenTexts(tokenizer)       # decoded tokens of log-probability entries
         self._grammars = None                          # a GrammarCompiler, built at first use
         self._grammars_lock = threading.Lock()
+
+    def _build_cpu_forwards(self) -> None:
+        """The fused CPU ops and the prepacked linears (copies of the weights), as the config asks."""
+        config, cpu = self.config, self._device.type == "cpu"
+        self.fused = FusedOps(self.model) if config.fused_ops and not config.enforce_eager and cpu else None
+        # q/k/v and gate/up as one packed weight each when the fused forwards (which call them as one) run
+        self.prepacked = None if config.enforce_eager or not cpu else \
+            PrepackedLinears(self.model, group_siblings=bool(self.fused and self.fused.forwards),
+                             prefill_rows=config.max_num_batched_tokens)
+
+    def _check_weights(self) -> None:
+        """At each new request and session: new weights since (``load_state_dict`` between calls)? The prefix
+        cache's K/V and the prepacked copies came from the old ones: the first is emptied, the second made
+        again. A dtype change, or new weights while requests run, cannot be followed: refused, saying so."""
+        key = weights_key(self.model)
+        if key == self._weights:
+            return
+        if self.has_work:
+            raise RuntimeError("the model's weights changed while the engine has requests running or waiting: "
+                               "their K/V came from the old weights. Change weights between calls only.")
+        weight = next(self.model.parameters(), None)
+        if weight is not None and weight.is_floating_point() and weight.dtype != self._dtype:
+            raise RuntimeError(f"the model's dtype changed from {self._dtype} to {weight.dtype} since this engine "
+                               "was built (its KV pools and kernels are of the old one): build a new LLM / Engine")
+        if self.prefix_cache is not None:
+            self.prefix_cache.forget_all()
+        self._build_cpu_forwards()
+        self._weights = key
+        log.info("the model's weights changed: prefix cache emptied, CPU linears prepacked again")
 
     def _num_blocks(self, geometry, device: torch.device) -> int:
         """Blocks in the pool: each device holding layers (a device_map) must fit its layers' share of
@@ -149,6 +176,7 @@ class Engine:
         an explicit ``max_length`` leaves no room after) is not raised: its output carries the error
         (``output.error``, ``finish_reason == "error"``) and the other requests run.
         """
+        self._check_weights()
         ids = token_ids(prompt, self.tokenizer)
         if params is None:
             params = resolve_generation(self.model.generation_config, **settings)
@@ -242,6 +270,7 @@ class Engine:
     def session(self):
         """Switch the model to paged attention once for many steps, and count their wall time."""
         start = time.perf_counter()
+        self._check_weights()
         try:
             with self._forward_mode():
                 yield self

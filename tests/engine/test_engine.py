@@ -338,3 +338,23 @@ def test_length_dependent_rope_runs_exactly_within_its_limit(rope):
         want = make_model("llama", seed=1, **overrides).generate(ids, attention_mask=torch.ones_like(ids),
                                                                 max_new_tokens=8, min_new_tokens=8, do_sample=False)
         assert out.outputs[0].token_ids == want[0, len(prompt):].tolist()
+
+
+def test_new_weights_between_calls_are_followed():
+    """load_state_dict between calls: the prefix cache's K/V and the prepacked linears came from the old
+    weights; the next call equals a fresh engine on the new ones. A dtype change is refused."""
+    from hf_paged.introspect import weights_key
+    model, other = make_model("llama", seed=3), make_model("llama", seed=4)
+    prompts = [list(range(5, 22)), list(range(5, 21)) + [30]]           # a shared 16-token prefix: cache hits
+    settings = dict(max_new_tokens=6, do_sample=False, use_tqdm=False)
+    llm = LLM(model, block_size=4, num_blocks=64)
+    before = weights_key(model)
+    llm.generate(prompts, **settings)
+    assert weights_key(model) == before                                  # the engine itself writes no weight
+    model.load_state_dict(other.state_dict())
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, **settings)]
+    fresh = [o.outputs[0].token_ids for o in LLM(other, block_size=4, num_blocks=64).generate(prompts, **settings)]
+    assert got == fresh
+    model.to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="dtype changed from torch.float32 to torch.bfloat16.*build a new"):
+        llm.generate(prompts, **settings)
