@@ -10,8 +10,8 @@ keeps the pipeline's own preprocessing (tokenizer, chat template, prefix) and po
 (``return_full_text``, ``return_tensors``, decoding) and replaces only the batched generate calls with
 one engine run over the whole list. Single prompts, and lists asking for what the engine does not do
 (beam search, scores, no_repeat_ngram_size, ...: whatever ``resolve_generation`` refuses), take the stock
-path unchanged, which also raises transformers' own errors for bad values. ``batch_size`` is accepted and ignored for
-lists: the engine's ``max_num_seqs`` / ``max_num_batched_tokens`` schedule instead.
+path unchanged, which also raises transformers' own errors for bad values. ``batch_size`` is accepted and
+ignored for lists: the engine's ``max_num_seqs`` / ``max_num_batched_tokens`` schedule instead.
 
     pipe = hf_paged.pipeline("text-generation", model=model, tokenizer=tok, max_num_seqs=32)
     pipe(list_of_prompts, max_new_tokens=64)          # same records as the stock pipeline, per prompt

@@ -365,8 +365,9 @@ class Engine:
         request, params = seq.request, seq.request.params
         if token in params.stops_on or (seq.matcher is not None and seq.matcher.is_finished):
             return "stop"
-        if params.stop_strings and StopStrings(params.stop_strings).in_tail(
-                self.tokenizer, seq.token_ids, seq.num_output, request.min_new_tokens if params.stop_strings_wait else 0):
+        wait = request.min_new_tokens if params.stop_strings_wait else 0       # vLLM's min_tokens
+        if params.stop_strings and StopStrings(params.stop_strings).in_tail(self.tokenizer, seq.token_ids,
+                                                                             seq.num_output, wait):
             return "stop_string"
         if seq.num_output >= request.max_new_tokens:
             return "length"

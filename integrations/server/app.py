@@ -5,8 +5,9 @@ EngineConfig knobs) and the app; the engine thread starts and stops with the app
 Endpoints (``routes``): ``GET /v1/models`` (and ``/v1/models/{name}``), ``POST /v1/completions``,
 ``POST /v1/chat/completions`` (``stream`` as server-sent events ending in ``data: [DONE]``), ``GET`` /
 ``HEAD /health`` and vLLM's ``/ping`` (both open even with an API key), ``GET /metrics`` (Prometheus),
-vLLM's ``POST /tokenize``, ``POST /detokenize``, ``GET /version`` and ``GET /tokenizer_info`` (``tokenization``). Every error answers an OpenAI-style body
-``{"error": {"message", "type", "param", "code"}}`` (``errors``); no traceback reaches a client.
+vLLM's ``POST /tokenize``, ``POST /detokenize``, ``GET /version`` and ``GET /tokenizer_info`` (``tokenization``).
+Every error answers an OpenAI-style body ``{"error": {"message", "type", "param", "code"}}`` (``errors``); no
+traceback reaches a client.
 
 The pieces: ``state`` (what the handlers share), ``body`` (size-limited, strict JSON), ``protocol`` /
 ``vllm_fields`` / ``request_parts`` (the request schemas: OpenAI's and vLLM's fields), ``intake``

@@ -329,7 +329,8 @@ def test_length_dependent_rope_runs_exactly_within_its_limit(rope):
     settings = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, use_tqdm=False)
     outs = LLM(make_model("llama", seed=1, **overrides), block_size=4, max_num_batched_tokens=16, num_blocks=96,
                max_model_len=64).generate(prompts, **settings)
-    assert outs[1].error is not None and f"RoPE ('{rope['rope_type']}')" in outs[1].error and str(limit) in outs[1].error
+    error = outs[1].error
+    assert error is not None and f"RoPE ('{rope['rope_type']}')" in error and str(limit) in error
     for prompt, out in zip(prompts, outs):
         if len(prompt) + 8 > limit:
             assert out.error is not None
