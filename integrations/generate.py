@@ -100,7 +100,7 @@ class _SampledTokens(StoppingCriteria):
         self.cache = cache
 
     def __call__(self, input_ids, scores, **kwargs):
-        self.cache.note_generated(input_ids[:, -1].tolist())
+        self.cache.note_generated(input_ids[:, -1])     # no host sync here (generate makes a new input_ids per step)
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 

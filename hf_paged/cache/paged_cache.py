@@ -84,7 +84,7 @@ class PagedCache(KVPools):
         self.block_size = block_size
         self.release_finished_rows = release_finished_rows
         self.eos_token_ids: frozenset[int] = frozenset()
-        self._sampled: list[int] | None = None     # each row's last token generate sampled in this call
+        self._sampled = None        # each row's last token generate sampled in this call (a tensor [B] or list)
         self._fixed_blocks = num_blocks
         self._budget = max_memory_bytes
         self._dtype = dtype
@@ -147,10 +147,11 @@ class PagedCache(KVPools):
         self._sampled = None
         self._new_call = True
 
-    def note_generated(self, tokens: list[int]) -> None:
+    def note_generated(self, tokens) -> None:
         """The tokens generate just appended, one per row (a finished row's pad): the next forward's inputs.
-        Only such a token ends a row (``release_finished_rows``), never one of the prompt."""
-        self._sampled = list(tokens)
+        Only such a token ends a row (``release_finished_rows``), never one of the prompt. ``tokens``: a tensor
+        [B] on any device (kept as it is: read with the next forward's inputs, one host sync for both) or a list."""
+        self._sampled = tokens
 
     # ------------------------------------------------------------ one forward
     def begin_forward(self, kwargs: dict, dtype: torch.dtype, device: torch.device, compact: bool = True) -> dict:
@@ -325,13 +326,17 @@ class PagedCache(KVPools):
         """Rows whose decode input is an EOS token generate sampled: they store it and finish after this
         forward. (A 1-token forward also carries the last prompt token, or a 1-token prefill chunk: an EOS
         there is the prompt's, and the row goes on.)"""
-        sampled = self._sampled
         if q_len != 1 or not self.release_finished_rows or not self.eos_token_ids or input_ids is None \
-                or sampled is None or len(sampled) != input_ids.shape[0]:
+                or self._sampled is None:
             return []
+        inputs = input_ids[:, 0]
+        sampled = torch.as_tensor(self._sampled, device=inputs.device).to(inputs.dtype)
+        if sampled.shape != inputs.shape:
+            return []
+        tokens, generated = torch.stack([inputs, sampled]).tolist()      # the step's one read back to the host
         finished, eos = self.rows.finished, self.eos_token_ids
-        return [row for row, token in enumerate(input_ids[:, 0].tolist())
-                if not finished[row] and token in eos and token == sampled[row]]
+        return [row for row, (token, own) in enumerate(zip(tokens, generated))
+                if not finished[row] and token in eos and token == own]
 
     def _resume_finished(self, attention_mask) -> None:
         """A new call continues rows that finished in an earlier one: take their blocks back, all or none."""
