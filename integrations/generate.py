@@ -82,7 +82,11 @@ def paged_generate(model, generate, args: tuple, kwargs: dict, cache_options: di
     num_beams = _setting("num_beams", kwargs, generation_config, model) or 1
     # Beam search may keep a beam whose last token is EOS among the running ones: keep its blocks.
     cache.begin_generate(eos_ids if num_beams == 1 else frozenset())
-    if num_beams == 1 and eos_ids and cache.release_finished_rows and len(args) < 4:   # args[3]: stopping_criteria
+    # A finished row leaves the decode forwards. Not on a length-dependent RoPE: its frequencies follow each
+    # forward's longest position, and the default path's finished rows keep theirs growing, so without the
+    # longest row the others would take other frequencies (``introspect.length_dependent_rope``).
+    if num_beams == 1 and eos_ids and cache.release_finished_rows and len(args) < 4 \
+            and length_dependent_rope(model) is None:       # args[3]: stopping_criteria
         _report_sampled_tokens(cache, kwargs)
     try:
         with scope():

@@ -46,7 +46,8 @@ class PagedCache(KVPools):
             hook sets the EOS ids and reports each step's sampled tokens: ``note_generated``), store it,
             then leave the row out of later forwards (its logits are zeros from then on) and let the
             pool reclaim its blocks when it needs them; a continuation of this cache takes them back. An
-            EOS inside a prompt (a 1-token prefill chunk) finishes nothing.
+            EOS inside a prompt (a 1-token prefill chunk) finishes nothing. Not on a model whose RoPE follows
+            each forward's longest position (dynamic NTK, longrope): its rows stay in the forwards.
         dtype, device: pool dtype/device; by default those of the model on the first forward.
         backend: attention backend object (see ``hf_paged.backends``); by default chosen by device.
         geometry: the KV heads/layers this process holds (``hf_paged.model_geometry(model)``); by default the

@@ -259,6 +259,35 @@ def test_an_eos_inside_the_prompt_finishes_nothing(chunk):
         torch.testing.assert_close(b, a, atol=1e-5, rtol=0, msg=f"logits differ at step {step}")
 
 
+@pytest.mark.parametrize("rope", [
+    dict(rope_type="dynamic", rope_theta=10000.0, factor=8.0),
+    dict(rope_type="longrope", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=16,
+         short_factor=[1.0] * 32, long_factor=[2.0 + 0.1 * i for i in range(32)])], ids=["dynamic", "longrope"])
+def test_length_dependent_rope_keeps_finished_rows_in_the_forward(rope):
+    """Dynamic-NTK and longrope frequencies follow each forward's longest position; the default path's finished
+    rows keep theirs growing. The longest row finishing first (its first token is EOS) must not switch the
+    other rows back to the short-context frequencies: tokens and logits equal the default path's."""
+    overrides = dict(max_position_embeddings=32 if rope["rope_type"] == "dynamic" else 64, rope_parameters=rope)
+    ids, mask = make_batch([6, 14, 48], seed=42)
+
+    def fresh(eos=None):                 # dynamic NTK keeps grown frequencies between calls: a new model each time
+        model = make_model("llama", seed=41, **overrides)
+        model.generation_config.eos_token_id = eos
+        return model
+
+    eos = int(fresh().generate(input_ids=ids, attention_mask=mask, max_new_tokens=1, do_sample=False)[2, -1])
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False, return_dict_in_generate=True,
+              output_logits=True)
+    reference = fresh(eos).generate(**kw)
+    assert reference.sequences[2, ids.shape[1]] == eos and (reference.sequences[:2, ids.shape[1]:] != eos).all()
+    model = fresh(eos)
+    with patched(model):
+        paged = model.generate(cache_implementation="paged", **kw)
+    assert torch.equal(paged.sequences, reference.sequences)
+    for step, (a, b) in enumerate(zip(reference.logits, paged.logits)):
+        torch.testing.assert_close(b[:2], a[:2], atol=1e-5, rtol=0, msg=f"logits differ at step {step}")
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2", "glm"])
 def test_continuation_after_finished_rows_equals_dynamic_cache(family):
     model = make_model(family, seed=21)
