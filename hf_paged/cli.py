@@ -89,6 +89,7 @@ SERVE_FLAGS = [
     (ServeConfig, "max_queue", dict(type=POSITIVE_INT)),
     (ServeConfig, "shutdown_timeout", dict(type=float)),
     (ServeConfig, "max_body_bytes", dict(type=SIZE)),
+    (ServeConfig, "generation_config", dict(choices=["auto", "vllm"])),
     (ServeConfig, "trust_remote_code", dict(action="store_true")),
     (ServeConfig, "log_level", dict(choices=LOG_LEVELS)),
 ]

@@ -10,6 +10,13 @@ reads as the whole sequence decoded.
 from __future__ import annotations
 
 CONTEXT = 5          # prompt tokens decoded before the new ones (vLLM's initial detokenization offset)
+REPLACEMENT = "\ufffd"
+
+
+def complete_characters(text: str) -> str:
+    """``text`` less a trailing U+FFFD: the decode of a character whose bytes the last tokens only began
+    (a sequence cut by max_tokens inside an emoji). vLLM's detokenizer never emits one; neither do we."""
+    return text.rstrip(REPLACEMENT)
 
 
 def continuation(tokenizer, context, ids, **decode_kwargs) -> str:

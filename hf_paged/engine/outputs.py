@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .continuation import CONTEXT, continuation
+from .continuation import CONTEXT, complete_characters, continuation
 
 import torch
 
@@ -104,8 +104,8 @@ def write_record(request, tokenizer) -> bool:
     request.recorded = True
     completions = []
     for seq in sorted(request.sequences, key=lambda s: s.index):
-        text = (continuation(tokenizer, request.prompt[-CONTEXT:], seq.output_ids, skip_special_tokens=True)
-                if tokenizer else None)
+        text = (complete_characters(continuation(tokenizer, request.prompt[-CONTEXT:], seq.output_ids,
+                                                 skip_special_tokens=True)) if tokenizer else None)
         cumulative = seq.cumulative_logprob if seq.logprobs is not None else None
         completions.append(CompletionOutput(seq.index, seq.output_ids, text, seq.finish_reason, seq.logprobs,
                                             cumulative))

@@ -41,7 +41,8 @@ def _llguidance():
 class StructuredOutput:
     """What a request asks for, as vLLM's ``StructuredOutputsParams``: exactly one of
 
-    - ``json``: a JSON schema, a dict or its JSON text;
+    - ``json``: a JSON schema, a dict or its JSON text; strict as vLLM's: an object schema that names its
+      properties allows no others unless it says so (``closed_objects``);
     - ``json_object``: any JSON object;
     - ``regex``: Rust regex syntax, matched in full (``\\d`` is any Unicode digit, as in Python;
       ``[0-9]`` or ``(?-u:\\d)`` for ASCII ones);
@@ -100,6 +101,21 @@ class StructuredOutput:
         if kind == "choice":
             return kind, _json.dumps(list(self.choice))
         return kind, "" if kind == "json_object" else getattr(self, kind)
+
+
+def closed_objects(schema):
+    """``schema`` with ``"additionalProperties": false`` on every object schema that lists ``properties`` or
+    ``patternProperties`` and says nothing of others: vLLM's JSON schemas are strict (xgrammar's default
+    strict mode; its guidance backend's ``disable_additional_properties`` walk, which this is), so a model
+    writes the keys the schema names and no others. An explicit ``additionalProperties`` is kept."""
+    if isinstance(schema, dict):
+        closed = {key: closed_objects(value) for key, value in schema.items()}
+        if "additionalProperties" not in closed and ("properties" in closed or "patternProperties" in closed):
+            closed["additionalProperties"] = False
+        return closed
+    if isinstance(schema, list):
+        return [closed_objects(item) for item in schema]
+    return schema
 
 
 class StructuredOutputUnavailable(ValueError):
@@ -177,8 +193,8 @@ class GrammarCompiler:
         llg = _llguidance()
         try:
             if kind in ("json", "json_object"):
-                grammar = llg.LLMatcher.grammar_from_json_schema(
-                    text if kind == "json" else '{"type": "object"}', defaults=self._json_options)
+                schema = _json.dumps(closed_objects(_json.loads(text))) if kind == "json" else '{"type": "object"}'
+                grammar = llg.LLMatcher.grammar_from_json_schema(schema, defaults=self._json_options)
             elif kind == "regex":
                 grammar = llg.LLMatcher.grammar_from_regex(text)
             elif kind == "choice":   # one lark terminal of JSON-escaped literals: a lexer DFA, however many

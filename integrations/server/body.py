@@ -4,17 +4,20 @@ pydantic's JSON parser (``model_validate_json``), so that no body makes a 500.
 Why not ``json.loads`` then ``model_validate``: ``json.loads`` recurses in Python and raises
 RecursionError on a body nested a few thousand levels deep, accepts ``NaN`` / ``Infinity`` and turns a
 10,000-digit number into an int the schema would only look at later. pydantic's parser stops at a
-nesting depth of 200 and refuses those literals and numbers as invalid JSON; with ``strict`` schemas it
-also refuses "5" for an integer and 1.0 / true for a token id. Every failure is an ``ApiError`` (400 or
-413) naming the field where there is one.
+nesting depth of 200 and refuses those literals and numbers as invalid JSON. Every failure is an
+``ApiError`` (400 or 413) naming the field where there is one; fields the schema does not know are
+logged and ignored, as vLLM does (``request_parts.Body``).
 """
 from __future__ import annotations
+
+import logging
 
 from fastapi import Request
 from pydantic import ValidationError
 
 from .errors import ApiError
 
+log = logging.getLogger("hf_paged.server")
 # pydantic's names for the members of a union in an error's location ("str", "list[int]", ...)
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none", "bytes"})
 
@@ -50,9 +53,6 @@ def validation_error(exc: ValidationError) -> ApiError:
     param = error_param(err.get("loc", ()))
     if param is None:
         return ApiError(400, f"the JSON body must be an object: {msg}", code="invalid_json")
-    if kind == "extra_forbidden":
-        return ApiError(400, f"unknown field {param!r}: this server does not know it", param=param,
-                        code="invalid_request")
     got = "" if kind == "missing" else f" (got {err.get('input')!r:.80})"
     return ApiError(400, f"invalid value {param!r}: {msg.removeprefix('Value error, ')}{got}", param=param,
                     code="invalid_request")
@@ -61,11 +61,15 @@ def validation_error(exc: ValidationError) -> ApiError:
 def parse(raw: bytes, schema):
     """``schema`` validated from a body of JSON bytes."""
     try:
-        return schema.model_validate_json(raw)
+        value = schema.model_validate_json(raw)
     except ValidationError as exc:
         raise validation_error(exc) from None
     except (ValueError, RecursionError) as exc:        # pragma: no cover - pydantic reports these itself
         raise ApiError(400, f"malformed JSON body: {exc}", code="invalid_json") from None
+    ignored = value.ignored_fields() if hasattr(value, "ignored_fields") else []
+    if ignored:
+        log.warning("The following fields were present in the request but ignored: %s", ignored)
+    return value
 
 
 async def read_json(request: Request, schema, limit: int):

@@ -53,6 +53,7 @@ class ApiCall:
         self.prompt_logprobs: dict[int, list] = {}       # prompt -> its entries, as the engine sent them
         self.prompt_tokens = sum(len(p) for p in prompts)
         self.completion_tokens = 0
+        self.choice_tokens = [0] * (len(prompts) * self.n)     # completion tokens per choice
         self.handles = [Handle(ids, params, partial(self._deliver, i)) for i, ids in enumerate(prompts)]
 
     @property
@@ -111,7 +112,8 @@ class ApiCall:
         self.echoed.add(i)
         ids = self.prompts[i]
         text = self.texts[i] if self.texts[i] is not None else self.tokenizer.decode(ids, skip_special_tokens=False)
-        entries = self.prompt_logprobs.get(i) if self.options.logprobs is not None else None
+        # completions answer the prompt's log-probabilities with it; chat's echo has none
+        entries = self.prompt_logprobs.get(i) if self.options.logprobs is not None and not self.options.chat else None
         return [Delta(i * self.n + j, text, None, list(ids) if entries else [], list(entries or []), prompt=True)
                 for j in range(self.n)]
 
@@ -130,6 +132,7 @@ class ApiCall:
             return Delta(i * self.n + event.index, "", "length")
         stream = self.streams[key]
         self.completion_tokens += 1
+        self.choice_tokens[i * self.n + event.index] += 1
         if event.logprobs is not None:
             tokens, entries = self.pending[key]
             tokens.append(event.token)
@@ -144,6 +147,8 @@ class ApiCall:
             return self._delta(i, event.index, delta, reason)
         return self._delta(i, event.index, delta, None) if delta else None
 
-    def usage(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
+    def usage(self, choice: int | None = None) -> dict:
+        """The call's usage, or (vLLM's continuous usage) one choice's so far: its prompt and its tokens."""
+        prompt, completion = ((self.prompt_tokens, self.completion_tokens) if choice is None else
+                              (len(self.prompts[choice // self.n]), self.choice_tokens[choice]))
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}

@@ -18,18 +18,24 @@ class AppConfig:
     ``Authorization: Bearer KEY`` on every endpoint but /health. max_queue: sequences that may wait
     beyond the max_num_seqs the engine runs before answering 503 with Retry-After (a request of n
     sequences takes n). shutdown_timeout: seconds to let in-flight requests finish on SIGTERM
-    before cancelling them. max_body_bytes: request body limit (413 above it)."""
+    before cancelling them. max_body_bytes: request body limit (413 above it). generation_config: where
+    unset sampling fields come from, as vLLM's flag: "auto", the model's generation config where it sets
+    temperature, top_p, top_k, min_p, repetition_penalty or max_new_tokens, else vLLM's defaults (temperature
+    1.0); "vllm", vLLM's defaults only."""
     served_model_name: str | None = None
     api_key: str | None = None
     max_queue: int = 256
     shutdown_timeout: float = 30.0
     max_body_bytes: int = 4 * MiB
+    generation_config: str = "auto"
 
     def validate(self) -> None:
         if not isinstance(self.max_queue, int) or self.max_queue < 1:
             raise ValueError(f"max_queue must be a positive int, got {self.max_queue!r}")
         if not isinstance(self.max_body_bytes, int) or self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be a positive int, got {self.max_body_bytes!r}")
+        if self.generation_config not in ("auto", "vllm"):
+            raise ValueError(f"generation_config must be 'auto' or 'vllm', got {self.generation_config!r}")
         if not 0 <= self.shutdown_timeout < float("inf"):        # NaN fails it too
             raise ValueError(f"shutdown_timeout must be a finite number of seconds >= 0, got {self.shutdown_timeout!r}")
 

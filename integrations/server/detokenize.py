@@ -5,7 +5,7 @@ decoding a prefix of them gives U+FFFD. As vLLM and TGI do, the text of the toke
 ``prefix_offset`` is decoded and compared with the text of the tokens before ``read_offset``; the
 difference is emitted only when it grows and does not end in U+FFFD, so a client never sees a broken
 character and the concatenation of the deltas is the whole text (checked again at the end:
-``finish()`` emits whatever the full decode adds).
+``finish()`` emits whatever the full decode adds, but a character the last tokens only began).
 
 ``TextStream`` adds OpenAI's stop sequences: the text is cut before the first stop string (after it
 with vLLM's ``include_stop_str_in_output``), and while
@@ -23,11 +23,10 @@ from __future__ import annotations
 
 import logging
 
-from hf_paged.engine.continuation import CONTEXT, continuation
+from hf_paged.engine.continuation import CONTEXT, REPLACEMENT, complete_characters, continuation
 from hf_paged.engine.stop_strings import StopStrings
 
 log = logging.getLogger("hf_paged.server")
-REPLACEMENT = "\ufffd"
 
 
 class IncrementalDetokenizer:
@@ -59,8 +58,10 @@ class IncrementalDetokenizer:
         return ""
 
     def finish(self) -> str:
-        """The rest of the text (what the full decode has beyond what was emitted)."""
-        full = continuation(self.tokenizer, self.ids[:self.first], self.ids[self.first:], skip_special_tokens=self.skip)
+        """The rest of the text (what the full decode has beyond what was emitted), less a character the
+        last tokens only began (vLLM's detokenizer never emits it)."""
+        full = complete_characters(continuation(self.tokenizer, self.ids[:self.first], self.ids[self.first:],
+                                                skip_special_tokens=self.skip))
         if full.startswith(self.text):
             delta = full[len(self.text):]
             self.text = full

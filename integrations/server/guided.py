@@ -19,8 +19,8 @@ from .errors import ApiError
 KINDS = {"json": "JSON schema", "json_object": "JSON object", "regex": "regex", "choice": "choice",
          "grammar": "grammar"}
 # structured_outputs options that change the constraint: accepted only with their neutral value
-NEUTRAL_OPTIONS = {"disable_any_whitespace": False, "disable_additional_properties": False,
-                   "whitespace_pattern": None, "structural_tag": None}
+# (disable_additional_properties either way: schemas are strict here, as vLLM's default backend makes them)
+NEUTRAL_OPTIONS = {"disable_any_whitespace": False, "whitespace_pattern": None, "structural_tag": None}
 
 
 def _from_response_format(rf) -> list[tuple[str, StructuredOutput]]:

@@ -6,8 +6,8 @@ naming the field and the limit.
 Settings keys: max_new_tokens, num_return_sequences, do_sample, temperature, top_p, top_k, seed,
 stop_strings, ignore_eos, min_new_tokens, repetition_penalty, min_p, presence_penalty,
 frequency_penalty, logit_bias, bad_words_ids, allowed_token_ids, stop_token_ids, logprobs,
-prompt_logprobs, structured_output. A neutral value leaves its key out, so a request carrying vLLM's
-defaults resolves exactly as one without them.
+prompt_logprobs, structured_output. Unset sampling fields take vLLM's defaults, or the model's generation
+config's where it sets them (``defaults``); a neutral value leaves its key out.
 """
 from __future__ import annotations
 
@@ -16,10 +16,11 @@ from fastapi import Request
 from hf_paged.engine.settings import resolve_generation
 
 from .body import read_json
+from .defaults import GREEDY_BELOW
 from .errors import ApiError
 from .guided import compile_structured, structured_spec
 from .options import CallOptions
-from .protocol import ChatCompletionRequest, CompletionRequest
+from .protocol import TEMPLATE_FLAGS, ChatCompletionRequest, CompletionRequest, template_flags
 from .state import ServerState
 from .token_settings import bad_words_ids, generated_logprobs, in_vocab, logit_bias, logprob_counts, token_list
 
@@ -105,17 +106,26 @@ def chat_text(state: ServerState, req) -> str:
                        param="messages", code="no_chat_template")
     messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
                 for m in req.messages]
-    kwargs = dict(req.chat_template_kwargs or {})
+    add_generation_prompt, continue_final_message = template_flags(req)
+    kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items() if k not in TEMPLATE_FLAGS}
     effort = getattr(req, "reasoning_effort", None)
     if effort is not None:                               # as vLLM passes it to the template
         kwargs.setdefault("reasoning_effort", effort)
         kwargs.setdefault("enable_thinking", effort != "none")
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=req.add_generation_prompt,
-                                             continue_final_message=req.continue_final_message,
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             continue_final_message=continue_final_message,
                                              documents=getattr(req, "documents", None), **kwargs)
     except Exception as exc:              # jinja's TemplateError (e.g. roles must alternate), ValueError
         raise ApiError(400, f"the chat template refused the messages: {exc}", param="messages")
+
+
+def chat_echo(req: ChatCompletionRequest) -> str:
+    """vLLM's chat ``echo``: the last message's content when it has the role the answer takes (the
+    assistant's; the last message's own with add_generation_prompt=false), else ""."""
+    last = req.messages[-1]
+    role = "assistant" if template_flags(req)[0] else last.role
+    return last.text() if req.echo and last.role == role else ""
 
 
 def chat_prompt(state: ServerState, req: ChatCompletionRequest) -> list[int]:
@@ -158,30 +168,35 @@ def _off(value, neutral):
 
 def generation_settings(req, max_tokens: int, state) -> dict:
     """The request's settings as ``resolve_generation`` keywords, without structured output (see
-    ``engine_settings``); unset and neutral ones stay out (the model's own apply)."""
+    ``engine_settings``); unset sampling fields take the server's defaults (``defaults``: vLLM's rule),
+    unset and neutral others stay out."""
     if req.min_tokens > max_tokens:
         raise ApiError(400, f"min_tokens={req.min_tokens} exceeds max_tokens={max_tokens}", param="min_tokens")
+    defaults = state.defaults
+
+    def given(value, default):
+        return default if value is None else value
+
     settings = dict(max_new_tokens=max_tokens, num_return_sequences=req.n)
-    if req.temperature is not None:
-        settings["do_sample"] = req.temperature > 0
-        if req.temperature > 0:
-            settings["temperature"] = req.temperature
+    temperature = given(req.temperature, defaults.temperature)
+    settings["do_sample"] = temperature >= GREEDY_BELOW
+    top_k = given(req.top_k, defaults.top_k)
     chat = isinstance(req, ChatCompletionRequest)
     logprobs, prompt_logprobs = logprob_counts(state, req, chat)
     optional = dict(
-        top_p=req.top_p, top_k=None if req.top_k is None else max(req.top_k, 0), seed=req.seed,
-        stop_strings=list(req.stops()) or None, ignore_eos=req.ignore_eos or None,
-        min_tokens=_off(req.min_tokens, 0), repetition_penalty=_off(req.repetition_penalty, 1.0),
-        min_p=_off(req.min_p, 0.0), presence_penalty=_off(req.presence_penalty, 0.0),
+        seed=req.seed, stop_strings=list(req.stops()) or None, ignore_eos=req.ignore_eos or None,
+        min_tokens=_off(req.min_tokens, 0), repetition_penalty=_off(given(req.repetition_penalty,
+                                                                          defaults.repetition_penalty), 1.0),
+        presence_penalty=_off(req.presence_penalty, 0.0),
         frequency_penalty=_off(req.frequency_penalty, 0.0), logit_bias=logit_bias(state, req.logit_bias),
         bad_words_ids=bad_words_ids(state, req.bad_words),
         allowed_token_ids=token_list(state, req.allowed_token_ids, "allowed_token_ids"),
         stop_token_ids=token_list(state, req.stop_token_ids, "stop_token_ids"),
         logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+    if settings["do_sample"]:        # greedy: these only filter what sampling draws from
+        optional.update(temperature=temperature, top_p=given(req.top_p, defaults.top_p),
+                        top_k=max(top_k, 0), min_p=_off(given(req.min_p, defaults.min_p), 0.0))
     settings.update({k: v for k, v in optional.items() if v is not None})
-    if settings.get("do_sample") is False:        # greedy: these only filter what sampling draws from
-        for name in ("top_p", "top_k", "min_p"):
-            settings.pop(name, None)
     return settings
 
 
@@ -197,15 +212,16 @@ async def engine_settings(state, req, max_tokens: int) -> dict:
 async def sampling_params(state: ServerState, req, prompts: list[list[int]], max_tokens: int | None):
     """The engine's SamplingParams for every prompt of ``req`` (400 for what ``generate`` refuses)."""
     max_tokens = context_checked(prompts, max_tokens, state.max_model_len)
+    if state.defaults.max_tokens is not None:          # the generation config's max_new_tokens caps it (vLLM's)
+        max_tokens = min(max_tokens, state.defaults.max_tokens)
     settings = await engine_settings(state, req, max_tokens)
-    greedy = not settings.get("do_sample", bool(getattr(state.model.generation_config, "do_sample", False)))
-    if req.n > 1 and greedy:           # generate refuses it in its own words
+    if req.n > 1 and not settings["do_sample"]:          # generate refuses it in its own words
         why = "temperature is 0" if req.temperature is not None else "no temperature was given and the model's " \
-            "generation config decodes greedily"
+            "generation config sets temperature 0"
         raise ApiError(400, f"n={req.n} asks several sequences per prompt, but {why}: greedy decoding makes one; "
                             "set temperature > 0 (sampling) or n=1", param="n", code="invalid_sampling")
     try:
-        return resolve_generation(state.model.generation_config, **settings)
+        return resolve_generation(state.base, **settings)
     except ValueError as exc:
         raise ApiError(400, str(exc), code="invalid_sampling")
 
@@ -215,7 +231,9 @@ def call_options(req) -> CallOptions:
     chat = isinstance(req, ChatCompletionRequest)
     return CallOptions(n=req.n, stops=req.stops(), include_stop_str_in_output=req.include_stop_str_in_output,
                        skip_special_tokens=req.skip_special_tokens, logprobs=generated_logprobs(req, chat)[0],
-                       echo=bool(not chat and req.echo), max_tokens_zero=not chat and req.max_tokens == 0,
+                       echo=bool(chat_echo(req) if chat else req.echo), max_tokens_zero=not chat and req.max_tokens == 0,
                        prompt_logprobs=req.prompt_logprobs, chat=chat,
                        return_tokens_as_token_ids=bool(req.return_tokens_as_token_ids),
-                       min_tokens=req.min_tokens or 0)
+                       min_tokens=req.min_tokens or 0,
+                       continuous_usage=bool(req.stream and req.stream_options and req.stream_options.include_usage
+                                             and req.stream_options.continuous_usage_stats))

@@ -10,11 +10,13 @@ class CallOptions:
     include_stop_str_in_output: keep the stop string (vLLM's extension). skip_special_tokens: leave
     special tokens out of the text. logprobs: top-k log-probabilities per generated token (completions'
     ``logprobs``; chat's ``top_logprobs`` when ``logprobs`` is true), None for none. echo: completions
-    answer the prompt's text (and, with ``logprobs``, its log-probabilities) before the completion.
+    answer the prompt's text (and, with ``logprobs``, its log-probabilities) before the completion; chat
+    answers the last message's text first (vLLM's chat echo: ``intake.chat_echo``).
     max_tokens_zero: ``max_tokens`` was 0 (echo only): the one token the engine makes is dropped.
     prompt_logprobs: vLLM's ``prompt_logprobs`` extension (top-k per prompt token). chat: the call is a
     chat completion. return_tokens_as_token_ids: tokens written "token_id:N" (vLLM's extension).
-    min_tokens: vLLM's (a stop string must end after the first min_tokens tokens' text)."""
+    min_tokens: vLLM's (a stop string must end after the first min_tokens tokens' text).
+    continuous_usage: vLLM's ``stream_options.continuous_usage_stats``: every chunk carries its choice's usage."""
     n: int = 1
     stops: tuple[str, ...] = ()
     include_stop_str_in_output: bool = False
@@ -26,3 +28,4 @@ class CallOptions:
     chat: bool = False
     return_tokens_as_token_ids: bool = False
     min_tokens: int = 0
+    continuous_usage: bool = False

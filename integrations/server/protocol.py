@@ -1,5 +1,6 @@
 """Request schemas of /v1/completions and /v1/chat/completions: OpenAI's fields and vLLM's (every
-field vLLM's protocol declares, see ``vllm_fields``), strict and ``extra="forbid"``.
+field vLLM's protocol declares, see ``vllm_fields``); others are ignored and logged, as vLLM's
+(``request_parts.Body``).
 
 Three checks beyond the types, each answering a 400 that names the field: ``unsupported()`` (a field
 asking for what the engine does not implement, or a limit of this server), ``conflicts()`` (fields that
@@ -12,11 +13,11 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import Field, field_validator
 
-from .request_parts import Strict, StreamOptions
-from .vllm_fields import CHAT_ECHO, TOOLS, VllmSampling, is_neutral, refused_field
+from .request_parts import Body, StreamOptions
+from .vllm_fields import TOOLS, VllmSampling, is_neutral, refused_field
 
 MAX_N = 64
-MAX_SEED = 2**63 - 1
+MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1      # vLLM's range (a 64-bit integer)
 MAX_STOPS = 64
 # The engine's finish reasons as OpenAI (and vLLM's metrics) name them.
 FINISH_REASONS = {"stop": "stop", "stop_string": "stop", "length": "length", "cancelled": "abort"}
@@ -56,9 +57,9 @@ class _Sampling(VllmSampling):
     stop: Optional[Union[str, list[str]]] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
-    temperature: Optional[float] = Field(None, ge=0.0, le=2.0)
+    temperature: Optional[float] = Field(None, ge=0.0)         # no upper bound, as vLLM's
     top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
-    seed: Optional[int] = Field(None, ge=0, le=MAX_SEED)
+    seed: Optional[int] = Field(None, ge=MIN_SEED, le=MAX_SEED)
     frequency_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
     presence_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
     logit_bias: Optional[dict[str, float]] = None
@@ -85,6 +86,8 @@ class _Sampling(VllmSampling):
 
     def conflicts(self) -> Optional[tuple[str, str]]:
         """(param, message) of the first contradiction among the fields, or None."""
+        if self.stream_options is not None and not self.stream:
+            return "stream_options", "stream_options can only be set with stream=true (as in vLLM)"
         if self.stream and self.prompt_logprobs not in (None, 0):
             return "prompt_logprobs", "prompt_logprobs are not available with stream=true (as in vLLM)"
         if self.truncate_prompt_tokens == 0:
@@ -117,12 +120,12 @@ class CompletionRequest(_Sampling):
         return super().conflicts()
 
 
-class TextPart(Strict):
+class TextPart(Body):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(Strict):
+class ChatMessage(Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]   # "tool": refused by name (conflicts)
     content: Optional[Union[str, list[TextPart]]] = None
     name: Optional[str] = None
@@ -132,13 +135,21 @@ class ChatMessage(Strict):
     def text(self) -> str:
         if self.content is None:
             return ""
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        # text parts joined by newlines, as vLLM joins them for templates that take a string
+        return self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
 
 
-# chat_template_kwargs the server sets itself (passing them again would clash or change the output type)
-RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tokenize", "add_generation_prompt",
-                                      "continue_final_message", "chat_template", "tools", "documents",
+# chat_template_kwargs the server sets itself (passing them again would clash or change the output type);
+# add_generation_prompt and continue_final_message there override the request's fields, as in vLLM
+RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tokenize", "chat_template", "tools", "documents",
                                       "return_dict", "return_tensors", "tokenizer_kwargs"})
+TEMPLATE_FLAGS = ("add_generation_prompt", "continue_final_message")
+
+
+def template_flags(req) -> tuple[bool, bool]:
+    """(add_generation_prompt, continue_final_message): the request's, unless its chat_template_kwargs set them."""
+    kwargs = req.chat_template_kwargs or {}
+    return tuple(bool(kwargs.get(name, getattr(req, name))) for name in TEMPLATE_FLAGS)
 
 
 class ChatCompletionRequest(_Sampling):
@@ -169,14 +180,12 @@ class ChatCompletionRequest(_Sampling):
     def unsupported(self):
         if not is_neutral(self, "tools"):                 # named first: a tool_choice comes with them
             return "tools", f"tools are not supported: {TOOLS}"
-        if self.echo:
-            return "echo", CHAT_ECHO
         return super().unsupported()
 
     def conflicts(self):
         if self.top_logprobs not in (None, 0) and not self.logprobs:
             return "top_logprobs", "top_logprobs needs logprobs=true"
-        if self.continue_final_message and self.add_generation_prompt:
+        if all(template_flags(self)):
             return "continue_final_message", ("continue_final_message and add_generation_prompt cannot both "
                                               "be true (set add_generation_prompt=false)")
         for i, m in enumerate(self.messages):

@@ -1,29 +1,50 @@
 """The objects nested in request bodies (stream options, response formats, vLLM's structured-output
-parameters) and the strict base every request schema shares.
+parameters) and the base every request schema shares.
 
-Strict, because a body is JSON from anyone: ``"5"`` is not an integer, ``1.0`` and ``true`` are not token
-ids, NaN and Infinity are not numbers. ``extra="forbid"``: a field nobody knows is refused with a 400
-naming it (vLLM only logs such fields and ignores them; a typo that silently changes nothing is worse).
+Lenient where vLLM's schemas are (pydantic's lax mode: ``"5"`` and ``5.0`` are the integer 5, ``true`` is 1),
+and a field nobody here knows is ignored and logged, as vLLM's server does (a client written for vLLM or
+OpenAI may send fields this server has no use for: ``prompt_cache_key``, ``safety_identifier``, ...).
+Strict where a mistake would be silent: NaN and Infinity are not numbers, and prompt token ids are
+integers (``protocol.prompt_shape``).
 """
 from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, populate_by_name=True)
+class Body(BaseModel):
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, populate_by_name=True)
+    _ignored: tuple[str, ...] = PrivateAttr(default=())
+
+    def model_post_init(self, context: Any) -> None:
+        """Unknown fields are set aside (never read as attributes): ``ignored_fields`` names them."""
+        extra = self.__pydantic_extra__
+        if extra:
+            self._ignored = tuple(extra)
+            extra.clear()
+
+    def ignored_fields(self, prefix: str = "") -> list[str]:
+        """The dotted names of the unknown fields here and in the objects nested in this one."""
+        names = [prefix + name for name in self._ignored]
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            items = enumerate(value) if isinstance(value, list) else [(None, value)]
+            for i, item in items:
+                if isinstance(item, Body):
+                    names += item.ignored_fields(f"{prefix}{name}." + ("" if i is None else f"{i}."))
+        return names
 
 
-class StreamOptions(Strict):
+class StreamOptions(Body):
     """include_usage: a last chunk with the usage. continuous_usage_stats: vLLM's usage in every chunk
     (accepted; the usage comes in the last chunk)."""
     include_usage: Optional[bool] = None
     continuous_usage_stats: Optional[bool] = None
 
 
-class JsonSchemaFormat(Strict):
+class JsonSchemaFormat(Body):
     """OpenAI's ``response_format.json_schema``: the schema travels as ``schema``."""
     name: str
     description: Optional[str] = None
@@ -31,7 +52,7 @@ class JsonSchemaFormat(Strict):
     strict: Optional[bool] = None
 
 
-class ResponseFormat(Strict):
+class ResponseFormat(Body):
     """``{"type": "text" | "json_object" | "json_schema", "json_schema": {...}}``; vLLM's
     ``structural_tag`` formats validate (their fields below) so that the refusal can name the type."""
     type: Literal["text", "json_object", "json_schema", "structural_tag"]
@@ -41,7 +62,7 @@ class ResponseFormat(Strict):
     format: Optional[Any] = None
 
 
-class StructuredOutputsParams(Strict):
+class StructuredOutputsParams(Body):
     """vLLM's ``structured_outputs``: one of json (a schema, or its JSON text), regex, choice, grammar,
     json_object. disable_fallback only picks among vLLM's backends (this server has one) and is ignored;
     the other options change the constraint and are refused unless neutral."""
@@ -57,7 +78,7 @@ class StructuredOutputsParams(Strict):
     disable_fallback: bool = False
 
 
-class RepetitionDetection(Strict):
+class RepetitionDetection(Body):
     """vLLM's ``repetition_detection`` (refused unless ``max_pattern_size`` is 0: off)."""
     max_pattern_size: int = 0
     min_pattern_size: int = 0

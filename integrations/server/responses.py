@@ -123,9 +123,10 @@ async def events(call: ApiCall, reply: Reply, include_usage: bool):
     """The stream's events: a chunk per delta, the usage chunk if asked, ``[DONE]``; an error mid-way is
     an event with the error body."""
     try:
+        continuous = call.options.continuous_usage       # each chunk: its choice's usage so far (vLLM's)
         opening = reply.shape.opening(call.choices)
-        if opening:
-            yield reply.chunk(opening, include_usage)
+        for choice in opening:
+            yield reply.chunk([choice], include_usage, call.usage(choice["index"]) if continuous else None)
         fmt, sent, first = formatter(call), [0] * call.choices, set()
         offsets = [0] * call.choices          # where each choice's next generated token's text starts
         async for d in call.deltas():
@@ -136,7 +137,7 @@ async def events(call: ApiCall, reply: Reply, include_usage: bool):
                 with_prompt_logprobs(choice, call, d.index)
             sent[d.index] += len(d.text)
             offsets[d.index] = sent[d.index] if d.prompt else at + fmt.text_length(d.tokens, d.entries)
-            yield reply.chunk([choice], include_usage)
+            yield reply.chunk([choice], include_usage, call.usage(d.index) if continuous else None)
         if include_usage:
             yield reply.chunk([], include_usage, call.usage())
     except Exception as exc:

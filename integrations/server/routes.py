@@ -6,7 +6,7 @@ from fastapi.responses import Response
 
 from .call import ApiCall
 from .errors import error_response
-from .intake import (call_options, chat_prompt, completion_prompts, echo_texts, read_request,
+from .intake import (call_options, chat_echo, chat_prompt, completion_prompts, echo_texts, read_request,
                      requested_max_tokens, sampling_params)
 from .metrics import CONTENT_TYPE_LATEST
 from .protocol import ChatCompletionRequest, CompletionRequest
@@ -56,7 +56,8 @@ async def completions(request: Request):
 async def chat_completions(request: Request):
     state = state_of(request)
     req = await read_request(request, ChatCompletionRequest, state)
-    return await answer(request, state, req, [chat_prompt(state, req)], CHAT)
+    echo = chat_echo(req)                  # the answer's text begins with it (vLLM's chat echo)
+    return await answer(request, state, req, [chat_prompt(state, req)], CHAT, [echo] if echo else None)
 
 
 async def answer(request: Request, state: ServerState, req, prompts: list[list[int]], shape, texts=None):

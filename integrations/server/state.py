@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from hf_paged.engine import Engine
 
 from .config import AppConfig
+from .defaults import SamplingDefaults, server_generation_config
 from .metrics import Metrics
 from .worker import EngineWorker
 
@@ -23,7 +24,8 @@ log = logging.getLogger("hf_paged.server")
 @dataclass
 class ServerState:
     """config: the app's settings. name: the model's name in the API. engine: the Engine (touched only by
-    ``worker``'s thread). created: when the app was built (``/v1/models``' ``created``)."""
+    ``worker``'s thread). created: when the app was built (``/v1/models``' ``created``). defaults: what a
+    request leaves unset (``defaults.SamplingDefaults``); base: the generation config requests resolve on."""
     config: AppConfig
     name: str
     model: object
@@ -31,6 +33,8 @@ class ServerState:
     engine: Engine
     worker: EngineWorker
     metrics: Metrics
+    defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
+    base: object = None
     created: int = field(default_factory=lambda: int(time.time()))
 
     @classmethod
@@ -42,7 +46,13 @@ class ServerState:
         engine = Engine(model, tokenizer, **engine_knobs)
         metrics = Metrics(name)
         worker = EngineWorker(engine, max_queue=config.max_queue, metrics=metrics)
-        return cls(config, name, model, tokenizer, engine, worker, metrics)
+        generation_config = getattr(model, "generation_config", None)
+        defaults = SamplingDefaults.from_model(generation_config, config.generation_config)
+        if defaults.overridden():
+            log.info("unset sampling fields default to the model's generation config (--generation-config auto;"
+                     " 'vllm' ignores it): %s", defaults.overridden())
+        return cls(config, name, model, tokenizer, engine, worker, metrics, defaults,
+                   server_generation_config(generation_config))
 
     @property
     def max_model_len(self) -> int:

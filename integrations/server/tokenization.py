@@ -14,22 +14,22 @@ from pydantic_core import from_json
 from .body import parse, read_body
 from .errors import ApiError
 from .intake import chat_text, check_ids, tokenize
-from .protocol import RESERVED_TEMPLATE_KWARGS, ChatMessage
-from .request_parts import Strict
+from .protocol import RESERVED_TEMPLATE_KWARGS, ChatMessage, template_flags
+from .request_parts import Body
 from .vllm_fields import TOOLS
 from .state import ServerState
 
 FALLBACK_VERSION = "0.1.0"
 
 
-class TokenizeCompletionRequest(Strict):
+class TokenizeCompletionRequest(Body):
     model: Optional[str] = None
     prompt: str
     add_special_tokens: bool = True
     return_token_strs: Optional[bool] = False
 
 
-class TokenizeChatRequest(Strict):
+class TokenizeChatRequest(Body):
     model: Optional[str] = None
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
@@ -40,7 +40,7 @@ class TokenizeChatRequest(Strict):
     tools: Optional[list[dict[str, Any]]] = None
 
 
-class DetokenizeRequest(Strict):
+class DetokenizeRequest(Body):
     model: Optional[str] = None
     tokens: list[int]
 
@@ -56,7 +56,7 @@ def chat_checked(req: TokenizeChatRequest) -> TokenizeChatRequest:
     """What /v1/chat/completions refuses among these fields, refused alike."""
     if req.tools:
         raise ApiError(400, f"tools are not supported: {TOOLS}", param="tools", code="unsupported")
-    if req.continue_final_message and req.add_generation_prompt:
+    if all(template_flags(req)):
         raise ApiError(400, "continue_final_message and add_generation_prompt cannot both be true "
                             "(set add_generation_prompt=false)", param="continue_final_message")
     clash = sorted(RESERVED_TEMPLATE_KWARGS & set(req.chat_template_kwargs or {}))

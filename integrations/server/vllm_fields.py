@@ -13,7 +13,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import Field
 
-from .request_parts import RepetitionDetection, ResponseFormat, Strict, StructuredOutputsParams
+from .request_parts import Body, RepetitionDetection, ResponseFormat, StructuredOutputsParams
 
 BEAM = "beam search is not implemented by this engine"
 TOOLS = ("this server has no tool calling: vLLM parses tool calls with model-specific parsers (its "
@@ -61,7 +61,6 @@ IGNORED = {
     "include_reasoning": "no reasoning parser: the whole text is the content",
     "parallel_tool_calls": "without tools there are no tool calls",
 }
-CHAT_ECHO = "echo on chat completions (prepending the last message) is not implemented"
 # implemented fields (the rest of each schema), for the record and the test that every field is placed
 IMPLEMENTED = {
     "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "n", "stop", "stream",
@@ -103,7 +102,7 @@ def refused_field(req) -> Optional[tuple[str, str]]:
     return None
 
 
-class VllmSampling(Strict):
+class VllmSampling(Body):
     """vLLM's extension fields of both endpoints (its ``--8<-- sampling-params`` and ``extra-params``)."""
     use_beam_search: bool = False
     top_k: Optional[int] = Field(None, ge=-1)

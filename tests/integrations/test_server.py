@@ -122,8 +122,8 @@ def test_stream_equals_whole_and_usage(client):
 def test_n_and_stop(client):
     with pytest.raises(openai.BadRequestError, match=r"n=2 .* temperature is 0: .* set temperature > 0"):
         client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0, n=2)
-    with pytest.raises(openai.BadRequestError, match=r"no temperature was given .* decodes greedily"):
-        client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, n=2)
+    unset = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, n=4, seed=3)   # vLLM: T = 1
+    assert len({c.text for c in unset.choices}) > 1
     n = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=6, temperature=1.0, n=3, seed=1)
     assert [c.index for c in n.choices] == [0, 1, 2] and n.usage.completion_tokens >= 3
     r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0)
@@ -274,7 +274,7 @@ def test_bad_requests_answer_400(server, client):
     url, _ = server
     r = httpx.post(url + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
-    cases = [dict(extra_body={"bogus": 1}), dict(max_tokens=10**6), dict(temperature=5.0), dict(logprobs=21),
+    cases = [dict(extra_body={"top_k": -2}), dict(max_tokens=10**6), dict(temperature=-1.0), dict(logprobs=21),
              dict(top_p=0.0), dict(n=0), dict(frequency_penalty=2.5), dict(extra_body={"use_beam_search": True})]
     for case in cases:
         with pytest.raises(openai.BadRequestError) as err:
@@ -282,10 +282,9 @@ def test_bad_requests_answer_400(server, client):
         assert err.value.body["message"] and "Traceback" not in err.value.body["message"], case
     with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs=true"):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w3"}], top_logprobs=2)
-    with pytest.raises(openai.BadRequestError, match="unknown field 'bogus'") as err:
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w3"}],
-                                       extra_body={"bogus": 1})
-    assert err.value.body["param"] == "bogus"
+    ignored = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w3"}], max_tokens=2,
+                                             temperature=0, extra_body={"bogus": 1})     # vLLM logs and ignores it
+    assert ignored.choices[0].finish_reason == "length"
     with pytest.raises(openai.BadRequestError, match="token id 1000000 is outside the vocabulary"):
         client.completions.create(model=MODEL, prompt=[3, 10**6], max_tokens=2)
     with pytest.raises(openai.NotFoundError):
@@ -328,7 +327,7 @@ def test_api_key():
 SERVE_FLAGS = {"host", "port", "api_key", "served_model_name", "dtype", "quantization", "gpu_memory_utilization",
                "max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size", "enable_prefix_caching",
                "kv_cache_dtype", "kv_cache_memory_bytes", "max_logprobs", "max_queue", "shutdown_timeout", "max_body_bytes",
-               "trust_remote_code", "log_level"}
+               "generation_config", "trust_remote_code", "log_level"}
 
 
 def test_cli_flags_take_names_and_defaults_from_the_configs():

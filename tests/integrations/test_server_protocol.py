@@ -14,6 +14,7 @@ pytest.importorskip("fastapi")
 
 from hf_paged.engine.structured import StructuredOutput  # noqa: E402
 from hf_paged.integrations.server.body import parse  # noqa: E402
+from hf_paged.integrations.server.defaults import SamplingDefaults  # noqa: E402
 from hf_paged.integrations.server.errors import ApiError  # noqa: E402
 from hf_paged.integrations.server.intake import (  # noqa: E402
     call_options, chat_text, checked, completion_prompts, engine_settings, generation_settings,
@@ -50,7 +51,7 @@ def fake_state(compile_grammar=None):
     if compile_grammar is not None:
         engine.compile_grammar = compile_grammar
     return SimpleNamespace(vocab_size=VOCAB, tokenizer=word_tokenizer(), max_model_len=128, name="tiny",
-                           engine=engine, worker=SimpleNamespace(capacity=24))
+                           engine=engine, worker=SimpleNamespace(capacity=24), defaults=SamplingDefaults())
 
 
 def request(body: dict, chat: bool = False):
@@ -167,11 +168,13 @@ def test_bad_words_follow_vllms_rule():
     ({"presence_penalty": 2.5}, True, "presence_penalty", []),
     ({"min_tokens": 9}, False, "min_tokens", ["max_tokens=8"]),
     ({"max_tokens": 0}, False, "max_tokens", ["echo"]),
-    ({"max_tokens": "5"}, False, "max_tokens", ["integer"]),
-    ({"logprobs": 1.0}, False, "logprobs", []),
-    ({"seed": True}, False, "seed", []),
-    ({"temperature": "0.5"}, False, "temperature", []),
-    ({"bogus": 1}, True, "bogus", ["unknown field"]),
+    ({"max_tokens": 5.5}, False, "max_tokens", []),
+    ({"seed": 2**63}, False, "seed", []),
+    ({"temperature": -0.5}, False, "temperature", []),
+    ({"stream_options": {"include_usage": True}}, False, "stream_options", ["stream=true"]),
+    ({"chat_template_kwargs": {"tokenize": True}}, True, "chat_template_kwargs", ["tokenize"]),
+    ({"continue_final_message": True, "chat_template_kwargs": {"add_generation_prompt": True}}, True,
+     "continue_final_message", ["add_generation_prompt"]),
     ({"use_beam_search": True}, False, "use_beam_search", ["beam search"]),
     ({"best_of": 3}, False, "best_of", []),
     ({"suffix": "x"}, False, "suffix", []),
@@ -181,9 +184,7 @@ def test_bad_words_follow_vllms_rule():
     ({"prompt_embeds": "AAAA"}, False, "prompt_embeds", []),
     ({"spaces_between_special_tokens": False}, False, "spaces_between_special_tokens", []),
     ({"priority": 1}, True, "priority", []),
-    ({"echo": True}, True, "echo", []),
     ({"chat_template": "{{ messages }}"}, True, "chat_template", ["trust"]),
-    ({"chat_template_kwargs": {"tokenize": True}}, True, "chat_template_kwargs", ["tokenize"]),
     ({"continue_final_message": True}, True, "continue_final_message", ["add_generation_prompt"]),
     ({"logprob_token_ids": [3]}, False, "logprob_token_ids", []),
     ({"structural_tag": "{}"}, True, "structural_tag", []),
@@ -317,3 +318,61 @@ def test_chat_template_options_reach_the_template():
     assert text({"add_generation_prompt": False, "continue_final_message": True}) == "w3 w4"
     assert text({"chat_template_kwargs": {"extra": "w5"}, "documents": [{"text": "w6"}]}) == "w3 w4 w5 w6 w9"
     assert text({"reasoning_effort": "low"}) == "w3 w4 low w9"
+
+
+def test_bodies_are_read_as_vllm_reads_them(caplog):
+    """vLLM's lax parsing ("5" and 5.0 are 5, true is 1) and its unknown fields, ignored and logged by name
+    (nested ones too); NaN and a float token id stay refused."""
+    import logging
+    body = {"max_tokens": "5", "n": 2.0, "logprobs": True, "seed": -1, "temperature": 2.5, "prompt_cache_key": "k",
+            "stream": True, "stream_options": {"include_usage": True, "include_obfuscation": False}}
+    with caplog.at_level(logging.WARNING, logger="hf_paged.server"):
+        req = parse(json.dumps({**PROMPT, **body}).encode(), CompletionRequest)
+    assert (req.max_tokens, req.n, req.logprobs, req.seed, req.temperature) == (5, 2, 1, -1, 2.5)
+    assert req.ignored_fields() == ["prompt_cache_key", "stream_options.include_obfuscation"]
+    assert not hasattr(req, "prompt_cache_key")
+    assert "prompt_cache_key" in caplog.text and "stream_options.include_obfuscation" in caplog.text
+    chat = parse(json.dumps({"messages": [{"role": "user", "content": "w3", "x": 1}], "y": 2}).encode(),
+                 ChatCompletionRequest)
+    assert chat.ignored_fields() == ["y", "messages.0.x"]
+    for bad in (b'{"prompt": "w3", "temperature": NaN}', b'{"prompt": [3, 4.0]}'):
+        with pytest.raises(ApiError):
+            parse(bad, CompletionRequest)
+
+
+def test_unset_sampling_fields_take_vllms_defaults():
+    """No temperature samples at 1.0 with no top_k (vLLM's defaults, not generate's greedy and top_k=50); the
+    model's generation config overrides the fields it sets (--generation-config auto), not with 'vllm'."""
+    from transformers import GenerationConfig
+    got = settings({})
+    assert got["do_sample"] is True and got["temperature"] == 1.0 and got["top_k"] == 0 and got["top_p"] == 1.0
+    assert settings({"temperature": 1e-6})["do_sample"] is False            # below vLLM's epsilon: greedy
+    tuned = GenerationConfig(do_sample=False, temperature=0.6, top_k=20, repetition_penalty=1.1, max_new_tokens=7,
+                             no_repeat_ngram_size=3)
+    defaults = SamplingDefaults.from_model(tuned)
+    assert (defaults.temperature, defaults.top_k, defaults.top_p, defaults.repetition_penalty, defaults.max_tokens) \
+        == (0.6, 20, 1.0, 1.1, 7)
+    assert SamplingDefaults.from_model(tuned, "vllm") == SamplingDefaults()
+    state = fake_state()
+    state.defaults = defaults
+    got = generation_settings(request({"top_k": 5}), 8, state)
+    assert (got["temperature"], got["top_k"], got["repetition_penalty"]) == (0.6, 5, 1.1)
+    assert "no_repeat_ngram_size" not in got
+
+
+def test_chat_messages_as_vllm_renders_them():
+    """Text parts joined by newlines; chat_template_kwargs' add_generation_prompt / continue_final_message
+    override the fields; echo answers the last message first when it has the answer's role."""
+    from hf_paged.integrations.server.intake import chat_echo
+    from hf_paged.integrations.server.protocol import template_flags
+    parts = request({"messages": [{"role": "user", "content": [{"type": "text", "text": "w3"},
+                                                                {"type": "text", "text": "w4"}]}]}, chat=True)
+    assert parts.messages[0].text() == "w3\nw4"
+    flags = request({"chat_template_kwargs": {"add_generation_prompt": False, "continue_final_message": True}},
+                    chat=True)
+    assert template_flags(flags) == (False, True)
+    turn = [{"role": "user", "content": "w3"}, {"role": "assistant", "content": "w5 w6"}]
+    assert chat_echo(request({"messages": turn, "echo": True}, chat=True)) == "w5 w6"
+    assert chat_echo(request({"echo": True}, chat=True)) == ""                  # the last message is the user's
+    assert chat_echo(request({"echo": True, "add_generation_prompt": False}, chat=True)) == "w3 w4"
+    assert chat_echo(request({"messages": turn}, chat=True)) == ""

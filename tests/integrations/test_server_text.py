@@ -57,6 +57,31 @@ def test_new_text_continues_the_prompt(make):
     assert streamed(TextStream(tok, stop=(" w7",), context=prompt), new) == ""     # a stop string at the start
 
 
+def byte_tokenizer():
+    """A byte-level BPE tokenizer without merges: one token per byte, so an emoji is 4 tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=backend)
+
+
+def test_a_character_cut_by_max_tokens_is_left_out():
+    """Cut after 2 of an emoji's 4 byte tokens, the text ends before it, as vLLM's detokenizer leaves it (the
+    full decode's U+FFFD is no character of the answer), streamed or whole; all 4 give the emoji."""
+    from hf_paged.engine.continuation import complete_characters
+    tok = byte_tokenizer()
+    ids = tok("a\U0001F31Fb").input_ids
+    assert len(ids) == 6 and tok.decode(ids[:3]) == "a\ufffd"
+    assert streamed(TextStream(tok, context=ids[:1]), ids[1:3]) == ""
+    assert streamed(TextStream(tok, context=ids[:1]), ids[1:5]) == "\U0001F31F"
+    assert complete_characters(continuation(tok, ids[:1], ids[1:3])) == ""
+    assert complete_characters("x\ufffd") == "x" and complete_characters("x") == "x"
+
+
 def test_engine_stop_strings_see_the_first_token_s_space():
     tok = metaspace_tokenizer()
     stops = StopStrings((" w7",))
@@ -151,6 +176,39 @@ def test_stop_token_ids_leave_the_token_s_text_out(client):
     assert kept["text"] == "".join(" " + t for t in tokens[:first + 1])
 
 
+def events(client, path: str, body: dict) -> list[dict]:
+    r = client.post(path, json={"model": MODEL, "temperature": 0, "stream": True, **body})
+    assert r.status_code == 200, r.text
+    lines = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def test_chat_echo_and_continuous_usage(client):
+    """vLLM's chat ``echo`` (the answer begins with the last message when it has the answer's role) and
+    ``continuous_usage_stats`` (every chunk carries its choice's usage so far)."""
+    turn = [{"role": "user", "content": "w5"}, {"role": "assistant", "content": "w7 w8"}]
+    plain = client.post("/v1/chat/completions", json={"model": MODEL, "messages": turn, "max_tokens": 3,
+                                                      "temperature": 0, "ignore_eos": True}).json()
+    echoed = client.post("/v1/chat/completions", json={"model": MODEL, "messages": turn, "max_tokens": 3,
+                                                       "temperature": 0, "ignore_eos": True, "echo": True}).json()
+    content = plain["choices"][0]["message"]["content"]
+    assert echoed["choices"][0]["message"]["content"] == "w7 w8" + content
+    assert echoed["usage"] == plain["usage"]
+    chunks = events(client, "/v1/chat/completions", {"messages": turn, "max_tokens": 3, "ignore_eos": True,
+                                                     "echo": True})
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == "w7 w8" + content
+    chunks = events(client, "/v1/completions", {"prompt": "w5 w6", "max_tokens": 4, "ignore_eos": True, "n": 1,
+                                                "stream_options": {"include_usage": True,
+                                                                   "continuous_usage_stats": True}})
+    counts = [c["usage"]["completion_tokens"] for c in chunks if c["choices"]]
+    assert counts == sorted(counts) and counts[-1] == 4 and all(c["usage"]["prompt_tokens"] == 2 for c in chunks)
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["total_tokens"] == 6
+    quiet = events(client, "/v1/completions", {"prompt": "w5 w6", "max_tokens": 4, "ignore_eos": True,
+                                               "stream_options": {"include_usage": True}})
+    assert all(c["usage"] is None for c in quiet[:-1]) and quiet[-1]["usage"]["completion_tokens"] == 4
+
+
 def test_probes_and_refusals(client):
     card = client.get(f"/v1/models/{MODEL}")
     assert card.status_code == 200 and card.json()["id"] == MODEL
@@ -168,6 +226,6 @@ def test_probes_and_refusals(client):
         {"role": "user", "content": "w5"}, {"role": "tool", "tool_call_id": "c1", "content": "w6"}]})
     assert tool.status_code == 400 and tool.json()["error"]["param"] == "messages.1"
     assert "tool calling" in tool.json()["error"]["message"]
-    many = client.post("/v1/completions", json={"model": MODEL, "prompt": "w5", "n": 2, "max_tokens": 2})
+    many = client.post("/v1/completions", json={"model": MODEL, "prompt": "w5", "n": 2, "max_tokens": 2, "temperature": 0})
     assert many.status_code == 400 and many.json()["error"]["param"] == "n"
     assert "temperature > 0" in many.json()["error"]["message"]

@@ -82,6 +82,29 @@ def test_a_choice_among_thousands(real):
     assert out.text in choices and out.finish_reason == "stop"
 
 
+def test_schemas_are_strict_as_vllms(real):
+    """vLLM's JSON schemas allow no keys beyond those an object schema names (xgrammar's strict mode): without
+    it the model added keys ("location") and, through $ref, ran to max_tokens adding points (not JSON)."""
+    from hf_paged.engine.structured import closed_objects
+    point = {"type": "object", "properties": {"x": {"type": "number"}, "y": {"type": "number"}}, "required": ["x", "y"]}
+    cat = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+           "required": ["name", "age"]}
+    points = {"$defs": {"pt": point}, "type": "object", "properties": {"a": {"$ref": "#/$defs/pt"},
+                                                                       "b": {"$ref": "#/$defs/pt"}},
+              "required": ["a", "b"]}
+    assert closed_objects(cat)["additionalProperties"] is False
+    assert closed_objects({**cat, "additionalProperties": True})["additionalProperties"] is True
+    assert "additionalProperties" not in closed_objects({"type": "object"})       # names nothing: stays open
+    model, tokenizer = real
+    outs = LLM(model, tokenizer).generate([chat(tokenizer, "Output JSON.")] * 2, [
+        dict(structured_output=StructuredOutput(json=cat)), dict(structured_output=StructuredOutput(json=points))],
+        max_new_tokens=120, do_sample=False)
+    for out, schema in zip(outs, (cat, points)):
+        value = json.loads(out.outputs[0].text)
+        jsonschema.validate(value, closed_objects(schema))
+        assert set(value) == set(schema["properties"]) and out.outputs[0].finish_reason == "stop"
+
+
 @pytest.fixture(scope="module")
 def client(real):
     model, tokenizer = real
