@@ -17,6 +17,16 @@ from dataclasses import dataclass, field
 import torch
 
 
+def grown(tensor: torch.Tensor, extra: int, fill: float, dim: int = 1) -> torch.Tensor:
+    """``tensor`` with ``extra`` entries of ``fill`` appended along ``dim``: a normal tensor even when made inside
+    inference mode (a forward grows it; a copy-on-write between steps, outside that mode, writes it in place,
+    which an inference tensor refuses)."""
+    with torch.inference_mode(False):
+        shape = list(tensor.shape)
+        shape[dim] = extra
+        return torch.cat([tensor, tensor.new_full(shape, fill)], dim)
+
+
 @dataclass
 class SlotMap:
     """block -> entry: ``block_slot`` (int64 [num_blocks], -1 = none), which the kernels read, mirrored on the
@@ -57,7 +67,7 @@ class SlotMap:
             self.free.append(slot)
 
     def grow(self, extra_blocks: int) -> None:
-        self.block_slot = torch.cat([self.block_slot, self.block_slot.new_full((extra_blocks,), -1)])
+        self.block_slot = grown(self.block_slot, extra_blocks, -1, dim=0)
 
 
 @dataclass
@@ -80,7 +90,7 @@ class FreshMap:
             self.blocks, self.index = [], None
 
     def grow(self, extra_blocks: int) -> None:
-        self.block_slot = torch.cat([self.block_slot, self.block_slot.new_full((extra_blocks,), -1)])
+        self.block_slot = grown(self.block_slot, extra_blocks, -1, dim=0)
 
 
 @dataclass
@@ -170,8 +180,7 @@ class SideStore(_MappedRows):
         """Rows for every entry of the map (zeros for new ones), after the map grew."""
         have = self.rows.shape[1]
         if have < self.map.capacity:
-            pad = self.rows.new_zeros((self.rows.shape[0], self.map.capacity - have, *self.rows.shape[2:]))
-            self.rows = torch.cat([self.rows, pad], 1)
+            self.rows = grown(self.rows, self.map.capacity - have, 0)
 
     def copy_rows(self, src: SideStore, pairs: list[tuple[int, int]]) -> None:
         """Entry ``dst`` of these rows = entry ``src`` of ``src``'s, per (src, dst) pair."""

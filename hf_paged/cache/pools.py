@@ -22,7 +22,7 @@ from ..backends.step import PagedLayer, Step
 from ..families import KVGeometry, config_geometry
 from ..hugepages import huge_page_buffer
 from ..kivi import KIVI, KiviPool, KiviWrite, write_kv as write_kivi
-from ..kivi_stores import KiviMaps
+from ..kivi_stores import KiviMaps, grown as grown_tensor
 from ..kv_formats import KVFormat, QuantizedPool, kv_format, rotation_matrix
 
 log = logging.getLogger("hf_paged.cache")
@@ -181,8 +181,7 @@ class KVPools(Cache):
     def grow_pools(self, extra_blocks: int) -> None:
         """Append ``extra_blocks`` zeroed blocks to every pool (one copy of the pools)."""
         def grown(tensor: torch.Tensor, fill: float) -> torch.Tensor:
-            pad = tensor.new_full((tensor.shape[0], extra_blocks, *tensor.shape[2:]), fill)
-            return torch.cat([tensor, pad], dim=1)
+            return grown_tensor(tensor, extra_blocks, fill)
 
         for pools in (self.key_pools, self.value_pools):
             for i, pool in enumerate(pools):

@@ -7,7 +7,7 @@
     engine.output(rid), engine.stats()
 
 A step: the scheduler schedules (running sequences first, then waiting ones; it preempts the newest
-when blocks run out), the cache applies its copy-on-write pairs, the runner runs the model on the
+when blocks run out; the cache applies each copy-on-write pair as it is made), the runner runs the model on the
 packed tokens, the scheduler's ``postprocess`` does the bookkeeping (computed tokens, prefix-cache
 commits, forks of ``num_return_sequences`` requests), the sampler draws a token for each sequence
 that reached its last token, and the engine appends it and decides whether the sequence stops (the
@@ -88,7 +88,7 @@ class Engine:
         self.prefix_cache = PrefixCache(self.pool) if config.enable_prefix_caching else None
         self.counters = EngineCounters()
         self.scheduler = Scheduler(self.pool, self.prefix_cache, self.open_slots, config.max_num_batched_tokens,
-                                   self.counters)
+                                   self.counters, copy_blocks=self.cache.copy_blocks)
         self.runner = ModelRunner(model, self.cache)
         if capture is not None:
             width = min(-(-self.max_model_len // config.block_size), blocks)
@@ -294,7 +294,6 @@ class Engine:
                                    f"free blocks of {self.pool.num_blocks}, max_num_seqs="
                                    f"{self.config.max_num_seqs}. Raise num_blocks / kv_cache_memory_bytes.")
             return []
-        self.cache.copy_blocks(scheduled.copies)
         forward_start = time.perf_counter()
         logits, samplers, spans, prepare_s = self.runner.execute(scheduled.batch)
         forward_end = time.perf_counter()

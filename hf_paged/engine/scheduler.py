@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..blocks import BlockPool, BlockTable, PrefixCache
@@ -36,17 +37,23 @@ from .stats import EngineCounters
 
 @dataclass
 class SchedulerOutput:
-    """batch: (sequence, tokens to compute), one-token entries first; copies: copy-on-write block pairs
-    ``(src, dst)`` to apply before the forward; num_tokens: the tokens of the batch."""
+    """batch: (sequence, tokens to compute), one-token entries first; copies: the copy-on-write block pairs
+    ``(src, dst)`` made (and applied: ``Scheduler.copy_blocks``) while scheduling; num_tokens: the batch's tokens."""
     batch: list[tuple[Sequence, int]] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
     num_tokens: int = 0
 
 
 class Scheduler:
+    """copy_blocks: applies copy-on-write pairs to the KV pools (the engine's cache), called as each pair is
+    made: a preemption later in the same schedule may free the source block and hand it out again (as the
+    destination of another copy), so a copy cannot wait for the end of the schedule."""
+
     def __init__(self, pool: BlockPool, prefix_cache: PrefixCache | None, max_num_seqs: int,
-                 max_num_batched_tokens: int, counters: EngineCounters):
+                 max_num_batched_tokens: int, counters: EngineCounters,
+                 copy_blocks: Callable[[list[tuple[int, int]]], None] | None = None):
         self.pool, self.prefix_cache = pool, prefix_cache
+        self.copy_blocks = copy_blocks
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -203,9 +210,15 @@ class Scheduler:
         seq.status = Status.RUNNING
 
     def _reserve(self, seq: Sequence, n: int, out: SchedulerOutput, decode: list, extend: list) -> None:
-        """Slots for ``seq``'s next ``n`` tokens (copy-on-write pairs into ``out.copies``); into the batch."""
+        """Slots for ``seq``'s next ``n`` tokens (copy-on-write pairs applied now, and into ``out.copies``);
+        into the batch."""
         c = seq.num_computed
-        seq.block_table.append(self.pool, n, out.copies)
+        copies: list[tuple[int, int]] = []
+        seq.block_table.append(self.pool, n, copies)
+        if copies:
+            if self.copy_blocks is not None:
+                self.copy_blocks(copies)
+            out.copies.extend(copies)
         self.counters.recomputed_tokens += max(0, min(c + n, seq.high_water) - c)
         (decode if n == 1 else extend).append((seq, n))
         out.num_tokens += n

@@ -359,3 +359,35 @@ def test_new_weights_between_calls_are_followed():
     model.to(torch.bfloat16)
     with pytest.raises(RuntimeError, match="dtype changed from torch.float32 to torch.bfloat16.*build a new"):
         llm.generate(prompts, **settings)
+
+
+@pytest.mark.parametrize("kv", ["kivi", "int8", "auto"])
+def test_forks_under_preemption_equal_a_roomy_pool(kv):
+    """A preemption that frees a block an earlier copy-on-write of the same schedule copies from, and hands it
+    out again as another copy's destination: the copies are applied as they are made (KIVI's open rows were
+    released before their copy and request 0's first sequence lost its prompt's K/V)."""
+    model = make_model("llama", seed=3)
+    gen = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in (5, 1)]
+    settings = [dict(do_sample=True, top_k=1, max_new_tokens=40, eos_token_id=None, seed=i, num_return_sequences=2)
+                for i in range(2)]
+
+    def run(num_blocks):
+        llm = LLM(model, block_size=32, num_blocks=num_blocks, kv_cache_dtype=kv, enable_prefix_caching=False)
+        return [[s.token_ids for s in o.outputs] for o in llm.generate(prompts, settings)], llm.stats()["preemptions"]
+
+    roomy, none = run(64)
+    tight, preemptions = run(3)
+    assert none == 0 and preemptions > 0 and tight == roomy
+
+
+def test_kivi_side_rows_grown_in_a_forward_take_copies_later():
+    """KIVI's open / sink rows grown inside a forward (inference mode) are written in place by a copy-on-write
+    between steps: they must be normal tensors (it raised "Inplace update to inference tensor")."""
+    model = make_model("llama", seed=3)
+    gen = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in (5, 40, 1)]
+    llm = LLM(model, block_size=32, num_blocks=8, max_num_seqs=2, kv_cache_dtype="kivi")
+    outs = llm.generate(prompts, [dict(do_sample=True, top_k=1, max_new_tokens=40, eos_token_id=None, seed=i,
+                                       num_return_sequences=2) for i in range(3)])
+    assert all(o.error is None and len(o.outputs) == 2 for o in outs)
