@@ -84,8 +84,8 @@ def run_list_through_engine(pipe: TextGenerationPipeline, llm: LLM, text_inputs,
     ids = [engine.add_request(x["input_ids"][0], prompt_index=i, params=p) for i, (x, p) in enumerate(zip(inputs, params))]
     engine.run()
     records = []
-    for rid, x in zip(ids, inputs):
-        out = engine.output(rid)
+    outputs = [engine.forget(rid) for rid in ids]          # the engine keeps no record of them
+    for out, x in zip(outputs, inputs):
         if out.error is not None:
             raise ValueError(f"prompt {out.prompt_index}: {out.error}")
         model_outputs = {"generated_sequence": out.sequences.unsqueeze(0), "input_ids": x["input_ids"],

@@ -75,9 +75,7 @@ class PagedGenerator:
         prompts = [p if isinstance(p, str) else [int(t) for t in p] for p in batch[self.prompt_column]]
         per_row = [{name: batch[name][i].item() if hasattr(batch[name][i], "item") else batch[name][i]
                     for name in self.row_settings} for i in range(len(prompts))] if self.row_settings else None
-        outputs = self.llm.generate(prompts, per_row, use_tqdm=False, **self.settings)
-        for request_id in self.llm.last_ids:       # an actor lives for many batches: keep nothing
-            self.llm.engine.forget(request_id)
+        outputs = self.llm.generate(prompts, per_row, use_tqdm=False, **self.settings)   # keeps no record
 
         def per_request(value):
             return value if self.nested else (value[0] if value else None)

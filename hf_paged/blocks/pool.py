@@ -26,12 +26,13 @@ from typing import Iterable
 class PoolExhaustedError(RuntimeError):
     """The pool has fewer free blocks than a step needs. Nothing was changed."""
 
-    def __init__(self, needed: int, free: int, total: int, block_size: int, hint: str = ""):
+    def __init__(self, needed: int, free: int, total: int, block_size: int, hint: str = "", whole: bool = False):
+        """needed: the blocks this step takes (``whole``: the blocks one sequence holds in all, over the pool's)."""
         self.needed, self.free, self.total = needed, free, total
-        super().__init__(
-            f"KV pool exhausted: this step needs {needed} more blocks of {block_size} tokens but only "
-            f"{free} of {total} are free. {hint or 'Raise num_blocks / max_memory_bytes, or leave both unset so the pool grows on demand.'}"
-        )
+        what = (f"one sequence needs {needed} blocks of {block_size} tokens but the whole pool holds {total}" if whole
+                else f"this step needs {needed} more blocks of {block_size} tokens but only {free} of {total} are free")
+        super().__init__(f"KV pool exhausted: {what}. "
+                         f"{hint or 'Raise num_blocks / max_memory_bytes, or leave both unset so the pool grows on demand.'}")
 
 
 def blocks_for_budget(budget_bytes: int, bytes_per_token: int, block_size: int, knob: str) -> int:

@@ -361,7 +361,7 @@ class PagedCache(KVPools):
             raise PoolExhaustedError(
                 -(-longest // bs), pool.num_free, pool.num_blocks, bs,
                 f"One sequence of {longest} tokens alone needs more than the whole pool. Raise "
-                "num_blocks / max_memory_bytes, or leave both unset so the pool grows on demand.")
+                "num_blocks / max_memory_bytes, or leave both unset so the pool grows on demand.", whole=True)
         self._make_room(needed)
         if first_step:
             rows.start(len(counts))

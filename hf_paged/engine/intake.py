@@ -9,8 +9,9 @@ from __future__ import annotations
 import torch
 
 
-def token_ids(prompt, tokenizer) -> list[int]:
-    """``prompt`` (a str, a list of ids, or a LongTensor [T] or [1, T]) as a non-empty list of ints."""
+def token_ids(prompt, tokenizer, vocab_size: int | None = None) -> list[int]:
+    """``prompt`` (a str, a list of ids, or a LongTensor [T] or [1, T]) as a non-empty list of ints, each in
+    ``range(vocab_size)`` (the model's embedding rows) when given."""
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError("a text prompt needs a tokenizer: Engine(model, tokenizer=...) or pass token ids")
@@ -22,6 +23,10 @@ def token_ids(prompt, tokenizer) -> list[int]:
     ids = [int(t) for t in prompt]
     if not ids:
         raise ValueError("empty prompt: a request needs at least one token (add a BOS token or some text)")
+    if vocab_size is not None and not 0 <= min(ids) <= max(ids) < vocab_size:
+        bad = next(t for t in ids if not 0 <= t < vocab_size)
+        raise ValueError(f"prompt token id {bad} (position {ids.index(bad)}) is outside the model's vocabulary of "
+                         f"{vocab_size} ids (0..{vocab_size - 1}): was the prompt tokenized for another model?")
     return ids
 
 

@@ -33,6 +33,7 @@ class LLM:
 
     def __init__(self, model, tokenizer=None, **knobs):
         self.engine = Engine(model, tokenizer, **knobs)
+        self.last_ids: list[int] = []           # the latest call's request ids, in input order
 
     def stream(self, prompts, settings=None, *, on_token=None, use_tqdm: bool | None = None, **common):
         """Queue every prompt, then yield a TokenEvent per new token until all are done.
@@ -40,12 +41,14 @@ class LLM:
         settings: one dict per prompt (merged over ``common``), one dict for every prompt (vLLM's single
         ``SamplingParams``; the same as passing its keys as keywords), or None. A request that fails alone yields
         nothing; its RequestOutput has ``error`` set and ``finish_reason == "error"``. The request ids are
-        in ``self.last_ids``, in input order. ``use_tqdm``: a progress bar (default: for lists of
+        in ``self.last_ids``, in input order; their outputs stay readable (``self.engine.output(id)``) until
+        the next call, which drops them from the engine's records (a long-lived LLM keeps none of its past). ``use_tqdm``: a progress bar (default: for lists of
         ``TQDM_MIN_REQUESTS`` or more, when tqdm is installed). A call that raises (an ``on_token`` callback,
         KeyboardInterrupt) or a stream closed before its end cancels its unfinished requests: their blocks go
         back and no later call runs them.
         """
         engine = self.engine
+        self._forget_last()
         prompts = prompt_list(prompts)
         if isinstance(settings, Mapping):
             clash = sorted(set(settings) & set(common))
@@ -93,7 +96,16 @@ class LLM:
         for _ in self.stream(prompts, settings, on_token=on_token, use_tqdm=use_tqdm, **common):
             pass
         self.engine.log_stats()
-        return [self.engine.output(rid) for rid in self.last_ids]
+        outputs = [self.engine.output(rid) for rid in self.last_ids]
+        self._forget_last()
+        return outputs
+
+    def _forget_last(self) -> None:
+        """Drop the previous call's requests from the engine's records (vLLM's LLM keeps none either)."""
+        for rid in self.last_ids:
+            if rid in self.engine.requests and self.engine.requests[rid].finished:
+                self.engine.forget(rid)
+        self.last_ids = []
 
     def cancel(self, request_id: int) -> None:
         self.engine.cancel(request_id)

@@ -135,7 +135,8 @@ def test_budget_too_small_for_one_sequence():
     per_block = hf_paged.PagedCache(model.config, block_size=4).bytes_per_token * 4
     with patched(model):
         cache = hf_paged.PagedCache(model.config, block_size=4, max_memory_bytes=3 * per_block)
-        with pytest.raises(hf_paged.PoolExhaustedError, match="One sequence of 40 tokens"):
+        with pytest.raises(hf_paged.PoolExhaustedError, match="one sequence needs 10 blocks of 4 tokens but the whole "
+                           "pool holds 3.*One sequence of 40 tokens"):
             model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, past_key_values=cache)
         cache.check_invariants()
         assert cache.stats()["blocks_used"] == 0

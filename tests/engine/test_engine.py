@@ -391,3 +391,25 @@ def test_kivi_side_rows_grown_in_a_forward_take_copies_later():
     outs = llm.generate(prompts, [dict(do_sample=True, top_k=1, max_new_tokens=40, eos_token_id=None, seed=i,
                                        num_return_sequences=2) for i in range(3)])
     assert all(o.error is None and len(o.outputs) == 2 for o in outs)
+
+
+def test_prompt_ids_outside_the_vocabulary_are_refused_by_name():
+    """vLLM refuses them at intake; the embedding raised a bare IndexError mid-step (a device assert on CUDA)."""
+    llm = LLM(make_model("llama", seed=1), block_size=4, num_blocks=32)
+    for bad in ([5, VOCAB, 7], [5, -1]):
+        with pytest.raises(ValueError, match=rf"prompt token id {bad[1]} \(position 1\) is outside .* {VOCAB} ids"):
+            llm.generate([[5, 6], bad], max_new_tokens=2, do_sample=False)
+    assert not llm.engine.has_work and llm.engine.pool.num_used == 0
+
+
+def test_llm_keeps_no_record_of_past_calls():
+    """generate returns its outputs and drops them from the engine; a stream's stay readable until the next call."""
+    llm = LLM(make_model("llama", seed=1), block_size=4, num_blocks=32)
+    for _ in range(3):
+        outs = llm.generate([[5, 6, 7]] * 4, max_new_tokens=3, do_sample=False, logprobs=2)
+        assert len(outs) == 4 and outs[0].outputs[0].logprobs is not None
+    assert llm.engine.requests == {}
+    list(llm.stream([[5, 6]], max_new_tokens=2, do_sample=False))
+    assert llm.engine.output(llm.last_ids[0]).finished and len(llm.engine.requests) == 1
+    llm.generate([[8]], max_new_tokens=1, do_sample=False)
+    assert llm.engine.requests == {}
