@@ -30,6 +30,9 @@ UNSUPPORTED = dict(num_beams=1, num_beam_groups=1, no_repeat_ngram_size=0,
                    exponential_decay_length_penalty=None, watermarking_config=None, dola_layers=None,
                    token_healing=False)
 # vLLM's settings that GenerationConfig does not have (hf_paged.engine.processors, .logprobs, .structured).
+# vLLM's SamplingParams names that generate spells otherwise (named in the refusal of an unknown setting)
+VLLM_RENAMES = {"max_tokens": "max_new_tokens", "n": "num_return_sequences", "stop": "stop_strings",
+                "best_of": "num_return_sequences"}
 ENGINE_ONLY = ("seed", "ignore_eos", "min_tokens", "presence_penalty", "frequency_penalty", "logit_bias",
                "allowed_token_ids", "stop_token_ids", "logprobs", "prompt_logprobs", "structured_output")
 
@@ -66,10 +69,12 @@ def resolve_generation(model_generation_config, **kwargs) -> SamplingParams:
     passed = kwargs.pop("generation_config", None)
     config, unknown, default_max_length = merged_generation_config(model_generation_config, passed, **kwargs)
     if unknown:
+        renamed = [f"{name} -> {VLLM_RENAMES[name]}" for name in sorted(unknown) if name in VLLM_RENAMES]
         raise ValueError(f"unknown generation argument(s) {sorted(unknown)}: the engine accepts "
                          "GenerationConfig fields (max_new_tokens, do_sample, temperature, top_k, top_p, min_p, "
                          "repetition_penalty, bad_words_ids, sequence_bias, stop_strings, num_return_sequences, ...) "
-                         f"plus {', '.join(ENGINE_ONLY)}")
+                         f"plus {', '.join(ENGINE_ONLY)}"
+                         + (f" (vLLM's names here: {', '.join(renamed)})" if renamed else ""))
     for name, default in UNSUPPORTED.items():
         value = getattr(config, name, default)
         if value is not None and value != default:

@@ -129,6 +129,8 @@ def test_bad_input_fails_clearly_and_alone():
         llm.generate([[5, 6], []], max_new_tokens=3)
     with pytest.raises(ValueError, match="unknown generation argument.*tempreature"):
         llm.generate([[5, 6]], max_new_tokens=3, tempreature=0.5)
+    with pytest.raises(ValueError, match="vLLM's names here: max_tokens -> max_new_tokens, n -> num_return_sequences"):
+        llm.generate([[5, 6]], {"max_tokens": 3, "n": 2})
     with pytest.raises(ValueError, match="unknown engine option"):
         LLM(model, max_num_seq=4)
     with pytest.raises(ValueError, match="num_beams"):
