@@ -31,8 +31,7 @@ UNSUPPORTED = dict(num_beams=1, num_beam_groups=1, no_repeat_ngram_size=0,
                    token_healing=False)
 # vLLM's settings that GenerationConfig does not have (hf_paged.engine.processors, .logprobs, .structured).
 # vLLM's SamplingParams names that generate spells otherwise (named in the refusal of an unknown setting)
-VLLM_RENAMES = {"max_tokens": "max_new_tokens", "n": "num_return_sequences", "stop": "stop_strings",
-                "best_of": "num_return_sequences"}
+VLLM_RENAMES = {"max_tokens": "max_new_tokens", "n": "num_return_sequences", "stop": "stop_strings"}
 ENGINE_ONLY = ("seed", "ignore_eos", "min_tokens", "presence_penalty", "frequency_penalty", "logit_bias",
                "allowed_token_ids", "stop_token_ids", "logprobs", "prompt_logprobs", "structured_output")
 
