@@ -325,7 +325,9 @@ class PrepackedLinears:
                         "check)", need / 2**20, available / 2**20)
             units = []
         ops = _linear_ops() if any(m.weight.dtype in KERNEL_DTYPES for unit in units for m in unit) else None
-        takes = {dtype for dtype in KERNEL_DTYPES if kernel_takes(ops, dtype)}       # once: reads env and cpuinfo
+        dtypes = {m.weight.dtype for unit in units for m in unit}
+        # once per dtype the model has (each check reads the environment and cpuinfo, and warns where it says no)
+        takes = {dtype for dtype in KERNEL_DTYPES if dtype in dtypes and kernel_takes(ops, dtype)}
         self.library_rows = library_rows() if ops is not None else None
         prefill = self._prefill_units(model, units, ops, prefill_rows, self.library_rows, available - need)
         packed = [_Packed(unit, ops if unit[0].weight.dtype in takes else None,
@@ -338,12 +340,15 @@ class PrepackedLinears:
         self.bytes = sum(p.packed.numel() * p.packed.element_size() for p in packed)
         # MKL's buffers are opaque: counted as the weights they copy (measured within 2% on SmolLM2)
         self.prefill_bytes = sum(4 * m.weight.numel() for p in packed if p.prefill is not None for m in p.modules)
+        # what the kernel runs: the dtypes of the units packed for it (none: all through oneDNN)
+        kernel_dtypes = sorted({str(p.modules[0].weight.dtype).removeprefix("torch.") for p in packed
+                                if p.ops is not None})
+        route = "oneDNN" if not kernel_dtypes else (
+            f"{' and '.join(kernel_dtypes)} through hf_paged's kernel"
+            + (", the others through oneDNN" if any(p.ops is None for p in packed) else "") + ", " + ("every step" if self.library_rows is None else
+                                  f"steps over {self.library_rows} rows through MKL's sgemm") + f" (${LIBRARY_ENV})")
         log.info("prepacked %d linear layers (%d sibling groups; %s) in %.2f s (%.0f MiB beside the model's "
-                 "weights%s; enforce_eager=True skips this)", len(self.layers), len(groups),
-                 "oneDNN" if ops is None else ("float32 and bf16" if torch.bfloat16 in takes else "float32")
-                 + " through hf_paged's kernel, " + (
-                     "every step" if self.library_rows is None else f"steps over {self.library_rows} rows through "
-                     "MKL's sgemm") + f" (${LIBRARY_ENV})", self.seconds,
+                 "weights%s; enforce_eager=True skips this)", len(self.layers), len(groups), route, self.seconds,
                  (self.bytes + self.prefill_bytes) / 2**20,
                  f", {self.prefill_bytes / 2**20:.0f} MiB of them MKL's copies for {prefill_rows}-token steps"
                  if prefill else "")

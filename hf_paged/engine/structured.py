@@ -103,19 +103,36 @@ class StructuredOutput:
         return kind, "" if kind == "json_object" else getattr(self, kind)
 
 
+# JSON-schema keywords whose values are schemas (a map of them, a list of them, or one or a list); allOf is left
+# as it is: its branches describe one object together, and closing each would forbid the others' keys
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+_SCHEMA_ONES = ("items", "additionalItems", "additionalProperties", "unevaluatedProperties", "unevaluatedItems",
+                "not", "if", "then", "else", "contains", "propertyNames")
+
+
 def closed_objects(schema):
     """``schema`` with ``"additionalProperties": false`` on every object schema that lists ``properties`` or
-    ``patternProperties`` and says nothing of others: vLLM's JSON schemas are strict (xgrammar's default
-    strict mode; its guidance backend's ``disable_additional_properties`` walk, which this is), so a model
-    writes the keys the schema names and no others. An explicit ``additionalProperties`` is kept."""
-    if isinstance(schema, dict):
-        closed = {key: closed_objects(value) for key, value in schema.items()}
-        if "additionalProperties" not in closed and ("properties" in closed or "patternProperties" in closed):
-            closed["additionalProperties"] = False
-        return closed
-    if isinstance(schema, list):
-        return [closed_objects(item) for item in schema]
-    return schema
+    ``patternProperties`` and says nothing of others: vLLM's JSON schemas are strict (its default backend's
+    strict mode), so a model writes the keys the schema names and no others. An explicit
+    ``additionalProperties`` is kept; values (``const``, ``enum``, ``default``) are never touched, and neither
+    is an ``allOf`` or an object schema beside one (its branches name its keys together)."""
+    if not isinstance(schema, dict):
+        return schema
+    closed = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(closed.get(key), dict):
+            closed[key] = {name: closed_objects(sub) for name, sub in closed[key].items()}
+    for key in _SCHEMA_LISTS + _SCHEMA_ONES:
+        value = closed.get(key)
+        if isinstance(value, list):
+            closed[key] = [closed_objects(sub) for sub in value]
+        elif isinstance(value, dict):
+            closed[key] = closed_objects(value)
+    if "additionalProperties" not in closed and "allOf" not in closed \
+            and ("properties" in closed or "patternProperties" in closed):
+        closed["additionalProperties"] = False
+    return closed
 
 
 class StructuredOutputUnavailable(ValueError):

@@ -20,9 +20,10 @@ from .defaults import GREEDY_BELOW
 from .errors import ApiError
 from .guided import compile_structured, structured_spec
 from .options import CallOptions
-from .protocol import TEMPLATE_FLAGS, ChatCompletionRequest, CompletionRequest, template_flags
+from .protocol import TEMPLATE_FLAGS, ChatCompletionRequest, CompletionRequest
 from .state import ServerState
-from .token_settings import bad_words_ids, generated_logprobs, in_vocab, logit_bias, logprob_counts, token_list
+from .token_settings import (asked_prompt_logprobs, bad_words_ids, generated_logprobs, in_vocab, logit_bias,
+                             logprob_counts, token_list)
 
 
 async def read_request(request: Request, schema, state: ServerState):
@@ -106,26 +107,29 @@ def chat_text(state: ServerState, req) -> str:
                        param="messages", code="no_chat_template")
     messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
                 for m in req.messages]
-    add_generation_prompt, continue_final_message = template_flags(req)
     kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items() if k not in TEMPLATE_FLAGS}
     effort = getattr(req, "reasoning_effort", None)
     if effort is not None:                               # as vLLM passes it to the template
         kwargs.setdefault("reasoning_effort", effort)
         kwargs.setdefault("enable_thinking", effort != "none")
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                             continue_final_message=continue_final_message,
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=req.add_generation_prompt,
+                                             continue_final_message=req.continue_final_message,
                                              documents=getattr(req, "documents", None), **kwargs)
     except Exception as exc:              # jinja's TemplateError (e.g. roles must alternate), ValueError
         raise ApiError(400, f"the chat template refused the messages: {exc}", param="messages")
 
 
+def answer_role(req: ChatCompletionRequest) -> str:
+    """The role of a chat answer, as vLLM's ``get_chat_request_role``: the assistant's, or with
+    add_generation_prompt=false (the answer continues the conversation as it is) the last message's."""
+    return "assistant" if req.add_generation_prompt else req.messages[-1].role
+
+
 def chat_echo(req: ChatCompletionRequest) -> str:
-    """vLLM's chat ``echo``: the last message's content when it has the role the answer takes (the
-    assistant's; the last message's own with add_generation_prompt=false), else ""."""
+    """vLLM's chat ``echo``: the last message's content when it has the answer's role, else ""."""
     last = req.messages[-1]
-    role = "assistant" if template_flags(req)[0] else last.role
-    return last.text() if req.echo and last.role == role else ""
+    return last.text() if req.echo and last.role == answer_role(req) else ""
 
 
 def chat_prompt(state: ServerState, req: ChatCompletionRequest) -> list[int]:
@@ -211,9 +215,10 @@ async def engine_settings(state, req, max_tokens: int) -> dict:
 
 async def sampling_params(state: ServerState, req, prompts: list[list[int]], max_tokens: int | None):
     """The engine's SamplingParams for every prompt of ``req`` (400 for what ``generate`` refuses)."""
+    given = max_tokens is not None
     max_tokens = context_checked(prompts, max_tokens, state.max_model_len)
-    if state.defaults.max_tokens is not None:          # the generation config's max_new_tokens caps it (vLLM's)
-        max_tokens = min(max_tokens, state.defaults.max_tokens)
+    if not given and state.defaults.max_tokens is not None:    # vLLM: the generation config's max_new_tokens
+        max_tokens = min(max_tokens, state.defaults.max_tokens)   # where the request gives no max_tokens
     settings = await engine_settings(state, req, max_tokens)
     if req.n > 1 and not settings["do_sample"]:          # generate refuses it in its own words
         why = "temperature is 0" if req.temperature is not None else "no temperature was given and the model's " \
@@ -232,7 +237,7 @@ def call_options(req) -> CallOptions:
     return CallOptions(n=req.n, stops=req.stops(), include_stop_str_in_output=req.include_stop_str_in_output,
                        skip_special_tokens=req.skip_special_tokens, logprobs=generated_logprobs(req, chat)[0],
                        echo=bool(chat_echo(req) if chat else req.echo), max_tokens_zero=not chat and req.max_tokens == 0,
-                       prompt_logprobs=req.prompt_logprobs, chat=chat,
+                       prompt_logprobs=asked_prompt_logprobs(req, chat), chat=chat, role=answer_role(req) if chat else "",
                        return_tokens_as_token_ids=bool(req.return_tokens_as_token_ids),
                        min_tokens=req.min_tokens or 0,
                        continuous_usage=bool(req.stream and req.stream_options and req.stream_options.include_usage

@@ -16,7 +16,8 @@ class CallOptions:
     prompt_logprobs: vLLM's ``prompt_logprobs`` extension (top-k per prompt token). chat: the call is a
     chat completion. return_tokens_as_token_ids: tokens written "token_id:N" (vLLM's extension).
     min_tokens: vLLM's (a stop string must end after the first min_tokens tokens' text).
-    continuous_usage: vLLM's ``stream_options.continuous_usage_stats``: every chunk carries its choice's usage."""
+    continuous_usage: vLLM's ``stream_options.continuous_usage_stats``: every chunk carries its choice's usage.
+    role: a chat answer's role (``intake.answer_role``)."""
     n: int = 1
     stops: tuple[str, ...] = ()
     include_stop_str_in_output: bool = False
@@ -29,3 +30,4 @@ class CallOptions:
     return_tokens_as_token_ids: bool = False
     min_tokens: int = 0
     continuous_usage: bool = False
+    role: str = ""

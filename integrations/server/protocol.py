@@ -80,13 +80,16 @@ class _Sampling(VllmSampling):
         refused = refused_field(self)
         if refused:
             return refused
+        if self.stop == "" or (isinstance(self.stop, list) and "" in self.stop):
+            return "stop", "stop cannot contain an empty string (as in vLLM)"
         if len(self.stops()) > MAX_STOPS:
             return "stop", f"{len(self.stops())} stop sequences: at most {MAX_STOPS}"
         return None
 
     def conflicts(self) -> Optional[tuple[str, str]]:
         """(param, message) of the first contradiction among the fields, or None."""
-        if self.stream_options is not None and not self.stream:
+        if self.stream_options is not None and not self.stream and (
+                self.stream_options.model_fields_set or self.stream_options.ignored_fields()):   # {} passes, as in vLLM
             return "stream_options", "stream_options can only be set with stream=true (as in vLLM)"
         if self.stream and self.prompt_logprobs not in (None, 0):
             return "prompt_logprobs", "prompt_logprobs are not available with stream=true (as in vLLM)"
@@ -121,7 +124,7 @@ class CompletionRequest(_Sampling):
 
 
 class TextPart(Body):
-    type: Literal["text"]
+    type: Literal["text", "input_text", "output_text"]         # vLLM reads the last two as text too
     text: str
 
 
@@ -140,16 +143,10 @@ class ChatMessage(Body):
 
 
 # chat_template_kwargs the server sets itself (passing them again would clash or change the output type);
-# add_generation_prompt and continue_final_message there override the request's fields, as in vLLM
+# add_generation_prompt and continue_final_message there give way to the request's fields, as vLLM merges them
 RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tokenize", "chat_template", "tools", "documents",
                                       "return_dict", "return_tensors", "tokenizer_kwargs"})
 TEMPLATE_FLAGS = ("add_generation_prompt", "continue_final_message")
-
-
-def template_flags(req) -> tuple[bool, bool]:
-    """(add_generation_prompt, continue_final_message): the request's, unless its chat_template_kwargs set them."""
-    kwargs = req.chat_template_kwargs or {}
-    return tuple(bool(kwargs.get(name, getattr(req, name))) for name in TEMPLATE_FLAGS)
 
 
 class ChatCompletionRequest(_Sampling):
@@ -185,7 +182,7 @@ class ChatCompletionRequest(_Sampling):
     def conflicts(self):
         if self.top_logprobs not in (None, 0) and not self.logprobs:
             return "top_logprobs", "top_logprobs needs logprobs=true"
-        if all(template_flags(self)):
+        if self.continue_final_message and self.add_generation_prompt:
             return "continue_final_message", ("continue_final_message and add_generation_prompt cannot both "
                                               "be true (set add_generation_prompt=false)")
         for i, m in enumerate(self.messages):

@@ -27,7 +27,7 @@ class CompletionShape:
     object = chunk_object = "text_completion"
     id_prefix = "cmpl-"
 
-    def choice(self, index: int, text: str, reason: str | None, fmt, deltas) -> dict:
+    def choice(self, index: int, text: str, reason: str | None, fmt, deltas, role: str = "") -> dict:
         """``deltas``: (tokens, entries, offset, text length, prompt) of the choice's deltas, in order. An
         echoed prompt's tokens are placed from its text's start, the generated ones from where their text
         starts, each after the one before (at most the text's end): text held back (a possible stop string)
@@ -49,7 +49,7 @@ class CompletionShape:
             if fmt.k is not None else None
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
 
-    def opening(self, choices: int) -> list[dict]:
+    def opening(self, choices: int, role: str = "") -> list[dict]:
         return []
 
 
@@ -61,10 +61,10 @@ class ChatShape:
     def _logprobs(self, fmt, tokens, entries):
         return {"content": fmt.chat(tokens, entries)} if fmt.k is not None else None
 
-    def choice(self, index: int, text: str, reason: str | None, fmt, deltas) -> dict:
+    def choice(self, index: int, text: str, reason: str | None, fmt, deltas, role: str = "assistant") -> dict:
         tokens = [t for d in deltas for t in d[0]]
         entries = [e for d in deltas for e in d[1]]
-        return {"index": index, "message": {"role": "assistant", "content": text},
+        return {"index": index, "message": {"role": role, "content": text},
                 "logprobs": self._logprobs(fmt, tokens, entries), "finish_reason": reason}
 
     def delta(self, index: int, delta: str, reason: str | None, fmt, tokens, entries, offset: int = 0,
@@ -72,8 +72,8 @@ class ChatShape:
         return {"index": index, "delta": {"content": delta} if delta or not reason else {},
                 "logprobs": self._logprobs(fmt, tokens, entries), "finish_reason": reason}
 
-    def opening(self, choices: int) -> list[dict]:
-        return [{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+    def opening(self, choices: int, role: str = "assistant") -> list[dict]:
+        return [{"index": k, "delta": {"role": role, "content": ""}, "logprobs": None,
                  "finish_reason": None} for k in range(choices)]
 
 
@@ -124,7 +124,7 @@ async def events(call: ApiCall, reply: Reply, include_usage: bool):
     an event with the error body."""
     try:
         continuous = call.options.continuous_usage       # each chunk: its choice's usage so far (vLLM's)
-        opening = reply.shape.opening(call.choices)
+        opening = reply.shape.opening(call.choices, call.options.role)
         for choice in opening:
             yield reply.chunk([choice], include_usage, call.usage(choice["index"]) if continuous else None)
         fmt, sent, first = formatter(call), [0] * call.choices, set()
@@ -172,7 +172,8 @@ async def whole(request: Request, call: ApiCall, reply: Reply) -> Response:
         return Response(status_code=499)   # nobody reads it
     collecting.result()                    # re-raises an ApiError from the engine side
     fmt = formatter(call)
-    choices = [reply.shape.choice(k, texts[k], reasons[k], fmt, deltas[k]) for k in range(call.choices)]
+    choices = [reply.shape.choice(k, texts[k], reasons[k], fmt, deltas[k], call.options.role)
+               for k in range(call.choices)]
     extra = {}
     if reply.shape is COMPLETION:
         choices = [with_prompt_logprobs(c, call, k) for k, c in enumerate(choices)]

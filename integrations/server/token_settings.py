@@ -82,6 +82,14 @@ def generated_logprobs(req, chat: bool) -> tuple[Optional[int], str]:
     return req.logprobs, "logprobs"
 
 
+def asked_prompt_logprobs(req, chat: bool) -> Optional[int]:
+    """vLLM's ``prompt_logprobs`` of ``req``; a chat ``echo`` (not streamed) asks them with ``top_logprobs``
+    (0 unset), as vLLM's chat request does."""
+    if chat and req.echo and req.prompt_logprobs is None and not req.stream:
+        return req.top_logprobs or 0
+    return req.prompt_logprobs
+
+
 def logprob_counts(state, req, chat: bool) -> tuple[Optional[int], Optional[int]]:
     """(logprobs, prompt_logprobs) for the engine. Completions with ``echo`` and ``logprobs`` need the
     prompt's log-probabilities too (lm-eval's loglikelihood: echo, logprobs=1, max_tokens=1): the
@@ -89,7 +97,7 @@ def logprob_counts(state, req, chat: bool) -> tuple[Optional[int], Optional[int]
     limit = state.engine.config.max_logprobs
     k, param = generated_logprobs(req, chat)
     k = _count(k, param, limit)
-    prompt_k = _count(req.prompt_logprobs, "prompt_logprobs", limit)
+    prompt_k = _count(asked_prompt_logprobs(req, chat), "prompt_logprobs", limit)
     if not chat and req.echo and k is not None:
         prompt_k = k if prompt_k is None else max(prompt_k, k)
     return k, prompt_k

@@ -14,7 +14,7 @@ from pydantic_core import from_json
 from .body import parse, read_body
 from .errors import ApiError
 from .intake import chat_text, check_ids, tokenize
-from .protocol import RESERVED_TEMPLATE_KWARGS, ChatMessage, template_flags
+from .protocol import RESERVED_TEMPLATE_KWARGS, ChatMessage
 from .request_parts import Body
 from .vllm_fields import TOOLS
 from .state import ServerState
@@ -56,7 +56,7 @@ def chat_checked(req: TokenizeChatRequest) -> TokenizeChatRequest:
     """What /v1/chat/completions refuses among these fields, refused alike."""
     if req.tools:
         raise ApiError(400, f"tools are not supported: {TOOLS}", param="tools", code="unsupported")
-    if all(template_flags(req)):
+    if req.continue_final_message and req.add_generation_prompt:
         raise ApiError(400, "continue_final_message and add_generation_prompt cannot both be true "
                             "(set add_generation_prompt=false)", param="continue_final_message")
     clash = sorted(RESERVED_TEMPLATE_KWARGS & set(req.chat_template_kwargs or {}))

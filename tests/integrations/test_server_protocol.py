@@ -172,6 +172,7 @@ def test_bad_words_follow_vllms_rule():
     ({"seed": 2**63}, False, "seed", []),
     ({"temperature": -0.5}, False, "temperature", []),
     ({"stream_options": {"include_usage": True}}, False, "stream_options", ["stream=true"]),
+    ({"stop": ["w3", ""]}, False, "stop", ["empty string"]),
     ({"chat_template_kwargs": {"tokenize": True}}, True, "chat_template_kwargs", ["tokenize"]),
     ({"continue_final_message": True, "chat_template_kwargs": {"add_generation_prompt": True}}, True,
      "continue_final_message", ["add_generation_prompt"]),
@@ -212,7 +213,7 @@ def test_bad_values_are_refused_naming_the_field(body, chat, param, words):
 
 
 def test_call_options():
-    req = request({"echo": True, "max_tokens": 0, "logprobs": 1, "stop": ["w9", ""], "n": 1,
+    req = request({"echo": True, "max_tokens": 0, "logprobs": 1, "stop": ["w9"], "n": 1,
                    "include_stop_str_in_output": True, "skip_special_tokens": False,
                    "return_tokens_as_token_ids": True, "prompt_logprobs": 2})
     assert call_options(req) == CallOptions(n=1, stops=("w9",), include_stop_str_in_output=True,
@@ -221,7 +222,7 @@ def test_call_options():
     assert requested_max_tokens(req) == 1
     assert settings({"echo": True, "max_tokens": 0}, max_tokens=requested_max_tokens(req))["max_new_tokens"] == 1
     chat = request({"logprobs": True, "top_logprobs": 2, "n": 2, "temperature": 1.0}, chat=True)
-    assert call_options(chat) == CallOptions(n=2, logprobs=2, chat=True)
+    assert call_options(chat) == CallOptions(n=2, logprobs=2, chat=True, role="assistant")
     assert call_options(request({"logprobs": True}, chat=True)).logprobs == 0
     assert call_options(request({})) == CallOptions()
 
@@ -318,6 +319,8 @@ def test_chat_template_options_reach_the_template():
     assert text({"add_generation_prompt": False, "continue_final_message": True}) == "w3 w4"
     assert text({"chat_template_kwargs": {"extra": "w5"}, "documents": [{"text": "w6"}]}) == "w3 w4 w5 w6 w9"
     assert text({"reasoning_effort": "low"}) == "w3 w4 low w9"
+    # the request's template flags win over chat_template_kwargs', as vLLM merges them
+    assert text({"chat_template_kwargs": {"add_generation_prompt": False}}) == "w3 w4 w9"
 
 
 def test_bodies_are_read_as_vllm_reads_them(caplog):
@@ -361,18 +364,37 @@ def test_unset_sampling_fields_take_vllms_defaults():
 
 
 def test_chat_messages_as_vllm_renders_them():
-    """Text parts joined by newlines; chat_template_kwargs' add_generation_prompt / continue_final_message
-    override the fields; echo answers the last message first when it has the answer's role."""
-    from hf_paged.integrations.server.intake import chat_echo
-    from hf_paged.integrations.server.protocol import template_flags
+    """Text parts (text, input_text, output_text) joined by newlines; echo answers the last message first when it
+    has the answer's role (the assistant's, or the last message's own with add_generation_prompt=false), and a
+    chat echo asks the prompt's log-probabilities (top_logprobs of them, 0 unset) unless streamed."""
+    from hf_paged.integrations.server.intake import answer_role, chat_echo
     parts = request({"messages": [{"role": "user", "content": [{"type": "text", "text": "w3"},
-                                                                {"type": "text", "text": "w4"}]}]}, chat=True)
+                                                                {"type": "input_text", "text": "w4"}]}]}, chat=True)
     assert parts.messages[0].text() == "w3\nw4"
-    flags = request({"chat_template_kwargs": {"add_generation_prompt": False, "continue_final_message": True}},
-                    chat=True)
-    assert template_flags(flags) == (False, True)
     turn = [{"role": "user", "content": "w3"}, {"role": "assistant", "content": "w5 w6"}]
     assert chat_echo(request({"messages": turn, "echo": True}, chat=True)) == "w5 w6"
     assert chat_echo(request({"echo": True}, chat=True)) == ""                  # the last message is the user's
-    assert chat_echo(request({"echo": True, "add_generation_prompt": False}, chat=True)) == "w3 w4"
+    user_turn = request({"echo": True, "add_generation_prompt": False}, chat=True)
+    assert chat_echo(user_turn) == "w3 w4" and answer_role(user_turn) == "user"
     assert chat_echo(request({"messages": turn}, chat=True)) == ""
+    assert call_options(request({"messages": turn, "echo": True}, chat=True)).prompt_logprobs == 0
+    assert call_options(request({"messages": turn, "echo": True, "logprobs": True, "top_logprobs": 2},
+                                chat=True)).prompt_logprobs == 2
+    assert call_options(request({"messages": turn, "echo": True, "stream": True}, chat=True)).prompt_logprobs is None
+
+
+def test_the_generation_configs_max_new_tokens_is_the_default_only():
+    """vLLM's current rule: the generation config's max_new_tokens is the max_tokens of a request that gives none
+    (chat without max_tokens, a completion with max_tokens null), not a cap on one that does."""
+    from transformers import GenerationConfig
+
+    from hf_paged.integrations.server.intake import requested_max_tokens, sampling_params
+    state = fake_state()
+    state.defaults, state.base = SamplingDefaults(max_tokens=7), GenerationConfig(eos_token_id=1)
+
+    def new_tokens(body, chat=False):
+        req = request({"temperature": 0, **body}, chat)
+        return asyncio.run(sampling_params(state, req, [[3, 4]], requested_max_tokens(req))).max_new_tokens
+
+    assert new_tokens({"max_tokens": 30}) == 30 and new_tokens({}) == 16 and new_tokens({"max_tokens": None}) == 7
+    assert new_tokens({}, chat=True) == 7 and new_tokens({"max_tokens": 30}, chat=True) == 30

@@ -195,6 +195,11 @@ def test_chat_echo_and_continuous_usage(client):
     content = plain["choices"][0]["message"]["content"]
     assert echoed["choices"][0]["message"]["content"] == "w7 w8" + content
     assert echoed["usage"] == plain["usage"]
+    assert "prompt_logprobs" not in plain and len(echoed["prompt_logprobs"]) == plain["usage"]["prompt_tokens"]
+    user = client.post("/v1/chat/completions", json={"model": MODEL, "messages": turn[:1], "max_tokens": 2,
+                                                     "temperature": 0, "echo": True,
+                                                     "add_generation_prompt": False}).json()["choices"][0]
+    assert user["message"]["role"] == "user" and user["message"]["content"].startswith("w5")
     chunks = events(client, "/v1/chat/completions", {"messages": turn, "max_tokens": 3, "ignore_eos": True,
                                                      "echo": True})
     assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == "w7 w8" + content

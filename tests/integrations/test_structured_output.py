@@ -95,8 +95,15 @@ def test_schemas_are_strict_as_vllms(real):
     assert closed_objects(cat)["additionalProperties"] is False
     assert closed_objects({**cat, "additionalProperties": True})["additionalProperties"] is True
     assert "additionalProperties" not in closed_objects({"type": "object"})       # names nothing: stays open
+    both = {"allOf": [{"properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                      {"properties": {"b": {"type": "integer"}}, "required": ["b"]}]}
+    assert closed_objects(both) == both              # closing the branches would forbid each other's keys
+    valued = {"type": "object", "properties": {"c": {"const": {"properties": 1}}}}
+    assert closed_objects(valued)["properties"]["c"] == {"const": {"properties": 1}}      # values stay as given
     model, tokenizer = real
-    outs = LLM(model, tokenizer).generate([chat(tokenizer, "Output JSON.")] * 2, [
+    llm = LLM(model, tokenizer)
+    llm.engine.compile_grammar(StructuredOutput(json=both))                      # compiles (it answered 400)
+    outs = llm.generate([chat(tokenizer, "Output JSON.")] * 2, [
         dict(structured_output=StructuredOutput(json=cat)), dict(structured_output=StructuredOutput(json=points))],
         max_new_tokens=120, do_sample=False)
     for out, schema in zip(outs, (cat, points)):
