@@ -3,7 +3,7 @@
 vLLM samples at temperature 1.0 with top_p 1, no top_k / min_p and no repetition penalty unless the
 request says otherwise; with ``--generation-config auto`` (its default) the model's generation config
 overrides those defaults where its file sets ``temperature``, ``top_p``, ``top_k``, ``min_p``,
-``repetition_penalty`` (and ``max_new_tokens``, a cap on every request's max_tokens). Nothing else of the
+``repetition_penalty`` (and ``max_new_tokens``: the max_tokens of a request that gives none). Nothing else of the
 generation config applies (``do_sample``, ``no_repeat_ngram_size``, ...), except its EOS, BOS and pad ids.
 ``--generation-config vllm`` ignores the file. A temperature below ``GREEDY_BELOW`` decodes greedily.
 """
@@ -24,7 +24,7 @@ class SamplingDefaults:
     top_k: int = 0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
-    max_tokens: int | None = None    # the generation config's max_new_tokens: caps every request's
+    max_tokens: int | None = None    # the generation config's max_new_tokens: for requests that give none
 
     @classmethod
     def from_model(cls, generation_config, source: str = "auto") -> SamplingDefaults:

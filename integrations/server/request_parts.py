@@ -38,8 +38,8 @@ class Body(BaseModel):
 
 
 class StreamOptions(Body):
-    """include_usage: a last chunk with the usage. continuous_usage_stats: vLLM's usage in every chunk
-    (accepted; the usage comes in the last chunk)."""
+    """include_usage: a last chunk with the usage. continuous_usage_stats: with include_usage, vLLM's usage so
+    far in every chunk (its choice's)."""
     include_usage: Optional[bool] = None
     continuous_usage_stats: Optional[bool] = None
 
