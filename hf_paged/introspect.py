@@ -117,8 +117,10 @@ def weights_key(model) -> tuple:
     What was computed from the weights (prefix-cached K/V, prepacked copies) is stale once it changes."""
     key = []
     for p in model.parameters():
+        # an inference tensor (made under torch.inference_mode) has no version counter: its storage alone
+        version = 0 if p.is_inference() else p._version
         try:
-            key.append((id(p), p.data_ptr(), p._version))
+            key.append((id(p), p.data_ptr(), version))
         except (RuntimeError, NotImplementedError):        # a tensor subclass without plain storage
-            key.append((id(p), id(p.data), getattr(p, "_version", 0)))
+            key.append((id(p), id(p.data), version))
     return tuple(key)

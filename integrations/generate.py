@@ -61,6 +61,10 @@ def paged_generate(model, generate, args: tuple, kwargs: dict, cache_options: di
     if _setting("use_cache", kwargs, generation_config, model) is False:
         raise ValueError("use_cache=False recomputes the whole sequence at every step: there is no KV cache to "
                          "page. Drop use_cache=False, or generate without cache_implementation='paged' / a PagedCache.")
+    if cache is not None and not isinstance(cache, PagedCache):
+        raise ValueError(f"cache_implementation='paged' and a {type(cache).__name__} were both passed; pass one: "
+                         "drop the cache to page this call, or cache_implementation to use your cache")
+    _refuse_right_padding(args, kwargs, generation_config, model)
     kwargs = dict(kwargs)
     if asked:
         kwargs["cache_implementation"] = None
@@ -77,6 +81,8 @@ def paged_generate(model, generate, args: tuple, kwargs: dict, cache_options: di
         # Built from this model's config and not used yet: take the heads this process holds (a
         # tensor-parallel rank holds a share of them) and where each layer runs.
         cache.geometry = model_geometry(model)
+    else:
+        _check_cache_fits(cache, model)
     eos = _setting("eos_token_id", kwargs, generation_config, model)
     eos_ids = frozenset([] if eos is None else [eos] if isinstance(eos, int) else list(eos))
     num_beams = _setting("num_beams", kwargs, generation_config, model) or 1
@@ -94,6 +100,45 @@ def paged_generate(model, generate, args: tuple, kwargs: dict, cache_options: di
     finally:
         if on_cache is not None:
             on_cache(cache)
+
+
+def _check_cache_fits(cache: PagedCache, model) -> None:
+    """A passed PagedCache holds this model's KV geometry (layers, KV heads, head size, windows), else a
+    ValueError naming both (a cache built for another model failed deep inside a layer)."""
+    have, want = cache.geometry, model_geometry(model)
+    mine = (have.num_layers, have.num_kv_heads, have.head_dim, have.sliding_windows)
+    theirs = (want.num_layers, want.num_kv_heads, want.head_dim, want.sliding_windows)
+    if mine != theirs:
+        raise ValueError(f"this PagedCache was built for {have.num_layers} layers of {have.num_kv_heads} KV heads of "
+                         f"size {have.head_dim} (windows {set(have.sliding_windows)}); this model has "
+                         f"{want.num_layers} x {want.num_kv_heads} x {want.head_dim} (windows "
+                         f"{set(want.sliding_windows)}). Build the cache from this model: "
+                         "PagedCache(model.config, ...)")
+
+
+def _refuse_right_padding(args: tuple, kwargs: dict, generation_config, model) -> None:
+    """Refuse a batch whose rows end in padding (an attention mask whose last column masks a row that has
+    real tokens; without a mask, rows ending in the pad token): decoder-only generation continues each row
+    from its last column. transformers warns and generates from the pad; the paged path would sample from
+    zero logits (a pad token first). A ValueError naming the row and the fix."""
+    mask = kwargs.get("attention_mask")
+    input_ids = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[1] > 0:
+        ends = (mask[:, -1] == 0) & (mask != 0).any(-1)
+    elif mask is None and isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and input_ids.shape[1] > 0:
+        pad = _setting("pad_token_id", kwargs, generation_config, model)
+        eos = _setting("eos_token_id", kwargs, generation_config, model)
+        eos = {eos} if isinstance(eos, int) else set(eos or ())
+        if not isinstance(pad, int) or pad in eos:        # generate infers no mask from such a pad
+            return
+        ends = (input_ids[:, -1] == pad) & (input_ids != pad).any(-1)
+    else:
+        return
+    if bool(ends.any()):
+        row = int(ends.nonzero()[0, 0])
+        raise ValueError(f"row {row} of the batch is right-padded (its last column is padding): a decoder-only "
+                         "model continues each row from its last column, so pad on the left (tokenizer.padding_side "
+                         "= 'left'; transformers warns that right padding gives wrong results)")
 
 
 class _SampledTokens(StoppingCriteria):

@@ -214,7 +214,8 @@ def _global_generate(original):
     @functools.wraps(original)
     def generate(self, *args, **kwargs):
         generation_config = kwargs.get("generation_config", args[1] if len(args) > 1 else None)
-        if not wants_paged(kwargs, generation_config, self):
+        passed = kwargs.get("cache", kwargs.get("past_key_values"))      # a PagedCache of the user's asks too
+        if not wants_paged(kwargs, generation_config, self) and not isinstance(passed, PagedCache):
             return original(self, *args, **kwargs)
         with lock:
             state = getattr(self, STATE_ATTR, None)

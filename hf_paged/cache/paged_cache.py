@@ -275,12 +275,19 @@ class PagedCache(KVPools):
         rows = self.rows
         stored = torch.cat(rows.written, dim=1) if rows.written else torch.zeros(len(rows), 0, dtype=torch.bool)
         marked = attention_mask[:, :stored.shape[1]].to("cpu", torch.bool)
+        dropped = False
         for row in range(len(rows)):
             end = rows.finish_column[row] if rows.finished[row] else stored.shape[1]
             differ = (stored[row, :end] != marked[row, :end]).nonzero().flatten().tolist()
             if not differ:
                 continue
             column = differ[0]
+            if stored[row, column] and not bool(marked[row, column:end].any()):
+                # the row's stored tail is masked now (a pad == EOS mask, `ids != pad`, hides the EOS it
+                # stored): drop it, as the mask hides it from the default path's attention and positions
+                self._drop_stored_tail(row, column, stored)
+                dropped = True
+                continue
             if stored[row, column]:
                 raise ValueError(
                     f"row {row}: column {column} was stored as a real token by an earlier call (its mask marked "
@@ -291,6 +298,19 @@ class PagedCache(KVPools):
                 f"row {row}: column {column} was masked in an earlier call, so the cache never computed it, but "
                 f"this call's attention_mask marks it as a real token. Pass the earlier call's mask for those "
                 f"columns, or generate again without past_key_values.")
+        if dropped:
+            rows.written = [stored]
+
+    def _drop_stored_tail(self, row: int, column: int, stored: torch.Tensor) -> None:
+        """Row ``row`` keeps only the tokens it stored before ``column`` (``stored`` updated in place)."""
+        rows = self.rows
+        kept = int(stored[row, :column].sum())
+        if rows.finished[row]:
+            rows.truncate_parked(row, kept)
+            rows.finish_column[row] = column
+        else:
+            rows.tables[row].truncate(self.pool, kept)
+        stored[row, column:] = False
 
     def _append(self, new_real: torch.Tensor, counts: list[int], leaders: list[int]):
         """Give each row slots for its new tokens (copy-on-write applied). Returns (writes bool [B, Q],

@@ -78,6 +78,18 @@ class RowBook:
         self.tables[row] = parked
         self.finished[row] = False
 
+    def truncate_parked(self, row: int, num_tokens: int) -> None:
+        """Finished ``row`` keeps only its first ``num_tokens`` stored tokens (a crop before its end): the
+        parked blocks past them become plain free; the rest can still be resumed."""
+        parked = self._parked.get(row)
+        if parked is None or num_tokens >= parked.num_tokens:
+            return
+        keep = -(-num_tokens // self.pool.block_size)
+        for block in parked.blocks[keep:]:
+            self._unlist(row, block)
+        del parked.blocks[keep:]
+        parked.num_tokens = num_tokens
+
     def forget_parked(self, row: int) -> None:
         """A finished row can no longer be resumed (its stored columns were cropped)."""
         parked = self._parked.get(row)
@@ -121,8 +133,8 @@ class RowBook:
         written = torch.cat(self.written, dim=1)[:, :keep]
         for row, tokens in enumerate(written.sum(1).tolist()):
             if self.finished[row]:
-                if keep < self.finish_column[row]:
-                    self.forget_parked(row)
+                if keep < self.finish_column[row]:          # cropped into what it stored: resumable from there
+                    self.truncate_parked(row, tokens)
                     self.finish_column[row] = keep
             else:
                 self.tables[row].truncate(self.pool, tokens)

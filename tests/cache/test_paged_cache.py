@@ -328,12 +328,18 @@ def test_continuation_that_cannot_be_served_names_the_row():
                               past_key_values=hf_paged.PagedCache(model.config, release_finished_rows=False))
         got = model.generate(input_ids=full, attention_mask=ones, past_key_values=keep.past_key_values, **kw)
         # That cache stored the pads after row 0's EOS as real (the first call's mask marked them); a
-        # continuation whose mask now masks them is refused, not attended (DynamicCache would mask them).
+        # continuation whose mask now masks them (generate infers it) drops them, as DynamicCache's mask hides them.
         kept = model.generate(input_ids=ids, attention_mask=mask, **kw,
                               past_key_values=hf_paged.PagedCache(model.config, release_finished_rows=False))
-        with pytest.raises(ValueError, match=r"row 0: column \d+ was stored as a real token.*release_finished_rows="
+        inferred = model.generate(input_ids=full, past_key_values=kept.past_key_values, **kw)
+        # A stored token masked in the middle of a row (real columns after it) cannot be dropped: refused.
+        kept = model.generate(input_ids=ids, attention_mask=mask, **kw,
+                              past_key_values=hf_paged.PagedCache(model.config, release_finished_rows=False))
+        holed = ones.clone()
+        holed[1, -8] = 0
+        with pytest.raises(ValueError, match=r"row 1: column \d+ was stored as a real token.*release_finished_rows="
                                              r"True \(the default\)"):
-            model.generate(input_ids=full, past_key_values=kept.past_key_values, **kw)    # generate infers the mask
+            model.generate(input_ids=full, attention_mask=holed, past_key_values=kept.past_key_values, **kw)
         # Blocks reclaimed by the pool before the continuation: refused, naming the row.
         first = model.generate(input_ids=ids, attention_mask=mask, cache_implementation="paged", **kw)
         cache = first.past_key_values
@@ -344,6 +350,9 @@ def test_continuation_that_cannot_be_served_names_the_row():
     ref_first = model.generate(input_ids=ids, attention_mask=mask, **kw)
     ref = model.generate(input_ids=full, attention_mask=ones, past_key_values=ref_first.past_key_values, **kw)
     assert torch.equal(got.sequences, ref.sequences)
+    ref_first = model.generate(input_ids=ids, attention_mask=mask, **kw)
+    ref = model.generate(input_ids=full, past_key_values=ref_first.past_key_values, **kw)
+    assert torch.equal(inferred.sequences, ref.sequences)
 
 
 # ---------------------------------------------------------------- issue 10: growable pool under beam search
@@ -360,3 +369,80 @@ def test_cuda_device_without_a_gpu_fails_at_construction():
     model = make_model("llama")
     with pytest.raises(ValueError, match=r"device='cuda'.*no CUDA device.*device='cpu'"):
         hf_paged.PagedCache(model.config, device="cuda")
+
+
+def _chat_turns(model, cache, mask_kind, ids, mask, turn2, pad):
+    """Two turns over one cache; the second's mask built as a user would (``gen != pad``), or none in both."""
+    first = model.generate(input_ids=ids, attention_mask=None if mask_kind == "none" else mask, past_key_values=cache,
+                           max_new_tokens=6, do_sample=False)
+    gen = first[:, ids.shape[1]:]
+    full = torch.cat([first, turn2], 1)
+    if mask_kind == "none":
+        return model.generate(input_ids=full, past_key_values=cache, max_new_tokens=5, do_sample=False)
+    full_mask = torch.cat([mask, (gen != pad).long(), torch.ones_like(turn2)], 1)
+    return model.generate(input_ids=full, attention_mask=full_mask, past_key_values=cache, max_new_tokens=5,
+                          do_sample=False)
+
+
+@pytest.mark.parametrize("mask_kind", ["gen != pad", "none"])
+def test_continuation_when_pad_is_eos(mask_kind):
+    """pad == EOS (SmolLM2, Llama 3): the obvious continuation mask ``gen != pad`` also masks the EOS a finished
+    row stored; the row drops it, as DynamicCache's mask hides it (it was refused, advising the default)."""
+    model = make_model("llama", seed=3)
+    model.generation_config.eos_token_id = model.generation_config.pad_token_id = 166    # row 2's 2nd token
+    ids, mask = make_batch([5, 9, 2], seed=4)
+    turn2 = torch.randint(3, 150, (3, 3), generator=torch.Generator().manual_seed(1))
+    ref = _chat_turns(model, DynamicCache(config=model.config), mask_kind, ids, mask, turn2, 166)
+    with patched(model):
+        cache = hf_paged.PagedCache(model.config)
+        got = _chat_turns(model, cache, mask_kind, ids, mask, turn2, 166)
+        cache.check_invariants()
+    if mask_kind != "none":
+        assert (ref[2, ids.shape[1]:ids.shape[1] + 6] == 166).sum() > 1      # row 2 finished early, padded
+    assert torch.equal(got, ref)
+
+
+def test_crop_into_a_finished_row_regenerates():
+    """'Regenerate the answer': crop back into the prompt of a batch whose row 2 finished early, generate again:
+    the finished row's stored prefix is kept (crop refused it, saying its blocks were reused)."""
+    model = make_model("llama", seed=3)
+    ids, mask = make_batch([5, 9, 2], seed=4)
+    settings = dict(max_new_tokens=6, do_sample=False, eos_token_id=[166])
+
+    def regenerate(cache):
+        model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, **settings)
+        cache.crop(ids.shape[1] - 1 - cache.get_seq_length())
+        return model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, **settings)
+
+    ref = regenerate(DynamicCache(config=model.config))
+    with patched(model):
+        cache = hf_paged.PagedCache(model.config, num_blocks=64)
+        got = regenerate(cache)
+        cache.check_invariants()
+    assert torch.equal(got, ref)
+
+
+def test_misuses_are_named():
+    """Right padding, a DynamicCache beside cache_implementation='paged' and a cache built for another model:
+    each a ValueError naming it (a pad token first, an AttributeError, an IndexError before); nothing left broken."""
+    model = make_model("llama", seed=3)
+    ids, mask = make_batch([5, 9], seed=4)
+    right_ids, right_mask = ids.flip(1), mask.flip(1)
+    with patched(model):
+        with pytest.raises(ValueError, match="row 0 of the batch is right-padded.*padding_side"):
+            model.generate(input_ids=right_ids, attention_mask=right_mask, max_new_tokens=2,
+                           cache_implementation="paged")
+        with pytest.raises(ValueError, match="row 0 of the batch is right-padded"):
+            model.generate(input_ids=right_ids, max_new_tokens=2, pad_token_id=PAD, eos_token_id=1,
+                           cache_implementation="paged")
+        with pytest.raises(ValueError, match="cache_implementation='paged' and a DynamicCache were both passed"):
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, cache_implementation="paged",
+                           past_key_values=DynamicCache(config=model.config))
+        other = make_model("llama", seed=3, num_hidden_layers=3)
+        with pytest.raises(ValueError, match="built for 3 layers .* this model has 2 x"):
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2,
+                           past_key_values=hf_paged.PagedCache(other.config, block_size=4).__class__(
+                               other.config, block_size=4, geometry=hf_paged.model_geometry(other)))
+        got = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False,
+                             cache_implementation="paged")
+    assert torch.equal(got, model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False))

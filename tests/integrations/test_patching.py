@@ -302,3 +302,33 @@ def test_a_patched_model_serves_concurrent_paged_calls():
         assert model.config._attn_implementation != hf_paged.ATTENTION_NAME
     assert "error" not in box, box.get("error")
     assert torch.equal(box["value"], reference) and torch.equal(other, reference)
+
+
+def test_the_global_opt_in_pages_a_passed_paged_cache():
+    """Under enabled(), a PagedCache passed without cache_implementation pages the call (the error told the user
+    to use enabled(), which they were)."""
+    model = make_model("llama", seed=3)
+    ids, mask = make_batch([5, 9, 2], seed=4)
+    ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    with hf_paged.enabled():
+        got = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                             past_key_values=hf_paged.PagedCache(model.config))
+    assert torch.equal(got, ref) and not hf_paged.is_patched(model)
+
+
+def test_inference_tensor_weights_with_prefix_caching_and_the_engine():
+    """Weights made under torch.inference_mode have no version counter: the weights key reads their storage
+    (it raised 'Inference tensors do not track version counter' in prefix caching and LLM)."""
+    with torch.inference_mode():
+        model = make_model("llama", seed=3)
+    assert next(model.parameters()).is_inference()
+    ids, mask = make_batch([5, 9], seed=4)
+    ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    with patched(model, enable_prefix_caching=True):
+        for _ in range(2):
+            got = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
+                                 cache_implementation="paged")
+            assert torch.equal(got, ref)
+    outs = hf_paged.LLM(model, block_size=4, num_blocks=32).generate([[5, 6, 7]], max_new_tokens=3, do_sample=False)
+    alone = model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=3, do_sample=False)
+    assert outs[0].outputs[0].token_ids == alone[0, 3:].tolist()
