@@ -98,6 +98,7 @@ class Engine:
         self._device, self._dtype = device, dtype
         self._build_cpu_forwards()
         self._weights = weights_key(model)          # what the prefix cache's K/V and the prepacked copies came from
+        self._weights_settled = False               # read again after the next forward (see step)
         self.requests: dict[int, Request] = {}
         self._ids = itertools.count()
         self.token_texts = TokenTexts(tokenizer)       # decoded tokens of log-probability entries
@@ -130,7 +131,7 @@ class Engine:
         if self.prefix_cache is not None:
             self.prefix_cache.forget_all()
         self._build_cpu_forwards()
-        self._weights = key
+        self._weights, self._weights_settled = key, False
         log.info("the model's weights changed: prefix cache emptied, CPU linears prepacked again")
 
     def _num_blocks(self, geometry, device: torch.device) -> int:
@@ -264,7 +265,13 @@ class Engine:
         """Schedule, run one packed forward, sample; returns this step's new tokens. Inside ``session()``
         the model is already switched (see ``_forward_mode``); a bare call switches it for this step."""
         with self._forward_mode():
-            return self._step()
+            events = self._step()
+        if not self._weights_settled:
+            # A model's first forward may re-lay its own weights (bitsandbytes repacks 4-bit weights for its
+            # bf16 CPU kernel): the same weights, new storage. Taken as they are after it, once, so that only
+            # a change made between calls counts as new weights.
+            self._weights, self._weights_settled = weights_key(self.model), True
+        return events
 
     @contextlib.contextmanager
     def session(self):

@@ -90,10 +90,12 @@ class ApiCall:
                 continue
             for delta in self._echo(i):
                 yield delta
-            if isinstance(item, tuple):                  # ("done", output) or ("error", message): the last
+            if isinstance(item, tuple):                  # ("done", output), ("error" / "fault", message): the last
                 kind, value = item
                 if kind == "error":
                     raise ApiError(400, value, param="prompt")
+                if kind == "fault":                      # the server's fault, not the request's
+                    raise ApiError(500, value, code="engine_error")
                 pending -= 1
                 for j in range(self.n):                  # sequences that ended without an event (cancelled)
                     if (i, j) not in self.done:

@@ -170,7 +170,7 @@ class EngineWorker:
         log.error("the engine thread failed", exc_info=exc)
         with self._lock:
             self._accepting = False
-        failed = ("error", "the engine failed; see the server log")
+        failed = ("fault", "the engine failed; see the server log")
         for handle in list(self._active.values()):
             handle.deliver(failed)
         self._active.clear()
@@ -212,6 +212,9 @@ class EngineWorker:
             rid = self.engine.add_request(handle.prompt_ids, params=handle.params)
         except ValueError as exc:
             return self._last(handle, ("error", str(exc)))
+        except Exception as exc:                   # the engine's fault, not the request's: it alone fails (500)
+            log.error("the engine refused a request", exc_info=exc)
+            return self._last(handle, ("fault", f"the engine could not take the request: {exc}"))
         output = self.engine.output(rid)
         if output.error is not None:               # can never fit: fails alone
             self.engine.forget(rid)

@@ -415,3 +415,22 @@ def test_llm_keeps_no_record_of_past_calls():
     assert llm.engine.output(llm.last_ids[0]).finished and len(llm.engine.requests) == 1
     llm.generate([[8]], max_new_tokens=1, do_sample=False)
     assert llm.engine.requests == {}
+
+
+def test_weights_the_first_forward_re_lays_are_not_new_weights():
+    """bitsandbytes repacks 4-bit weights for its CPU kernel on the first forward (new storage, same weights): a
+    request added while others run was refused as 'weights changed', which killed the server's engine thread."""
+    model = make_model("llama", seed=3)
+    layer = model.model.layers[0].mlp.down_proj
+
+    def re_lay(module, args):
+        if not getattr(module, "_re_laid", False):
+            module._re_laid = True
+            module.weight.data = module.weight.data.clone()
+    layer.register_forward_pre_hook(re_lay)
+    engine = Engine(model, block_size=4, num_blocks=64, enforce_eager=True)
+    first = engine.add_request([5, 6, 7], max_new_tokens=4, do_sample=False)
+    engine.step()
+    second = engine.add_request([8, 9], max_new_tokens=2, do_sample=False)        # raised before
+    engine.run()
+    assert engine.output(first).finished and engine.output(second).finished
