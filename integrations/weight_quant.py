@@ -80,15 +80,18 @@ def bnb_config(scheme: str, dtype: torch.dtype):
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=kind, bnb_4bit_compute_dtype=dtype)
 
 
+INT4_ON_CPU = ("torchao-int4 has no CPU kernel in torchao (its int4 weight-only layouts need CUDA or XPU); on a "
+               "CPU use --quantization bnb-nf4 / bnb-fp4 (4-bit) or torchao-int8, or serve from a machine with a "
+               "GPU (the model loads onto CUDA when one is present)")
+
+
 def quantize_loaded(model, scheme: str):
     """Apply a torchao scheme in place to a loaded model (its linears; embeddings stay as they are)."""
     require("torchao")
     if scheme == "torchao-int4" and model.device.type == "cpu":
         # torchao's int4 weight-only layouts run on CUDA (mslk, tinygemm) or XPU/NPU kernels only; on a CPU
         # quantize_ fails deep inside with "Requires mslk" (checked with torchao 0.18).
-        raise ValueError("torchao-int4 has no CPU kernel in torchao (its int4 weight-only layouts need CUDA "
-                         "or XPU); on a CPU use --quantization bnb-nf4 / bnb-fp4 (4-bit) or torchao-int8, "
-                         "or load the model on a GPU (--device cuda)")
+        raise ValueError(INT4_ON_CPU)
     from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
 
     config = Int8WeightOnlyConfig() if scheme == "torchao-int8" else Int4WeightOnlyConfig(group_size=128)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from ..weight_quant import check_scheme, load_quantized, quantize_model
+from ..weight_quant import INT4_ON_CPU, check_scheme, load_quantized, quantize_model
 
 DTYPES = {"auto": None, "float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
           "float16": torch.float16, "half": torch.float16}
@@ -40,6 +40,8 @@ def load_model(name: str, dtype="auto", device: str | None = None, trust_remote_
     check_scheme(quantization)        # quantization: a weight_quant scheme applied at load, or None
     dtype = torch_dtype(dtype)
     device = device or default_device()
+    if quantization == "torchao-int4" and torch.device(device).type == "cpu":
+        raise ValueError(INT4_ON_CPU)             # before loading the model, not after
     if name == "smollm2":
         from ..smollm2 import load_smollm2
 
@@ -52,10 +54,14 @@ def load_model(name: str, dtype="auto", device: str | None = None, trust_remote_
     if not local and (path.exists() or name.startswith((".", "/", "~"))):
         raise FileNotFoundError(f"{name}: not a checkpoint directory")
     source = str(path) if local else name
+    if local and quantization and _quantization_method(path):
+        raise ValueError(f"{name} is already quantised ({_quantization_method(path)}: its config.json has a "
+                         f"quantization_config); drop --quantization {quantization}, which would quantise it again")
     if local and _model_type(path) == "chatglm":
         from ..chatglm import load_chatglm
 
         model = load_chatglm(source, dtype=dtype, device=device).eval()
+        model = quantize_model(model, quantization) if quantization else model
         return model, _tokenizer(tokenizer, source, local_files_only=True, trust_remote_code=trust_remote_code)
     from transformers import AutoModelForCausalLM
 
@@ -64,6 +70,16 @@ def load_model(name: str, dtype="auto", device: str | None = None, trust_remote_
         return load_quantized(source, quantization, dtype, device, **options), _tokenizer(tokenizer, source, **options)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype or "auto", **options).to(device).eval()
     return model, _tokenizer(tokenizer, source, **options)
+
+
+def _quantization_method(path: Path) -> str | None:
+    """The quant_method of a checkpoint directory's quantization_config (a pre-quantised checkpoint), or None."""
+    config = path / "config.json"
+    try:
+        found = json.loads(config.read_text()).get("quantization_config") if config.is_file() else None
+    except (json.JSONDecodeError, AttributeError):
+        return None                                   # _model_type names a broken config.json
+    return (found.get("quant_method") or "quantised") if isinstance(found, dict) else None
 
 
 def _model_type(path: Path) -> str | None:

@@ -142,3 +142,29 @@ def test_copy_model_runs_like_the_original_after_a_patch():
     copied = copy_model(model)
     assert torch.equal(copied.generate(**kw), model.generate(**kw))
     assert copied.lm_head.weight.data_ptr() != model.lm_head.weight.data_ptr()
+
+
+def test_serve_loader_refuses_quantising_twice_and_int4_on_a_cpu_before_loading(checkpoints):
+    """--quantization on a pre-quantised checkpoint was applied to what it could reach (lm_head alone) or ignored;
+    torchao-int4 on a CPU was refused only after the model loaded, advising a flag serve does not have."""
+    from hf_paged.integrations.server.loading import load_model
+
+    with pytest.raises(ValueError, match="is already quantised \\(compressed-tensors.*drop --quantization bnb-nf4"):
+        load_model(checkpoints["W4A16"], device="cpu", quantization="bnb-nf4")
+    with pytest.raises(ValueError, match="torchao-int4 has no CPU kernel.*machine with a GPU"):
+        load_model("/no/such/checkpoint", device="cpu", quantization="torchao-int4")
+
+
+def test_serve_loader_quantises_a_chatglm_directory(tmp_path):
+    """A ChatGLM directory took the ChatGLM loader's early return: --quantization was silently ignored."""
+    pytest.importorskip("torchao")
+    import shutil
+    from pathlib import Path
+
+    from hf_paged.integrations.server.loading import load_model
+    from tiny_models import word_tokenizer
+
+    path = shutil.copytree(Path(__file__).parent.parent / "fixtures" / "chatglm3-tiny", tmp_path / "chatglm")
+    model, _ = load_model(str(path), device="cpu", quantization="torchao-int8", tokenizer=word_tokenizer())
+    weight = model.model.layers[0].self_attn.q_proj.weight
+    assert "Int8" in type(weight).__name__, type(weight).__name__
