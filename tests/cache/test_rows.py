@@ -79,13 +79,23 @@ def test_reorder_forks_tables_without_copying():
     book.check_invariants()
 
 
-def test_crop_truncates_live_rows_and_forgets_finished_ones_cut_short():
+def test_crop_truncates_live_rows_and_the_parked_tables_of_finished_ones_cut_short():
+    """A finished row cut short keeps its parked prefix (kept, resumable: "regenerate the answer")."""
     book = book_with_rows([5, 3])
     book.finish(1, column=3)
     book.crop(2)
     assert book.tables[0].blocks == [0] and book.tables[0].num_tokens == 2 and book.columns == 2
-    assert book.finish_column == [0, 2] and not book.keeps(2)
-    assert book.pool.state() == ((1, 0, 0, 0, 0, 0, 0, 0), (2, 1, 3, 4, 5, 6, 7), ())
+    assert book.finish_column == [0, 2] and book.keeps(2)
+    assert book.pool.state() == ((1, 0, 0, 0, 0, 0, 0, 0), (1, 3, 4, 5, 6, 7, 2), (2,))
+    book.check_invariants()
+    book.resume(1)
+    assert book.tables[1].blocks == [2] and book.tables[1].num_tokens == 2
+    assert book.pool.state() == ((1, 0, 1, 0, 0, 0, 0, 0), (1, 3, 4, 5, 6, 7), ())
+    book.check_invariants()
+    book = book_with_rows([5, 6])
+    book.finish(1, column=6)
+    book.crop(3)                                             # its second block goes back plain free
+    assert book._parked[1].blocks == [2] and not book.keeps(3) and book.keeps(2)
     book.check_invariants()
 
 
