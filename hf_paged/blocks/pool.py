@@ -31,8 +31,8 @@ class PoolExhaustedError(RuntimeError):
         self.needed, self.free, self.total = needed, free, total
         what = (f"one sequence needs {needed} blocks of {block_size} tokens but the whole pool holds {total}" if whole
                 else f"this step needs {needed} more blocks of {block_size} tokens but only {free} of {total} are free")
-        super().__init__(f"KV pool exhausted: {what}. "
-                         f"{hint or 'Raise num_blocks / max_memory_bytes, or leave both unset so the pool grows on demand.'}")
+        hint = hint or "Raise num_blocks / max_memory_bytes, or leave both unset so the pool grows on demand."
+        super().__init__(f"KV pool exhausted: {what}. {hint}")
 
 
 def blocks_for_budget(budget_bytes: int, bytes_per_token: int, block_size: int, knob: str) -> int:

@@ -173,7 +173,8 @@ class Engine:
         eos_token_id, stop_strings, num_return_sequences) plus ``seed`` and ``ignore_eos``; unset ones are
         resolved as ``model.generate`` resolves them (``settings.resolve_generation``: the model's
         generation config, then transformers' defaults). ``on_token(TokenEvent)`` is called for each new token.
-        Raises ValueError for an empty prompt, a token id outside the vocabulary or an unknown setting. A prompt that can never fit (or that
+        Raises ValueError for an empty prompt, a token id outside the vocabulary or an unknown setting. A
+        prompt that can never fit (or that
         an explicit ``max_length`` leaves no room after) is not raised: its output carries the error
         (``output.error``, ``finish_reason == "error"``) and the other requests run.
         """

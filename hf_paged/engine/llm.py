@@ -42,7 +42,8 @@ class LLM:
         ``SamplingParams``; the same as passing its keys as keywords), or None. A request that fails alone yields
         nothing; its RequestOutput has ``error`` set and ``finish_reason == "error"``. The request ids are
         in ``self.last_ids``, in input order; their outputs stay readable (``self.engine.output(id)``) until
-        the next call, which drops them from the engine's records (a long-lived LLM keeps none of its past). ``use_tqdm``: a progress bar (default: for lists of
+        the next call, which drops them from the engine's records (a long-lived LLM keeps none of its past).
+        ``use_tqdm``: a progress bar (default: for lists of
         ``TQDM_MIN_REQUESTS`` or more, when tqdm is installed). A call that raises (an ``on_token`` callback,
         KeyboardInterrupt) or a stream closed before its end cancels its unfinished requests: their blocks go
         back and no later call runs them.

@@ -345,8 +345,9 @@ class PrepackedLinears:
                                 if p.ops is not None})
         route = "oneDNN" if not kernel_dtypes else (
             f"{' and '.join(kernel_dtypes)} through hf_paged's kernel"
-            + (", the others through oneDNN" if any(p.ops is None for p in packed) else "") + ", " + ("every step" if self.library_rows is None else
-                                  f"steps over {self.library_rows} rows through MKL's sgemm") + f" (${LIBRARY_ENV})")
+            + (", the others through oneDNN" if any(p.ops is None for p in packed) else "") + ", "
+            + ("every step" if self.library_rows is None else f"steps over {self.library_rows} rows through MKL's sgemm")
+            + f" (${LIBRARY_ENV})")
         log.info("prepacked %d linear layers (%d sibling groups; %s) in %.2f s (%.0f MiB beside the model's "
                  "weights%s; enforce_eager=True skips this)", len(self.layers), len(groups), route, self.seconds,
                  (self.bytes + self.prefill_bytes) / 2**20,

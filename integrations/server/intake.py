@@ -237,7 +237,8 @@ def call_options(req) -> CallOptions:
     return CallOptions(n=req.n, stops=req.stops(), include_stop_str_in_output=req.include_stop_str_in_output,
                        skip_special_tokens=req.skip_special_tokens, logprobs=generated_logprobs(req, chat)[0],
                        echo=bool(chat_echo(req) if chat else req.echo), max_tokens_zero=not chat and req.max_tokens == 0,
-                       prompt_logprobs=asked_prompt_logprobs(req, chat), chat=chat, role=answer_role(req) if chat else "",
+                       prompt_logprobs=asked_prompt_logprobs(req, chat), chat=chat,
+                       role=answer_role(req) if chat else "",
                        return_tokens_as_token_ids=bool(req.return_tokens_as_token_ids),
                        min_tokens=req.min_tokens or 0,
                        continuous_usage=bool(req.stream and req.stream_options and req.stream_options.include_usage

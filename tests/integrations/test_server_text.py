@@ -231,6 +231,7 @@ def test_probes_and_refusals(client):
         {"role": "user", "content": "w5"}, {"role": "tool", "tool_call_id": "c1", "content": "w6"}]})
     assert tool.status_code == 400 and tool.json()["error"]["param"] == "messages.1"
     assert "tool calling" in tool.json()["error"]["message"]
-    many = client.post("/v1/completions", json={"model": MODEL, "prompt": "w5", "n": 2, "max_tokens": 2, "temperature": 0})
+    many = client.post("/v1/completions", json={"model": MODEL, "prompt": "w5", "n": 2, "max_tokens": 2,
+                                                "temperature": 0})
     assert many.status_code == 400 and many.json()["error"]["param"] == "n"
     assert "temperature > 0" in many.json()["error"]["message"]

@@ -68,8 +68,8 @@ def test_a_request_the_engine_cannot_take_fails_alone():
     params = resolve_generation(model.generation_config, max_new_tokens=3, do_sample=False)
     try:
         for _ in range(2):
-            worker.submit(server_worker.Handle([5, 6, 7], params,
-                                               lambda item: done.put(item) if item[0] in ("done", "error", "fault") else None))
+            last = lambda item: done.put(item) if item[0] in ("done", "error", "fault") else None  # noqa: E731
+            worker.submit(server_worker.Handle([5, 6, 7], params, last))
             time.sleep(0.05)
         finished = [done.get(timeout=60) for _ in range(2)]
     finally:
