@@ -22,7 +22,7 @@ from ..backends.step import PagedLayer, Step
 from ..families import KVGeometry, config_geometry
 from ..hugepages import huge_page_buffer
 from ..kivi import KIVI, KiviPool, KiviWrite, write_kv as write_kivi
-from ..kivi_stores import KiviMaps, grown as grown_tensor
+from ..kivi_stores import KiviMaps, grown
 from ..kv_formats import KVFormat, QuantizedPool, kv_format, rotation_matrix
 
 log = logging.getLogger("hf_paged.cache")
@@ -179,16 +179,13 @@ class KVPools(Cache):
         return sum(p.open_bytes for p in self.key_pools + self.value_pools if isinstance(p, KiviPool))
 
     def grow_pools(self, extra_blocks: int) -> None:
-        """Append ``extra_blocks`` zeroed blocks to every pool (one copy of the pools)."""
-        def grown(tensor: torch.Tensor, fill: float) -> torch.Tensor:
-            return grown_tensor(tensor, extra_blocks, fill)
-
+        """Append ``extra_blocks`` zeroed blocks to every pool (one copy of the pools; scales filled with 1)."""
         for pools in (self.key_pools, self.value_pools):
             for i, pool in enumerate(pools):
                 if isinstance(pool, QuantizedPool):
-                    pools[i] = pool.with_tensors(grown(pool.data, 0), grown(pool.scales, 1))
+                    pools[i] = pool.with_tensors(grown(pool.data, extra_blocks, 0), grown(pool.scales, extra_blocks, 1))
                 else:
-                    pools[i] = grown(pool, 0)
+                    pools[i] = grown(pool, extra_blocks, 0)
 
     def pool_tensors(self) -> list[torch.Tensor]:
         """Every tensor indexed by block (dimension 1): each layer's keys and values, codes and scales."""
