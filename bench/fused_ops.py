@@ -78,7 +78,7 @@ def main(argv=None, prog: str = "python -m bench fused-ops") -> dict:
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args(argv)
     from hf_paged.engine.cpu_ops import load_fused_ops
-from hf_paged.engine.fused import FusedOps
+    from hf_paged.engine.fused import FusedOps
     from hf_paged.engine.prepack import PrepackedLinears
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -90,11 +90,11 @@ from hf_paged.engine.fused import FusedOps
         packed, fused = PrepackedLinears(layer), FusedOps(layer)
 
         def own():
-            with packed.installed():
+            with packed.installed(), packed.running():
                 return layer(x, position_ids=pos, position_embeddings=cos_sin)
 
         def with_fused():
-            with packed.installed(), fused.installed():
+            with packed.installed(), fused.installed(), packed.running(), fused.running():
                 return layer(x, position_ids=pos, position_embeddings=cos_sin)
 
         diff = (own() - with_fused()).abs().max().item()

@@ -13,21 +13,20 @@ generate's own extra forwards inside a paged call (``guidance_scale``'s uncondit
 that is the model itself, early-exit drafts), each with a cache of its own or none. Their attention runs
 the implementation the switch replaced (``FALLBACK``, an attribute of the model's modules while switched:
 not of their configs, which a save would write out), with the mask that implementation builds from the
-deferred one's arguments: the default path's result.
+deferred one's arguments: the default path's result. The switch itself: ``attention_switch``.
 """
 from __future__ import annotations
 
 import contextlib
 import inspect
 import sys
-import threading
 
 import torch
 
+from .attention_switch import ATTENTION_NAME, FALLBACK, switched
 from .backends.step import PagedLayer
 
-ATTENTION_NAME = "hf_paged"
-FALLBACK = "_hf_paged_replaced_attention"    # module attribute while switched: the implementation replaced
+__all__ = ["ATTENTION_NAME", "paged_attention", "register", "use_paged_attention", "cache_keyword"]
 
 
 def paged_attention(module: torch.nn.Module, query: torch.Tensor, key, value, attention_mask,
@@ -90,6 +89,9 @@ def replaced_attention(module: torch.nn.Module, query, key, value, attention_mas
     """The attention of a forward that runs without a PagedCache while the model is switched: the
     implementation the switch replaced, with its own mask (see the module's docstring)."""
     implementation = module.__dict__.get(FALLBACK)
+    if implementation is None:         # a forward begun before the switch, its attention after the restore
+        config_implementation = getattr(getattr(module, "config", None), "_attn_implementation", None)
+        implementation = config_implementation if config_implementation != ATTENTION_NAME else None
     if implementation is None:
         raise RuntimeError(
             f"attn_implementation={ATTENTION_NAME!r} needs a hf_paged.PagedCache (and a patched model): "
@@ -119,40 +121,15 @@ def register() -> None:
     AttentionMaskInterface.register(ATTENTION_NAME, no_dense_mask)
 
 
-class _AttentionSwitch:
-    """Per model: how many paged calls are running, and the implementation to restore after the last."""
-
-    def __init__(self):
-        self.lock = threading.Lock()
-        self.users = 0
-        self.previous: str | None = None
-
-
 @contextlib.contextmanager
 def use_paged_attention(model):
     """Switch ``model`` to the hf_paged attention for the block (for direct forwards with a PagedCache).
 
-    Nested and concurrent blocks (threads generating on one model) share the switch: the first
-    switches, the last restores the model's own implementation."""
+    Nested and concurrent blocks (threads generating on one model) share the switch: the first switches, the
+    last restores the model's own implementation once the forwards begun meanwhile ended (``attention_switch``)."""
     register()
-    switch = model.__dict__.setdefault("_hf_paged_attention_switch", _AttentionSwitch())   # atomic
-    with switch.lock:
-        if switch.users == 0:
-            switch.previous = model.config._attn_implementation
-            if switch.previous != ATTENTION_NAME:
-                for module in model.modules():          # plain attributes: no parameter, buffer or config
-                    module.__dict__[FALLBACK] = switch.previous
-                model.set_attn_implementation(ATTENTION_NAME)
-        switch.users += 1
-    try:
+    with switched(model):
         yield model
-    finally:
-        with switch.lock:
-            switch.users -= 1
-            if switch.users == 0 and switch.previous != ATTENTION_NAME:
-                model.set_attn_implementation(switch.previous)
-                for module in model.modules():
-                    module.__dict__.pop(FALLBACK, None)
 
 
 def cache_keyword(model) -> str:

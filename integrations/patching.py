@@ -32,18 +32,17 @@ STATE_ATTR = "_hf_paged"
 @dataclass
 class PatchState:
     """What ``patch`` changed on one model, so that ``unpatch`` can restore it exactly."""
-    instance_generate: object          # the model's own instance attribute 'generate', or _MISSING
+    instance_generate: object          # the model's own instance attribute 'generate', or None
     hooks: tuple[torch.utils.hooks.RemovableHandle, ...]
     cache_options: dict
     default_cache_implementation: object   # model.generation_config's value before patch(default=True)
+    made_default: bool = False               # patch(default=True) set "paged" there (unpatch puts it back)
     last_stats: dict = field(default_factory=dict)
     temporary_owner: int | None = None      # thread of enable()'s per-call patch, None for patch()
     prefix_cache_bytes: int | None = None    # prefix caching across calls: its budget, None = off
     prefix_store: PrefixStore | None = None  # built on the first paged call that wants it
     prefix_weights: tuple | None = None      # the weights its K/V were computed with (``weights_key``)
 
-
-_MISSING = object()
 
 
 def _plan_hook(decoder, args, kwargs):
@@ -107,12 +106,12 @@ def patch(model, *, default: bool = False, block_size: int | None = None, num_bl
             state.prefix_store = None
         state.cache_options, state.prefix_cache_bytes = options, budget
         state.temporary_owner = None      # enable()'s per-call patch, now asked for: it outlives that call
-        model.generation_config.cache_implementation = "paged" if default else state.default_cache_implementation
+        _make_default(model, state, default)
         return model
     register()
     decoder = model.get_decoder()
     state = PatchState(
-        instance_generate=model.__dict__.get("generate", _MISSING),
+        instance_generate=model.__dict__.get("generate"),
         hooks=(decoder.register_forward_pre_hook(_plan_hook, with_kwargs=True),
                decoder.register_forward_hook(_expand_hook, with_kwargs=True)),
         cache_options=options,
@@ -120,23 +119,53 @@ def patch(model, *, default: bool = False, block_size: int | None = None, num_bl
         prefix_cache_bytes=budget,
     )
     setattr(model, STATE_ATTR, state)
-    if default:
-        model.generation_config.cache_implementation = "paged"
-    original = model.generate
+    _make_default(model, state, default)
+    model.generate = PatchedGenerate(model)
+    return model
 
-    @functools.wraps(original)
-    def generate(*args, **kwargs):
+
+def _make_default(model, state: PatchState, default: bool) -> None:
+    """Make "paged" the generation config's cache_implementation (default), or put back what was there before
+    patch made it so; a value the user set themselves is left alone."""
+    config = model.generation_config
+    if default and not state.made_default:
+        state.default_cache_implementation, state.made_default = config.cache_implementation, True
+        config.cache_implementation = "paged"
+    elif default:
+        config.cache_implementation = "paged"
+    elif state.made_default:
+        config.cache_implementation, state.made_default = state.default_cache_implementation, False
+
+
+class PatchedGenerate:
+    """The ``generate`` that ``patch`` sets on a model instance: an object holding the model, not a closure, so
+    that a deep copy (or pickle) of the patched model generates with the copy's weights, its own patch state
+    and its own generate underneath."""
+
+    def __init__(self, model):
+        self.model = model
+        self.__doc__ = type(model).generate.__doc__
+
+    @property
+    def __wrapped__(self):
+        return self._underneath()
+
+    def _underneath(self):
+        """The generate the patch wraps: the instance's own from before the patch, else the class's."""
+        own = getattr(self.model, STATE_ATTR).instance_generate
+        return own if own is not None else type(self.model).generate.__get__(self.model)
+
+    def __call__(self, *args, **kwargs):
+        model = self.model
+        state = getattr(model, STATE_ATTR)
         if state.temporary_owner not in (None, threading.get_ident()):
             raise RuntimeError(_CONCURRENT_OPT_IN)
 
         def record(cache):
             state.last_stats = cache.stats()
-        return paged_generate(model, original, args, kwargs, state.cache_options, record,
+        return paged_generate(model, self._underneath(), args, kwargs, state.cache_options, record,
                               scope=lambda: use_paged_attention(model),
                               prefix_store=lambda c: _prefix_store(state, c, model))
-
-    model.generate = generate
-    return model
 
 
 def _prefix_budget(enabled: bool, budget_bytes: int | None) -> int | None:
@@ -169,11 +198,11 @@ def unpatch(model):
         return model
     for hook in state.hooks:
         hook.remove()
-    if state.instance_generate is _MISSING:
+    if state.instance_generate is None:
         del model.generate
     else:
         model.generate = state.instance_generate
-    model.generation_config.cache_implementation = state.default_cache_implementation
+    _make_default(model, state, False)
     delattr(model, STATE_ATTR)
     return model
 

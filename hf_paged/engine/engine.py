@@ -164,6 +164,15 @@ class Engine:
         return blocks
 
     # ------------------------------------------------------------ requests
+    def never_fits(self, prompt_len: int, params: SamplingParams) -> str | None:
+        """Why a prompt of ``prompt_len`` tokens with ``params`` can never run on this engine, or None (a server
+        asks before it answers; ``add_request`` fails such a request alone)."""
+        max_new_tokens, _ = params.new_tokens_for(prompt_len, getattr(self.model.config, "max_position_embeddings",
+                                                                      None))
+        return never_fits(prompt_len, max_new_tokens, params.num_return_sequences, max_model_len=self.max_model_len,
+                          max_num_seqs=self.config.max_num_seqs, block_size=self.config.block_size,
+                          num_blocks=self.pool.num_blocks, rope_limit=self.rope_limit)
+
     def add_request(self, prompt, prompt_index: int | None = None, on_token=None, params: SamplingParams | None = None,
                     **settings) -> int:
         """Queue one prompt (token ids, or text with a tokenizer); returns its request id.
@@ -189,10 +198,7 @@ class Engine:
         request = Request(request_id, request_id if prompt_index is None else prompt_index, ids, params, on_token,
                           max_position_embeddings=getattr(self.model.config, "max_position_embeddings", None))
         self.requests[request_id] = request
-        error = never_fits(len(ids), request.max_new_tokens, params.num_return_sequences,
-                           max_model_len=self.max_model_len, max_num_seqs=self.config.max_num_seqs,
-                           block_size=self.config.block_size, num_blocks=self.pool.num_blocks,
-                           rope_limit=self.rope_limit)
+        error = self.never_fits(len(ids), params)
         if error:
             request.output.error = error
             self.counters.failed += 1
@@ -293,6 +299,15 @@ class Engine:
                 (self.fused.installed() if self.fused else contextlib.nullcontext()):
             yield
 
+    @contextlib.contextmanager
+    def _own_forward(self):
+        """The step's forward: the only one the fused forwards and prepacked linears installed for a session
+        apply to (a plain forward on the model meanwhile, from another thread or between a stream's steps,
+        gets the model's own modules)."""
+        with (self.prepacked.running() if self.prepacked else contextlib.nullcontext()), \
+                (self.fused.running() if self.fused else contextlib.nullcontext()):
+            yield
+
     def _step(self) -> list[TokenEvent]:
         start = time.perf_counter()
         scheduled = self.scheduler.schedule()
@@ -303,7 +318,8 @@ class Engine:
                                    f"{self.config.max_num_seqs}. Raise num_blocks / kv_cache_memory_bytes.")
             return []
         forward_start = time.perf_counter()
-        logits, samplers, spans, prepare_s = self.runner.execute(scheduled.batch)
+        with self._own_forward():
+            logits, samplers, spans, prepare_s = self.runner.execute(scheduled.batch)
         forward_end = time.perf_counter()
         self._prompt_logprobs(logits[len(samplers):], spans)
         samplers, rows = self.scheduler.postprocess(scheduled.batch, samplers)

@@ -55,6 +55,7 @@ class FusedOps:
         self.lean = lean                # decoder layers as direct op calls where they may (fused_lean)
         self.direct = True              # ... in their direct form where the step allows (LeanLayer._direct)
         self.one_call = True            # ... that form as one C++ call per layer where it may (lean_layer)
+        self._forwards = SharedForwards()
         try:
             ops = load_fused_ops()
         except RuntimeError as err:
@@ -68,7 +69,6 @@ class FusedOps:
                 continue        # another activation: the MLP keeps its forward
             if kind is not None:
                 self.forwards.append(kind(module, ops, **spec))
-        self._forwards = SharedForwards()
         log.info("fused CPU ops for %d modules (fused_ops=False keeps the model's own forwards)", len(self.forwards))
 
     def installed(self):
@@ -76,6 +76,10 @@ class FusedOps:
         installation checks hooks anew and gives decoder layers their lean forward where it holds
         (``fused_lean``), so hooks or weights changed between steps are seen at the next step."""
         return self._forwards.installed(self._pick)
+
+    def running(self):
+        """The block is an engine step's forward in this thread (``prepack.SharedForwards.running``)."""
+        return self._forwards.running()
 
     def _pick(self) -> list[_Fused]:
         chosen = [f for f in self.forwards if f.installable()]

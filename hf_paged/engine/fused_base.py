@@ -4,11 +4,12 @@ and attention forwards are in ``fused_layers``; both import from here, nothing h
 from __future__ import annotations
 
 import importlib
+import inspect
 from dataclasses import dataclass
 
 import torch
 
-from .prepack import sibling_outputs
+from .prepack import InstalledForward, sibling_outputs
 
 _DTYPES = (torch.float32, torch.bfloat16)
 
@@ -41,13 +42,16 @@ def rotate_qk(ops, query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, si
     return query.transpose(1, 2), key.transpose(1, 2)
 
 
-class _Fused:
+class _Fused(InstalledForward):
     """An instance forward for ``module``. ``bypassed``: its sub-modules this forward does not call, or whose
-    outputs it changes in place; a hook on any of them keeps the module's own forward."""
+    outputs it changes in place; a hook on any of them keeps the module's own forward. Outside the owner's
+    forwards (``here()``: another thread's plain forward meanwhile) the module's own forward runs."""
     bypassed: tuple[str, ...] = ()
 
     def __init__(self, module, ops, **spec):
         self.module, self.ops, self.spec = module, ops, spec
+        # the keyword the module's own forward takes the cache by (``cache`` since transformers 5.2x)
+        self.cache_kw = "cache" if "cache" in inspect.signature(type(module).forward).parameters else "past_key_values"
 
     def installable(self) -> bool:
         return not _has_hooks(self.module) and not any(_has_hooks(getattr(self.module, n)) for n in self.bypassed)
@@ -59,7 +63,7 @@ class _Fused:
 class _Norm(_Fused):
     def __call__(self, x):
         m = self.module
-        if not (_usable(x, m) and m.weight.dtype == x.dtype and m.weight.is_contiguous()):
+        if not (self.here() and _usable(x, m) and m.weight.dtype == x.dtype and m.weight.is_contiguous()):
             return self.own(x)
         return self.ops.rms_norm(_rows(x), m.weight, m.variance_epsilon).view(x.shape)
 
@@ -80,7 +84,7 @@ class _Mlp(_Fused):
 
     def __call__(self, x):
         m = self.module
-        if not _usable(x, m):
+        if not (self.here() and _usable(x, m)):
             return self.own(x)
         if self.split:              # GLM: gate_up_proj, gate = first half, up = second (chunk(2))
             gate_up = m.gate_up_proj(x)

@@ -29,8 +29,9 @@ class Attention(_Fused):
                  past_key_values=None, **kwargs):
         m, spec = self.module, self.spec
         cache = cache if cache is not None else past_key_values
-        if position_embeddings is None or not _usable(hidden_states, m) or position_embeddings[0].dtype != hidden_states.dtype:
-            return self.own(hidden_states, position_embeddings, attention_mask, cache=cache, **kwargs)
+        if position_embeddings is None or not (self.here() and _usable(hidden_states, m)) or \
+                position_embeddings[0].dtype != hidden_states.dtype:
+            return self.own(hidden_states, position_embeddings, attention_mask, **{self.cache_kw: cache}, **kwargs)
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, m.head_dim)
         projections = (m.q_proj, m.k_proj, m.v_proj)
@@ -67,17 +68,18 @@ class DecoderLayer(_Fused):
                  position_embeddings=None, past_key_values=None, **kwargs):
         m = self.module
         cache = cache if cache is not None else past_key_values
-        lean = self.lean
+        lean = self.lean if self.here() else None
         if lean is not None and not kwargs.get("output_attentions") and \
                 lean.applies(hidden_states, position_embeddings, cache):
             return lean(hidden_states, position_embeddings, cache, kwargs)
-        if not _usable(hidden_states, m):
-            return self.own(hidden_states, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
-                            use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
+        if not (self.here() and _usable(hidden_states, m)):
+            return self.own(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
+                            use_cache=use_cache, position_embeddings=position_embeddings, **{self.cache_kw: cache},
+                            **kwargs)
         residual = hidden_states
         hidden_states, _ = m.self_attn(hidden_states=m.input_layernorm(hidden_states), attention_mask=attention_mask,
-                                       position_ids=position_ids, cache=cache, use_cache=use_cache,
-                                       position_embeddings=position_embeddings, **kwargs)
+                                       position_ids=position_ids, use_cache=use_cache,
+                                       position_embeddings=position_embeddings, **{self.cache_kw: cache}, **kwargs)
         if self.spec["sandwich"]:
             hidden_states = m.post_self_attn_layernorm(hidden_states)
         residual, hidden_states = self._add_norm(m.post_attention_layernorm, hidden_states, residual)

@@ -25,7 +25,8 @@ has bf16 kernels) once; the packed copies belong to it (extra memory = those wei
 ``with packed.installed():`` gives those modules an instance ``forward`` using them and removes it on exit,
 so the model is untouched outside the block. A module whose weight or bias was replaced or changed in
 place since packing (``_version``), or that is called with another dtype, device or with grad, runs plain
-``F.linear``. The engine enters it around its steps unless ``enforce_eager=True``. When the copies would take
+``F.linear``, and so does a call outside the owner's forwards (``running``: another thread's plain forward while
+the block is open). The engine enters it around its steps unless ``enforce_eager=True``. When the copies would take
 more than half of the memory available, nothing is packed (with a warning).
 """
 from __future__ import annotations
@@ -58,6 +59,7 @@ class SharedForwards:
         self._lock = threading.Lock()
         self._users = 0
         self._installed: list = []
+        self._running = threading.local()     # .depth: this thread's forwards of the owner in progress
 
     @contextlib.contextmanager
     def installed(self, pick):
@@ -66,6 +68,7 @@ class SharedForwards:
             if self._users == 0:
                 self._installed = list(pick())
                 for forward in self._installed:
+                    forward.shared = self
                     forward.module.forward = forward
             self._users += 1
         try:
@@ -78,6 +81,33 @@ class SharedForwards:
                         if forward.module.__dict__.get("forward") is forward:
                             del forward.module.forward
                     self._installed = []
+
+    @contextlib.contextmanager
+    def running(self):
+        """The block is one of the owner's own forwards (an engine step) in this thread: only there do the
+        installed forwards apply. Installed for a whole session, they also see the forwards that others run
+        meanwhile (another thread's plain forward, the caller's own between a stream's steps), which get the
+        modules' own forwards: the default path's result, with its attention mask."""
+        depth = getattr(self._running, "depth", 0)
+        self._running.depth = depth + 1
+        try:
+            yield
+        finally:
+            self._running.depth = depth
+
+    def running_here(self) -> bool:
+        return getattr(self._running, "depth", 0) > 0
+
+
+class InstalledForward:
+    """Base of the instance forwards a SharedForwards sets; ``shared``: the one that set it (None: called
+    directly, e.g. by a test)."""
+    shared: SharedForwards | None = None
+
+    def here(self) -> bool:
+        """Whether this call is inside one of the owner's forwards (``SharedForwards.running``)."""
+        shared = self.shared
+        return shared is None or shared.running_here()
 
 
 def prepack_available(dtype: torch.dtype) -> bool:
@@ -251,7 +281,7 @@ class _Packed:
         return out if out.is_contiguous() else out.contiguous()
 
 
-class _PackedLinear:
+class _PackedLinear(InstalledForward):
     """The forward of one nn.Linear over its packed weight (F.linear when that cannot apply). A member of a
     sibling group computes the group's product and keeps its own columns: correct, but the fused forwards
     call the group once for all members instead (``sibling_outputs``)."""
@@ -260,7 +290,7 @@ class _PackedLinear:
         self.module, self.packed, self.index = module, packed, index
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.packed.applies(x):
+        if not (self.here() and self.packed.applies(x)):
             return F.linear(x, self.module.weight, self.module.bias)
         return self.packed.output(x, self.index)
 
@@ -270,7 +300,7 @@ def sibling_outputs(modules: tuple, x: torch.Tensor) -> tuple[torch.Tensor, ...]
     and applicable to x; else None (call the modules). The caller answers for the modules' hooks."""
     forward = modules[0].__dict__.get("forward")
     packed = getattr(forward, "packed", None)
-    if packed is None or packed.modules != modules or not packed.applies(x):
+    if packed is None or packed.modules != modules or not forward.here() or not packed.applies(x):
         return None
     return packed.outputs(x)
 
@@ -375,6 +405,10 @@ class PrepackedLinears:
     def installed(self):
         """The packed forwards for the block (nested and concurrent blocks share one installation)."""
         return self._forwards.installed(lambda: self.layers)
+
+    def running(self):
+        """The block is an engine step's forward in this thread (``SharedForwards.running``)."""
+        return self._forwards.running()
 
 
 def _onto_huge_pages(packed: list[_Packed]) -> None:

@@ -17,7 +17,7 @@ from .detokenize import TextStream
 from .errors import ApiError
 from .options import CallOptions
 from .protocol import finish_reason
-from .worker import EngineWorker, Handle, QueueFull, ShuttingDown
+from .worker import EngineFailed, EngineWorker, Handle, QueueFull, ShuttingDown
 
 
 @dataclass
@@ -74,6 +74,9 @@ class ApiCall:
         except ShuttingDown as exc:
             self.cancel()
             raise ApiError.unavailable(exc, "shutting_down")
+        except EngineFailed as exc:
+            self.cancel()
+            raise ApiError(500, str(exc), code="engine_error") from None
 
     def cancel(self) -> None:
         """Cancel what still runs (a no-op for finished requests)."""

@@ -226,9 +226,12 @@ async def sampling_params(state: ServerState, req, prompts: list[list[int]], max
         raise ApiError(400, f"n={req.n} asks several sequences per prompt, but {why}: greedy decoding makes one; "
                             "set temperature > 0 (sampling) or n=1", param="n", code="invalid_sampling")
     try:
-        return resolve_generation(state.base, **settings)
+        params = resolve_generation(state.base, **settings)
     except ValueError as exc:
         raise ApiError(400, str(exc), code="invalid_sampling")
+    for why in filter(None, (state.engine.never_fits(len(prompt), params) for prompt in prompts)):
+        raise ApiError(400, why, param="max_tokens", code="context_too_long")     # before a stream's status line
+    return params
 
 
 def call_options(req) -> CallOptions:

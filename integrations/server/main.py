@@ -1,4 +1,4 @@
-"""``serve(model, **options)``: load, build the app, run uvicorn until SIGTERM / SIGINT.
+"""``serve(model, **options)``: load, build the app, run uvicorn until SIGTERM / SIGINT or the engine fails.
 
 uvicorn handles the signals: it stops accepting, waits up to ``shutdown_timeout`` s for in-flight
 requests (then cancels them, which cancels their engine requests), and the app's lifespan joins the
@@ -59,7 +59,8 @@ def checked_options(options: dict) -> None:
 
 
 def serve(model: str, **options) -> int:
-    """Serve ``model`` until a signal stops it; exit status 0. ``options``: ``ServeConfig`` fields (host,
+    """Serve ``model`` until a signal stops it (exit status 0) or its engine fails (1: the requests running
+    get a 500, and the server stops, as vLLM's does). ``options``: ``ServeConfig`` fields (host,
     port, api_key, served_model_name, dtype, max_queue, shutdown_timeout, max_body_bytes,
     trust_remote_code, log_level) and EngineConfig knobs."""
     import uvicorn
@@ -70,6 +71,8 @@ def serve(model: str, **options) -> int:
     app = serving_app(model, config, **engine_knobs)
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
                                            timeout_graceful_shutdown=config.shutdown_timeout, access_log=False))
+    worker = app.state.worker
+    worker.on_failure = lambda: setattr(server, "should_exit", True)     # as vLLM: a dead engine stops the server
     # uvicorn re-raises the signal that stopped it once it is done, under the handler found at start;
     # a no-op one there makes a graceful SIGTERM / Ctrl-C end with exit status 0.
     previous = {}
@@ -80,6 +83,9 @@ def serve(model: str, **options) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    if worker.error is not None:
+        log.error("stopped: the engine failed (%s: %s)", type(worker.error).__name__, worker.error)
+        return 1
     return 0
 
 

@@ -49,7 +49,7 @@ async def model(request: Request):
 async def completions(request: Request):
     state = state_of(request)
     req = await read_request(request, CompletionRequest, state)
-    prompts = completion_prompts(state, req)
+    prompts = await state.off_loop(completion_prompts, state, req)
     return await answer(request, state, req, prompts, COMPLETION, echo_texts(req) if req.echo else None)
 
 
@@ -57,7 +57,8 @@ async def chat_completions(request: Request):
     state = state_of(request)
     req = await read_request(request, ChatCompletionRequest, state)
     echo = chat_echo(req)                  # the answer's text begins with it (vLLM's chat echo)
-    return await answer(request, state, req, [chat_prompt(state, req)], CHAT, [echo] if echo else None)
+    prompt = await state.off_loop(chat_prompt, state, req)
+    return await answer(request, state, req, [prompt], CHAT, [echo] if echo else None)
 
 
 async def answer(request: Request, state: ServerState, req, prompts: list[list[int]], shape, texts=None):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -36,6 +37,10 @@ class ServerState:
     defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
     base: object = None
     created: int = field(default_factory=lambda: int(time.time()))
+    # Tokenizing (chat templates, long prompts) off the event loop, one at a time as vLLM does: a 4 MB prompt
+    # took 6-9 s on the loop, stalling every stream and /health meanwhile.
+    tokenizing: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="hf_paged-tokenize"))
 
     @classmethod
     def build(cls, model, tokenizer, config: AppConfig, **engine_knobs) -> ServerState:
@@ -44,6 +49,7 @@ class ServerState:
             raise ValueError("the server needs a tokenizer (pass one to create_app)")
         name = config.served_model_name or getattr(model.config, "_name_or_path", None) or "model"
         engine = Engine(model, tokenizer, **engine_knobs)
+        fit_context(engine, asked=engine_knobs.get("max_model_len"))
         metrics = Metrics(name)
         worker = EngineWorker(engine, max_queue=config.max_queue, metrics=metrics)
         generation_config = getattr(model, "generation_config", None)
@@ -62,13 +68,35 @@ class ServerState:
     def vocab_size(self) -> int:
         return self.model.get_input_embeddings().weight.shape[0]
 
+    async def off_loop(self, function, *args):
+        """``function(*args)`` in the tokenizing thread (tokenizer work: templates, encoding, decoding)."""
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizing, function, *args)
+
     @asynccontextmanager
     async def lifespan(self, app):
         self.worker.start()
         try:
             yield
         finally:
+            self.tokenizing.shutdown(wait=False, cancel_futures=True)
             gone = await asyncio.to_thread(self.worker.shutdown, self.config.shutdown_timeout)
             if not gone:                                    # pragma: no cover
                 log.error("the engine thread did not stop within %.1f s (shutdown_timeout) + 30 s",
                           self.config.shutdown_timeout)
+
+
+def fit_context(engine: Engine, asked: int | None) -> None:
+    """A server's requests default to the rest of the context (``max_tokens`` unset): a pool that cannot hold one
+    whole context would fail every such request. An asked ``max_model_len`` the pool cannot hold is refused at
+    start (as vLLM refuses); the model's own context is lowered to what the pool holds, with a warning."""
+    tokens = engine.pool.num_blocks * engine.config.block_size
+    if tokens >= engine.max_model_len:
+        return
+    pool = (f"the KV pool holds {engine.pool.num_blocks} blocks x {engine.config.block_size} tokens = {tokens} "
+            f"tokens ({tokens * engine.bytes_per_token / 2**20:.1f} MiB)")
+    if asked is not None:
+        raise ValueError(f"--max-model-len {asked} needs room for {asked} tokens of one request, but {pool}. Raise "
+                         f"--kv-cache-memory-bytes (or --num-blocks), or lower --max-model-len to at most {tokens}.")
+    log.warning("max_model_len lowered from the model's %d to %d tokens: %s; raise --kv-cache-memory-bytes (or "
+                "--num-blocks) to serve the whole context", engine.max_model_len, tokens, pool)
+    engine.max_model_len = tokens

@@ -82,6 +82,10 @@ async def tokenize_endpoint(request: Request):
     raw = await read_body(request, state.config.max_body_bytes)
     schema = TokenizeChatRequest if _has_key(raw, "messages") else TokenizeCompletionRequest
     req = _model_checked(state, parse(raw, schema))
+    return await state.off_loop(_tokenized, state, req)
+
+
+def _tokenized(state: ServerState, req) -> dict:
     text = chat_text(state, chat_checked(req)) if isinstance(req, TokenizeChatRequest) else req.prompt
     ids = tokenize(state, text, special=req.add_special_tokens)
     strs = list(state.tokenizer.convert_ids_to_tokens(ids)) if req.return_token_strs else None
@@ -93,7 +97,7 @@ async def detokenize_endpoint(request: Request):
     state: ServerState = request.app.state.server
     req = _model_checked(state, parse(await read_body(request, state.config.max_body_bytes), DetokenizeRequest))
     ids = check_ids(state, req.tokens, "tokens") if req.tokens else []
-    return {"prompt": state.tokenizer.decode(ids) if ids else ""}
+    return {"prompt": await state.off_loop(state.tokenizer.decode, ids) if ids else ""}
 
 
 def package_version() -> str:

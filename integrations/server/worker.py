@@ -42,6 +42,11 @@ class ShuttingDown(RuntimeError):
     """The server is stopping and accepts no new requests."""
 
 
+class EngineFailed(RuntimeError):
+    """The engine thread failed: nothing more is accepted and the server stops (as vLLM's, whose API server
+    exits when its engine dies, for a supervisor to restart it)."""
+
+
 @dataclass
 class Handle:
     """One request as the server sees it. ``deliver(item)`` runs in the engine thread and must hand
@@ -66,8 +71,9 @@ class EngineWorker:
     engine's ``max_num_seqs`` running ones before ``submit`` raises QueueFull. metrics: a Metrics to
     update (or None)."""
 
-    def __init__(self, engine: Engine, max_queue: int, metrics=None):
+    def __init__(self, engine: Engine, max_queue: int, metrics=None, on_failure: Callable[[], None] | None = None):
         self.engine, self.max_queue, self.metrics = engine, max_queue, metrics
+        self.on_failure = on_failure          # called in the engine thread once it failed (serve: stop the server)
         self._commands: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._in_flight = 0               # sequences submitted and not yet done (see the module doc)
@@ -108,7 +114,9 @@ class EngineWorker:
 
     def submit(self, handle: Handle) -> Handle:
         slots = handle.params.num_return_sequences
-        with self._lock:
+        with self._lock:     # the put too: a failing engine thread drains the queue after it stops accepting
+            if self.error is not None:
+                raise EngineFailed("the engine failed (see the server log); the server is stopping")
             if not self._accepting or not self.alive:
                 raise ShuttingDown("the server is shutting down")
             if self._in_flight + slots > self.capacity:
@@ -117,7 +125,7 @@ class EngineWorker:
                                 f"max_queue {self.max_queue} waiting); retry later")
             self._in_flight += slots
             handle.slots = slots
-        self._commands.put(("add", handle))
+            self._commands.put(("add", handle))
         return handle
 
     def cancel(self, handle: Handle) -> None:
@@ -148,6 +156,7 @@ class EngineWorker:
         engine = self.engine
         try:
             with engine.session():
+                self._refresh()                   # the pool's size in /metrics before the first request
                 while True:
                     self._drain(block=not engine.has_work and not self._stop.is_set())
                     if self._abort.is_set():
@@ -166,18 +175,19 @@ class EngineWorker:
 
     def _fail_everything(self, exc: BaseException) -> None:    # pragma: no cover
         """The engine raised: accept nothing more; every active or queued request gets an error."""
-        self.error = exc
         log.error("the engine thread failed", exc_info=exc)
         with self._lock:
-            self._accepting = False
+            self.error, self._accepting = exc, False
         failed = ("fault", "the engine failed; see the server log")
         for handle in list(self._active.values()):
-            handle.deliver(failed)
+            self._last(handle, failed)
         self._active.clear()
         while not self._commands.empty():
             kind, handle = self._commands.get_nowait()
             if kind == "add":
-                handle.deliver(failed)
+                self._last(handle, failed)
+        if self.on_failure is not None:
+            self.on_failure()
 
     def _drain(self, block: bool) -> None:
         """Apply the queued commands. ``block`` (the engine is idle): wait for one, then keep taking those that

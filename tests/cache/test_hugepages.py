@@ -54,7 +54,7 @@ def test_engine_packed_weights_share_one_huge_page_buffer(dtype, monkeypatch):
     x = torch.randn(3, model.config.hidden_size).to(dtype)
     q = model.model.layers[0].self_attn.q_proj
     tol = 1e-5 if dtype == torch.float32 else 2 ** -7
-    with packed.installed(), torch.inference_mode():
+    with packed.installed(), packed.running(), torch.inference_mode():
         torch.testing.assert_close(q(x), torch.nn.functional.linear(x, q.weight), rtol=tol, atol=tol)
 
 

@@ -3,6 +3,8 @@ stands for, engine-step logits with and without them on every family (within 1e-
 installed only inside the engine's steps, and modules with hooks or of unknown classes left alone."""
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -120,7 +122,7 @@ def test_hooked_and_unknown_modules_keep_their_forward(ops):
     layer.self_attn.q_proj.register_forward_pre_hook(lambda mod, args: None)   # rotary_ would write its output
     model.model.norm = torch.nn.LayerNorm(model.config.hidden_size)             # a class the ops do not know
     fused = FusedOps(model)
-    with fused.installed():
+    with fused.installed(), fused.running():
         assert "forward" not in layer.mlp.__dict__ and "forward" not in layer.self_attn.__dict__
         assert "forward" not in model.model.norm.__dict__
         assert "forward" in layer.input_layernorm.__dict__ and "forward" in model.model.layers[1].mlp.__dict__
@@ -133,14 +135,16 @@ def test_grad_and_other_dtypes_run_the_modules_own_forward(ops):
     model = make_model("qwen3", seed=2)
     ids = torch.tensor([[5, 6, 7, 8]])
     want = model(ids).logits
-    with FusedOps(model).installed():
+    fused = FusedOps(model)
+    with fused.installed(), fused.running():
         got = model(ids).logits                 # grad enabled: every fused forward defers to the class's
         got.sum().backward()
     assert torch.equal(got, want) and model.model.layers[0].mlp.up_proj.weight.grad is not None
     half = make_model("llama", seed=2, dtype=torch.float16)
     with torch.inference_mode():
         want = half(ids).logits
-        with FusedOps(half).installed():
+        fused = FusedOps(half)
+        with fused.installed(), fused.running():
             assert torch.equal(half(ids).logits, want)
 
 
@@ -156,3 +160,48 @@ def test_every_known_norm_class_passes_the_per_call_test():
 
     assert all(_is_known_norm(cls) for cls in _known_norms())
     assert not _is_known_norm(torch.nn.LayerNorm)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "glm"])
+def test_plain_forwards_while_an_engine_session_is_open_get_the_models_own_modules(ops, family):
+    """The fused forwards and prepacked linears stay installed for a whole session (a stream paused between
+    steps, another thread's engine call): the model's own forwards meanwhile, padded and cached, equal the
+    default path exactly (the lean layer took no mask: padded rows attended to their pads)."""
+    model = make_model(family, seed=3)
+    ids = torch.tensor([[0, 0, 5, 6, 7], [9, 8, 7, 6, 5]])
+    mask = (ids != 0).long()
+    with torch.inference_mode():
+        want = model(input_ids=ids, attention_mask=mask).logits
+        want_tokens = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+    stream = LLM(model, max_num_seqs=4).stream([[5, 6, 7, 8, 9, 10]] * 3, max_new_tokens=6)
+    next(stream)
+    seen = {}
+
+    def plain():
+        with torch.inference_mode():
+            seen["logits"] = model(input_ids=ids, attention_mask=mask).logits
+            seen["tokens"] = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+
+    assert any("forward" in m.__dict__ for m in model.modules()), "the session's forwards are installed"
+    plain()
+    assert torch.equal(seen["logits"], want) and torch.equal(seen["tokens"], want_tokens)
+    seen.clear()
+    other = threading.Thread(target=plain)
+    other.start()
+    other.join()
+    assert torch.equal(seen["logits"], want) and torch.equal(seen["tokens"], want_tokens)
+    assert len(list(stream)) > 0
+
+
+def test_the_engine_runs_without_the_fused_ops(monkeypatch):
+    """A machine where the fused ops cannot be built (no C++ compiler) runs the model's own forwards."""
+    model = make_model("llama", seed=4)
+    prompts = [[3, 9, 27, 4, 11], [7] * 9]
+    want = [o.completions[0].token_ids for o in LLM(model, fused_ops=False).generate(prompts, max_new_tokens=6)]
+
+    def unavailable():
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr("hf_paged.engine.fused.load_fused_ops", unavailable)
+    got = [o.completions[0].token_ids for o in LLM(model).generate(prompts, max_new_tokens=6)]
+    assert got == want

@@ -20,7 +20,7 @@ def test_packed_forward_equals_linear_and_is_removed_on_exit():
         ref = model(x)
     packed = PrepackedLinears(model)
     assert len(packed.layers) == 2 and packed.bytes > 0
-    with packed.installed(), packed.installed():                # nested: one installation
+    with packed.installed(), packed.installed(), packed.running():                # nested: one installation
         assert all("forward" in m.__dict__ for m in model)
         with torch.inference_mode():
             out = model(x)
@@ -33,7 +33,7 @@ def test_changed_or_replaced_weights_and_grad_fall_back_to_linear():
     layer = torch.nn.Linear(32, 16)
     packed = PrepackedLinears(layer)
     x = torch.randn(4, 32)
-    with packed.installed():
+    with packed.installed(), packed.running():
         with torch.no_grad():
             layer.weight.mul_(2)                                    # in place: the packed copy is stale
             torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
@@ -69,7 +69,7 @@ def test_inference_tensors_and_a_model_built_in_inference_mode():
         layer = torch.nn.Linear(16, 8)
         packed = PrepackedLinears(layer)
         x = torch.randn(3, 16)
-        with packed.installed():
+        with packed.installed(), packed.running():
             out = layer(x)
         torch.testing.assert_close(out, torch.nn.functional.linear(x, layer.weight, layer.bias))
 
@@ -97,13 +97,13 @@ def test_sibling_groups_give_each_modules_own_numbers(fp32_kernel, family, monke
     attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
     x = torch.randn(5, model.config.hidden_size)
     apart = PrepackedLinears(model)
-    with apart.installed(), torch.inference_mode():
+    with apart.installed(), apart.running(), torch.inference_mode():
         ref = [m(x) for m in (attn.q_proj, attn.k_proj, attn.v_proj)]
         mlp_ref = None if family == "glm" else [m(x) for m in (mlp.gate_proj, mlp.up_proj)]   # glm: gate_up_proj
         assert sibling_outputs((attn.q_proj, attn.k_proj, attn.v_proj), x) is None      # not grouped
     grouped = PrepackedLinears(model, group_siblings=True)
     assert grouped.bytes == apart.bytes, "a group holds its members' weights once"
-    with grouped.installed(), torch.inference_mode():
+    with grouped.installed(), grouped.running(), torch.inference_mode():
         got = sibling_outputs((attn.q_proj, attn.k_proj, attn.v_proj), x)
         assert got is not None and all(torch.equal(a, b) for a, b in zip(got, ref))
         assert all(torch.equal(m(x), r) for m, r in zip((attn.q_proj, attn.k_proj, attn.v_proj), ref))   # alone
@@ -160,7 +160,7 @@ def test_mkl_copy_for_budget_sized_steps_gives_f_linears_bits(fp32_kernel, famil
     attn, mlp = model.model.layers[1].self_attn, model.model.layers[1].mlp
     qkv = (attn.q_proj, attn.k_proj, attn.v_proj)
     F = torch.nn.functional
-    with packed.installed(), torch.inference_mode():
+    with packed.installed(), packed.running(), torch.inference_mode():
         for n in (rows, rows + 1, LIBRARY_ROWS + 1):
             x = torch.randn(n, model.config.hidden_size)
             before = len(calls)
@@ -265,7 +265,7 @@ def test_kernel_for_every_step_keeps_rows_independent_of_the_step(fp32_kernel, f
     attn = model.model.layers[0].self_attn
     qkv = (attn.q_proj, attn.k_proj, attn.v_proj)
     x = torch.randn(300, model.config.hidden_size)
-    with packed.installed(), torch.inference_mode():
+    with packed.installed(), packed.running(), torch.inference_mode():
         whole = sibling_outputs(qkv, x)
         parts = [sibling_outputs(qkv, x[i:i + 7]) for i in range(0, 300, 7)]
     for k, m in enumerate(qkv):
@@ -302,7 +302,7 @@ def test_bf16_linears_take_the_kernel_where_it_is_built(monkeypatch):
     attn = model.model.layers[0].self_attn
     qkv = (attn.q_proj, attn.k_proj, attn.v_proj)
     x = torch.randn(300, model.config.hidden_size).bfloat16()
-    with packed.installed(), torch.inference_mode():
+    with packed.installed(), packed.running(), torch.inference_mode():
         whole = sibling_outputs(qkv, x)
         one = sibling_outputs(qkv, x[7:8])
     for k, m in enumerate(qkv):

@@ -332,3 +332,86 @@ def test_inference_tensor_weights_with_prefix_caching_and_the_engine():
     outs = hf_paged.LLM(model, block_size=4, num_blocks=32).generate([[5, 6, 7]], max_new_tokens=3, do_sample=False)
     alone = model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=3, do_sample=False)
     assert outs[0].outputs[0].token_ids == alone[0, 3:].tolist()
+
+
+def test_a_restore_waits_for_other_threads_forwards_begun_while_switched():
+    """A plain forward of another thread that built its mask while a paged call had the model switched runs
+    its attention switched too: the call's end waits for it (before, the restored attention got a DeferredMask:
+    a TypeError, or a RuntimeError, in 1 of 8 plain generates racing paged ones). Nothing stays on the model."""
+    import threading
+    import time
+    model = make_model("llama", seed=21)
+    ids, mask = make_batch([5, 9, 1, 7], seed=1)
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask).logits
+    at_layer, go, box = threading.Event(), threading.Event(), {}
+    switch = hf_paged.use_paged_attention(model)             # stands for another thread's paged call
+    switch.__enter__()
+
+    def pause(*_):
+        at_layer.set()
+        go.wait(30)
+
+    hook = model.model.layers[0].register_forward_pre_hook(pause)
+
+    def plain():
+        with torch.no_grad():
+            box["logits"] = model(input_ids=ids, attention_mask=mask).logits
+
+    thread = threading.Thread(target=plain)
+    thread.start()
+    assert at_layer.wait(30)              # its mask is built (deferred), its attention not run yet
+    hook.remove()
+    threading.Timer(0.3, go.set).start()
+    start = time.perf_counter()
+    switch.__exit__(None, None, None)     # the paged call ends: waits for the plain forward
+    assert time.perf_counter() - start >= 0.25
+    thread.join(30)
+    assert torch.equal(box["logits"], want)
+    assert model.config._attn_implementation == "sdpa"
+    assert not any(k.startswith("_hf_paged") for m in model.modules() for k in m.__dict__)
+    assert not model.model._forward_pre_hooks and not model.model._forward_hooks
+
+
+def test_a_patched_model_copies_and_pickles_as_itself():
+    """deepcopy / pickle of a patched model (before or after a paged call) give a patched model of the copy's own
+    weights (before, the copy's generate ran the original model; pickling failed on the generate closure, and
+    after any paged call on the switch's lock)."""
+    import copy
+    import pickle
+    model = make_model("llama", seed=22)
+    ids, mask = make_batch([6, 3], seed=2)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    hf_paged.patch(model)
+    first = model.generate(cache_implementation="paged", **kw)
+    clone = copy.deepcopy(model)
+    with torch.no_grad():
+        clone.lm_head.weight.mul_(-1)
+    want = hf_paged.unpatch(copy.deepcopy(clone)).generate(**kw)
+    assert not torch.equal(want, first)
+    assert torch.equal(clone.generate(cache_implementation="paged", **kw), want)
+    assert torch.equal(model.generate(cache_implementation="paged", **kw), first)
+    hf_paged.unpatch(clone)
+    assert hf_paged.is_patched(model) and not hf_paged.is_patched(clone)
+    revived = pickle.loads(pickle.dumps(model))
+    assert hf_paged.is_patched(revived)
+    assert torch.equal(revived.generate(cache_implementation="paged", **kw), first)
+    hf_paged.unpatch(model)
+    assert not any(k.startswith("_hf_paged") for k in model.__dict__)
+    copy.deepcopy(model)
+
+
+def test_unpatch_leaves_the_user_s_own_cache_implementation():
+    model = make_model("llama", seed=23)
+    hf_paged.patch(model)
+    model.generation_config.cache_implementation = "static"
+    hf_paged.patch(model, block_size=8)                       # patching again: not patch's to reset
+    assert model.generation_config.cache_implementation == "static"
+    hf_paged.unpatch(model)
+    assert model.generation_config.cache_implementation == "static"
+    hf_paged.patch(model, default=True)
+    assert model.generation_config.cache_implementation == "paged"
+    hf_paged.patch(model)                                     # default=False again: back to the user's value
+    assert model.generation_config.cache_implementation == "static"
+    hf_paged.unpatch(model)
+    assert model.generation_config.cache_implementation == "static"

@@ -47,7 +47,8 @@ VLLM_CHAT = VLLM_COMMON + """messages top_logprobs max_completion_tokens tools t
 
 
 def fake_state(compile_grammar=None):
-    engine = SimpleNamespace(config=SimpleNamespace(max_logprobs=MAX_LOGPROBS, max_num_seqs=8))
+    engine = SimpleNamespace(config=SimpleNamespace(max_logprobs=MAX_LOGPROBS, max_num_seqs=8),
+                             never_fits=lambda prompt_len, params: None)
     if compile_grammar is not None:
         engine.compile_grammar = compile_grammar
     return SimpleNamespace(vocab_size=VOCAB, tokenizer=word_tokenizer(), max_model_len=128, name="tiny",

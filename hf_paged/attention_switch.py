@@ -1,0 +1,112 @@
+"""The switch of a model's attention implementation to ``"hf_paged"`` while paged blocks run.
+
+``switched(model)`` (``attention_interface.use_paged_attention``) switches the model for its block; nested and concurrent blocks (threads
+generating on one model, an engine session beside patched generate) share one switch per model: the first
+block switches, the last one out restores the model's own implementation.
+
+While switched, a forward without a PagedCache (another thread's plain forward, the caller's own between a
+stream's steps) still runs the model's own attention: the mask function hands it a ``DeferredMask``, which the
+attention builds for the implementation the switch replaced (``attention_interface.replaced_attention``).
+Such a mask must not outlive the switch: were the implementation restored between a forward's mask and its
+attention, the restored attention would get a DeferredMask. So the switch counts the decoder forwards that
+begin while it is on (a forward pre-hook and an always-called forward hook, there only while switched), and
+the last block out waits for them to end before it restores (``CLOSE_WAIT_S`` at most, then restores anyway,
+saying so). Restoring removes everything the switch put on the model: the implementation, the modules'
+fallback attributes, the hooks and the switch itself (a switched-off model deep-copies and pickles as before).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+
+log = logging.getLogger("hf_paged")
+
+ATTENTION_NAME = "hf_paged"
+FALLBACK = "_hf_paged_replaced_attention"    # module attribute while switched: the implementation replaced
+SWITCH_ATTR = "_hf_paged_attention_switch"    # the model's switch while one is open
+CLOSE_WAIT_S = 300.0                         # how long the last block out waits for other threads' forwards
+
+
+class _AttentionSwitch:
+    """One model's switch: ``users`` blocks open, ``forwards`` decoder forwards begun while switched and not
+    ended, the implementation to restore (``previous``). Its condition guards all of them."""
+
+    def __init__(self):
+        self.condition = threading.Condition()
+        self.users = 0
+        self.forwards = 0
+        self.previous: str | None = None
+        self.hooks: tuple = ()
+        self.is_open = False
+        self.begun = threading.local()       # .depth: this thread's forwards counted in ``forwards``
+
+    def open(self, model) -> None:
+        self.previous, self.is_open = model.config._attn_implementation, True
+        if self.previous == ATTENTION_NAME:          # the user's own choice: nothing to switch or restore
+            return
+        for module in model.modules():               # plain attributes: no parameter, buffer or config
+            module.__dict__[FALLBACK] = self.previous
+        decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+        self.hooks = (decoder.register_forward_pre_hook(self._began),
+                      decoder.register_forward_hook(self._ended, always_call=True))
+        model.set_attn_implementation(ATTENTION_NAME)
+
+    def close(self, model) -> None:
+        """Restore the model (the condition held, no user left, the counted forwards ended)."""
+        if self.previous != ATTENTION_NAME:
+            model.set_attn_implementation(self.previous)
+            for module in model.modules():
+                module.__dict__.pop(FALLBACK, None)
+            for hook in self.hooks:
+                hook.remove()
+        self.hooks, self.is_open = (), False
+        if model.__dict__.get(SWITCH_ATTR) is self:
+            del model.__dict__[SWITCH_ATTR]
+
+    def own_forwards(self) -> int:
+        return getattr(self.begun, "depth", 0)
+
+    def _began(self, module, args) -> None:
+        self.begun.depth = self.own_forwards() + 1
+        with self.condition:
+            self.forwards += 1
+
+    def _ended(self, module, args, output) -> None:
+        depth = self.own_forwards()
+        if depth == 0:                   # it began before the switch: never counted
+            return
+        self.begun.depth = depth - 1
+        with self.condition:
+            self.forwards -= 1
+            self.condition.notify_all()
+
+
+@contextlib.contextmanager
+def switched(model):
+    """``model`` switched to ``ATTENTION_NAME`` (registered already) for the block; nested and concurrent blocks
+    share the switch (see the module doc)."""
+    while True:
+        switch = model.__dict__.setdefault(SWITCH_ATTR, _AttentionSwitch())     # atomic
+        with switch.condition:
+            if model.__dict__.get(SWITCH_ATTR) is not switch:        # closed meanwhile: take the next one
+                continue
+            if not switch.is_open:
+                switch.open(model)
+            switch.users += 1
+            break
+    try:
+        yield model
+    finally:
+        with switch.condition:
+            switch.users -= 1
+            if switch.users == 0:
+                mine = switch.own_forwards()      # this thread's own forwards cannot end while it waits
+                drained = switch.condition.wait_for(lambda: switch.users > 0 or switch.forwards <= mine,
+                                                    timeout=CLOSE_WAIT_S)
+                if not drained:
+                    log.warning("restoring %s's attention implementation while %d forward(s) of other threads that "
+                                "began during a paged call still run (waited %.0f s): they may fail",
+                                type(model).__name__, switch.forwards - mine, CLOSE_WAIT_S)
+                if switch.users == 0:
+                    switch.close(model)
