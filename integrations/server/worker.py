@@ -91,6 +91,7 @@ class EngineWorker:
         the model; see hf_paged.backends.openmp): with two teams on a machine torch keeps busy, each step
         took about a fifth longer."""
         release_openmp_workers()
+        self._refresh()                 # the pool's size in /metrics before the first request (no thread yet)
         self._thread = threading.Thread(target=self._run, name="hf_paged-engine", daemon=True)
         self._thread.start()
 
@@ -156,7 +157,6 @@ class EngineWorker:
         engine = self.engine
         try:
             with engine.session():
-                self._refresh()                   # the pool's size in /metrics before the first request
                 while True:
                     self._drain(block=not engine.has_work and not self._stop.is_set())
                     if self._abort.is_set():

@@ -11,6 +11,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import json
+import re
 import signal
 import socket
 import subprocess
@@ -477,3 +478,85 @@ def test_auto_dtype_says_what_vllm_would_do(monkeypatch):
     assert auto_dtype_note("float32", fp32) is None and auto_dtype_note("auto", bf16) is None
     monkeypatch.setattr(cpu_bf16, "cpu_flags", lambda cpuinfo="/proc/cpuinfo": {"avx2", "fma"})
     assert auto_dtype_note("auto", fp32) is None
+
+
+def test_a_pool_smaller_than_the_context_lowers_max_model_len_or_is_refused():
+    """Requests without max_tokens run to the end of the context: a pool that cannot hold one would fail them
+    all. The model's context is lowered to what the pool holds (logged); an asked --max-model-len is refused at
+    start, naming the knobs (as vLLM refuses)."""
+    model = make_model("llama")
+    app = create_app(model, chat_word_tokenizer(), served_model_name=MODEL, num_blocks=8, block_size=16)
+    assert app.state.engine.max_model_len == 128            # 8 x 16, the model's 512 would not fit
+    with pytest.raises(ValueError, match=r"--max-model-len 512 .* holds 8 blocks x 16 tokens = 128 tokens.*"
+                                         r"--kv-cache-memory-bytes.*at most 128"):
+        create_app(model, chat_word_tokenizer(), num_blocks=8, block_size=16, max_model_len=512)
+    with running(app) as url:
+        metrics = httpx.get(url + "/metrics").text             # the pool's size before any request
+        assert re.search(r"^hf_paged:kv_blocks_total\{[^}]*\} 8\.0$", metrics, re.M), metrics
+        r = httpx.post(url + "/v1/chat/completions", timeout=HANG_S,
+                       json={"model": "tiny", "messages": [{"role": "user", "content": "w5 w6"}], "temperature": 0})
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+def test_a_request_that_can_never_run_is_refused_before_its_stream_starts(server):
+    """n beyond max_num_seqs (the engine's other refusal at add time) answers 400 whether streamed or not
+    (streamed, it was a 200 whose only event was the error)."""
+    url, _ = server
+    body = {"model": MODEL, "prompt": "w5 w6", "max_tokens": 4, "n": KNOBS["max_num_seqs"] + 1, "temperature": 1}
+    for stream in (False, True):
+        r = httpx.post(url + "/v1/completions", json={**body, "stream": stream}, timeout=HANG_S)
+        assert r.status_code == 400 and "max_num_seqs" in r.json()["error"]["message"], (stream, r.text)
+
+
+def test_tokenizing_runs_off_the_event_loop(server, monkeypatch):
+    """A slow tokenization (a multi-MB prompt, a long chat template) does not stall the other clients: /health
+    answers meanwhile (it took as long as the tokenization before)."""
+    from hf_paged.integrations.server import intake
+    url, _ = server
+    tokenize, started = intake.tokenize, threading.Event()
+
+    def slow(state, text, special=True):
+        started.set()
+        time.sleep(1.5)
+        return tokenize(state, text, special)
+
+    monkeypatch.setattr(intake, "tokenize", slow)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(httpx.post, url + "/v1/completions", timeout=HANG_S,
+                             json={"model": MODEL, "prompt": "w5 w6", "max_tokens": 2, "temperature": 0})
+        assert started.wait(HANG_S)
+        start = time.perf_counter()
+        assert httpx.get(url + "/health", timeout=HANG_S).status_code == 200
+        assert time.perf_counter() - start < 1.0
+        assert answer.result().status_code == 200
+
+
+def test_serve_stops_with_status_1_when_the_engine_fails(monkeypatch):
+    """As vLLM's server, which exits when its engine dies (a supervisor restarts it): the requests running get a
+    500, later ones a 500 saying the server stops, and ``serve`` returns 1 (the process kept answering 503)."""
+    from hf_paged.integrations.server import main as server_main
+    monkeypatch.setattr(server_main, "serving_app", lambda model, config, **knobs: create_app(
+        make_model("llama"), chat_word_tokenizer(), served_model_name=MODEL, **knobs))
+    seen = {}
+
+    def run(self, sockets=None):            # stands for uvicorn's loop: one request, then the engine fails
+        worker = self.config.app.state.worker
+        worker.start()
+        worker.engine.step = lambda: (_ for _ in ()).throw(RuntimeError("device lost"))
+        done = threading.Event()
+        params = worker.engine.config
+        from hf_paged.engine.settings import resolve_generation
+        from hf_paged.integrations.server.worker import EngineFailed, Handle
+        handle = Handle([5, 6, 7], resolve_generation(None, max_new_tokens=3, do_sample=False),
+                        lambda item: (seen.setdefault("item", item), done.set()) if isinstance(item, tuple) else None)
+        worker.submit(handle)
+        assert done.wait(HANG_S) and params is not None
+        wait_for(lambda: self.should_exit, "the server being told to stop")
+        with pytest.raises(EngineFailed, match="the engine failed"):
+            worker.submit(Handle([5], handle.params, lambda item: None))
+        assert worker.in_flight == 0
+        worker.shutdown(5)
+
+    monkeypatch.setattr(uvicorn.Server, "run", run)
+    assert server_main.serve("tiny-model", log_level="warning", num_blocks=32) == 1
+    assert seen["item"][0] == "fault"
