@@ -12,6 +12,7 @@ default and help come from there.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 from dataclasses import MISSING, fields
 
@@ -120,6 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# what the 'serve' extra installs, as imported (checked before the model loads; uvicorn is imported only then)
+SERVE_MODULES = ("fastapi", "uvicorn", "prometheus_client", "llguidance")
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "demo":
@@ -127,7 +132,10 @@ def main(argv=None) -> int:
 
         return demo.main(argv[1:])
     args = build_parser().parse_args(argv)
+    missing = [name for name in SERVE_MODULES if importlib.util.find_spec(name) is None]
     try:
+        if missing:
+            raise ModuleNotFoundError(name=missing[0])
         from hf_paged.integrations.server.main import checked_options, serve
     except ImportError as exc:
         print(f"hf-paged serve needs the 'serve' extra ({exc.name} is missing): pip install 'hf-paged[serve]'",

@@ -415,16 +415,28 @@ class PagedCache(KVPools):
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: row i continues row ``beam_idx[i]``, by block-table forks (no KV copied)."""
-        order = beam_idx.tolist()
+        order = torch.as_tensor(beam_idx).tolist()
         if self.rows is None or order == list(range(len(self.rows))):
             return
+        if any(not 0 <= src < len(self.rows) for src in order):
+            raise IndexError(f"row indices {order} out of range for a cache of {len(self.rows)} rows")
         self.rows.reorder(order)
 
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep the rows ``indices`` (ids or a bool mask), in that order, as DynamicCache does."""
+        indices = torch.as_tensor(indices)
+        self.reorder_cache(indices.nonzero().flatten() if indices.dtype == torch.bool else indices.flatten())
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Each row ``repeats`` times in a row, sharing its blocks (copied on write), as DynamicCache repeats it."""
+        if self.rows is not None and len(self.rows):
+            self.reorder_cache(torch.arange(len(self.rows)).repeat_interleave(repeats))
+
     def crop(self, max_length: int) -> None:
-        """Drop columns: ``crop(-n)`` removes the last n; ``crop(0)`` keeps all (transformers 5.2x);
-        ``crop(n)`` with n > 0 keeps the first n (the older absolute-length form)."""
+        """Drop columns: ``crop(-n)`` removes the last n (all of them past the length, as DynamicCache); ``crop(0)``
+        keeps all (transformers 5.2x); ``crop(n)`` with n > 0 keeps the first n (the older absolute-length form)."""
         columns = self.get_seq_length()
-        keep = columns + max_length if max_length <= 0 else min(max_length, columns)
+        keep = max(0, columns + max_length) if max_length <= 0 else min(max_length, columns)
         if keep >= columns:
             return
         self.rows.crop(keep)

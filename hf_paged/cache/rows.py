@@ -117,16 +117,23 @@ class RowBook:
 
     # ------------------------------------------------------------ whole batch
     def reorder(self, order: list[int]) -> None:
-        """Beam search: row i continues row ``order[i]`` by table forks (no KV copied)."""
+        """Row i continues row ``order[i]`` by table forks (no KV copied): beam search's reorder (as many rows),
+        or a selection / repetition of rows (``batch_select_indices``, ``batch_repeat_interleave``)."""
         if any(self.finished):
-            raise RuntimeError("reorder_cache on a PagedCache with released (finished) rows: beam search never "
-                               "releases rows; call cache.reset() before reusing the cache for beam search")
+            raise RuntimeError("reorder_cache / batch_select_indices / batch_repeat_interleave on a PagedCache with "
+                               "released (finished) rows: beam search never releases rows; call cache.reset() "
+                               "before reusing the cache, or patch with release_finished_rows=False")
         old = self.tables
-        self.tables = [old[src] if src == row else old[src].fork(self.pool) for row, src in enumerate(order)]
-        for row, src in enumerate(order):
-            if src != row:
-                old[row].release(self.pool)
-        self.written = [torch.cat(self.written, dim=1).index_select(0, torch.tensor(order))]
+        if len(order) == len(old):          # a row that keeps its own table keeps it (no fork, no release)
+            self.tables = [old[src] if src == row else old[src].fork(self.pool) for row, src in enumerate(order)]
+            dropped = [old[row] for row, src in enumerate(order) if src != row]
+        else:
+            self.tables, dropped = [old[src].fork(self.pool) for src in order], old
+        for table in dropped:
+            table.release(self.pool)
+        self.finished, self.finish_column = [False] * len(order), [0] * len(order)
+        if self.written:
+            self.written = [torch.cat(self.written, dim=1).index_select(0, torch.tensor(order, dtype=torch.long))]
 
     def crop(self, keep: int) -> None:
         """Keep the first ``keep`` columns."""

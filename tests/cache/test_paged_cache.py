@@ -446,3 +446,37 @@ def test_misuses_are_named():
         got = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False,
                              cache_implementation="paged")
     assert torch.equal(got, model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False))
+
+
+def test_batch_selection_repetition_and_crop_as_dynamic_cache():
+    """batch_select_indices / batch_repeat_interleave (rows kept or repeated by block-table forks) and crop past the
+    length (empties, as DynamicCache; it went negative) or of an unused cache (a no-op; an AttributeError), then a
+    continuation on each: the same tokens as DynamicCache (before, selection and repetition did nothing)."""
+    model = make_model("llama", seed=31)
+    ids, mask = make_batch([6, 9, 4], seed=32)
+    kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=PAD, eos_token_id=[], return_dict_in_generate=True)
+    operations = [("batch_select_indices", torch.tensor([2, 0])),
+                  ("batch_select_indices", torch.tensor([True, False, True])), ("batch_repeat_interleave", 2)]
+    with patched(model):
+        for name, argument in operations:
+            results = []
+            for cache in (DynamicCache(config=model.config), hf_paged.PagedCache(model.config, num_blocks=64)):
+                first = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, **kw)
+                getattr(cache, name)(argument)
+                rows = torch.arange(3).repeat_interleave(2) if name == "batch_repeat_interleave" else \
+                    torch.as_tensor(argument).nonzero().flatten() if argument.dtype == torch.bool else argument
+                more = torch.randint(3, 200, (len(rows), 2), generator=torch.Generator().manual_seed(33))
+                sequences = torch.cat([first.sequences[rows], more], 1)
+                mask2 = torch.cat([mask[rows], torch.ones(len(rows), sequences.shape[1] - mask.shape[1],
+                                                          dtype=mask.dtype)], 1)
+                results.append(model.generate(input_ids=sequences, attention_mask=mask2, past_key_values=cache,
+                                              **kw).sequences)
+                if isinstance(cache, hf_paged.PagedCache):
+                    cache.check_invariants()
+            assert torch.equal(results[0], results[1]), name
+        cache = hf_paged.PagedCache(model.config, num_blocks=64)
+        cache.crop(-1)                                        # unused: nothing to drop
+        model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, **kw)
+        cache.crop(-100)
+        assert cache.get_seq_length() == 0
+        cache.check_invariants()
