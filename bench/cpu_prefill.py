@@ -67,6 +67,8 @@ def build_baseline(ref: str):
     from torch.utils import cpp_extension  # noqa: PLC0415  (setuptools, only when building)
 
     from hf_paged.backends import cpu_backend  # noqa: PLC0415
+
+    from hf_paged.backends import cpp_build
     listed = subprocess.run(["git", "-C", str(ROOT), "ls-tree", "--name-only", ref, "cuda/"], capture_output=True,
                             text=True)
     if listed.returncode != 0:
@@ -79,14 +81,14 @@ def build_baseline(ref: str):
     missing = [n for n in cpu_backend.SOURCES if n not in texts]
     if missing:
         raise SystemExit(f"--baseline {ref}: no {', '.join(missing)} in cuda/ at that commit")
-    flags = cpu_backend.cflags()
+    flags = cpp_build.cflags()
     digest = hashlib.sha1("\0".join([ref, *texts.values(), *flags]).encode()).hexdigest()[:12]
     folder = Path(tempfile.gettempdir()) / f"hf_paged_cpu_base_{digest}"
     folder.mkdir(exist_ok=True)
     for name, text in texts.items():
         (folder / name).write_text(text)
     cpp_extension.load(name=f"hf_paged_cpu_base_{digest}", sources=[str(folder / n) for n in cpu_backend.SOURCES],
-                       extra_cflags=flags, extra_ldflags=cpu_backend.LDFLAGS, is_python_module=False)
+                       extra_cflags=flags, extra_ldflags=cpp_build.LDFLAGS, is_python_module=False)
     return getattr(torch.ops, BASE_NAMESPACE).paged_attention
 
 

@@ -95,7 +95,7 @@ def build_engine(model, knobs: dict, eager: bool = False, fused_ops: bool = True
     the PyTorch attention path), for the side-by-side. ``fused_ops=False``: without the fused CPU ops.
     ``lean=False``: the fused ops through the layers' modules (hf_paged.engine.fused_lean off); ``direct=False``:
     the lean layers without their direct form (LeanLayer._direct)."""
-    from hf_paged.backends.cpu_backend import KERNEL_ENV
+    from hf_paged.backends.cpp_build import KERNEL_ENV
     from hf_paged.engine import LLM
     before = os.environ.get(KERNEL_ENV)
     os.environ[KERNEL_ENV] = "0" if eager else "1"      # read once, when the engine picks its backend

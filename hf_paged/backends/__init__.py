@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import threading
 
 import torch
 
+from .cpp_build import KERNEL_ENV, env_switch, kernel_enabled
 from .step import Step, Workspace
 from .torch_backend import TorchBackend
 
@@ -26,12 +26,10 @@ log = logging.getLogger("hf_paged.backends")
 def backend_kind(device: torch.device) -> str:
     """Which backend serves tensors on ``device`` under the current environment: "cuda", "cpu_kernel" or
     "torch"."""
-    if device.type == "cuda" and os.environ.get(FORCE_TORCH_ENV, "") not in ("1", "true", "yes"):
+    if device.type == "cuda" and not env_switch(FORCE_TORCH_ENV, False):
         return "cuda"
-    if device.type == "cpu":
-        from . import cpu_backend  # noqa: PLC0415  (its build imports torch.utils.cpp_extension)
-        if cpu_backend.kernel_enabled():
-            return "cpu_kernel"
+    if device.type == "cpu" and kernel_enabled():
+        return "cpu_kernel"
     return "torch"
 
 
@@ -81,7 +79,7 @@ def build_backend(kind: str):
         try:
             return cpu_backend.make_backend()
         except RuntimeError as err:
-            log.warning("%s; using the PyTorch path (set %s=0 to skip the build)", err, cpu_backend.KERNEL_ENV)
+            log.warning("%s; using the PyTorch path (set %s=0 to skip the build)", err, KERNEL_ENV)
     return TorchBackend()
 
 

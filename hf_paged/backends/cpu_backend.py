@@ -17,17 +17,11 @@ file: one copy per layer, -1 slots skipped without reading a mask back). Copy-on
 :mod:`torch_backend` (same pool layout).
 
 ``HF_PAGED_CPU_KERNEL=0`` keeps the PyTorch path; when the build fails (no compiler), ``select_backend``
-logs why and falls back to it.
+logs why and falls back to it. The build itself: ``cpp_build``.
 """
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
-import platform
-import re
-import sys
-from importlib import resources
 
 import torch
 
@@ -35,11 +29,10 @@ from ..kivi import KiviPool, one_call_args
 from ..kv_formats import QuantizedPool
 from ..plan import StepPlan
 from . import torch_backend
+from .cpp_build import build_extension
 from .step import Step
 
 log = logging.getLogger("hf_paged.backends")
-KERNEL_ENV = "HF_PAGED_CPU_KERNEL"
-ARCH_ENV = "HF_PAGED_CPU_ARCH"     # the builds' -march (default native): e.g. x86-64-v3 for an AVX2 build
 SOURCE = "paged_attention_cpu.cpp"
 SOURCES = (SOURCE, "paged_attention_cpu_bf16.cpp", "paged_attention_cpu_quant.cpp", "kv_write_cpu.cpp",
            "kivi_write_cpu.cpp")  # one extension
@@ -49,42 +42,6 @@ HEADERS = ("paged_attention_cpu.h", "paged_attention_cpu_util.h", "paged_attenti
 # kv_formats / kivi format -> the op's k_format / v_format (kv_codec_cpu.h's enum Format).
 FORMAT_IDS = {"int8": 0, "fp8_e4m3": 1, "fp8_e5m2": 2, "int4": 3, "nvfp4": 5}
 KIVI_KEY_ID, KIVI_VALUE_ID = 4, 3     # KIVI values: asymmetric 4-bit groups along head_dim, int4's row layout
-# -fopenmp: at::parallel_for is inline OpenMP in torch's headers (serial without it); the extension then
-# needs libgomp.so.1, which resolves to the copy torch has already loaded (one OpenMP runtime, torch's threads).
-LDFLAGS = ["-fopenmp"]
-
-
-def march() -> str:
-    """The C++ extensions' ``-march``: ``HF_PAGED_CPU_ARCH`` (default ``native``: all that this CPU has). Another
-    value builds what an older CPU runs (``x86-64-v3``: AVX2 + FMA, ``x86-64``: the scalar paths), to run or time
-    the kernels' other code paths on this machine. Read when a process first builds or loads an extension; a
-    process keeps the build it loaded."""
-    arch = os.environ.get(ARCH_ENV, "").strip() or "native"
-    if not re.fullmatch(r"[A-Za-z0-9_.+-]+", arch):
-        raise ValueError(f"{ARCH_ENV}={arch!r} is not a -march value "
-                         "(e.g. native, x86-64-v3, x86-64, armv8.2-a+fp16)")
-    return arch
-
-
-def cflags() -> list[str]:
-    """Both C++ extensions' compiler flags (``-march`` from ``march()``)."""
-    return ["-O3", f"-march={march()}", "-fopenmp", "-fno-math-errno", "-std=c++17"]
-
-
-def kernel_enabled() -> bool:
-    return os.environ.get(KERNEL_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
-
-
-def _cpu_features() -> str:
-    """The CPU's feature flags (the build uses -march=native, so a build is only valid on alike CPUs)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _registered():
@@ -98,28 +55,6 @@ def _registered():
         return torch.ops.hf_paged_cpu.paged_attention
     except (AttributeError, RuntimeError):
         return None
-
-
-def build_extension(prefix: str, sources: tuple[str, ...], headers: tuple[str, ...] = (), flags=None,
-                    what: str = "the CPU paged-attention kernel") -> None:
-    """Build (or load from torch's extension cache) the C++ ``sources`` of ``hf_paged.cuda`` into this process.
-    The library name hashes the sources, ``headers``, the flags, torch's and Python's versions and the CPU's
-    features, so a changed source or another CPU builds anew. Raises RuntimeError with the compiler's
-    complaint when it cannot be built. ``flags``: the compiler's, default ``cflags()``."""
-    from torch.utils import cpp_extension  # noqa: PLC0415  (pulls in setuptools; only when building)
-    flags = cflags() if flags is None else flags
-    folder = resources.files("hf_paged.cuda")
-    texts = [(folder / name).read_text() for name in sources + headers]
-    key = "\0".join([*texts, " ".join(flags + LDFLAGS), torch.__version__, sys.version, _cpu_features()])
-    name = prefix + hashlib.sha1(key.encode()).hexdigest()[:12]
-    log.info("building or loading %s, %s (built once per machine, ~20 s; cached by torch)", what, name)
-    try:
-        with resources.as_file(folder) as path:        # the sources include their headers from this folder
-            cpp_extension.load(name=name, sources=[str(path / n) for n in sources], extra_cflags=list(flags),
-                               extra_ldflags=LDFLAGS, is_python_module=False, verbose=False)
-    except Exception as err:    # compiler missing or failing: the caller decides whether to fall back
-        raise RuntimeError(f"could not build {what} ({', '.join(sources)}): {err}") from err
-    log.info("%s loaded", name)
 
 
 def load_kernel():

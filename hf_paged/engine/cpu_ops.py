@@ -1,5 +1,5 @@
 """The engine's compiled CPU ops, ``torch.ops.hf_paged_fused``: one extension built on first use by
-``cpu_backend.build_extension`` (cached by torch per source, flags and CPU) from
+``cpp_build.build_extension`` (cached by torch per source, flags and CPU) from
 
 - ``cuda/fused_ops_cpu.cpp``: ``rms_norm``, ``add_rms_norm``, ``rotary_``, ``silu_mul`` (``engine.fused``);
 - ``cuda/linear_cpu.cpp``: ``pack_linear`` and ``linear``, the float32 (and, built for AVX-512 BF16, bfloat16)
@@ -44,7 +44,7 @@ def load_fused_ops():
         return torch.ops.hf_paged_fused
     except (AttributeError, RuntimeError):
         pass
-    from ..backends.cpu_backend import build_extension, cflags
+    from ..backends.cpp_build import build_extension, cflags
     # -ffp-contract=off: a*b + c stays two roundings, as eager PyTorch computes it (the linear kernel's
     # fused multiply-adds are explicit intrinsics / std::fma, which this flag does not touch)
     build_extension("hf_paged_fused_", SOURCES, HEADERS, flags=[*cflags(), "-ffp-contract=off"],

@@ -3,7 +3,7 @@
 transformers' modules run RMSNorm as 6-8 small ops, rotary embedding as ~12 (q and k), SiLU·mul as 2 and
 the residual adds as more; at the engine's short steps on a CPU that per-op overhead is a fifth of a run.
 ``cuda/fused_ops_cpu.cpp`` (``torch.ops.hf_paged_fused``, built on first use by
-``cpu_backend.build_extension``, cached by torch) does each in one pass: ``rms_norm``, ``add_rms_norm``
+``cpp_build.build_extension``, cached by torch) does each in one pass: ``rms_norm``, ``add_rms_norm``
 (the layer's residual add and the next norm), ``rotary_`` (q and k in place; half-split or GLM's
 interleaved, partial rotary) and ``silu_mul``.
 

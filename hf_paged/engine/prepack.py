@@ -455,7 +455,7 @@ def kernel_takes(ops, dtype: torch.dtype, flags: set[str] | None = None) -> bool
         return False
     if dtype == torch.float32:
         if not ops.linear_hardware_fma():
-            from ..backends.cpu_backend import ARCH_ENV, march  # noqa: PLC0415  (only for this message)
+            from ..backends.cpp_build import ARCH_ENV, march  # noqa: PLC0415  (only for this message)
             log.warning("hf_paged's linear kernel was built without hardware FMA (-march=%s, %s), where its sums "
                         "would be emulated: float32 linears go through oneDNN", march(), ARCH_ENV)
             return False

@@ -14,6 +14,7 @@ import torch
 
 from hf_paged import kv_formats
 from hf_paged.backends import cpu_backend
+from hf_paged.backends import cpp_build
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +34,7 @@ def test_other_isa_builds_read_and_write_as_the_native_one(native, tmp_path, fla
     """avx512f-without-bw: the writes' AVX-512F paths (kv_encode_cpu.h, the Hadamard transform) beside the codec's
     AVX2 reads (its 16-lane paths need AVX-512BW too)."""
     needs = {"avx2", "fma"} | ({"avx512f"} if "-mavx512f" in flags else set())
-    if lanes > 1 and not needs <= set(cpu_backend._cpu_features().split()):
+    if lanes > 1 and not needs <= set(cpp_build.cpu_features().split()):
         pytest.skip(f"this CPU cannot run a {' '.join(flags)} build")
     from torch.utils import cpp_extension
     name = "hfp_cpu_" + "_".join(f.lstrip("-").replace("march=", "").replace("-", "_") for f in flags)
@@ -76,12 +77,12 @@ def test_other_isa_builds_read_and_write_as_the_native_one(native, tmp_path, fla
 
 
 def test_the_arch_knob_sets_march_and_refuses_what_is_not_one(monkeypatch):
-    monkeypatch.delenv(cpu_backend.ARCH_ENV, raising=False)
-    assert "-march=native" in cpu_backend.cflags()
-    monkeypatch.setenv(cpu_backend.ARCH_ENV, " x86-64-v3 ")
-    assert "-march=x86-64-v3" in cpu_backend.cflags() and "-march=native" not in cpu_backend.cflags()
-    monkeypatch.setenv(cpu_backend.ARCH_ENV, "armv8.2-a+fp16+dotprod")
-    assert "-march=armv8.2-a+fp16+dotprod" in cpu_backend.cflags()
-    monkeypatch.setenv(cpu_backend.ARCH_ENV, "native -O0")
+    monkeypatch.delenv(cpp_build.ARCH_ENV, raising=False)
+    assert "-march=native" in cpp_build.cflags()
+    monkeypatch.setenv(cpp_build.ARCH_ENV, " x86-64-v3 ")
+    assert "-march=x86-64-v3" in cpp_build.cflags() and "-march=native" not in cpp_build.cflags()
+    monkeypatch.setenv(cpp_build.ARCH_ENV, "armv8.2-a+fp16+dotprod")
+    assert "-march=armv8.2-a+fp16+dotprod" in cpp_build.cflags()
+    monkeypatch.setenv(cpp_build.ARCH_ENV, "native -O0")
     with pytest.raises(ValueError, match="HF_PAGED_CPU_ARCH"):
-        cpu_backend.cflags()
+        cpp_build.cflags()

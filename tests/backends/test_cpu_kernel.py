@@ -11,7 +11,7 @@ import pytest
 import torch
 from test_attention_kernels import DTYPES, assert_close, make_cache, packed_case
 
-from hf_paged.backends import BackendRegistry, backend_kind, cpu_backend, select_backend
+from hf_paged.backends import BackendRegistry, backend_kind, cpp_build, cpu_backend, select_backend
 from hf_paged.backends import torch_backend as ta
 
 HEADS = [(3, 3), (9, 3), (8, 2), (14, 2), (16, 1), (32, 1)]      # GQA 1, 3, 4, 7, 16 (MQA), 32
@@ -110,16 +110,16 @@ def test_select_backend_picks_the_kernel_and_falls_back(monkeypatch, caplog):
     cpu = torch.device("cpu")
     assert isinstance(select_backend(cpu), cpu_backend.CpuKernelBackend)
     assert select_backend(cpu) is select_backend(cpu)           # one per device and process
-    monkeypatch.setenv(cpu_backend.KERNEL_ENV, "0")
+    monkeypatch.setenv(cpp_build.KERNEL_ENV, "0")
     assert isinstance(select_backend(cpu), ta.TorchBackend)
-    monkeypatch.setenv(cpu_backend.KERNEL_ENV, "1")
+    monkeypatch.setenv(cpp_build.KERNEL_ENV, "1")
 
     def broken():
         raise RuntimeError("could not build the CPU paged-attention kernel (paged_attention_cpu.cpp): no g++")
     monkeypatch.setattr(cpu_backend, "make_backend", broken)
     with caplog.at_level(logging.WARNING, logger="hf_paged.backends"):
         assert isinstance(BackendRegistry().get(cpu, backend_kind(cpu)), ta.TorchBackend)   # a fresh process
-    assert "no g++" in caplog.text and cpu_backend.KERNEL_ENV in caplog.text
+    assert "no g++" in caplog.text and cpp_build.KERNEL_ENV in caplog.text
 
 
 def test_torch_compile_traces_the_op_without_a_graph_break(backend):

@@ -19,6 +19,7 @@ from test_attention_kernels import DTYPES, assert_close, packed_case
 
 from hf_paged import kv_formats
 from hf_paged.backends import cpu_backend, quantized_torch
+from hf_paged.backends import cpp_build
 from hf_paged.backends import torch_backend as ta
 from hf_paged.backends.synthetic import assign_blocks
 from hf_paged.kivi import KiviPool
@@ -460,7 +461,7 @@ def test_kivi_pools_on_the_cpu_use_the_kernel_backend(backend, monkeypatch):
     from hf_paged.cache import KVPools
     config = make_model("llama").config
     for env, kind in (("1", cpu_backend.CpuKernelBackend), ("0", ta.TorchBackend)):
-        monkeypatch.setenv(cpu_backend.KERNEL_ENV, env)
+        monkeypatch.setenv(cpp_build.KERNEL_ENV, env)
         pools = KVPools(config, kv_format=kv_formats.kv_format("kivi"))
         pools.allocate_pools(4, kv_formats.KIVI_BLOCK_SIZE, torch.float32, torch.device("cpu"))
         assert isinstance(pools.backend, kind)

@@ -10,7 +10,8 @@ import struct
 import pytest
 import torch
 
-from hf_paged.backends import cpu_backend
+
+from hf_paged.backends import cpp_build
 from hf_paged.engine.cpu_ops import load_fused_ops
 
 
@@ -99,7 +100,7 @@ def test_bad_arguments_are_refused_by_name(ops):
 def test_every_isa_build_gives_the_same_bits(ops, tmp_path, march):
     """The same source built for AVX2 + FMA and for plain x86-64 (its scalar std::fma path) agrees with the
     native build bit for bit (the kernel's invariant: one summation order on every CPU)."""
-    if march == "x86-64-v3" and not {"avx2", "fma"} <= set(cpu_backend._cpu_features().split()):
+    if march == "x86-64-v3" and not {"avx2", "fma"} <= set(cpp_build.cpu_features().split()):
         pytest.skip("this CPU cannot run an AVX2 build")
     from importlib import resources
 
@@ -145,8 +146,8 @@ def bf16_ops(ops):
 def test_the_native_build_has_hardware_fma(ops):
     """Every CPU this runs on in practice (x86 since AVX2, aarch64) gets FMA instructions from -march=native;
     the engine's float32 linears use the kernel only then (prepack.kernel_takes)."""
-    flags = set(cpu_backend._cpu_features().split())
-    if cpu_backend.march() != "native" or (platform.machine() == "x86_64" and "fma" not in flags):
+    flags = set(cpp_build.cpu_features().split())
+    if cpp_build.march() != "native" or (platform.machine() == "x86_64" and "fma" not in flags):
         pytest.skip("not a native build on a CPU with FMA")
     assert ops.linear_hardware_fma()
 
@@ -154,9 +155,9 @@ def test_the_native_build_has_hardware_fma(ops):
 def test_bf16_kernel_follows_the_cpu(ops):
     """Built with -march=native, the bf16 kernel is there exactly where the CPU has AVX-512 BF16; built for a
     generic x86-64 level (HF_PAGED_CPU_ARCH), never (none of them has AVX-512 BF16)."""
-    march = cpu_backend.march()
+    march = cpp_build.march()
     if march == "native":
-        assert ops.linear_bf16_available() == ("avx512_bf16" in cpu_backend._cpu_features().split())
+        assert ops.linear_bf16_available() == ("avx512_bf16" in cpp_build.cpu_features().split())
     elif march in ("x86-64", "x86-64-v2", "x86-64-v3"):
         assert not ops.linear_bf16_available()
     else:

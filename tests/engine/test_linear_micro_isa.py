@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from hf_paged.backends import cpu_backend
+
+from hf_paged.backends import cpp_build
 
 HARNESS = Path(__file__).with_name("linear_micro_check.cpp")
 # (compiler, -march, runner prefix or None for the host, expected "lanes= rows= vecs=")
@@ -30,7 +31,7 @@ def test_each_isa_build_gives_the_sequential_fma_bits(tmp_path, build):
     compiler, march, runner, tile = BUILDS[build]
     if build == "neon" and platform.machine() == "aarch64":
         compiler, march, runner = "g++", "native", None      # on an ARM host: its own compiler, run directly
-    flags = set(cpu_backend._cpu_features().split())
+    flags = set(cpp_build.cpu_features().split())
     if build != "neon" and platform.machine() != "x86_64":
         pytest.skip("the x86 builds run on an x86-64 host")
     if build == "avx512" and "avx512f" not in flags:

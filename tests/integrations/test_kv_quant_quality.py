@@ -139,11 +139,13 @@ def test_negative_control_a_quarter_step_off_fails_the_bound(monkeypatch, one_to
         shift = (0.25 if fmt.asymmetric else 0.5) * step.repeat_interleave(values.shape[-1] // step.shape[-1], -1)
         return (values + shift).to(dtype)
 
-    from hf_paged.backends import cpu_backend, quantized_torch
+    from hf_paged.backends import quantized_torch
+
+    from hf_paged.backends import cpp_build
     monkeypatch.setattr(quantized_torch, "dequantize", off_by_a_fraction)
     # The shift is put into the PyTorch codec, so the PyTorch path must run (the CPU kernel dequantises in
     # C++; tests/backends/test_cpu_kernel_quant.py holds it to this codec).
-    monkeypatch.setenv(cpu_backend.KERNEL_ENV, "0")
+    monkeypatch.setenv(cpp_build.KERNEL_ENV, "0")
     model = make_model("llama", seed=3)
     ids, mask = make_batch([9, 30, 45], seed=4)
     for name in ("int4", "int8"):
