@@ -1,8 +1,8 @@
 """``serve(model, **options)``: load, build the app, run uvicorn until SIGTERM / SIGINT or the engine fails.
 
-uvicorn handles the signals: it stops accepting, waits up to ``shutdown_timeout`` s for in-flight
-requests (then cancels them, which cancels their engine requests), and the app's lifespan joins the
-engine thread. Returns when everything is stopped. ``serving_app`` (load + build) is shared with the
+uvicorn handles the signals: it stops accepting and waits up to ``shutdown_timeout`` s for in-flight
+requests; a second before that the engine aborts those still running (each answers, finish_reason "abort"),
+and the app's lifespan joins the engine thread. Returns when everything is stopped. ``serving_app`` (load + build) is shared with the
 Ray Serve deployment (``hf_paged.integrations.ray_serve``).
 """
 from __future__ import annotations
@@ -11,6 +11,8 @@ import dataclasses
 import logging
 import signal
 import threading
+
+import uvicorn
 
 from .config import AppConfig, ServeConfig, split_options
 
@@ -63,15 +65,14 @@ def serve(model: str, **options) -> int:
     get a 500, and the server stops, as vLLM's does). ``options``: ``ServeConfig`` fields (host,
     port, api_key, served_model_name, dtype, max_queue, shutdown_timeout, max_body_bytes,
     trust_remote_code, log_level) and EngineConfig knobs."""
-    import uvicorn
-
     config, engine_knobs = split_options(options, ServeConfig)
     logging.basicConfig(level=getattr(logging, config.log_level.upper(), logging.INFO),
                         format="%(levelname)s %(name)s: %(message)s")
     app = serving_app(model, config, **engine_knobs)
-    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
-                                           timeout_graceful_shutdown=config.shutdown_timeout, access_log=False))
     worker = app.state.worker
+    server = _Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
+                                    timeout_graceful_shutdown=config.shutdown_timeout, access_log=False),
+                     on_exit=lambda: _abort_before(config.shutdown_timeout, worker))
     worker.on_failure = lambda: setattr(server, "should_exit", True)     # as vLLM: a dead engine stops the server
     # uvicorn re-raises the signal that stopped it once it is done, under the handler found at start;
     # a no-op one there makes a graceful SIGTERM / Ctrl-C end with exit status 0.
@@ -87,6 +88,28 @@ def serve(model: str, **options) -> int:
         log.error("stopped: the engine failed (%s: %s)", type(worker.error).__name__, worker.error)
         return 1
     return 0
+
+
+def _abort_before(timeout: float, worker) -> None:
+    """uvicorn cancels the requests still running ``timeout`` s after a signal, cutting their connections (a
+    plain-text 500, a stream without its end): the engine aborts them a little before, so that each answers."""
+    timer = threading.Timer(max(0.0, timeout - min(1.0, timeout / 2)), worker.cancel_all)
+    timer.daemon = True
+    timer.start()
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, telling ``on_exit`` when a signal first asks it to stop."""
+
+    def __init__(self, config, on_exit):
+        super().__init__(config)
+        self._on_exit = on_exit
+
+    def handle_exit(self, sig, frame) -> None:
+        first = not self.should_exit
+        super().handle_exit(sig, frame)
+        if first:
+            self._on_exit()
 
 
 def _stopped(signum, frame) -> None:

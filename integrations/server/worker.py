@@ -135,6 +135,11 @@ class EngineWorker:
             handle.cancelled = True
             self._commands.put(("cancel", handle))
 
+    def cancel_all(self) -> None:
+        """Cancel every request in flight (a stopping server's last second: each ends as an answer with
+        finish_reason "abort", a stream with its [DONE], instead of a connection cut by uvicorn)."""
+        self._commands.put(("cancel_all", None))
+
     def shutdown(self, timeout: float) -> bool:
         """Stop accepting, let in-flight requests finish for ``timeout`` s, cancel the rest, join.
         Returns True when the thread is gone."""
@@ -206,6 +211,9 @@ class EngineWorker:
                 self._add(handle)
             elif kind == "cancel":
                 self._cancel(handle)
+            elif kind == "cancel_all":
+                for active in list(self._active.values()):
+                    self._cancel(active)
             changed = changed or kind != "wake"
             try:
                 wait = min(COALESCE_GAP_S, deadline - time.perf_counter()) if block and kind == "add" else 0.0

@@ -403,7 +403,8 @@ def _free_port() -> int:
 @pytest.mark.slow
 def test_real_server_chat_and_sigterm(tmp_path):
     """``python -m hf_paged serve smollm2``: a chat completion through the real chat template, then SIGTERM
-    while a request streams: the process stops accepting, cancels it within --shutdown-timeout, exits 0."""
+    while a request streams: the process stops accepting, aborts it a second before --shutdown-timeout (it ends
+    with finish_reason "abort" and [DONE]), exits 0."""
     pytest.importorskip("gguf")
     from hf_paged.integrations.smollm2 import gguf_path
 
@@ -455,8 +456,8 @@ def test_real_server_chat_and_sigterm(tmp_path):
         events = [json.loads(line.removeprefix("data: ")) for line in rest if line.startswith("data: {")]
         assert not any("error" in e for e in events), events
         reasons = {choice["finish_reason"] for e in events for choice in e["choices"]}
-        assert reasons <= {None, "abort"}, reasons         # cancelled by the shutdown, not run to its end
-        assert cut or "data: [DONE]" in rest               # a stream that ends cleanly ends with [DONE]
+        assert "abort" in reasons and reasons <= {None, "abort"}, reasons     # aborted by the shutdown, not cut
+        assert not cut and "data: [DONE]" in rest         # it ends as a stream ends (uvicorn cut it before)
     finally:
         if proc.poll() is None:
             proc.kill()
