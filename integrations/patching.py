@@ -42,7 +42,27 @@ class PatchState:
     prefix_cache_bytes: int | None = None    # prefix caching across calls: its budget, None = off
     prefix_store: PrefixStore | None = None  # built on the first paged call that wants it
     prefix_weights: tuple | None = None      # the weights its K/V were computed with (``weights_key``)
+    running: int = 0                         # paged generate calls in progress (unpatch refuses meanwhile)
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
+    def __getstate__(self) -> dict:
+        """A copy (deepcopy, pickle) of a patched model: no calls running, a lock and prefix store of its own
+        (the store's pools and lock are this model's; the copy's first paged call that wants one builds it)."""
+        return {**self.__dict__, "running": 0, "lock": None, "prefix_store": None, "prefix_weights": None}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, lock=threading.Lock())
+
+    @contextlib.contextmanager
+    def paged_call(self):
+        """One paged generate call, counted from its start to its end (see ``unpatch``)."""
+        with self.lock:
+            self.running += 1
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.running -= 1
 
 
 def _plan_hook(decoder, args, kwargs):
@@ -157,15 +177,26 @@ class PatchedGenerate:
 
     def __call__(self, *args, **kwargs):
         model = self.model
-        state = getattr(model, STATE_ATTR)
-        if state.temporary_owner not in (None, threading.get_ident()):
+        state = getattr(model, STATE_ATTR, None)
+        if state is None:                       # unpatched by another thread since this call looked generate up
+            return type(model).generate.__get__(model)(*args, **kwargs)
+        paged = _asks_paged(model, args, kwargs)
+        if paged and state.temporary_owner not in (None, threading.get_ident()):
             raise RuntimeError(_CONCURRENT_OPT_IN)
 
         def record(cache):
             state.last_stats = cache.stats()
-        return paged_generate(model, self._underneath(), args, kwargs, state.cache_options, record,
-                              scope=lambda: use_paged_attention(model),
-                              prefix_store=lambda c: _prefix_store(state, c, model))
+        with state.paged_call() if paged else contextlib.nullcontext():
+            return paged_generate(model, self._underneath(), args, kwargs, state.cache_options, record,
+                                  scope=lambda: use_paged_attention(model),
+                                  prefix_store=lambda c: _prefix_store(state, c, model))
+
+
+def _asks_paged(model, args: tuple, kwargs: dict) -> bool:
+    """Whether a generate call asks for a paged cache ("paged" anywhere generate reads it, or a PagedCache)."""
+    generation_config = kwargs.get("generation_config", args[1] if len(args) > 1 else None)
+    passed = kwargs.get("cache", kwargs.get("past_key_values"))
+    return wants_paged(kwargs, generation_config, model) or isinstance(passed, PagedCache)
 
 
 def _prefix_budget(enabled: bool, budget_bytes: int | None) -> int | None:
@@ -196,6 +227,10 @@ def unpatch(model):
     state = getattr(model, STATE_ATTR, None)
     if state is None:
         return model
+    with state.lock:
+        if state.running:
+            raise RuntimeError(f"unpatch while {state.running} paged generate call(s) run on this model (here or in "
+                               "other threads): their forwards need the patch's hooks. Unpatch after they return.")
     for hook in state.hooks:
         hook.remove()
     if state.instance_generate is None:
@@ -242,9 +277,7 @@ def _global_generate(original):
 
     @functools.wraps(original)
     def generate(self, *args, **kwargs):
-        generation_config = kwargs.get("generation_config", args[1] if len(args) > 1 else None)
-        passed = kwargs.get("cache", kwargs.get("past_key_values"))      # a PagedCache of the user's asks too
-        if not wants_paged(kwargs, generation_config, self) and not isinstance(passed, PagedCache):
+        if not _asks_paged(self, args, kwargs):          # a PagedCache of the user's asks too
             return original(self, *args, **kwargs)
         with lock:
             state = getattr(self, STATE_ATTR, None)
@@ -264,7 +297,18 @@ def _global_generate(original):
                 if getattr(self, STATE_ATTR, None) is state and state.temporary_owner is not None:
                     unpatch(self)         # not if patch() made it permanent meanwhile
     generate.__hf_paged_original__ = original
+    generate.__hf_paged_opt_in__ = _OptIn()
     return generate
+
+
+class _OptIn:
+    """The opt-in's own record, on the installed generate: ``enabled()`` blocks open (in any thread) and whether
+    ``enable()`` was called outside them. The last block out disables only an opt-in no ``enable()`` asked for."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.blocks = 0
+        self.explicit = False
 
 
 def enable() -> None:
@@ -275,6 +319,13 @@ def enable() -> None:
     - ``pipeline("text-generation", model=patched_model)(list_of_prompts)`` runs the list through the
       continuous-batching engine (single prompts and beam search keep the stock path).
     Undo with ``disable()``. Idempotent."""
+    from transformers.generation.utils import GenerationMixin
+
+    _install()
+    GenerationMixin.generate.__hf_paged_opt_in__.explicit = True
+
+
+def _install() -> None:
     from transformers import TextGenerationPipeline
     from transformers.generation.utils import GenerationMixin
 
@@ -307,11 +358,19 @@ def is_enabled() -> bool:
 
 @contextlib.contextmanager
 def enabled():
-    """``with hf_paged.enabled(): ...`` — ``enable()`` for the block, restored after."""
-    was = is_enabled()
-    enable()
+    """``with hf_paged.enabled(): ...`` — the opt-in for the block; blocks may nest and overlap across threads: the
+    last one out disables it, unless ``enable()`` turned it on for good."""
+    from transformers.generation.utils import GenerationMixin
+
+    _install()
+    opt_in = GenerationMixin.generate.__hf_paged_opt_in__
+    with opt_in.lock:
+        opt_in.blocks += 1
     try:
         yield
     finally:
-        if not was:
+        with opt_in.lock:
+            opt_in.blocks -= 1
+            last = opt_in.blocks == 0 and not opt_in.explicit
+        if last and GenerationMixin.generate.__dict__.get("__hf_paged_opt_in__") is opt_in:
             disable()

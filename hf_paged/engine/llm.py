@@ -10,6 +10,9 @@
 """
 from __future__ import annotations
 
+import contextlib
+import threading
+
 from collections.abc import Mapping
 from dataclasses import fields
 
@@ -34,6 +37,27 @@ class LLM:
     def __init__(self, model, tokenizer=None, **knobs):
         self.engine = Engine(model, tokenizer, **knobs)
         self.last_ids: list[int] = []           # the latest call's request ids, in input order
+        self._lock = threading.Lock()
+        self._owner: int | None = None          # the thread whose calls run (generate, or a stream not finished)
+        self._calls = 0
+
+    @contextlib.contextmanager
+    def _owned(self):
+        """One thread's calls at a time (the engine's steps and records are not shared between threads)."""
+        me = threading.get_ident()
+        with self._lock:
+            if self._owner not in (None, me):
+                raise RuntimeError("this LLM is running another thread's generate or stream: an LLM serves one thread "
+                                   "at a time. Give each thread its own LLM (several may share one model), or finish "
+                                   "or close() the other thread's stream first.")
+            self._owner, self._calls = me, self._calls + 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._calls -= 1
+                if self._calls == 0:
+                    self._owner = None
 
     def stream(self, prompts, settings=None, *, on_token=None, use_tqdm: bool | None = None, **common):
         """Queue every prompt, then yield a TokenEvent per new token until all are done.
@@ -46,8 +70,12 @@ class LLM:
         ``use_tqdm``: a progress bar (default: for lists of
         ``TQDM_MIN_REQUESTS`` or more, when tqdm is installed). A call that raises (an ``on_token`` callback,
         KeyboardInterrupt) or a stream closed before its end cancels its unfinished requests: their blocks go
-        back and no later call runs them.
+        back and no later call runs them. One thread's calls at a time: another thread's call meanwhile raises.
         """
+        with self._owned():
+            yield from self._stream(prompts, settings, on_token, use_tqdm, common)
+
+    def _stream(self, prompts, settings, on_token, use_tqdm, common):
         engine = self.engine
         self._forget_last()
         prompts = prompt_list(prompts)
@@ -94,11 +122,12 @@ class LLM:
         A request that fails alone (e.g. prompt + max new tokens over the model's context or the pool)
         does not raise: its output has ``error`` (the message) and ``finish_reason == "error"``, no
         outputs, and ``outputs[0]`` / ``sequences`` raise RuntimeError with that message."""
-        for _ in self.stream(prompts, settings, on_token=on_token, use_tqdm=use_tqdm, **common):
-            pass
-        self.engine.log_stats()
-        outputs = [self.engine.output(rid) for rid in self.last_ids]
-        self._forget_last()
+        with self._owned():
+            for _ in self.stream(prompts, settings, on_token=on_token, use_tqdm=use_tqdm, **common):
+                pass
+            self.engine.log_stats()
+            outputs = [self.engine.output(rid) for rid in self.last_ids]
+            self._forget_last()
         return outputs
 
     def _forget_last(self) -> None:

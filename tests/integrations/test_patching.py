@@ -415,3 +415,121 @@ def test_unpatch_leaves_the_user_s_own_cache_implementation():
     assert model.generation_config.cache_implementation == "static"
     hf_paged.unpatch(model)
     assert model.generation_config.cache_implementation == "static"
+
+
+def test_an_interrupted_forward_of_another_thread_does_not_hold_the_switch():
+    """A KeyboardInterrupt inside a plain forward begun while switched (torch's always-called hooks miss it):
+    the paged call's end does not wait for it (it waited the 300 s limit)."""
+    import threading
+    import time
+    model = make_model("llama", seed=24)
+    ids, mask = make_batch([5, 9], seed=3)
+    switch = hf_paged.use_paged_attention(model)
+    switch.__enter__()
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    hook = model.model.layers[0].register_forward_pre_hook(interrupt)
+    box = {}
+
+    def plain():
+        try:
+            with torch.no_grad():
+                model(input_ids=ids, attention_mask=mask)
+        except KeyboardInterrupt:
+            box["interrupted"] = True
+
+    thread = threading.Thread(target=plain)
+    thread.start()
+    thread.join(30)
+    hook.remove()
+    start = time.perf_counter()
+    switch.__exit__(None, None, None)
+    assert box == {"interrupted": True} and time.perf_counter() - start < 5
+    assert model.config._attn_implementation == "sdpa" and "forward" not in model.model.__dict__
+
+
+def test_unpatch_is_refused_while_paged_calls_run():
+    """Unpatching under a running paged call (another thread's, or from inside it) removed the hooks its next
+    forwards needed: the call went on with a stale step plan and 2 of 3 such calls gave wrong tokens silently."""
+    from transformers import StoppingCriteriaList
+    model = make_model("llama", seed=25)
+    ids, mask = make_batch([6, 3], seed=4)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    want = model.generate(**kw)
+    refused = []
+
+    def try_unpatch(input_ids, scores, **kwargs):
+        with pytest.raises(RuntimeError, match="unpatch while 1 paged generate call"):
+            hf_paged.unpatch(model)
+        refused.append(True)
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    hf_paged.patch(model)
+    got = model.generate(cache_implementation="paged", stopping_criteria=StoppingCriteriaList([try_unpatch]), **kw)
+    assert refused and torch.equal(got, want) and hf_paged.is_patched(model)
+    hf_paged.unpatch(model)
+    assert not hf_paged.is_patched(model)
+
+
+def test_the_opt_in_lets_other_threads_plain_calls_through_and_its_blocks_overlap():
+    """While one thread's enabled() call has the model patched for it, another thread's plain generate runs (it
+    raised the two-threads error in 29 of 30 calls); overlapping blocks keep the opt-in until the last leaves."""
+    from transformers import StoppingCriteriaList
+    model = make_model("llama", seed=26)
+    ids, mask = make_batch([6, 3], seed=5)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    want = model.generate(**kw)
+    gate = _Gate()
+    with hf_paged.enabled():
+        thread, box = _in_thread(lambda: model.generate(cache_implementation="paged",
+                                                        stopping_criteria=StoppingCriteriaList([gate]), **kw))
+        assert gate.entered.wait(60)
+        try:
+            assert torch.equal(model.generate(**kw), want)          # another thread's plain call
+        finally:
+            gate.release.set()
+            thread.join(60)
+    assert "error" not in box and torch.equal(box["value"], want)
+    first, second = hf_paged.enabled(), hf_paged.enabled()
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)                                # another thread's block leaves first
+    assert hf_paged.is_enabled()
+    second.__exit__(None, None, None)
+    assert not hf_paged.is_enabled()
+    with hf_paged.enabled():
+        hf_paged.enable()                                           # asked for good: the block leaves it on
+    assert hf_paged.is_enabled()
+    hf_paged.disable()
+    assert not hf_paged.is_enabled()
+
+
+def test_an_llm_serves_one_thread_at_a_time():
+    """Another thread's call while a stream is open raises, naming what to do (it failed inside the engine
+    with internal errors: 'EngineCache.update ran outside ModelRunner.execute', a plan of other tokens)."""
+    model = make_model("llama", seed=27)
+    llm = hf_paged.LLM(model, max_num_seqs=4)
+    stream = llm.stream([[5, 6, 7], [8, 9]], max_new_tokens=6)
+    next(stream)
+    thread, box = _in_thread(lambda: llm.generate([[4, 5]], max_new_tokens=2))
+    thread.join(60)
+    assert isinstance(box.get("error"), RuntimeError) and "one thread at a time" in str(box["error"])
+    stream.close()
+    thread, box = _in_thread(lambda: llm.generate([[4, 5]], max_new_tokens=2))
+    thread.join(60)
+    assert "error" not in box and len(box["value"][0].completions[0].token_ids) == 2
+
+
+def test_a_model_patched_with_prefix_caching_copies_after_a_call():
+    import copy
+    import pickle
+    model = make_model("qwen2", seed=28)
+    ids, mask = make_batch([9, 9], seed=6)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    hf_paged.patch(model, enable_prefix_caching=True)
+    first = model.generate(cache_implementation="paged", **kw)
+    for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        assert torch.equal(clone.generate(cache_implementation="paged", **kw), first)
+    hf_paged.unpatch(model)
