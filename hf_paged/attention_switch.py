@@ -42,6 +42,7 @@ class _AttentionSwitch:
         self.forwards = 0
         self.previous: str | None = None
         self.decoder = self.own_forward = None     # the decoder whose forward is counted, and its forward before
+        self.counting = None                       # the counting forward set on it
         self.is_open = False
         self.begun = threading.local()       # .depth: this thread's forwards counted in ``forwards``
 
@@ -52,10 +53,10 @@ class _AttentionSwitch:
         for module in model.modules():               # plain attributes: no parameter, buffer or config
             module.__dict__[FALLBACK] = self.previous
         decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
-        own = decoder.__dict__.get("forward")            # an instance forward of someone else's (accelerate), or None
-        self.decoder, self.own_forward = decoder, own
+        own = decoder.__dict__.get("forward")       # an instance forward of someone else's (accelerate), or None
         underneath = own if own is not None else type(decoder).forward.__get__(decoder)
-        decoder.forward = functools.partial(self._counted, underneath)
+        self.decoder, self.own_forward = decoder, own
+        self.counting = decoder.forward = functools.partial(self._counted, underneath)
         model.set_attn_implementation(ATTENTION_NAME)
 
     def close(self, model) -> None:
@@ -64,12 +65,12 @@ class _AttentionSwitch:
             model.set_attn_implementation(self.previous)
             for module in model.modules():
                 module.__dict__.pop(FALLBACK, None)
-            if isinstance(self.decoder.__dict__.get("forward"), functools.partial):     # ours (nobody replaced it)
+            if self.decoder.__dict__.get("forward") is self.counting:       # ours (nobody replaced it meanwhile)
                 if self.own_forward is None:
                     del self.decoder.forward
                 else:
                     self.decoder.forward = self.own_forward
-        self.decoder = self.own_forward = None
+        self.decoder = self.own_forward = self.counting = None
         self.is_open = False
         if model.__dict__.get(SWITCH_ATTR) is self:
             del model.__dict__[SWITCH_ATTR]

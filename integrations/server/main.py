@@ -2,8 +2,8 @@
 
 uvicorn handles the signals: it stops accepting and waits up to ``shutdown_timeout`` s for in-flight
 requests; a second before that the engine aborts those still running (each answers, finish_reason "abort"),
-and the app's lifespan joins the engine thread. Returns when everything is stopped. ``serving_app`` (load + build) is shared with the
-Ray Serve deployment (``hf_paged.integrations.ray_serve``).
+and the app's lifespan joins the engine thread. Returns when everything is stopped. ``serving_app`` (load +
+build) is shared with the Ray Serve deployment (``hf_paged.integrations.ray_serve``).
 """
 from __future__ import annotations
 
