@@ -35,12 +35,14 @@ class PoolExhaustedError(RuntimeError):
         super().__init__(f"KV pool exhausted: {what}. {hint}")
 
 
-def blocks_for_budget(budget_bytes: int, bytes_per_token: int, block_size: int, knob: str) -> int:
-    """How many blocks of ``block_size`` tokens a KV budget holds; ``knob`` names the setting in errors."""
+def blocks_for_budget(budget_bytes: int, bytes_per_token: int, block_size: int, knob: str, source: str = "") -> int:
+    """How many blocks of ``block_size`` tokens a KV budget holds; ``knob`` names the setting in errors, ``source``
+    where the budget came from when the user did not set it."""
     per_block = bytes_per_token * block_size
     blocks = int(budget_bytes) // per_block
     if blocks < 1:
-        raise ValueError(f"{knob}={budget_bytes} bytes holds no block: one block of {block_size} tokens takes "
+        came = f" ({source})" if source else ""
+        raise ValueError(f"{knob}={budget_bytes} bytes{came} holds no block: one block of {block_size} tokens takes "
                          f"{per_block} bytes for this model. Raise {knob} or lower block_size.")
     return blocks
 

@@ -88,6 +88,7 @@ def kv_pool_blocks(config: EngineConfig, bytes_per_token: int, max_model_len: in
     if config.num_blocks is not None:
         blocks, how = config.num_blocks, "num_blocks"
     else:
+        source = ""
         if device.type == "cuda" and config.kv_cache_memory_bytes is None:
             budget = _gpu_kv_budget(config, device, profile)
             how, knob = f"gpu_memory_utilization={config.gpu_memory_utilization}", "gpu_memory_utilization budget"
@@ -98,8 +99,10 @@ def kv_pool_blocks(config: EngineConfig, bytes_per_token: int, max_model_len: in
             need = config.max_num_seqs * (max_model_len + config.block_size) * bytes_per_token
             budget = min(_CPU_DEFAULT_CAP, available_bytes() // 10, need)
             how = "CPU default: min(512 MiB, 10% of available memory, max_num_seqs full-length sequences)"
-            knob = "kv_cache_memory_bytes (CPU default)"
-        blocks = blocks_for_budget(budget, bytes_per_token, config.block_size, knob)
+            knob = "kv_cache_memory_bytes"
+            source = "unset: the CPU default, the smallest of 512 MiB, 10% of the available memory and what " \
+                     "max_num_seqs full-length sequences need"
+        blocks = blocks_for_budget(budget, bytes_per_token, config.block_size, knob, source)
     log.info("KV pool: %d blocks x %d tokens x %d B/token = %.1f MiB (%s)", blocks, config.block_size,
              bytes_per_token, blocks * bytes_per_token * config.block_size / 2**20, how)
     return blocks

@@ -434,3 +434,12 @@ def test_weights_the_first_forward_re_lays_are_not_new_weights():
     second = engine.add_request([8, 9], max_new_tokens=2, do_sample=False)        # raised before
     engine.run()
     assert engine.output(first).finished and engine.output(second).finished
+
+
+def test_a_cpu_default_pool_too_small_says_where_its_size_came_from(monkeypatch):
+    """On a machine with almost no memory free the default KV budget holds no block: the error says the budget
+    was the unset knob's default and how that is sized (it read 'kv_cache_memory_bytes (CPU default)=10240')."""
+    monkeypatch.setattr("hf_paged.engine.config.available_bytes", lambda: 100 * 1024)
+    with pytest.raises(ValueError, match=r"kv_cache_memory_bytes=10240 bytes \(unset: the CPU default, .*10% of the "
+                                         r"available memory.*\) holds no block.*Raise kv_cache_memory_bytes"):
+        LLM(make_model("llama"))
