@@ -148,10 +148,9 @@ def _make_default(model, state: PatchState, default: bool) -> None:
     """Make "paged" the generation config's cache_implementation (default), or put back what was there before
     patch made it so; a value the user set themselves is left alone."""
     config = model.generation_config
-    if default and not state.made_default:
-        state.default_cache_implementation, state.made_default = config.cache_implementation, True
-        config.cache_implementation = "paged"
-    elif default:
+    if default:
+        if not state.made_default:
+            state.default_cache_implementation, state.made_default = config.cache_implementation, True
         config.cache_implementation = "paged"
     elif state.made_default:
         config.cache_implementation, state.made_default = state.default_cache_implementation, False

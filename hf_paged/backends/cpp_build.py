@@ -81,8 +81,8 @@ def cpu_features() -> str:
 def build_extension(prefix: str, sources: tuple[str, ...], headers: tuple[str, ...] = (), flags=None,
                     what: str = "the CPU paged-attention kernel") -> None:
     """Build (or load from torch's extension cache) the C++ ``sources`` of ``hf_paged.cuda`` into this process.
-    Raises RuntimeError with the compiler's complaint when it cannot be built (once per process and build: a
-    later call raises at once, saying so). ``flags``: the compiler's, default ``cflags()``."""
+    Raises RuntimeError with the compiler's complaint when it cannot be built (tried once per process and build:
+    a later call raises the same error at once). ``flags``: the compiler's, default ``cflags()``."""
     failure = _built(prefix, tuple(sources), tuple(headers), tuple(cflags() if flags is None else flags), what)
     if failure is not None:
         raise RuntimeError(failure)

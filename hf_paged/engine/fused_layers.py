@@ -68,11 +68,12 @@ class DecoderLayer(_Fused):
                  position_embeddings=None, past_key_values=None, **kwargs):
         m = self.module
         cache = cache if cache is not None else past_key_values
-        lean = self.lean if self.here() else None
+        here = self.here()
+        lean = self.lean if here else None
         if lean is not None and not kwargs.get("output_attentions") and \
                 lean.applies(hidden_states, position_embeddings, cache):
             return lean(hidden_states, position_embeddings, cache, kwargs)
-        if not (self.here() and _usable(hidden_states, m)):
+        if not (here and _usable(hidden_states, m)):
             return self.own(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
                             use_cache=use_cache, position_embeddings=position_embeddings, **{self.cache_kw: cache},
                             **kwargs)
