@@ -118,27 +118,35 @@ constexpr bool kHasBf16 = true;
 constexpr bool kHasBf16 = false;
 #endif
 
-// Work items over (panel, row block) for `rows` rows and `steps` weight steps of 128 bytes per panel; calls
-// run(mode, panel, first row, row count, next-panel line offset, lines, first pass) for each (see linear).
+// Work items over (column unit, row block) for `rows` rows and `steps` weight steps of 128 bytes per panel; calls
+// run(mode, unit, first row, row count, next-panel line offset, lines, first pass) for each (see linear). A unit
+// is a panel, except in compute-bound calls that take a narrower tile (compute_slices units per panel, each a
+// column slice, with row blocks of up to compute_rows).
 template <typename Run>
-void for_each_item(int64_t rows, int64_t steps, int64_t panels, const Run& run) {
+void for_each_item(int64_t rows, int64_t steps, int64_t panels, int64_t compute_rows, int64_t compute_slices,
+                   const Run& run) {
   // Row blocks of equal size (32 rows: 11 + 11 + 10, not 14 + 14 + 4); a row's outputs do not depend on its block.
-  const int64_t row_blocks = (rows + kRows - 1) / kRows;
-  const int64_t block_rows = (rows + row_blocks - 1) / row_blocks, panel_lines = steps * 2;
-  const int64_t share = (panel_lines + row_blocks - 1) / row_blocks;  // kShared: next-panel lines per pass
+  int64_t row_blocks = (rows + kRows - 1) / kRows;
   const Stream mode = row_blocks == 1 ? Stream::kSingle
                       : row_blocks <= kMaxStreamedPasses ? Stream::kShared : Stream::kCompute;
-  // Items panel-major: a thread's consecutive items reuse one panel's weights from its cache while the rows
-  // of x (read in place) pass by. (Copying row chunks of x k-major and looping panels inside them measured
-  // slower here, 1.0-1.3x the time at 64-512 rows.)
-  at::parallel_for(0, panels * row_blocks, 1, [&](int64_t begin, int64_t end) {
+  int64_t units = panels;
+  if (mode == Stream::kCompute) {
+    row_blocks = (rows + compute_rows - 1) / compute_rows;
+    units = panels * compute_slices;
+  }
+  const int64_t block_rows = (rows + row_blocks - 1) / row_blocks, panel_lines = steps * 2;
+  const int64_t share = (panel_lines + row_blocks - 1) / row_blocks;  // kShared: next-panel lines per pass
+  // Items unit-major: a thread's consecutive items reuse one panel's (or slice's) weights from its cache while
+  // the rows of x (read in place) pass by. (Copying row chunks of x k-major and looping panels inside them
+  // measured slower here, 1.0-1.3x the time at 64-512 rows.)
+  at::parallel_for(0, units * row_blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t p = item / row_blocks, block = item % row_blocks, r0 = block * block_rows;
+      const int64_t u = item / row_blocks, block = item % row_blocks, r0 = block * block_rows;
       const int64_t count = std::min<int64_t>(block_rows, rows - r0);
       // kShared: this pass's share of the next panel's lines
       const int64_t first = std::min(block * share, panel_lines);
-      const int64_t lines = mode == Stream::kShared && p + 1 < panels ? std::min(share, panel_lines - first) : 0;
-      run(mode, p, r0, count, (p + 1) * panel_lines + first, lines, block == 0);
+      const int64_t lines = mode == Stream::kShared && u + 1 < panels ? std::min(share, panel_lines - first) : 0;
+      run(mode, u, r0, count, (u + 1) * panel_lines + first, lines, block == 0);
     }
   });
 }
@@ -223,8 +231,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::opti
     const uint16_t* wd = reinterpret_cast<const uint16_t*>(packed.data_ptr());
     const uint16_t* bd = static_cast<const uint16_t*>(bias_ptr);
     uint16_t* od = reinterpret_cast<uint16_t*>(out.data_ptr());
-    for_each_item(rows, steps, panels, [&](Stream mode, int64_t p, int64_t r0, int64_t count, int64_t next_line,
-                                           int64_t lines, bool own) {
+    for_each_item(rows, steps, panels, kRows, 1, [&](Stream mode, int64_t p, int64_t r0, int64_t count,
+                                                     int64_t next_line, int64_t lines, bool own) {
       const auto& micros = mode == Stream::kSingle ? kBf16Single : mode == Stream::kShared ? kBf16Shared : kBf16Compute;
       const int64_t col = p * kPanel;
       micros[count - 1](xd + r0 * ldx, ldx, k, wd + p * steps * width, od + r0 * n + col, n,
@@ -238,15 +246,23 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::opti
   const float* wd = packed.data_ptr<float>();
   const float* bd = static_cast<const float*>(bias_ptr);
   float* od = out.data_ptr<float>();
-  const int64_t slice = kVecs * kLanes;
-  for_each_item(rows, k, panels, [&](Stream mode, int64_t p, int64_t r0, int64_t count, int64_t next_line,
-                                     int64_t lines, bool own) {
-    const auto& micros = mode == Stream::kSingle ? kMicroSingle : mode == Stream::kShared ? kMicroShared : kMicroCompute;
+  for_each_item(rows, k, panels, kComputeRows, kComputeSlices, [&](Stream mode, int64_t u, int64_t r0, int64_t count,
+                                                                   int64_t next_line, int64_t lines, bool own) {
+    if (mode == Stream::kCompute) {       // u: one column slice of the compute tile's width
+      const int64_t slice = kComputeVecs * kLanes, p = u / kComputeSlices, s = u % kComputeSlices;
+      const int64_t col = p * kPanel + s * slice, width = std::min<int64_t>(slice, n - col);
+      if (width > 0)
+        kMicroCompute[count - 1](xd + r0 * ldx, ldx, k, wd + p * k * kPanel + s * slice, od + r0 * n + col, n,
+                                 width, bd ? bd + col : nullptr, nullptr, 0, own);
+      return;
+    }
+    const auto& micros = mode == Stream::kSingle ? kMicroSingle : kMicroShared;
+    const int64_t slice = kVecs * kLanes;
     lines /= kSlices;                     // split between the panel's column slices
     for (int64_t s = 0; s < kSlices; ++s) {
-      const int64_t col = p * kPanel + s * slice, width = std::min<int64_t>(slice, n - col);
+      const int64_t col = u * kPanel + s * slice, width = std::min<int64_t>(slice, n - col);
       if (width <= 0) break;
-      micros[count - 1](xd + r0 * ldx, ldx, k, wd + p * k * kPanel + s * slice, od + r0 * n + col, n, width,
+      micros[count - 1](xd + r0 * ldx, ldx, k, wd + u * k * kPanel + s * slice, od + r0 * n + col, n, width,
                         bd ? bd + col : nullptr, lines ? wd + (next_line + s * lines) * 16 : nullptr, lines, own);
     }
   });

@@ -29,7 +29,6 @@ constexpr int64_t kPanel = 32;          // output columns per packed panel (the 
 // (already at the memory floor). Into L2 rather than L1 gave the first ~10%, the next panel's stream the rest.
 constexpr int64_t kAheadL2 = 4096;      // into L2 (16 KiB ahead): L1's fill buffers stay free for loads
 constexpr int64_t kAheadL1 = 2048;      // into L1 (8 KiB ahead), from a panel that sits in L2
-constexpr int kMaxStreamedPasses = 16;  // up to this many row blocks, the next panel streams during them
 
 // How a micro-kernel call prefetches, by the number of row blocks (passes) that read one panel:
 //   kSingle: one pass; the panel itself streams from memory into L2 (decode steps up to kRows rows).
@@ -43,6 +42,9 @@ enum class Stream { kSingle, kShared, kCompute };
 constexpr int kLanes = 16;
 constexpr int kRows = 14;               // 14 rows x 2 vectors = 28 of 32 zmm accumulators
 constexpr int kVecs = 2;                // vectors per row of a micro-kernel: kVecs * kLanes columns
+constexpr int kComputeRows = kRows;     // the tile of compute-bound calls (Stream::kCompute)
+constexpr int kComputeVecs = kVecs;
+constexpr int kMaxStreamedPasses = 16;  // up to this many row blocks, the next panel streams during them
 using V = __m512;
 inline V vzero() { return _mm512_setzero_ps(); }
 inline V vload(const float* p) { return _mm512_loadu_ps(p); }
@@ -54,9 +56,17 @@ inline V vfma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
 // vector into the FMAs' memory operand. Against 6 rows x 2 vectors over two 16-column slices (each pass reading
 // half of every 128-byte panel row), on Zen 4 with an -march=x86-64-v3 build, SmolLM2's shapes, one process:
 // 1.18x -> 1.05x the AVX-512 build's time at 14 rows, 1.07x -> 1.03x at 32, equal at 1-8 and 128-512 rows.
+// Calls of 16 rows or more (more than kMaxStreamedPasses row blocks) take 6 rows x 2 vectors instead: each
+// weight vector then serves 6 rows, not 3, which halves what the FMAs ask of L2. On a Zen 3 (AVX2 only, 512 KiB
+// L2), 2 threads, SmolLM2's 30 layers, 2026-12-07: 1.5x (128 rows) and 1.3x (512) the speed of the 3 x 4 tile
+// (a standalone copy of both); with the accumulator fix below, the kernel went from 0.66-0.73x oneDNN's speed
+// at 32-512 rows to 0.96-1.08x (325 -> 190 ms a step at 128 rows, 1142 -> 659 at 512; python -m bench linear).
 constexpr int kLanes = 8;
 constexpr int kRows = 3;
 constexpr int kVecs = 4;
+constexpr int kComputeRows = 6;
+constexpr int kComputeVecs = 2;
+constexpr int kMaxStreamedPasses = 5;   // 16+ rows: the compute tile (measured faster at 20 and 48 rows, equal at 14-32)
 using V = __m256;
 inline V vzero() { return _mm256_setzero_ps(); }
 inline V vload(const float* p) { return _mm256_loadu_ps(p); }
@@ -71,6 +81,9 @@ inline V vfma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
 constexpr int kLanes = 4;
 constexpr int kRows = 5;
 constexpr int kVecs = 4;
+constexpr int kComputeRows = kRows;
+constexpr int kComputeVecs = kVecs;
+constexpr int kMaxStreamedPasses = 16;
 using V = float32x4_t;
 inline V vzero() { return vdupq_n_f32(0.f); }
 inline V vload(const float* p) { return vld1q_f32(p); }
@@ -81,6 +94,9 @@ inline V vfma(V a, V b, V c) { return vfmaq_f32(c, a, b); }
 constexpr int kLanes = 8;
 constexpr int kRows = 4;
 constexpr int kVecs = 2;
+constexpr int kComputeRows = kRows;
+constexpr int kComputeVecs = kVecs;
+constexpr int kMaxStreamedPasses = 16;
 struct V {
   float x[kLanes];
 };
@@ -104,6 +120,7 @@ inline void prefetch_l2(const float* p) { __builtin_prefetch(p, 0, 2); }
 #endif
 
 constexpr int kSlices = kPanel / (kVecs * kLanes);  // column slices of a panel (2 with NEON and scalar, else 1)
+constexpr int kComputeSlices = kPanel / (kComputeVecs * kLanes);  // the same for the compute tile
 
 // One weight step's prefetches (128 bytes at wk, float32's k or bf16's pair of k): its own panel ahead into L2
 // (kSingle, and kShared's first pass) or from L2 into L1 (the other passes), and kShared's due share of the next
@@ -122,30 +139,44 @@ inline void prefetch_step(const float* wk, bool own, const float*& next, int64_t
     for (due += next_lines; due >= steps; due -= steps, next += 16) prefetch_l2(next);
 }
 
-// rows x (kVecs * kLanes) outputs of one column slice of a panel: x rows [ROWS][ldx], panel slice w (k-th row at
+// rows x (VECS * kLanes) outputs of one column slice of a panel: x rows [ROWS][ldx], panel slice w (k-th row at
 // w + k * kPanel), results to out (row stride ldo; `width` of the slice's columns are kept), plus bias when given.
 // `next`/`next_lines` (kShared only): the 64-byte lines of the next panel this pass prefetches, spread evenly
 // over its K steps; `own` (kShared): whether this pass also prefetches its own panel (the first pass does).
-template <int ROWS, Stream kMode>
+// The accumulators are one array per vector, indexed only in fully unrolled loops: with one [ROWS][VECS] array
+// GCC 12 kept the AVX2 tile in registers but stored all twelve to the stack on every k (half the FMA rate).
+template <int ROWS, int VECS, Stream kMode>
 void micro(const float* x, int64_t ldx, int64_t K, const float* w, float* out, int64_t ldo, int64_t width,
            const float* bias, const float* next, int64_t next_lines, bool own) {
+  static_assert(VECS >= 1 && VECS <= 4, "a tile row is 1 to 4 vectors");
   int64_t due = 0;  // kShared: next_lines * k, less K for every line prefetched so far
-  V acc[ROWS][kVecs];
-  for (int r = 0; r < ROWS; ++r)
-    for (int v = 0; v < kVecs; ++v) acc[r][v] = vzero();
-  for (int64_t k = 0; k < K; ++k) {
-    const float* wk = w + k * kPanel;
+  V a0[ROWS], a1[ROWS], a2[ROWS], a3[ROWS];
+#pragma GCC unroll 16
+  for (int r = 0; r < ROWS; ++r) a0[r] = a1[r] = a2[r] = a3[r] = vzero();
+  const float* wk = w;
+  const float* xk = x;
+  for (int64_t k = 0; k < K; ++k, wk += kPanel, ++xk) {
     prefetch_step<kMode>(wk, own, next, next_lines, K, due);
-    V wv[kVecs];
-    for (int v = 0; v < kVecs; ++v) wv[v] = vload(wk + v * kLanes);
+    const V w0 = vload(wk);
+    const V w1 = VECS > 1 ? vload(wk + kLanes) : w0;
+    const V w2 = VECS > 2 ? vload(wk + 2 * kLanes) : w0;
+    const V w3 = VECS > 3 ? vload(wk + 3 * kLanes) : w0;
+#pragma GCC unroll 16
     for (int r = 0; r < ROWS; ++r) {
-      const V xv = vset1(x[r * ldx + k]);
-      for (int v = 0; v < kVecs; ++v) acc[r][v] = vfma(xv, wv[v], acc[r][v]);
+      const V xv = vset1(xk[r * ldx]);
+      a0[r] = vfma(xv, w0, a0[r]);
+      if (VECS > 1) a1[r] = vfma(xv, w1, a1[r]);
+      if (VECS > 2) a2[r] = vfma(xv, w2, a2[r]);
+      if (VECS > 3) a3[r] = vfma(xv, w3, a3[r]);
     }
   }
-  float tile[kVecs * kLanes];
+  float tile[VECS * kLanes];
+#pragma GCC unroll 16
   for (int r = 0; r < ROWS; ++r) {
-    for (int v = 0; v < kVecs; ++v) vstore(tile + v * kLanes, acc[r][v]);
+    vstore(tile, a0[r]);
+    if (VECS > 1) vstore(tile + kLanes, a1[r]);
+    if (VECS > 2) vstore(tile + 2 * kLanes, a2[r]);
+    if (VECS > 3) vstore(tile + 3 * kLanes, a3[r]);
     float* o = out + r * ldo;
     for (int64_t c = 0; c < width; ++c) o[c] = bias ? tile[c] + bias[c] : tile[c];
   }
@@ -154,12 +185,12 @@ void micro(const float* x, int64_t ldx, int64_t K, const float* w, float* out, i
 using Micro = void (*)(const float*, int64_t, int64_t, const float*, float*, int64_t, int64_t, const float*,
                        const float*, int64_t, bool);
 
-template <Stream kMode, int... R>
+template <int VECS, Stream kMode, int... R>
 constexpr auto micro_table(std::integer_sequence<int, R...>) {
-  return std::array<Micro, sizeof...(R)>{&micro<R + 1, kMode>...};
+  return std::array<Micro, sizeof...(R)>{&micro<R + 1, VECS, kMode>...};
 }
-const auto kMicroSingle = micro_table<Stream::kSingle>(std::make_integer_sequence<int, kRows>{});
-const auto kMicroShared = micro_table<Stream::kShared>(std::make_integer_sequence<int, kRows>{});
-const auto kMicroCompute = micro_table<Stream::kCompute>(std::make_integer_sequence<int, kRows>{});
+const auto kMicroSingle = micro_table<kVecs, Stream::kSingle>(std::make_integer_sequence<int, kRows>{});
+const auto kMicroShared = micro_table<kVecs, Stream::kShared>(std::make_integer_sequence<int, kRows>{});
+const auto kMicroCompute = micro_table<kComputeVecs, Stream::kCompute>(std::make_integer_sequence<int, kComputeRows>{});
 
 }  // namespace hfp_linear

@@ -32,8 +32,9 @@ def sequential_fma(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return acc if bias is None else acc + bias
 
 
-# Up to 14 rows a panel is read once (the kernel's Stream::kSingle), 15-224 rows by 2-16 row blocks that stream
-# the next panel (kShared), more by more blocks (kCompute); the last panel of a call streams nothing ahead.
+# AVX-512: up to 14 rows a panel is read once (the kernel's Stream::kSingle), 15-224 rows by 2-16 row blocks that
+# stream the next panel (kShared), more by more blocks (kCompute); the last panel of a call streams nothing ahead.
+# AVX2: 1-3 rows kSingle, 4-15 kShared, 16+ kCompute with its own tile (6 rows x 16 columns, slice by slice).
 @pytest.mark.parametrize("rows,n,k,bias", [(1, 64, 64, False), (13, 100, 37, True), (14, 96, 70, False),
                                            (15, 33, 16, True), (29, 200, 64, True), (64, 32, 9, False),
                                            (240, 70, 33, True)])

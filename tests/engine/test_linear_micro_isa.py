@@ -17,12 +17,12 @@ import pytest
 from hf_paged.backends import cpp_build
 
 HARNESS = Path(__file__).with_name("linear_micro_check.cpp")
-# (compiler, -march, runner prefix or None for the host, expected "lanes= rows= vecs=")
+# (compiler, -march, runner prefix or None for the host, expected "lanes= rows= vecs= compute=")
 BUILDS = {
-    "avx512": ("g++", "native", None, "lanes=16 rows=14 vecs=2"),
-    "avx2": ("g++", "x86-64-v3", None, "lanes=8 rows=3 vecs=4"),
-    "scalar": ("g++", "x86-64", None, "lanes=8 rows=4 vecs=2"),
-    "neon": ("aarch64-linux-gnu-g++", "armv8-a", "qemu-aarch64-static", "lanes=4 rows=5 vecs=4"),
+    "avx512": ("g++", "native", None, "lanes=16 rows=14 vecs=2 compute=14x2"),
+    "avx2": ("g++", "x86-64-v3", None, "lanes=8 rows=3 vecs=4 compute=6x2"),
+    "scalar": ("g++", "x86-64", None, "lanes=8 rows=4 vecs=2 compute=4x2"),
+    "neon": ("aarch64-linux-gnu-g++", "armv8-a", "qemu-aarch64-static", "lanes=4 rows=5 vecs=4 compute=5x4"),
 }
 
 
