@@ -197,8 +197,8 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, const at::Tensor& 
 }
 
 // Test hook: how many of the 2^30 pairs (x, s), x an fp32 in [1, 2), s a bf16 in [1, 2), divide_by_reciprocal
-// (kv_encode_cpu.h, the fp8 scale search's division) gets other than x / s; -1 where the build has no AVX-512 (then
-// the search divides).
+// (kv_encode_cpu.h, the fp8 scale search's division; AVX-512's or AVX2's) gets other than x / s; -1 where the build
+// has neither (then the search divides).
 int64_t exact_division_failures() {
 #if defined(__AVX512F__)
   std::vector<int64_t> failures(128, 0);
@@ -219,13 +219,33 @@ int64_t exact_division_failures() {
   int64_t total = 0;
   for (const int64_t f : failures) total += f;
   return total;
+#elif defined(__AVX2__) && defined(__FMA__)
+  std::vector<int64_t> failures(128, 0);
+  at::parallel_for(0, 128, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t k = begin; k < end; ++k) {
+      const float s = hfp_codec::from_bits(0x3F800000u | static_cast<uint32_t>(k) << 16);
+      const __m256 scale = _mm256_set1_ps(s), reciprocal = _mm256_set1_ps(1.0f / s);
+      const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+      int64_t wrong = 0;
+      for (uint32_t m = 0; m < (1u << 23); m += 8) {
+        const __m256 x = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(0x3F800000u | m)), lane));
+        wrong += __builtin_popcount(_mm256_movemask_ps(_mm256_cmp_ps(hfp_codec::divide_by_reciprocal(x, scale, reciprocal),
+                                                                     _mm256_div_ps(x, scale), _CMP_NEQ_UQ)));
+      }
+      failures[k] = wrong;
+    }
+  });
+  int64_t total = 0;
+  for (const int64_t f : failures) total += f;
+  return total;
 #else
   return -1;
 #endif
 }
 
 // Test hook: how many normal-range magnitudes y in [2^(1 - B), code_max] of e4m3 and e5m2 (every fp32 there)
-// fp8_rounded_normal (kv_encode_cpu.h, the search's rounding) rounds otherwise than fp8_rounded; -1 without AVX-512.
+// fp8_rounded_normal (kv_encode_cpu.h, the search's rounding; AVX-512's or AVX2's) rounds otherwise than
+// fp8_rounded; -1 without either.
 int64_t fp8_rounding_failures() {
 #if defined(__AVX512F__)
   auto count = [](auto rounded_normal, auto rounded, int bias, float code_max) {
@@ -250,6 +270,29 @@ int64_t fp8_rounding_failures() {
   };
   return count([](__m512 y) { return hfp_codec::fp8_rounded_normal<3, 7>(y); }, hfp_codec::fp8_rounded<3, 7>, 7, 448.f) +
          count([](__m512 y) { return hfp_codec::fp8_rounded_normal<2, 15>(y); }, hfp_codec::fp8_rounded<2, 15>, 15, 57344.f);
+#elif defined(__AVX2__) && defined(__FMA__)
+  auto count = [](auto rounded_normal, auto rounded, int bias, float code_max) {
+    const uint32_t low = static_cast<uint32_t>(128 - bias) << 23, high = hfp_codec::bits_of(code_max);
+    std::vector<int64_t> failures(64, 0);
+    const uint32_t span = (high - low) / 64 + 1;
+    at::parallel_for(0, 64, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t part = begin; part < end; ++part) {
+        const uint32_t from = low + static_cast<uint32_t>(part) * span, to = std::min(high + 1, from + span);
+        alignas(32) float y[8], got[8];
+        for (uint32_t u = from; u < to; u += 8) {
+          const uint32_t lanes = std::min<uint32_t>(8, to - u);
+          for (uint32_t l = 0; l < 8; ++l) y[l] = hfp_codec::from_bits(u + std::min(l, lanes - 1));
+          _mm256_store_ps(got, rounded_normal(_mm256_load_ps(y)));
+          for (uint32_t l = 0; l < lanes; ++l) failures[part] += hfp_codec::bits_of(got[l]) != hfp_codec::bits_of(rounded(y[l]));
+        }
+      }
+    });
+    int64_t total = 0;
+    for (const int64_t f : failures) total += f;
+    return total;
+  };
+  return count([](__m256 y) { return hfp_codec::fp8_rounded_normal<3, 7>(y); }, hfp_codec::fp8_rounded<3, 7>, 7, 448.f) +
+         count([](__m256 y) { return hfp_codec::fp8_rounded_normal<2, 15>(y); }, hfp_codec::fp8_rounded<2, 15>, 15, 57344.f);
 #else
   return -1;
 #endif

@@ -3,7 +3,8 @@ codec's scalar paths) and for AVX2 + AVX-512F without AVX-512BW compile, dequant
 kv_formats does (bit for bit where a value is one product; within 1 ulp where the SIMD path fuses a
 multiply-add), and write the native build's codes and rotate as it does, bit for bit.
 The native build (-march=native) is what the other tests run; on an AVX-512 machine this is what keeps the
-AVX2 code paths (nvfp4's table lookup, the 8-lane nibble blocks) built and right."""
+AVX2 code paths (nvfp4's table lookup, the 8-lane nibble blocks, fp8's F16C read and its 8-lane scale
+search) built and right."""
 from __future__ import annotations
 
 import platform

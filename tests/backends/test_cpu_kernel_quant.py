@@ -530,15 +530,16 @@ def test_write_searches_the_fp8_scale_as_kv_formats(backend, name, d):
 
 def test_division_by_reciprocal_is_exact_on_every_mantissa(backend):
     """The fp8 search divides through a reciprocal and one correction (Markstein's theorem); exhaustively: every
-    fp32 mantissa over every bf16 one gives x / s bit for bit (-1: a build without AVX-512, which divides)."""
-    want = 0 if torch.ops.hf_paged_cpu.codec_lanes() == 16 else -1
+    fp32 mantissa over every bf16 one gives x / s bit for bit (-1: a scalar build, without AVX-512 or AVX2, which
+    divides)."""
+    want = 0 if torch.ops.hf_paged_cpu.codec_lanes() > 1 else -1
     assert torch.ops.hf_paged_cpu.exact_division_failures() == want
 
 
 def test_the_search_rounds_every_normal_fp8_magnitude_as_the_codec(backend):
-    """The AVX-512 search rounds normal magnitudes by Veltkamp's splitting instead of integer steps; exhaustively:
-    every fp32 in e4m3's and e5m2's normal range rounds as fp8_rounded (-1: a build without AVX-512)."""
-    want = 0 if torch.ops.hf_paged_cpu.codec_lanes() == 16 else -1
+    """The vector search (AVX-512 or AVX2) rounds normal magnitudes by Veltkamp's splitting instead of integer
+    steps; exhaustively: every fp32 in e4m3's and e5m2's normal range rounds as fp8_rounded (-1: a scalar build)."""
+    want = 0 if torch.ops.hf_paged_cpu.codec_lanes() > 1 else -1
     assert torch.ops.hf_paged_cpu.fp8_rounding_failures() == want
 
 
