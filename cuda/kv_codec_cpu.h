@@ -377,12 +377,23 @@ inline __m512 hadamard_lanes(__m512 v) {
   constexpr __mmask16 kUpper = H == 8 ? 0xFF00 : H == 4 ? 0xF0F0 : H == 2 ? 0xCCCC : 0xAAAA;
   return _mm512_mask_sub_ps(_mm512_add_ps(v, partner), kUpper, partner, v);
 }
+#elif defined(__AVX2__)
+// The same inside an 8-lane vector (h = 4, 2, 1).
+template <int H>
+inline __m256 hadamard_lanes(__m256 v) {
+  __m256 partner;
+  if constexpr (H == 4) partner = _mm256_permute2f128_ps(v, v, 0x01);        // 128-bit halves swapped
+  else if constexpr (H == 2) partner = _mm256_permute_ps(v, 0x4E);           // 64-bit pairs swapped
+  else partner = _mm256_permute_ps(v, 0xB1);                                 // neighbours swapped
+  constexpr int kUpper = H == 4 ? 0xF0 : H == 2 ? 0xCC : 0xAA;
+  return _mm256_blend_ps(_mm256_add_ps(v, partner), _mm256_sub_ps(partner, v), kUpper);
+}
 #endif
 
 // x <- x H for that matrix (symmetric, so also x H^T): the fast Walsh-Hadamard transform, D log D additions
 // instead of D^2 multiply-adds, then the 1/sqrt(D) scale. With AVX-512 and D a multiple of 16 (the stages
-// below 16 inside each vector, the others between vectors) every element sees the scalar loop's additions
-// in the same order: the same result bit for bit.
+// below 16 inside each vector, the others between vectors; AVX2: 8 and 8) every element sees the scalar loop's
+// additions in the same order: the same result bit for bit.
 inline void hadamard_row(float* x, int64_t d, float scale) {
 #if defined(__AVX512F__)
   if (d % 16 == 0 && d <= 256) {
@@ -400,6 +411,22 @@ inline void hadamard_row(float* x, int64_t d, float scale) {
         }
     const __m512 s = _mm512_set1_ps(scale);
     for (int64_t i = 0; i < n; ++i) _mm512_storeu_ps(x + 16 * i, _mm512_mul_ps(v[i], s));
+    return;
+  }
+#elif defined(__AVX2__)
+  if (d % 8 == 0 && d <= 256) {      // as above, 8 lanes: the stages below 8 inside each vector
+    __m256 v[32];
+    const int64_t n = d / 8;
+    for (int64_t i = 0; i < n; ++i)
+      v[i] = hadamard_lanes<4>(hadamard_lanes<2>(hadamard_lanes<1>(_mm256_loadu_ps(x + 8 * i))));
+    for (int64_t h = 1; h < n; h *= 2)
+      for (int64_t i = 0; i < n; i += 2 * h)
+        for (int64_t j = i; j < i + h; ++j) {
+          const __m256 a = v[j], b = v[j + h];
+          v[j] = _mm256_add_ps(a, b), v[j + h] = _mm256_sub_ps(a, b);
+        }
+    const __m256 s = _mm256_set1_ps(scale);
+    for (int64_t i = 0; i < n; ++i) _mm256_storeu_ps(x + 8 * i, _mm256_mul_ps(v[i], s));
     return;
   }
 #endif

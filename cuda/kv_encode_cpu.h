@@ -149,6 +149,17 @@ inline void store_nibbles(__m512i codes, uint8_t* out) {
   const __m128i bytes = _mm512_cvtepi64_epi8(_mm512_or_si512(codes, _mm512_srli_epi64(codes, 28)));
   _mm_storel_epi64(reinterpret_cast<__m128i*>(out), bytes);
 }
+#elif defined(__AVX2__)
+// 8 int32 codes 0..15 -> 4 bytes, the same packing: the low byte of each 64-bit lane, gathered per 128-bit half.
+inline void store_nibbles(__m256i codes, uint8_t* out) {
+  const __m256i pairs = _mm256_or_si256(codes, _mm256_srli_epi64(codes, 28));
+  const __m256i gather = _mm256_setr_epi8(0, 8, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                          0, 8, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+  const __m256i bytes = _mm256_shuffle_epi8(pairs, gather);
+  const uint32_t word = static_cast<uint32_t>(_mm256_extract_epi16(bytes, 0)) |
+                        static_cast<uint32_t>(_mm256_extract_epi16(bytes, 8)) << 16;
+  std::memcpy(out, &word, sizeof word);
+}
 #endif
 
 // Asymmetric int4 row: S / 2 groups along D, (max - min) / 15 and the minimum, codes 0..15 two per byte.
@@ -172,6 +183,29 @@ inline void encode_int4(const float* x, int64_t d, int64_t num_scales, uint8_t* 
       for (int64_t i = 0; i < group; i += 16) {
         const __m512i c = _mm512_cvtps_epi32(_mm512_div_ps(_mm512_sub_ps(_mm512_loadu_ps(in + i), m), s));
         store_nibbles(_mm512_min_epi32(_mm512_max_epi32(c, _mm512_setzero_si512()), _mm512_set1_epi32(15)),
+                      codes + (g * group + i) / 2);
+      }
+      continue;
+    }
+#elif defined(__AVX2__)
+    if (group % 8 == 0) {             // the AVX-512 steps above, 8 lanes at a time
+      const float* in = x + g * group;
+      __m256 low = _mm256_set1_ps(in[0]), high = low;
+      for (int64_t i = 0; i < group; i += 8) {
+        const __m256 v = _mm256_loadu_ps(in + i);
+        low = _mm256_min_ps(v, low), high = _mm256_max_ps(v, high);
+      }
+      alignas(32) float lows[8], highs[8];
+      _mm256_store_ps(lows, low);
+      _mm256_store_ps(highs, high);
+      float lo = lows[0], hi = highs[0];                 // no NaN in the lanes: the order does not matter
+      for (int l = 1; l < 8; ++l) lo = std::min(lo, lows[l]), hi = std::max(hi, highs[l]);
+      scales[g] = stored_scale((hi - lo) / 15.f);
+      scales[groups + g] = to_bf16(lo);
+      const __m256 s = _mm256_set1_ps(bf16(scales[g])), m = _mm256_set1_ps(bf16(scales[groups + g]));
+      for (int64_t i = 0; i < group; i += 8) {
+        const __m256i c = _mm256_cvtps_epi32(_mm256_div_ps(_mm256_sub_ps(_mm256_loadu_ps(in + i), m), s));
+        store_nibbles(_mm256_min_epi32(_mm256_max_epi32(c, _mm256_setzero_si256()), _mm256_set1_epi32(15)),
                       codes + (g * group + i) / 2);
       }
       continue;
@@ -481,6 +515,24 @@ inline void e2m1_group(const float* in, float step, uint8_t* out) {
                              _mm512_cmpgt_epi32_mask(code, _mm512_setzero_si512());
   store_nibbles(_mm512_mask_or_epi32(code, negative, code, _mm512_set1_epi32(8)), out);
 }
+#elif defined(__AVX2__)
+// The same, 8 lanes at a time: each threshold's mask (all ones: -1) subtracted from the code.
+inline void e2m1_group(const float* in, float step, uint8_t* out) {
+  for (int half = 0; half < 2; ++half) {
+    const __m256 v = _mm256_div_ps(_mm256_loadu_ps(in + 8 * half), _mm256_set1_ps(step)), a = abs8(v);
+    __m256i code = _mm256_setzero_si256();
+    const auto count = [&](float threshold, int predicate) {
+      const __m256 mask = predicate == _CMP_GT_OQ ? _mm256_cmp_ps(a, _mm256_set1_ps(threshold), _CMP_GT_OQ)
+                                                  : _mm256_cmp_ps(a, _mm256_set1_ps(threshold), _CMP_GE_OQ);
+      code = _mm256_sub_epi32(code, _mm256_castps_si256(mask));
+    };
+    count(0.25f, _CMP_GT_OQ), count(0.75f, _CMP_GE_OQ), count(1.25f, _CMP_GT_OQ), count(1.75f, _CMP_GE_OQ);
+    count(2.5f, _CMP_GT_OQ), count(3.5f, _CMP_GE_OQ), count(5.f, _CMP_GT_OQ);
+    const __m256i negative = _mm256_and_si256(_mm256_castps_si256(_mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_LT_OQ)),
+                                              _mm256_cmpgt_epi32(code, _mm256_setzero_si256()));
+    store_nibbles(_mm256_or_si256(code, _mm256_and_si256(negative, _mm256_set1_epi32(8))), out + 4 * half);
+  }
+}
 #endif
 
 inline void encode_nvfp4(const float* x, int64_t d, int64_t, uint8_t* codes, uint16_t* scales) {
@@ -493,8 +545,8 @@ inline void encode_nvfp4(const float* x, int64_t d, int64_t, uint8_t* codes, uin
     codes[d / 2 + g] = group;
     const float step = fp8_value<3, 7>(group) * row;
     if (!(step > 0.f)) continue;                                             // a zero group: codes 0
-#if defined(__AVX512F__)
-    static_assert(kNvfp4Group == 16, "one vector per group");
+#if defined(__AVX512F__) || defined(__AVX2__)
+    static_assert(kNvfp4Group == 16, "one AVX-512 vector or two AVX2 vectors per group");
     e2m1_group(in, step, codes + g * kNvfp4Group / 2);
 #else
     for (int64_t i = 0; i < kNvfp4Group; ++i) {
