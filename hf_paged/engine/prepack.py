@@ -165,8 +165,9 @@ def library_rows(vendor: str | None = None, flags: set[str] | None = None) -> in
     for every step 1.15x on the short workload and 1.21x with prompts up to 1,024 tokens), and on the same CPU
     with everything built for / limited to AVX2 (the stand-in for Zen 2 / Zen 3; ``HF_PAGED_CPU_ARCH=x86-64-v3``,
     ``MKL_ENABLE_INSTRUCTIONS=AVX2``, ``ONEDNN_MAX_CPU_ISA=AVX2``): F.linear 1.24x / 1.19x / 1.09x the kernel's
-    time at 128 / 256 / 512 rows, MKL's packed copy 1.34x / 1.26x / 1.17x. So on AMD CPUs with AVX-512 or AVX2 +
-    FMA the kernel takes every step (and a row's result never depends on the step it came in). Elsewhere (Intel,
+    time at 128 / 256 / 512 rows, MKL's packed copy 1.34x / 1.26x / 1.17x; on a real Zen 3 (AVX2 only, 2026-12-07,
+    after the AVX2 tile's fix) oneDNN 1.06-1.08x the kernel's time at 128-512 rows. So on AMD CPUs with AVX-512 or
+    AVX2 + FMA the kernel takes every step (and a row's result never depends on the step it came in). Elsewhere (Intel,
     or a vendor not reported) the library over ``LIBRARY_ROWS``. ``$HF_PAGED_LIBRARY_GEMM`` = 1 /
     0 forces either way; ``vendor`` and ``flags``: /proc/cpuinfo's (read when None)."""
     forced = library_forced()
