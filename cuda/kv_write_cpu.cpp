@@ -196,47 +196,61 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, const at::Tensor& 
   }
 }
 
-// Test hook: how many of the 2^30 pairs (x, s), x an fp32 in [1, 2), s a bf16 in [1, 2), divide_by_reciprocal
-// (kv_encode_cpu.h, the fp8 scale search's division; AVX-512's or AVX2's) gets other than x / s; -1 where the build
-// has neither (then the search divides).
-int64_t exact_division_failures() {
 #if defined(__AVX512F__)
-  std::vector<int64_t> failures(128, 0);
-  at::parallel_for(0, 128, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t k = begin; k < end; ++k) {
-      const float s = hfp_codec::from_bits(0x3F800000u | static_cast<uint32_t>(k) << 16);
-      const __m512 scale = _mm512_set1_ps(s), reciprocal = _mm512_set1_ps(1.0f / s);
-      const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-      int64_t wrong = 0;
-      for (uint32_t m = 0; m < (1u << 23); m += 16) {
-        const __m512 x = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(0x3F800000u | m)), lane));
-        wrong += __builtin_popcount(_mm512_cmp_ps_mask(hfp_codec::divide_by_reciprocal(x, scale, reciprocal),
-                                                       _mm512_div_ps(x, scale), _CMP_NEQ_UQ));
+// The test hooks' vectors: the search's own width (16 lanes with AVX-512, 8 with AVX2 + FMA).
+constexpr uint32_t kHookLanes = 16;
+using HookVec = __m512;
+inline HookVec hook_load(const float* p) { return _mm512_load_ps(p); }
+inline void hook_store(float* p, HookVec v) { _mm512_store_ps(p, v); }
+inline HookVec hook_set1(float a) { return _mm512_set1_ps(a); }
+#define HFP_SEARCH_HOOKS 1
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr uint32_t kHookLanes = 8;
+using HookVec = __m256;
+inline HookVec hook_load(const float* p) { return _mm256_load_ps(p); }
+inline void hook_store(float* p, HookVec v) { _mm256_store_ps(p, v); }
+inline HookVec hook_set1(float a) { return _mm256_set1_ps(a); }
+#define HFP_SEARCH_HOOKS 1
+#endif
+
+#if defined(HFP_SEARCH_HOOKS)
+// How many of the fp32 bit patterns [from, to) `vector` maps otherwise than `scalar` does (both given one
+// pattern's float; vector a whole HookVec of them), over 64 parts in parallel.
+template <typename Vector, typename Scalar>
+int64_t count_mismatches(uint32_t from, uint32_t to, const Vector& vector, const Scalar& scalar) {
+  std::vector<int64_t> failures(64, 0);
+  const uint32_t span = (to - from) / 64 + 1;
+  at::parallel_for(0, 64, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t part = begin; part < end; ++part) {
+      const uint32_t lo = from + static_cast<uint32_t>(part) * span, hi = std::min(to, lo + span);
+      alignas(64) float x[kHookLanes], got[kHookLanes];
+      for (uint32_t u = lo; u < hi; u += kHookLanes) {
+        const uint32_t lanes = std::min(kHookLanes, hi - u);
+        for (uint32_t l = 0; l < kHookLanes; ++l) x[l] = hfp_codec::from_bits(u + std::min(l, lanes - 1));
+        hook_store(got, vector(hook_load(x)));
+        for (uint32_t l = 0; l < lanes; ++l) failures[part] += hfp_codec::bits_of(got[l]) != hfp_codec::bits_of(scalar(x[l]));
       }
-      failures[k] = wrong;
     }
   });
   int64_t total = 0;
   for (const int64_t f : failures) total += f;
   return total;
-#elif defined(__AVX2__) && defined(__FMA__)
-  std::vector<int64_t> failures(128, 0);
-  at::parallel_for(0, 128, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t k = begin; k < end; ++k) {
-      const float s = hfp_codec::from_bits(0x3F800000u | static_cast<uint32_t>(k) << 16);
-      const __m256 scale = _mm256_set1_ps(s), reciprocal = _mm256_set1_ps(1.0f / s);
-      const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-      int64_t wrong = 0;
-      for (uint32_t m = 0; m < (1u << 23); m += 8) {
-        const __m256 x = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(0x3F800000u | m)), lane));
-        wrong += __builtin_popcount(_mm256_movemask_ps(_mm256_cmp_ps(hfp_codec::divide_by_reciprocal(x, scale, reciprocal),
-                                                                     _mm256_div_ps(x, scale), _CMP_NEQ_UQ)));
-      }
-      failures[k] = wrong;
-    }
-  });
+}
+#endif
+
+// Test hook: how many of the 2^30 pairs (x, s), x an fp32 in [1, 2), s a bf16 in [1, 2), divide_by_reciprocal
+// (kv_encode_cpu.h, the fp8 scale search's division; AVX-512's or AVX2's) gets other than x / s; -1 where the build
+// has neither (then the search divides).
+int64_t exact_division_failures() {
+#if defined(HFP_SEARCH_HOOKS)
   int64_t total = 0;
-  for (const int64_t f : failures) total += f;
+  for (uint32_t k = 0; k < 128; ++k) {
+    const float s = hfp_codec::from_bits(0x3F800000u | k << 16);
+    const HookVec scale = hook_set1(s), reciprocal = hook_set1(1.0f / s);
+    total += count_mismatches(0x3F800000u, 0x40000000u,
+                              [&](HookVec x) { return hfp_codec::divide_by_reciprocal(x, scale, reciprocal); },
+                              [&](float x) { return x / s; });
+  }
   return total;
 #else
   return -1;
@@ -247,52 +261,11 @@ int64_t exact_division_failures() {
 // fp8_rounded_normal (kv_encode_cpu.h, the search's rounding; AVX-512's or AVX2's) rounds otherwise than
 // fp8_rounded; -1 without either.
 int64_t fp8_rounding_failures() {
-#if defined(__AVX512F__)
-  auto count = [](auto rounded_normal, auto rounded, int bias, float code_max) {
-    const uint32_t low = static_cast<uint32_t>(128 - bias) << 23, high = hfp_codec::bits_of(code_max);
-    std::vector<int64_t> failures(64, 0);
-    const uint32_t span = (high - low) / 64 + 1;
-    at::parallel_for(0, 64, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t part = begin; part < end; ++part) {
-        const uint32_t from = low + static_cast<uint32_t>(part) * span, to = std::min(high + 1, from + span);
-        alignas(64) float y[16], got[16];
-        for (uint32_t u = from; u < to; u += 16) {
-          const uint32_t lanes = std::min<uint32_t>(16, to - u);
-          for (uint32_t l = 0; l < 16; ++l) y[l] = hfp_codec::from_bits(u + std::min(l, lanes - 1));
-          _mm512_store_ps(got, rounded_normal(_mm512_load_ps(y)));
-          for (uint32_t l = 0; l < lanes; ++l) failures[part] += hfp_codec::bits_of(got[l]) != hfp_codec::bits_of(rounded(y[l]));
-        }
-      }
-    });
-    int64_t total = 0;
-    for (const int64_t f : failures) total += f;
-    return total;
-  };
-  return count([](__m512 y) { return hfp_codec::fp8_rounded_normal<3, 7>(y); }, hfp_codec::fp8_rounded<3, 7>, 7, 448.f) +
-         count([](__m512 y) { return hfp_codec::fp8_rounded_normal<2, 15>(y); }, hfp_codec::fp8_rounded<2, 15>, 15, 57344.f);
-#elif defined(__AVX2__) && defined(__FMA__)
-  auto count = [](auto rounded_normal, auto rounded, int bias, float code_max) {
-    const uint32_t low = static_cast<uint32_t>(128 - bias) << 23, high = hfp_codec::bits_of(code_max);
-    std::vector<int64_t> failures(64, 0);
-    const uint32_t span = (high - low) / 64 + 1;
-    at::parallel_for(0, 64, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t part = begin; part < end; ++part) {
-        const uint32_t from = low + static_cast<uint32_t>(part) * span, to = std::min(high + 1, from + span);
-        alignas(32) float y[8], got[8];
-        for (uint32_t u = from; u < to; u += 8) {
-          const uint32_t lanes = std::min<uint32_t>(8, to - u);
-          for (uint32_t l = 0; l < 8; ++l) y[l] = hfp_codec::from_bits(u + std::min(l, lanes - 1));
-          _mm256_store_ps(got, rounded_normal(_mm256_load_ps(y)));
-          for (uint32_t l = 0; l < lanes; ++l) failures[part] += hfp_codec::bits_of(got[l]) != hfp_codec::bits_of(rounded(y[l]));
-        }
-      }
-    });
-    int64_t total = 0;
-    for (const int64_t f : failures) total += f;
-    return total;
-  };
-  return count([](__m256 y) { return hfp_codec::fp8_rounded_normal<3, 7>(y); }, hfp_codec::fp8_rounded<3, 7>, 7, 448.f) +
-         count([](__m256 y) { return hfp_codec::fp8_rounded_normal<2, 15>(y); }, hfp_codec::fp8_rounded<2, 15>, 15, 57344.f);
+#if defined(HFP_SEARCH_HOOKS)
+  return count_mismatches(static_cast<uint32_t>(128 - 7) << 23, hfp_codec::bits_of(448.f) + 1,
+                          [](HookVec y) { return hfp_codec::fp8_rounded_normal<3, 7>(y); }, hfp_codec::fp8_rounded<3, 7>) +
+         count_mismatches(static_cast<uint32_t>(128 - 15) << 23, hfp_codec::bits_of(57344.f) + 1,
+                          [](HookVec y) { return hfp_codec::fp8_rounded_normal<2, 15>(y); }, hfp_codec::fp8_rounded<2, 15>);
 #else
   return -1;
 #endif
