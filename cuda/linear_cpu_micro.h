@@ -59,14 +59,14 @@ inline V vfma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
 // Calls of 16 rows or more (more than kMaxStreamedPasses row blocks) take 6 rows x 2 vectors instead: each
 // weight vector then serves 6 rows, not 3, which halves what the FMAs ask of L2. On a Zen 3 (AVX2 only, 512 KiB
 // L2), 2 threads, SmolLM2's 30 layers, 2026-12-07: 1.5x (128 rows) and 1.3x (512) the speed of the 3 x 4 tile
-// (a standalone copy of both); with the accumulator fix below, the kernel went from 0.66-0.73x oneDNN's speed
-// at 32-512 rows to 0.96-1.08x (325 -> 190 ms a step at 128 rows, 1142 -> 659 at 512; python -m bench linear).
+// (a standalone copy of both); with the accumulator fix below, the kernel's speed went from 0.66-0.73x oneDNN's
+// to 1.06-1.14x at 128-512 rows (325 -> 190 ms a step at 128 rows, 1142 -> 659 at 512; python -m bench linear).
 constexpr int kLanes = 8;
 constexpr int kRows = 3;
 constexpr int kVecs = 4;
 constexpr int kComputeRows = 6;
 constexpr int kComputeVecs = 2;
-constexpr int kMaxStreamedPasses = 5;   // 16+ rows: the compute tile (measured faster at 20 and 48 rows, equal at 14-32)
+constexpr int kMaxStreamedPasses = 5;   // 16+ rows: the compute tile (1.6x, 1.9x at 20, 48 rows; equal at 32; not at 14)
 using V = __m256;
 inline V vzero() { return _mm256_setzero_ps(); }
 inline V vload(const float* p) { return _mm256_loadu_ps(p); }
