@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "kv_encode_cpu.h"
+#include "paged_attention_cpu_simd.h"
 
 namespace {
 
@@ -196,26 +197,16 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, const at::Tensor& 
   }
 }
 
-#if defined(__AVX512F__)
-// The test hooks' vectors: the search's own width (16 lanes with AVX-512, 8 with AVX2 + FMA).
-constexpr uint32_t kHookLanes = 16;
-using HookVec = __m512;
-inline HookVec hook_load(const float* p) { return _mm512_load_ps(p); }
-inline void hook_store(float* p, HookVec v) { _mm512_store_ps(p, v); }
-inline HookVec hook_set1(float a) { return _mm512_set1_ps(a); }
+// The search's vectors (16 lanes with AVX-512, 8 with AVX2 + FMA) are the attention kernel's (simd::V): the test
+// hooks below run at the width the search runs.
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #define HFP_SEARCH_HOOKS 1
-#elif defined(__AVX2__) && defined(__FMA__)
-constexpr uint32_t kHookLanes = 8;
-using HookVec = __m256;
-inline HookVec hook_load(const float* p) { return _mm256_load_ps(p); }
-inline void hook_store(float* p, HookVec v) { _mm256_store_ps(p, v); }
-inline HookVec hook_set1(float a) { return _mm256_set1_ps(a); }
-#define HFP_SEARCH_HOOKS 1
+namespace simd = hfp_cpu::simd;
 #endif
 
 #if defined(HFP_SEARCH_HOOKS)
 // How many of the fp32 bit patterns [from, to) `vector` maps otherwise than `scalar` does (both given one
-// pattern's float; vector a whole HookVec of them), over 64 parts in parallel.
+// pattern's float; vector a whole simd::V of them), over 64 parts in parallel.
 template <typename Vector, typename Scalar>
 int64_t count_mismatches(uint32_t from, uint32_t to, const Vector& vector, const Scalar& scalar) {
   std::vector<int64_t> failures(64, 0);
@@ -223,11 +214,12 @@ int64_t count_mismatches(uint32_t from, uint32_t to, const Vector& vector, const
   at::parallel_for(0, 64, 1, [&](int64_t begin, int64_t end) {
     for (int64_t part = begin; part < end; ++part) {
       const uint32_t lo = from + static_cast<uint32_t>(part) * span, hi = std::min(to, lo + span);
-      alignas(64) float x[kHookLanes], got[kHookLanes];
-      for (uint32_t u = lo; u < hi; u += kHookLanes) {
-        const uint32_t lanes = std::min(kHookLanes, hi - u);
-        for (uint32_t l = 0; l < kHookLanes; ++l) x[l] = hfp_codec::from_bits(u + std::min(l, lanes - 1));
-        hook_store(got, vector(hook_load(x)));
+      constexpr uint32_t kLanes = simd::kLanes;
+      float x[kLanes], got[kLanes];
+      for (uint32_t u = lo; u < hi; u += kLanes) {
+        const uint32_t lanes = std::min(kLanes, hi - u);
+        for (uint32_t l = 0; l < kLanes; ++l) x[l] = hfp_codec::from_bits(u + std::min(l, lanes - 1));
+        simd::store(got, vector(simd::load(x)));
         for (uint32_t l = 0; l < lanes; ++l) failures[part] += hfp_codec::bits_of(got[l]) != hfp_codec::bits_of(scalar(x[l]));
       }
     }
@@ -246,9 +238,9 @@ int64_t exact_division_failures() {
   int64_t total = 0;
   for (uint32_t k = 0; k < 128; ++k) {
     const float s = hfp_codec::from_bits(0x3F800000u | k << 16);
-    const HookVec scale = hook_set1(s), reciprocal = hook_set1(1.0f / s);
+    const simd::V scale = simd::set1(s), reciprocal = simd::set1(1.0f / s);
     total += count_mismatches(0x3F800000u, 0x40000000u,
-                              [&](HookVec x) { return hfp_codec::divide_by_reciprocal(x, scale, reciprocal); },
+                              [&](simd::V x) { return hfp_codec::divide_by_reciprocal(x, scale, reciprocal); },
                               [&](float x) { return x / s; });
   }
   return total;
@@ -263,9 +255,9 @@ int64_t exact_division_failures() {
 int64_t fp8_rounding_failures() {
 #if defined(HFP_SEARCH_HOOKS)
   return count_mismatches(static_cast<uint32_t>(128 - 7) << 23, hfp_codec::bits_of(448.f) + 1,
-                          [](HookVec y) { return hfp_codec::fp8_rounded_normal<3, 7>(y); }, hfp_codec::fp8_rounded<3, 7>) +
+                          [](simd::V y) { return hfp_codec::fp8_rounded_normal<3, 7>(y); }, hfp_codec::fp8_rounded<3, 7>) +
          count_mismatches(static_cast<uint32_t>(128 - 15) << 23, hfp_codec::bits_of(57344.f) + 1,
-                          [](HookVec y) { return hfp_codec::fp8_rounded_normal<2, 15>(y); }, hfp_codec::fp8_rounded<2, 15>);
+                          [](simd::V y) { return hfp_codec::fp8_rounded_normal<2, 15>(y); }, hfp_codec::fp8_rounded<2, 15>);
 #else
   return -1;
 #endif
