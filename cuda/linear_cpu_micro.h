@@ -52,8 +52,8 @@ inline void vstore(float* p, V a) { _mm512_storeu_ps(p, a); }
 inline V vset1(float a) { return _mm512_set1_ps(a); }
 inline V vfma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
 #elif defined(__AVX2__) && defined(__FMA__)
-// 3 rows x 4 vectors (the whole 32-column panel) = 12 of 16 ymm accumulators, the compiler folding one weight
-// vector into the FMAs' memory operand. Against 6 rows x 2 vectors over two 16-column slices (each pass reading
+// 3 rows x 4 vectors (the whole 32-column panel) = 12 of 16 ymm accumulators, three weight vectors in registers
+// and the fourth folded into the FMAs' memory operand (keep_in_registers below). Against 6 rows x 2 vectors over two 16-column slices (each pass reading
 // half of every 128-byte panel row), on Zen 4 with an -march=x86-64-v3 build, SmolLM2's shapes, one process:
 // 1.18x -> 1.05x the AVX-512 build's time at 14 rows, 1.07x -> 1.03x at 32, equal at 1-8 and 128-512 rows.
 // Calls of 16 rows or more (more than kMaxStreamedPasses row blocks) take 6 rows x 2 vectors instead: each
@@ -139,6 +139,26 @@ inline void prefetch_step(const float* wk, bool own, const float*& next, int64_t
     for (due += next_lines; due >= steps; due -= steps, next += 16) prefetch_l2(next);
 }
 
+// Keeps a tile's weight vectors in registers, as many as the 16 ymm registers hold beside the ROWS x VECS sums
+// and the broadcast x (AVX2 only; a no-op elsewhere). Without it GCC 12 folded every weight load into the FMAs'
+// memory operand: the 3 x 4 tile then loads 12 weight vectors and 3 broadcasts per 12 FMAs, which bound it by
+// loads at half the FMA rate on a Zen 3 (~95 GFLOPS on 2 threads at 9-15 rows with its weights in L2, 109-123 with
+// three weight vectors in registers and the fourth folded). Streaming SmolLM2's 30 layers from memory, 8
+// interleaved pairs: fastest run 0.85x the time at 12-15 rows, medians 0.94-1.02x (that VM's memory contention
+// moved single runs by 30%); standalone copy of the kernel, 2026-12-07. An empty asm changes no value.
+template <int ROWS, int VECS>
+inline void keep_in_registers(V& w0, V& w1, V& w2, V& w3) {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  constexpr int kFree = 16 - ROWS * VECS - 1;         // ymm registers left beside the sums and the broadcast x
+  if (kFree >= 1) asm("" : "+x"(w0));
+  if (VECS > 1 && kFree >= 2) asm("" : "+x"(w1));
+  if (VECS > 2 && kFree >= 3) asm("" : "+x"(w2));
+  if (VECS > 3 && kFree >= 4) asm("" : "+x"(w3));
+#else
+  (void)w0, (void)w1, (void)w2, (void)w3;
+#endif
+}
+
 // rows x (VECS * kLanes) outputs of one column slice of a panel: x rows [ROWS][ldx], panel slice w (k-th row at
 // w + k * kPanel), results to out (row stride ldo; `width` of the slice's columns are kept), plus bias when given.
 // `next`/`next_lines` (kShared only): the 64-byte lines of the next panel this pass prefetches, spread evenly
@@ -157,10 +177,11 @@ void micro(const float* x, int64_t ldx, int64_t K, const float* w, float* out, i
   const float* xk = x;
   for (int64_t k = 0; k < K; ++k, wk += kPanel, ++xk) {
     prefetch_step<kMode>(wk, own, next, next_lines, K, due);
-    const V w0 = vload(wk);
-    const V w1 = VECS > 1 ? vload(wk + kLanes) : w0;
-    const V w2 = VECS > 2 ? vload(wk + 2 * kLanes) : w0;
-    const V w3 = VECS > 3 ? vload(wk + 3 * kLanes) : w0;
+    V w0 = vload(wk);
+    V w1 = VECS > 1 ? vload(wk + kLanes) : w0;
+    V w2 = VECS > 2 ? vload(wk + 2 * kLanes) : w0;
+    V w3 = VECS > 3 ? vload(wk + 3 * kLanes) : w0;
+    keep_in_registers<ROWS, VECS>(w0, w1, w2, w3);
 #pragma GCC unroll 16
     for (int r = 0; r < ROWS; ++r) {
       const V xv = vset1(xk[r * ldx]);
