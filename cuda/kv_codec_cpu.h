@@ -194,11 +194,11 @@ inline Vec fp8_vector(IVec c) {          // as fp8_value, lane-wise
 // same single rounding of the same real number as fp8_value(code) * scale.
 template <int64_t kFormat>
 inline Vec fp8_half_vector(const uint8_t* p) {
-  const __m256i c = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  if constexpr (kFormat == kFp8E5M2) return _mm512_cvtph_ps(_mm256_slli_epi16(c, 8));
-  const __m256i half = _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi16(c, 8), _mm256_set1_epi16(static_cast<int16_t>(0x8000))),
-                                       _mm256_and_si256(_mm256_slli_epi16(c, 7), _mm256_set1_epi16(0x3F80)));
-  return _mm512_cvtph_ps(half);
+  // each code in the top byte of a 16-bit lane: e5m2 is then an fp16; e4m3 is that shifted right by one with
+  // its sign copied and the copy (bit 14) cleared, sign << 15 | exponent and mantissa << 7
+  const __m256i top = _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 8);
+  if constexpr (kFormat == kFp8E5M2) return _mm512_cvtph_ps(top);
+  return _mm512_cvtph_ps(_mm256_and_si256(_mm256_srai_epi16(top, 1), _mm256_set1_epi16(static_cast<int16_t>(0xBF80))));
 }
 constexpr float kE4m3HalfScale = 256.f;
 #define HFP_FP8_HALF 1
@@ -206,11 +206,10 @@ constexpr float kE4m3HalfScale = 256.f;
 // The same through AVX2's F16C (vcvtph2ps on 8 halves): 8 fp8 codes at a time.
 template <int64_t kFormat>
 inline Vec fp8_half_vector(const uint8_t* p) {
-  const __m128i c = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  if constexpr (kFormat == kFp8E5M2) return _mm256_cvtph_ps(_mm_slli_epi16(c, 8));
-  const __m128i half = _mm_or_si128(_mm_and_si128(_mm_slli_epi16(c, 8), _mm_set1_epi16(static_cast<int16_t>(0x8000))),
-                                    _mm_and_si128(_mm_slli_epi16(c, 7), _mm_set1_epi16(0x3F80)));
-  return _mm256_cvtph_ps(half);
+  // each code into the top byte of a 16-bit lane in one unpack (e5m2 is then an fp16), e4m3 as above
+  const __m128i top = _mm_unpacklo_epi8(_mm_setzero_si128(), _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  if constexpr (kFormat == kFp8E5M2) return _mm256_cvtph_ps(top);
+  return _mm256_cvtph_ps(_mm_and_si128(_mm_srai_epi16(top, 1), _mm_set1_epi16(static_cast<int16_t>(0xBF80))));
 }
 constexpr float kE4m3HalfScale = 256.f;
 #define HFP_FP8_HALF 1
