@@ -145,7 +145,9 @@ inline void prefetch_step(const float* wk, bool own, const float*& next, int64_t
 // loads at half the FMA rate on a Zen 3 (~95 GFLOPS on 2 threads at 9-15 rows with its weights in L2, 109-123 with
 // three weight vectors in registers and the fourth folded). Streaming SmolLM2's 30 layers from memory, 8
 // interleaved pairs: fastest run 0.85x the time at 12-15 rows, medians 0.94-1.02x (that VM's memory contention
-// moved single runs by 30%); standalone copy of the kernel, 2026-12-07. An empty asm changes no value.
+// moved single runs by 30%); standalone copy of the kernel, 2026-12-07. In the engine (the short workload, 8
+// runs alternating with the build before, in both orders) no difference beyond that noise: its decode steps
+// wait on the weight stream. An empty asm changes no value.
 template <int ROWS, int VECS>
 inline void keep_in_registers(V& w0, V& w1, V& w2, V& w3) {
 #if defined(__AVX2__) && !defined(__AVX512F__)
