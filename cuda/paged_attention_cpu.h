@@ -108,11 +108,26 @@ inline __m512 lane_sums16(const __m512* v) {
   const __m512 c1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x88), _mm512_shuffle_f32x4(b[2], b[3], 0xDD));
   return _mm512_add_ps(_mm512_shuffle_f32x4(c0, c1, 0x88), _mm512_shuffle_f32x4(c0, c1, 0xDD));
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+// The 8 lane sums of v[0..7] as one vector, the same tree at AVX2's width: 15 unpacks, shuffles, permutes and
+// adds against about 6 operations for each separate horizontal sum.
+inline __m256 lane_sums8(const __m256* v) {
+  __m256 a[4], b[2];
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i)     // per 128-bit lane: v2i's and v2i+1's elements 0+2 and 1+3, interleaved
+    a[i] = _mm256_add_ps(_mm256_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm256_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+#pragma GCC unroll 2
+  for (int i = 0; i < 2; ++i)     // per 128-bit lane: that lane's sums of v4i .. v4i+3
+    b[i] = _mm256_add_ps(_mm256_shuffle_ps(a[2 * i], a[2 * i + 1], 0x44), _mm256_shuffle_ps(a[2 * i], a[2 * i + 1], 0xEE));
+  return _mm256_add_ps(_mm256_permute2f128_ps(b[0], b[1], 0x20), _mm256_permute2f128_ps(b[0], b[1], 0x31));
+}
 #endif
 
 // sc[j] = q . k[j] for keys jlo <= j < jhi of a [keys, D] tile: four keys at a time, each with its own
 // accumulator, so that the FMAs of one key do not wait on each other (one horizontal sum per key);
-// with AVX-512 and head_dim % 16 == 0, sixteen keys at a time and one transposing sum for all of them.
+// with AVX-512 and head_dim % 16 == 0, sixteen keys at a time and one transposing sum for all of them; with
+// AVX2 and head_dim % 8 == 0, eight (the four-key loop's sums wait on each other: 8 dependent FMAs a key at
+// head_dim 64, and four chains do not fill two FMA pipes of latency 4).
 inline void scores(const float* q, const float* k, int64_t jlo, int64_t jhi, int64_t head_dim, float* sc) {
   int64_t j = jlo;
 #if defined(__AVX512F__)
@@ -125,6 +140,20 @@ inline void scores(const float* q, const float* k, int64_t jlo, int64_t jhi, int
         for (int i = 0; i < 16; ++i) acc[i] = _mm512_fmadd_ps(qd, _mm512_loadu_ps(k + (j + i) * head_dim + d), acc[i]);
       }
       _mm512_storeu_ps(sc + j, lane_sums16(acc));
+    }
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  if (head_dim % 8 == 0) {        // 8 keys at a time, one accumulator each, one transposing sum for all
+    for (; j + 8 <= jhi; j += 8) {
+      __m256 acc[8];
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+      for (int64_t d = 0; d < head_dim; d += 8) {
+        const __m256 qd = _mm256_loadu_ps(q + d);
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + (j + i) * head_dim + d), acc[i]);
+      }
+      _mm256_storeu_ps(sc + j, lane_sums8(acc));
     }
   }
 #endif
@@ -165,10 +194,31 @@ inline void accumulate_row(float* acc, float corr, const float* p, const float* 
   }
   for (int i = 0; i < N; ++i) _mm512_storeu_ps(acc + 16 * i, a[i]);
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+// The same at AVX2's width for N * 8 channels of rows `stride` floats apart: N accumulators in registers, so
+// that N chains of FMAs run side by side (the loop below keeps one chain of 8 channels across all keys,
+// bound by the add's latency).
+template <int N>
+inline void accumulate_row(float* acc, float corr, const float* p, const float* v, int64_t jlo, int64_t jhi,
+                           int64_t stride) {
+  __m256 a[N];
+  const __m256 c = _mm256_set1_ps(corr);
+#pragma GCC unroll 8
+  for (int i = 0; i < N; ++i) a[i] = _mm256_mul_ps(_mm256_loadu_ps(acc + 8 * i), c);
+  for (int64_t j = jlo; j < jhi; ++j) {
+    const __m256 pj = _mm256_set1_ps(p[j]);
+    const float* vj = v + j * stride;
+#pragma GCC unroll 8
+    for (int i = 0; i < N; ++i) a[i] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * i), a[i]);
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < N; ++i) _mm256_storeu_ps(acc + 8 * i, a[i]);
+}
 #endif
 
 // acc = acc * corr + sum_j p[j] v[j] over keys jlo <= j < jhi: eight channels at a time, held in one
-// register across all keys (stored once per block, not once per key).
+// register across all keys (stored once per block, not once per key); with AVX-512 the whole row of the
+// common head sizes, with AVX2 64 or 32 channels at a time, in registers (accumulate_row).
 inline void accumulate(float* acc, float corr, const float* p, const float* v, int64_t jlo, int64_t jhi,
                        int64_t head_dim) {
 #if defined(__AVX512F__)
@@ -180,6 +230,10 @@ inline void accumulate(float* acc, float corr, const float* p, const float* v, i
   }
 #endif
   int64_t d0 = 0;
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+  for (; d0 + 64 <= head_dim; d0 += 64) accumulate_row<8>(acc + d0, corr, p, v + d0, jlo, jhi, head_dim);
+  for (; d0 + 32 <= head_dim; d0 += 32) accumulate_row<4>(acc + d0, corr, p, v + d0, jlo, jhi, head_dim);
+#endif
   for (; d0 + 8 <= head_dim; d0 += 8) {
     float a[8];
 #pragma omp simd
@@ -215,10 +269,25 @@ inline float softmax_update(float* sc, int64_t jlo, int64_t jhi, float& m, float
   const float new_max = std::max(m, block_max);
   const float corr = exp_nonpositive(m - new_max);        // ~0 on the first block (m = -inf)
   float sum = 0.f;
+  int64_t j = jlo;
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+  // a vector of weights at a time through the vector exp: GCC 12 left the loop below scalar (perf: a third of
+  // a decode block's time on AVX2, in the exp's scalar FMAs)
+  const simd::V shift = simd::set1(new_max);
+  simd::V sums = simd::set1(0.f);
+  for (; j + simd::kLanes <= jhi; j += simd::kLanes) {
+    const simd::V w = simd::exp_nonpositive(simd::sub(simd::load(sc + j), shift));
+    simd::store(sc + j, w);
+    sums = simd::add(sums, w);
+  }
+  float lanes[simd::kLanes];
+  simd::store(lanes, sums);
+  for (int64_t i = 0; i < simd::kLanes; ++i) sum += lanes[i];
+#endif
 #pragma omp simd reduction(+ : sum)
-  for (int64_t j = jlo; j < jhi; ++j) {
-    sc[j] = exp_nonpositive(sc[j] - new_max);
-    sum += sc[j];
+  for (int64_t i = j; i < jhi; ++i) {
+    sc[i] = exp_nonpositive(sc[i] - new_max);
+    sum += sc[i];
   }
   l = l * corr + sum;
   m = new_max;
