@@ -53,8 +53,9 @@ inline V vset1(float a) { return _mm512_set1_ps(a); }
 inline V vfma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
 #elif defined(__AVX2__) && defined(__FMA__)
 // 3 rows x 4 vectors (the whole 32-column panel) = 12 of 16 ymm accumulators, three weight vectors in registers
-// and the fourth folded into the FMAs' memory operand (keep_in_registers below). Against 6 rows x 2 vectors over two 16-column slices (each pass reading
-// half of every 128-byte panel row), on Zen 4 with an -march=x86-64-v3 build, SmolLM2's shapes, one process:
+// and the fourth folded into the FMAs' memory operand (keep_in_registers below). Against 6 rows x 2 vectors over
+// two 16-column slices (each pass reading half of every 128-byte panel row), on Zen 4 with an -march=x86-64-v3
+// build, SmolLM2's shapes, one process:
 // 1.18x -> 1.05x the AVX-512 build's time at 14 rows, 1.07x -> 1.03x at 32, equal at 1-8 and 128-512 rows.
 // Calls of 16 rows or more (more than kMaxStreamedPasses row blocks) take 6 rows x 2 vectors instead: each
 // weight vector then serves 6 rows, not 3, which halves what the FMAs ask of L2. On a Zen 3 (AVX2 only, 512 KiB

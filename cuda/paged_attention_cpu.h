@@ -269,25 +269,10 @@ inline float softmax_update(float* sc, int64_t jlo, int64_t jhi, float& m, float
   const float new_max = std::max(m, block_max);
   const float corr = exp_nonpositive(m - new_max);        // ~0 on the first block (m = -inf)
   float sum = 0.f;
-  int64_t j = jlo;
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-  // a vector of weights at a time through the vector exp: GCC 12 left the loop below scalar (perf: a third of
-  // a decode block's time on AVX2, in the exp's scalar FMAs)
-  const simd::V shift = simd::set1(new_max);
-  simd::V sums = simd::set1(0.f);
-  for (; j + simd::kLanes <= jhi; j += simd::kLanes) {
-    const simd::V w = simd::exp_nonpositive(simd::sub(simd::load(sc + j), shift));
-    simd::store(sc + j, w);
-    sums = simd::add(sums, w);
-  }
-  float lanes[simd::kLanes];
-  simd::store(lanes, sums);
-  for (int64_t i = 0; i < simd::kLanes; ++i) sum += lanes[i];
-#endif
 #pragma omp simd reduction(+ : sum)
-  for (int64_t i = j; i < jhi; ++i) {
-    sc[i] = exp_nonpositive(sc[i] - new_max);
-    sum += sc[i];
+  for (int64_t j = jlo; j < jhi; ++j) {
+    sc[j] = exp_nonpositive(sc[j] - new_max);
+    sum += sc[j];
   }
   l = l * corr + sum;
   m = new_max;
