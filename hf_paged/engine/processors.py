@@ -52,8 +52,8 @@ def process_row(scores: torch.Tensor, seq, chain: list) -> torch.Tensor:
             scores = processor(input_ids, scores)
     if seq.num_output < request.min_new_tokens and params.stops_on:
         scores[:, list(params.stops_on)] = -float("inf")
-    for token, bias in params.logit_bias:
-        scores[0, token] += bias
+    if request.bias_ids is not None:       # one op; a token id given twice adds both, as a loop would
+        scores[0].index_add_(0, request.bias_ids.to(scores.device), request.bias_values.to(scores.device, scores.dtype))
     openai_penalties(scores, seq.output_ids, params.presence_penalty, params.frequency_penalty)
     if request.allowed_ids is not None:
         keep = request.allowed_ids.to(scores.device)

@@ -110,6 +110,11 @@ class Request:
         self.processors = generate_processors(params)      # transformers' own, built once
         allowed = params.allowed_token_ids
         self.allowed_ids = None if allowed is None else torch.tensor(sorted(allowed), dtype=torch.long)
+        # logit_bias as one index and one value tensor, added in one op per row and step (a request may
+        # bias tens of thousands of tokens: a Python loop per entry slowed every request in the batch)
+        bias = params.logit_bias
+        self.bias_ids = torch.tensor([t for t, _ in bias], dtype=torch.long) if bias else None
+        self.bias_values = torch.tensor([b for _, b in bias], dtype=torch.float32) if bias else None
         self.output = RequestOutput(prompt_index, list(prompt), pad_token_id=params.pad_token_id or 0)
         self.sequences: list[Sequence] = []      # index order; all num_return_sequences once forked or cancelled
         self.forked = False         # its extra sequences (num_return_sequences > 1) were forked from sequence 0

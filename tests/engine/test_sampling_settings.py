@@ -79,14 +79,17 @@ def test_transformers_settings_equal_generate(family):
 def test_openai_penalties_bias_and_masks_equal_a_plain_reference():
     model = make_model("qwen3", seed=12)
     seed = int(torch.randint(0, 10**6, ()))
-    ps = prompts(5, seed)
+    ps = prompts(6, seed)
     first = plain_greedy(model, ps[3], 3)
+    gen = torch.Generator().manual_seed(seed)
+    every = dict(zip(range(VOCAB), (3 * torch.randn(VOCAB, generator=gen)).tolist()))   # the whole vocabulary
     cases = [
         dict(presence_penalty=1.5),
         dict(frequency_penalty=0.7, presence_penalty=-0.3),
         dict(logit_bias={5: 3.0, 6: -100.0, 40: 1.5}, frequency_penalty=2.0),
         dict(stop_token_ids=[first[2]]),
         dict(allowed_token_ids=[3, 4, 5, 8, 13, 21, 34]),
+        dict(logit_bias=every),
     ]
     outs = LLM(model).generate(ps, [dict(c, max_new_tokens=12, do_sample=False, ignore_eos=True) for c in cases])
     for prompt, c, out in zip(ps, cases, outs):
