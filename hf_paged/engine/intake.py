@@ -42,6 +42,12 @@ def never_fits(prompt_len: int, max_new_tokens: int, num_return_sequences: int, 
                 "new tokens, as model.generate counts it, which raises for this prompt): set max_new_tokens, "
                 "or a larger max_length.")
     total = prompt_len + max_new_tokens
+    if prompt_len == max_model_len and max_new_tokens == 1:
+        # A prompt that fills the context still gets one token, as in vLLM's engine (a request stops once it
+        # holds max_model_len tokens): sampled from the prompt's last logits, it never enters the model, so
+        # it needs no position and no KV slot. lm-eval's loglikelihood windows of exactly max_length tokens
+        # ask it (echo, max_tokens=0).
+        total = max_model_len
     if total > max_model_len:
         return (f"prompt of {prompt_len} tokens + max_new_tokens={max_new_tokens} = {total} tokens exceeds the "
                 f"model's context of {max_model_len} (max_model_len). Shorten the prompt or lower max_new_tokens.")

@@ -149,6 +149,19 @@ def test_bad_input_fails_clearly_and_alone():
     check_pool(llm.engine)
 
 
+def test_prompt_filling_the_context_gets_one_token():
+    """As vLLM's engine: a prompt of max_model_len tokens still samples one token (from its last logits; the
+    token never enters the model), which lm-eval's full-length loglikelihood windows need; two do not fit."""
+    model = make_model("llama", seed=11)
+    llm = LLM(model, block_size=4, max_model_len=16)
+    prompt = torch.randint(3, model.config.vocab_size, (16,), generator=torch.Generator().manual_seed(5)).tolist()
+    one, two = llm.generate([prompt, prompt], [dict(max_new_tokens=1), dict(max_new_tokens=2)])
+    assert one.error is None
+    assert one.sequences.tolist() == reference(model, prompt, max_new_tokens=1, do_sample=False).tolist()
+    assert "max_model_len" in two.error and "18 tokens" in two.error
+    check_pool(llm.engine)
+
+
 def test_cancel_mid_way_frees_blocks_and_the_rest_complete():
     model = make_model("glm", seed=8)
     prompts = [[11] * 9, [12] * 30, [13] * 4]
