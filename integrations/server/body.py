@@ -14,6 +14,7 @@ import logging
 
 from fastapi import Request
 from pydantic import ValidationError
+from starlette.requests import ClientDisconnect
 
 from .errors import ApiError
 
@@ -29,10 +30,13 @@ async def read_body(request: Request, limit: int) -> bytes:
     if length is not None and length.isdigit() and int(length) > limit:
         raise too_large
     raw = bytearray()
-    async for chunk in request.stream():
-        raw += chunk
-        if len(raw) > limit:
-            raise too_large
+    try:
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > limit:
+                raise too_large
+    except ClientDisconnect:           # gone while sending its body: nobody to answer, nothing to log as ours
+        raise ApiError(499, "the client disconnected while sending the request body", code="client_closed") from None
     return bytes(raw)
 
 

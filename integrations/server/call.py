@@ -1,5 +1,6 @@
-"""One API call seen from the asyncio side: its engine requests (one per prompt, ``n`` sequences each),
-their text streams (stop sequences cut off), their log-probabilities and its token usage.
+"""One API call seen from the asyncio side: its engine requests (one per prompt, ``n`` sequences each;
+several per prompt when ``n`` exceeds the engine's max_num_seqs, see ``engine_parts``), their text
+streams (stop sequences cut off), their log-probabilities and its token usage.
 
 The engine thread hands each request's items over with ``loop.call_soon_threadsafe``; ``deltas()``
 turns them into ``Delta``s in arrival order. A delta carries the tokens (and their log-probability
@@ -10,7 +11,7 @@ prompt (``Delta.prompt``), with the prompt's log-probabilities when they are ask
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 from .detokenize import TextStream
@@ -33,8 +34,22 @@ class Delta:
     prompt: bool = False
 
 
+def engine_parts(params, max_num_seqs: int) -> list[tuple[int, object]]:
+    """(first sequence, params) of the engine requests that run one prompt's ``n`` sequences: one request,
+    or, when n exceeds ``max_num_seqs`` (a request's sequences run together), parts of at most that many,
+    as vLLM runs n > 1 as independent child requests. A part from sequence j0 is seeded seed + j0, so that
+    sequence j still samples with seed + j (the engine's rule): the same tokens as one request of n."""
+    n = params.num_return_sequences
+    if n <= max_num_seqs:
+        return [(0, params)]
+    return [(j0, replace(params, num_return_sequences=min(max_num_seqs, n - j0),
+                         seed=None if params.seed is None else params.seed + j0))
+            for j0 in range(0, n, max_num_seqs)]
+
+
 class ApiCall:
-    """Choice ``i * n + j`` is sequence ``j`` of prompt ``i``."""
+    """Choice ``i * n + j`` is sequence ``j`` of prompt ``i``; ``handles`` holds the engine requests, keyed
+    (prompt, first sequence)."""
 
     def __init__(self, worker: EngineWorker, tokenizer, prompts: list[list[int]], params, options: CallOptions,
                  texts: list[str | None] | None = None):
@@ -54,19 +69,22 @@ class ApiCall:
         self.prompt_tokens = sum(len(p) for p in prompts)
         self.completion_tokens = 0
         self.choice_tokens = [0] * (len(prompts) * self.n)     # completion tokens per choice
-        self.handles = [Handle(ids, params, partial(self._deliver, i)) for i, ids in enumerate(prompts)]
+        self.params = params
+        parts = engine_parts(params, worker.engine.config.max_num_seqs)
+        self.handles = {(i, j0): Handle(ids, part, partial(self._deliver, (i, j0)))
+                        for i, ids in enumerate(prompts) for j0, part in parts}
 
     @property
     def choices(self) -> int:
-        return len(self.handles) * self.n
+        return len(self.prompts) * self.n
 
-    def _deliver(self, i: int, item) -> None:           # engine thread
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, (i, item))
+    def _deliver(self, key: tuple[int, int], item) -> None:           # engine thread
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, (key, item))
 
     def submit(self) -> None:
         """Hand every request to the engine thread; all or none (503 when the queue is full or closing)."""
         try:
-            for handle in self.handles:
+            for handle in self.handles.values():
                 self.worker.submit(handle)
         except QueueFull as exc:
             self.cancel()
@@ -80,15 +98,15 @@ class ApiCall:
 
     def cancel(self) -> None:
         """Cancel what still runs (a no-op for finished requests)."""
-        for handle in self.handles:
+        for handle in self.handles.values():
             self.worker.cancel(handle)
 
     async def deltas(self):
         """Yield ``Delta``s until every sequence is done."""
         pending = len(self.handles)
         while pending:
-            i, item = await self.queue.get()
-            if isinstance(item, tuple) and item[0] == "prompt":     # the prompt's log-probabilities
+            (i, j0), item = await self.queue.get()
+            if isinstance(item, tuple) and item[0] == "prompt":     # the prompt's log-probabilities (each part's alike)
                 self.prompt_logprobs[i] = item[1]
                 continue
             for delta in self._echo(i):
@@ -100,13 +118,13 @@ class ApiCall:
                 if kind == "fault":                      # the server's fault, not the request's
                     raise ApiError(500, value, code="engine_error")
                 pending -= 1
-                for j in range(self.n):                  # sequences that ended without an event (cancelled)
-                    if (i, j) not in self.done:
+                for j in range(j0, j0 + self.handles[i, j0].params.num_return_sequences):
+                    if (i, j) not in self.done:          # sequences that ended without an event (cancelled)
                         self.done.add((i, j))
                         yield self._delta(i, j, self.streams[i, j].finish(), "abort")
                 continue
             for event in item:
-                out = self._token(i, event)
+                out = self._token(i, j0 + event.index, event)
                 if out is not None:
                     yield out
 
@@ -127,30 +145,31 @@ class ApiCall:
         self.pending[i, j] = ([], [])
         return Delta(i * self.n + j, text, reason, tokens, entries)
 
-    def _token(self, i: int, event) -> Delta | None:
-        """The delta one TokenEvent adds to its choice, or None (nothing to send yet, or already done)."""
-        key = (i, event.index)
+    def _token(self, i: int, j: int, event) -> Delta | None:
+        """The delta one TokenEvent of sequence ``j`` of prompt ``i`` adds to its choice, or None (nothing to
+        send yet, or already done)."""
+        key = (i, j)
         if key in self.done:
             return None
         if self.options.max_tokens_zero:                 # echo only: the engine's one token is not answered
             self.done.add(key)
-            return Delta(i * self.n + event.index, "", "length")
+            return Delta(i * self.n + j, "", "length")
         stream = self.streams[key]
         self.completion_tokens += 1
-        self.choice_tokens[i * self.n + event.index] += 1
+        self.choice_tokens[i * self.n + j] += 1
         if event.logprobs is not None:
             tokens, entries = self.pending[key]
             tokens.append(event.token)
             entries.append(event.logprobs)
         # EOS or a stop_token_ids token that ended the sequence: its text stays out (vLLM's rule)
-        last_stop = event.finished == "stop" and event.token in self.handles[i].params.stops_on
+        last_stop = event.finished == "stop" and event.token in self.params.stops_on
         delta = stream.add(event.token, last_stop)
         if event.finished or stream.stopped:
             self.done.add(key)
             delta += stream.finish()                     # may find a stop string in the last characters
             reason = "stop" if stream.stopped else finish_reason(event.finished)
-            return self._delta(i, event.index, delta, reason)
-        return self._delta(i, event.index, delta, None) if delta else None
+            return self._delta(i, j, delta, reason)
+        return self._delta(i, j, delta, None) if delta else None
 
     def usage(self, choice: int | None = None) -> dict:
         """The call's usage, or (vLLM's continuous usage) one choice's so far: its prompt and its tokens."""

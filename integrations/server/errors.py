@@ -14,13 +14,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 log = logging.getLogger("hf_paged.server")
 RETRY_AFTER_S = 1
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               405: "invalid_request_error", 413: "invalid_request_error", 503: "service_unavailable",
-               500: "internal_server_error"}
+               405: "invalid_request_error", 413: "invalid_request_error", 499: "invalid_request_error",
+               503: "service_unavailable", 500: "internal_server_error"}
+# ``code`` is always a string, as OpenAI's (vLLM puts the status there); a status without a named one:
+STATUS_CODES = {400: "invalid_request", 401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed",
+                413: "body_too_large", 499: "client_closed", 500: "internal_error", 503: "unavailable"}
 
 
-def error_body(status: int, message: str, param: str | None = None, code=None) -> dict:
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
     return {"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"),
-                      "param": param, "code": code if code is not None else status}}
+                      "param": param, "code": code or STATUS_CODES.get(status, "error")}}
 
 
 def error_response(status: int, message: str, param: str | None = None, code=None,

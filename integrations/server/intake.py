@@ -16,6 +16,7 @@ from fastapi import Request
 from hf_paged.engine.settings import resolve_generation
 
 from .body import read_json
+from .call import engine_parts
 from .defaults import GREEDY_BELOW
 from .errors import ApiError
 from .guided import compile_structured, structured_spec
@@ -31,12 +32,19 @@ async def read_request(request: Request, schema, state: ServerState):
     return checked(await read_json(request, schema, state.config.max_body_bytes), state)
 
 
-def checked(req, state):
-    """``req`` when it names this server's model (else 404) and asks for nothing this server does not
-    do (``unsupported``) or that contradicts itself (``conflicts``), else 400."""
-    if req.model is not None and req.model != state.name:
+def model_checked(state: ServerState, req):
+    """``req`` when it names this server's model, or none (absent or "": the served model, as vLLM's
+    ``_is_model_supported``), else 404."""
+    if req.model and req.model != state.name:
         raise ApiError(404, f"the model {req.model!r} does not exist (this server serves {state.name!r})",
                        param="model", code="model_not_found")
+    return req
+
+
+def checked(req, state):
+    """``req`` when it names this server's model (else 404, ``model_checked``) and asks for nothing this
+    server does not do (``unsupported``) or that contradicts itself (``conflicts``), else 400."""
+    model_checked(state, req)
     refused = req.unsupported()
     if refused:
         raise ApiError(400, refused[1], param=refused[0], code="unsupported")
@@ -142,11 +150,11 @@ def chat_prompt(state: ServerState, req: ChatCompletionRequest) -> list[int]:
 
 
 def requested_max_tokens(req) -> int | None:
-    """The new tokens asked for: chat's max_completion_tokens (or max_tokens); completions' max_tokens,
-    where 0 (echo only) makes the engine run one token, which the answer drops."""
+    """The new tokens asked for: chat's max_completion_tokens (or max_tokens); completions' max_tokens
+    (0: echo only, see ``sampling_params``)."""
     if isinstance(req, ChatCompletionRequest):
         return req.max_completion_tokens or req.max_tokens
-    return 1 if req.max_tokens == 0 else req.max_tokens
+    return req.max_tokens
 
 
 def context_checked(prompts: list[list[int]], max_tokens: int | None, max_model_len: int) -> int:
@@ -217,6 +225,8 @@ async def sampling_params(state: ServerState, req, prompts: list[list[int]], max
     """The engine's SamplingParams for every prompt of ``req`` (400 for what ``generate`` refuses)."""
     given = max_tokens is not None
     max_tokens = context_checked(prompts, max_tokens, state.max_model_len)
+    if max_tokens == 0:        # echo only: counted as 0 (vLLM's check), the engine runs one token the answer drops
+        max_tokens = 1
     if not given and state.defaults.max_tokens is not None:    # vLLM: the generation config's max_new_tokens
         max_tokens = min(max_tokens, state.defaults.max_tokens)   # where the request gives no max_tokens
     settings = await engine_settings(state, req, max_tokens)
@@ -229,7 +239,9 @@ async def sampling_params(state: ServerState, req, prompts: list[list[int]], max
         params = resolve_generation(state.base, **settings)
     except ValueError as exc:
         raise ApiError(400, str(exc), code="invalid_sampling")
-    for why in filter(None, (state.engine.never_fits(len(prompt), params) for prompt in prompts)):
+    # n beyond max_num_seqs runs as several engine requests (ApiCall, engine_parts): checked as the largest
+    part = engine_parts(params, state.engine.config.max_num_seqs)[0][1]
+    for why in filter(None, (state.engine.never_fits(len(prompt), part) for prompt in prompts)):
         raise ApiError(400, why, param="max_tokens", code="context_too_long")     # before a stream's status line
     return params
 

@@ -117,20 +117,41 @@ class CompletionRequest(_Sampling):
     def _prompt_shape(cls, value):
         return prompt_shape(value)
 
+    @field_validator("max_tokens", mode="before")
+    @classmethod
+    def _null_max_tokens(cls, value):
+        """vLLM's ``normalize_null_max_tokens``: null is the default, 16 (chat's null: the rest of the context)."""
+        return cls.model_fields["max_tokens"].default if value is None else value
+
     def conflicts(self):
         if self.max_tokens == 0 and not self.echo:
             return "max_tokens", "max_tokens=0 needs echo=true (the prompt alone comes back); else at least 1"
         return super().conflicts()
 
 
+TEXT_PARTS = ("text", "input_text", "output_text")              # vLLM reads the last two as text too
+TOOL_ROLES = ("tool", "function")       # tool results (OpenAI's older "function" role): refused by name (conflicts)
+
+
 class TextPart(Body):
-    type: Literal["text", "input_text", "output_text"]         # vLLM reads the last two as text too
+    type: Literal[TEXT_PARTS]
     text: str
 
 
 class ChatMessage(Body):
-    role: Literal["system", "developer", "user", "assistant", "tool"]   # "tool": refused by name (conflicts)
+    role: str                  # any role, as vLLM's (the chat template decides); TOOL_ROLES refused (conflicts)
     content: Optional[Union[str, list[TextPart]]] = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, value):
+        """An image, audio or file part refused by name (else the union's error would say "a string")."""
+        for i, part in enumerate(value if isinstance(value, list) else []):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind not in TEXT_PARTS:
+                raise ValueError(f"part {i} has type {kind!r}: this server runs text-only models, whose messages "
+                                 f"take parts of type {' / '.join(map(repr, TEXT_PARTS))} only")
+        return value
     name: Optional[str] = None
     tool_call_id: Optional[str] = None          # OpenAI's tool-calling fields: read to be refused clearly
     tool_calls: Optional[list[dict[str, Any]]] = None
@@ -186,7 +207,7 @@ class ChatCompletionRequest(_Sampling):
             return "continue_final_message", ("continue_final_message and add_generation_prompt cannot both "
                                               "be true (set add_generation_prompt=false)")
         for i, m in enumerate(self.messages):
-            if m.role == "tool" or m.tool_calls or m.tool_call_id is not None:
+            if m.role in TOOL_ROLES or m.tool_calls or m.tool_call_id is not None:
                 return f"messages.{i}", ("tool results and tool calls need tool calling, which this server does "
                                          "not do (see tools: vLLM parses them with model-specific parsers); send "
                                          "their text as user / assistant content instead")

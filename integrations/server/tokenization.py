@@ -13,7 +13,7 @@ from pydantic_core import from_json
 
 from .body import parse, read_body
 from .errors import ApiError
-from .intake import chat_text, check_ids, tokenize
+from .intake import chat_text, check_ids, model_checked, tokenize
 from .protocol import RESERVED_TEMPLATE_KWARGS, ChatMessage
 from .request_parts import Body
 from .vllm_fields import TOOLS
@@ -45,13 +45,6 @@ class DetokenizeRequest(Body):
     tokens: list[int]
 
 
-def _model_checked(state: ServerState, req):
-    if req.model is not None and req.model != state.name:
-        raise ApiError(404, f"the model {req.model!r} does not exist (this server serves {state.name!r})",
-                       param="model", code="model_not_found")
-    return req
-
-
 def chat_checked(req: TokenizeChatRequest) -> TokenizeChatRequest:
     """What /v1/chat/completions refuses among these fields, refused alike."""
     if req.tools:
@@ -81,7 +74,7 @@ async def tokenize_endpoint(request: Request):
     state: ServerState = request.app.state.server
     raw = await read_body(request, state.config.max_body_bytes)
     schema = TokenizeChatRequest if _has_key(raw, "messages") else TokenizeCompletionRequest
-    req = _model_checked(state, parse(raw, schema))
+    req = model_checked(state, parse(raw, schema))
     return await state.off_loop(_tokenized, state, req)
 
 
@@ -95,7 +88,7 @@ def _tokenized(state: ServerState, req) -> dict:
 async def detokenize_endpoint(request: Request):
     """{"tokens": [ids]} -> {"prompt": their text} (special tokens kept, as vLLM decodes them)."""
     state: ServerState = request.app.state.server
-    req = _model_checked(state, parse(await read_body(request, state.config.max_body_bytes), DetokenizeRequest))
+    req = model_checked(state, parse(await read_body(request, state.config.max_body_bytes), DetokenizeRequest))
     ids = check_ids(state, req.tokens, "tokens") if req.tokens else []
     return {"prompt": await state.off_loop(state.tokenizer.decode, ids) if ids else ""}
 

@@ -292,7 +292,7 @@ def test_bad_requests_answer_400(server, client):
         client.completions.create(model="other", prompt="w3", max_tokens=2)
     r = httpx.post(url + "/v1/completions", content=b"x" * (5 * 2**20))
     assert r.status_code == 413
-    assert httpx.get(url + "/nope").json()["error"]["code"] == 404
+    assert httpx.get(url + "/nope").json()["error"]["code"] == "not_found"
 
 
 def test_metrics(server, client):
@@ -499,14 +499,27 @@ def test_a_pool_smaller_than_the_context_lowers_max_model_len_or_is_refused():
         assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("length", "stop")
 
 
-def test_a_request_that_can_never_run_is_refused_before_its_stream_starts(server):
-    """n beyond max_num_seqs (the engine's other refusal at add time) answers 400 whether streamed or not
-    (streamed, it was a 200 whose only event was the error)."""
-    url, _ = server
-    body = {"model": MODEL, "prompt": "w5 w6", "max_tokens": 4, "n": KNOBS["max_num_seqs"] + 1, "temperature": 1}
-    for stream in (False, True):
-        r = httpx.post(url + "/v1/completions", json={**body, "stream": stream}, timeout=HANG_S)
-        assert r.status_code == 400 and "max_num_seqs" in r.json()["error"]["message"], (stream, r.text)
+def test_n_beyond_max_num_seqs_runs_as_several_engine_requests(server):
+    """As vLLM runs n as child requests: n beyond max_num_seqs is served (it was a 400), sequence j still seeded
+    seed + j, so choice j equals a request of n=1 seeded seed + j; whole and streamed alike."""
+    url, app = server
+    n = KNOBS["max_num_seqs"] + 3
+    body = {"model": MODEL, "prompt": "w5 w6", "max_tokens": 5, "n": n, "temperature": 1, "seed": 40,
+            "ignore_eos": True}
+    whole = httpx.post(url + "/v1/completions", json=body, timeout=HANG_S).json()
+    texts = [c["text"] for c in sorted(whole["choices"], key=lambda c: c["index"])]
+    assert len(texts) == n and whole["usage"]["completion_tokens"] == 5 * n and len(set(texts)) > 1
+    alone = [httpx.post(url + "/v1/completions", json={**body, "n": 1, "seed": 40 + j}, timeout=HANG_S).json()
+             for j in range(n)]
+    assert texts == [a["choices"][0]["text"] for a in alone]
+    streamed = [""] * n
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=HANG_S) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                for choice in json.loads(line[6:])["choices"]:
+                    streamed[choice["index"]] += choice["text"]
+    assert streamed == texts
+    wait_idle(app)
 
 
 def test_tokenizing_runs_off_the_event_loop(server, monkeypatch):

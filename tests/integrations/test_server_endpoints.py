@@ -137,7 +137,7 @@ FAULTS = [
     b'{"prompt": [3, null]}', b'{"prompt": [[]]}', b'{"prompt": []}', b'{"prompt": {}}', b'{"prompt": ""}',
     b'{"prompt": "w3", "max_tokens": "five"}', b'{"prompt": "w3", "n": 2.5}', b'{"prompt": "w3", "seed": "x"}',
     b'{"prompt": "w3", "logprobs": [1]}', b'{"prompt": "w3", "stream": "maybe"}', b'{"prompt": "w3", "seed": 1e30}',
-    b'{"messages": "w3"}', b'{"messages": []}', b'{"messages": [{"role": "robot", "content": "w3"}]}',
+    b'{"messages": "w3"}', b'{"messages": []}', b'{"messages": [{"role": 5, "content": "w3"}]}',
     b'{"messages": [{"role": "user", "content": 5}]}', b'{"messages": [{"role": "user", "content": [{}]}]}',
     b'{"messages": [{"role": "user", "content": "w3"}], "max_completion_tokens": "nine"}',
     b'{"prompt": ' + json.dumps([[3]] * 300_000).encode() + b"}",

@@ -220,8 +220,7 @@ def test_call_options():
     assert call_options(req) == CallOptions(n=1, stops=("w9",), include_stop_str_in_output=True,
                                             skip_special_tokens=False, logprobs=1, echo=True, max_tokens_zero=True,
                                             prompt_logprobs=2, chat=False, return_tokens_as_token_ids=True)
-    assert requested_max_tokens(req) == 1
-    assert settings({"echo": True, "max_tokens": 0}, max_tokens=requested_max_tokens(req))["max_new_tokens"] == 1
+    assert requested_max_tokens(req) == 0          # checked against the context as 0; the engine runs 1
     chat = request({"logprobs": True, "top_logprobs": 2, "n": 2, "temperature": 1.0}, chat=True)
     assert call_options(chat) == CallOptions(n=2, logprobs=2, chat=True, role="assistant")
     assert call_options(request({"logprobs": True}, chat=True)).logprobs == 0
@@ -386,7 +385,8 @@ def test_chat_messages_as_vllm_renders_them():
 
 def test_the_generation_configs_max_new_tokens_is_the_default_only():
     """vLLM's current rule: the generation config's max_new_tokens is the max_tokens of a request that gives none
-    (chat without max_tokens, a completion with max_tokens null), not a cap on one that does."""
+    (chat without max_tokens), not a cap on one that does; a completion's max_tokens null is its default, 16
+    (vLLM 0.32's ``normalize_null_max_tokens``)."""
     from transformers import GenerationConfig
 
     from hf_paged.integrations.server.intake import requested_max_tokens, sampling_params
@@ -397,5 +397,70 @@ def test_the_generation_configs_max_new_tokens_is_the_default_only():
         req = request({"temperature": 0, **body}, chat)
         return asyncio.run(sampling_params(state, req, [[3, 4]], requested_max_tokens(req))).max_new_tokens
 
-    assert new_tokens({"max_tokens": 30}) == 30 and new_tokens({}) == 16 and new_tokens({"max_tokens": None}) == 7
+    assert new_tokens({"max_tokens": 30}) == 30 and new_tokens({}) == 16 and new_tokens({"max_tokens": None}) == 16
     assert new_tokens({}, chat=True) == 7 and new_tokens({"max_tokens": 30}, chat=True) == 30
+
+
+def test_what_clients_send_at_the_edges_reads_as_vllm_reads_it():
+    """A prompt of exactly max_model_len tokens with echo and max_tokens 0 (lm-eval's full-length
+    loglikelihood windows) is checked as 0 new tokens and runs one; "model": "" is the served model; any
+    role reaches the template but tool results; an image part is refused as such, by name."""
+    from hf_paged.integrations.server.intake import sampling_params
+    state = fake_state()
+    state.base = None
+    full = [3] * state.max_model_len
+    req = request({"echo": True, "max_tokens": 0, "logprobs": 1})
+    assert asyncio.run(sampling_params(state, req, [full], requested_max_tokens(req))).max_new_tokens == 1
+    with pytest.raises(ApiError, match=r"prompt \(128 tokens\) \+ max_tokens \(1\) exceeds"):
+        req = request({"max_tokens": 1})
+        asyncio.run(sampling_params(state, req, [full], requested_max_tokens(req)))
+    state.engine.never_fits = lambda prompt_len, params: "why not"      # refused before a stream's status line
+    with pytest.raises(ApiError, match="why not") as err:
+        asyncio.run(sampling_params(state, req, [[3, 4]], requested_max_tokens(req)))
+    assert err.value.status == 400
+    assert request({"model": ""}).model == ""
+    with pytest.raises(ApiError, match="does not exist") as err:
+        request({"model": "other"})
+    assert err.value.status == 404
+    assert request({"messages": [{"role": "narrator", "content": "w3"}]}, chat=True).messages[0].role == "narrator"
+    with pytest.raises(ApiError, match="need tool calling"):
+        request({"messages": [{"role": "function", "name": "f", "content": "w3"}]}, chat=True)
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}
+    with pytest.raises(ApiError, match="part 1 has type 'image_url': this server runs text-only models") as err:
+        request({"messages": [{"role": "user", "content": [{"type": "text", "text": "w3"}, image]}]}, chat=True)
+    assert err.value.param == "messages.0.content"
+
+
+def test_n_beyond_max_num_seqs_runs_as_parts_seeded_as_one_request():
+    from dataclasses import replace
+
+    from hf_paged.engine.settings import resolve_generation
+    from hf_paged.integrations.server.call import engine_parts
+    from transformers import GenerationConfig
+    params = resolve_generation(GenerationConfig(eos_token_id=1), max_new_tokens=4, num_return_sequences=10,
+                                do_sample=True, seed=100)
+    assert engine_parts(params, 10) == [(0, params)]
+    parts = engine_parts(params, 4)
+    assert [(j0, p.num_return_sequences, p.seed) for j0, p in parts] == [(0, 4, 100), (4, 4, 104), (8, 2, 108)]
+    assert all(replace(p, num_return_sequences=10, seed=100) == params for _, p in parts)
+    unseeded = engine_parts(replace(params, seed=None), 3)
+    assert [p.seed for _, p in unseeded] == [None] * 4 and sum(p.num_return_sequences for _, p in unseeded) == 10
+
+
+def test_a_client_gone_while_sending_its_body_is_a_quiet_499():
+    """Starlette's ClientDisconnect escaped ``read_body`` and was logged as an internal error (with uvicorn's
+    traceback); now it is an ApiError nobody reads, which the handlers do not log."""
+    from starlette.requests import ClientDisconnect
+
+    from hf_paged.integrations.server.body import read_body
+
+    class Gone:
+        headers: dict = {}
+
+        async def stream(self):
+            yield b'{"prompt": '
+            raise ClientDisconnect()
+
+    with pytest.raises(ApiError) as err:
+        asyncio.run(read_body(Gone(), 1000))
+    assert err.value.status == 499 and err.value.body()["error"]["code"] == "client_closed"
