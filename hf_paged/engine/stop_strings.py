@@ -21,7 +21,9 @@ class StopStrings:
         self.strings: tuple[str, ...] = tuple(strings)
         longest = max((len(s) for s in self.strings), default=1)
         self.hold = longest - 1           # characters that may begin a stop string not seen whole yet
-        self.window = longest + 2         # new tokens the engine decodes: each token is >= 1 character
+        # new tokens the engine decodes: a token is at least one byte of text, not one character (byte-level
+        # BPE spends up to 4 tokens on a character: "終わり" is 7 of SmolLM2's), plus 2 for the token before
+        self.window = max((len(s.encode("utf-8")) for s in self.strings), default=1) + 2
 
     def __bool__(self) -> bool:
         return bool(self.strings)

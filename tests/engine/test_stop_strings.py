@@ -5,6 +5,13 @@ from __future__ import annotations
 from hf_paged.engine.stop_strings import StopStrings
 
 
+class Bytes:
+    """A byte-level tokenizer: token t is the byte t (a character takes up to 4 tokens)."""
+
+    def decode(self, ids, **_):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
 class Letters:
     """A tokenizer whose token t is the letter chr(ord('a') + t)."""
 
@@ -39,3 +46,15 @@ def test_cut_after_a_boundary():
     assert stops.cut("abcdx", after=4) == ("abcd", True)     # only "x" ends after 4
     assert stops.cut("abcdx", after=5) == ("abcdx", False)
     assert stops.cut("abcdx", keep=True, after=4) == ("abcdx", True)
+
+
+def test_in_tail_finds_a_stop_string_of_many_tokens_per_character():
+    """The window counts bytes: "終わり" is 3 characters but 9 byte tokens (found at the token that completes it;
+    a window of characters + 2 never saw it whole). Also after a prompt ending inside a character."""
+    tok = Bytes()
+    for stop, text in (("終わり", "x 終わり, then more"), ("🦜!", "ok 🦜! go"), ("ñ", "señor")):
+        prompt = list("Say: ".encode()) + [0xE7]               # ends with a lone lead byte
+        new = list(text.encode())
+        end = len(text[:text.index(stop) + len(stop)].encode())
+        found = [k for k in range(1, len(new) + 1) if StopStrings((stop,)).in_tail(tok, prompt + new[:k], k)]
+        assert found and found[0] == end, (stop, found[:3], end)
