@@ -168,8 +168,18 @@ class ApiCall:
             self.done.add(key)
             delta += stream.finish()                     # may find a stop string in the last characters
             reason = "stop" if stream.stopped else finish_reason(event.finished)
+            if not event.finished:                       # the text stopped where the engine did not (yet)
+                self._release(i, j)
             return self._delta(i, j, delta, reason)
         return self._delta(i, j, delta, None) if delta else None
+
+    def _release(self, i: int, j: int) -> None:
+        """Cancel the engine request holding sequence ``j`` of prompt ``i`` once all its sequences are done
+        here, so that it gives back its slots and blocks rather than run to max_tokens for nobody."""
+        j0, handle = next((j0, h) for (p, j0), h in self.handles.items()
+                          if p == i and j0 <= j < j0 + h.params.num_return_sequences)
+        if all((i, k) in self.done for k in range(j0, j0 + handle.params.num_return_sequences)):
+            self.worker.cancel(handle)
 
     def usage(self, choice: int | None = None) -> dict:
         """The call's usage, or (vLLM's continuous usage) one choice's so far: its prompt and its tokens."""

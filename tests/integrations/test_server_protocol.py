@@ -464,3 +464,35 @@ def test_a_client_gone_while_sending_its_body_is_a_quiet_499():
     with pytest.raises(ApiError) as err:
         asyncio.run(read_body(Gone(), 1000))
     assert err.value.status == 499 and err.value.body()["error"]["code"] == "client_closed"
+
+
+def test_choices_cut_by_the_text_release_their_engine_request():
+    """Where the answer's text stops a sequence before the engine does (its TextStream found a stop string),
+    the engine request is cancelled once all its sequences are done here, not run to max_tokens for nobody."""
+    from dataclasses import replace
+
+    from transformers import GenerationConfig
+
+    from hf_paged.engine.outputs import TokenEvent
+    from hf_paged.engine.settings import resolve_generation
+    from hf_paged.integrations.server.call import ApiCall
+
+    async def run():
+        cancelled = []
+        worker = SimpleNamespace(engine=SimpleNamespace(config=SimpleNamespace(max_num_seqs=8)),
+                                 cancel=cancelled.append)
+        params = resolve_generation(GenerationConfig(eos_token_id=1), max_new_tokens=8, num_return_sequences=2,
+                                    do_sample=True)
+        call = ApiCall(worker, word_tokenizer(), [[3, 4]], params, CallOptions(n=2, stops=("w7",)))
+        deltas = [call._token(0, 0, TokenEvent(0, 0, 7, None))]
+        assert deltas[0].reason == "stop" and cancelled == []        # sequence 1 still runs
+        deltas.append(call._token(0, 1, TokenEvent(0, 1, 5, None)))
+        assert deltas[1].reason is None and cancelled == []
+        deltas.append(call._token(0, 1, TokenEvent(0, 1, 7, None)))
+        assert deltas[2].reason == "stop" and cancelled == [call.handles[0, 0]]
+        own = ApiCall(worker, word_tokenizer(), [[3, 4]], replace(params, num_return_sequences=1),
+                      CallOptions(stops=("w7",)))
+        assert own._token(0, 0, TokenEvent(1, 0, 7, "stop_string")).reason == "stop"
+        assert len(cancelled) == 1                                   # the engine ended that one itself
+
+    asyncio.run(run())
