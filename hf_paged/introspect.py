@@ -111,6 +111,27 @@ def length_dependent_rope(model) -> tuple[str, int] | None:
     return min(found, key=lambda f: f[1]) if found else None
 
 
+EXTENDING_ROPE = ("linear", "dynamic", "yarn")   # llama3 / longrope count their extension in max_position_embeddings
+
+
+def trained_context(text_config) -> int | None:
+    """The context a model's positions cover, as vLLM derives its max_model_len: ``max_position_embeddings``,
+    or that times the RoPE scaling factor of the types that extend it (yarn: its
+    original_max_position_embeddings times it); None when the config names no length."""
+    limit = getattr(text_config, "max_position_embeddings", None)
+    if not isinstance(limit, int):
+        return None
+    params = getattr(text_config, "rope_parameters", None) or {}
+    groups = list(params.values()) if all(isinstance(v, dict) for v in params.values()) else [params]
+    longest = limit
+    for group in groups:                  # one per layer type where the config has several
+        kind, factor = group.get("rope_type", group.get("type")), group.get("factor")
+        if kind in EXTENDING_ROPE and isinstance(factor, (int, float)) and factor > 1:
+            base = group.get("original_max_position_embeddings") if kind == "yarn" else None
+            longest = max(longest, int((base or limit) * factor))
+    return longest
+
+
 def weights_key(model) -> tuple:
     """Which tensors the model's parameters are and how often each was written in place: it changes when
     weights are loaded (``load_state_dict``'s ``copy_`` bumps a tensor's version) or converted (new storage).

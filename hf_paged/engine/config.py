@@ -9,6 +9,7 @@ of 512 MiB, 10% of available memory and what ``max_num_seqs`` full-length sequen
 from __future__ import annotations
 
 import logging
+import numbers
 import os
 from dataclasses import dataclass
 
@@ -50,24 +51,29 @@ class EngineConfig:
     max_logprobs: int = 20
 
     def validate(self) -> None:
+        """Every knob's type and range (a ValueError naming the knob and the value; bools are not ints)."""
         kv_format(self.kv_cache_dtype)          # raises with the known values
         if self.block_size is None:
             self.block_size = default_block_size(self.kv_cache_dtype)
-        for name in ("enforce_eager", "fused_ops"):
+        for name in ("enforce_eager", "fused_ops", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
-            raise ValueError(f"max_logprobs must be an int >= 0, got {self.max_logprobs!r}")
+        _check_int(self, "max_logprobs", least=0)
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
-        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
-            raise ValueError(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes!r}")
-        if self.num_blocks is not None and (not isinstance(self.num_blocks, int) or self.num_blocks < 1):
-            raise ValueError(f"num_blocks must be a positive int, got {self.num_blocks!r}")
+            _check_int(self, name)
+        for name in ("max_model_len", "kv_cache_memory_bytes", "num_blocks"):
+            _check_int(self, name, optional=True)
+        value = self.gpu_memory_utilization
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1] (a number), got {value!r}")
+
+
+def _check_int(config: EngineConfig, name: str, least: int = 1, optional: bool = False) -> None:
+    value = getattr(config, name)
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
+        raise ValueError(f"{name} must be an int >= {least}{' or None' if optional else ''}, got {value!r}")
 
 
 def available_bytes() -> int:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import os
 import threading
 import time
 from collections import Counter
@@ -32,7 +33,7 @@ import torch
 from ..attention_interface import use_paged_attention
 from ..backends import backend_kind
 from ..blocks import BlockPool, PrefixCache
-from ..introspect import length_dependent_rope, model_geometry, weights_key
+from ..introspect import length_dependent_rope, model_geometry, trained_context, weights_key
 from ..kivi import split_budget
 from ..kv_formats import kv_format
 from ..parallel import tensor_parallel_ranks
@@ -53,6 +54,7 @@ from .stats import EngineCounters, EngineStats, snapshot, stats_line
 from .stop_strings import StopStrings
 
 log = logging.getLogger("hf_paged.engine")
+LONG_CONTEXT_ENV = "HF_PAGED_ALLOW_LONG_MAX_MODEL_LEN"   # "1": a max_model_len past the model's trained context
 
 
 class Engine:
@@ -68,6 +70,13 @@ class Engine:
         geometry = model_geometry(model)      # raises for an unsupported family
         self.model, self.tokenizer = model, tokenizer
         text_config = model.config.get_text_config(decoder=True)
+        trained = trained_context(text_config)
+        if config.max_model_len is not None and trained is not None and config.max_model_len > trained \
+                and os.environ.get(LONG_CONTEXT_ENV) != "1":
+            raise ValueError(f"max_model_len={config.max_model_len} is over the {trained} tokens this model's positions "
+                             "cover (max_position_embeddings, with its RoPE scaling): past them its outputs are not "
+                             f"what it was trained for. Lower max_model_len, or set {LONG_CONTEXT_ENV}=1 to allow it "
+                             "(as vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN)")
         self.max_model_len = config.max_model_len or getattr(text_config, "max_position_embeddings", None) or 2**31
         self.rope_limit = length_dependent_rope(model)     # requests past it fail alone (never_fits)
         weight = model.get_input_embeddings().weight
@@ -251,6 +260,15 @@ class Engine:
         self.scheduler.cancel(request)
         self.counters.cancelled += 1
         self._record(request)
+
+    def withdraw(self, request_id: int) -> None:
+        """Take back a request that has not run (a call that failed while adding its requests): its record
+        and its count go, as if it had never been added."""
+        request = self.requests.pop(request_id)
+        if request.output.error is not None:        # failed alone when added
+            self.counters.failed -= 1
+        elif not request.finished:
+            self.scheduler.cancel(request)
 
     @property
     def has_work(self) -> bool:

@@ -6,12 +6,18 @@ is accepted and fails alone — its output carries the message and the other req
 """
 from __future__ import annotations
 
+import numbers
+from collections.abc import Mapping
+
 import torch
 
 
 def token_ids(prompt, tokenizer, vocab_size: int | None = None) -> list[int]:
-    """``prompt`` (a str, a list of ids, or a LongTensor [T] or [1, T]) as a non-empty list of ints, each in
-    ``range(vocab_size)`` (the model's embedding rows) when given."""
+    """``prompt`` (a str, a list of ids, a LongTensor [T] or [1, T], or vLLM's prompt dicts ``{"prompt": text}`` /
+    ``{"prompt_token_ids": ids}``) as a non-empty list of ints, each in ``range(vocab_size)`` (the model's
+    embedding rows) when given."""
+    if isinstance(prompt, Mapping):
+        prompt = _prompt_dict(prompt)
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError("a text prompt needs a tokenizer: Engine(model, tokenizer=...) or pass token ids")
@@ -20,7 +26,9 @@ def token_ids(prompt, tokenizer, vocab_size: int | None = None) -> list[int]:
         if prompt.dim() == 2 and prompt.shape[0] == 1:
             prompt = prompt[0]
         prompt = prompt.tolist()
-    ids = [int(t) for t in prompt]
+    ids = list(prompt)
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        ids = [_token_id(t) for t in ids]
     if not ids:
         raise ValueError("empty prompt: a request needs at least one token (add a BOS token or some text)")
     if vocab_size is not None and not 0 <= min(ids) <= max(ids) < vocab_size:
@@ -28,6 +36,27 @@ def token_ids(prompt, tokenizer, vocab_size: int | None = None) -> list[int]:
         raise ValueError(f"prompt token id {bad} (position {ids.index(bad)}) is outside the model's vocabulary of "
                          f"{vocab_size} ids (0..{vocab_size - 1}): was the prompt tokenized for another model?")
     return ids
+
+
+def _prompt_dict(prompt: Mapping):
+    """The text or ids of vLLM's TextPrompt / TokensPrompt; any other mapping (a tokenizer's output with its
+    attention_mask, multimodal data) refused by its keys."""
+    keys = set(prompt)
+    if keys == {"prompt"} or keys == {"prompt_token_ids"}:
+        return prompt[keys.pop()]
+    hint = (" (a tokenizer's output: pass its input_ids, one list of ids per prompt, without padding)"
+            if "input_ids" in keys else "")
+    raise ValueError(f"a prompt dict takes 'prompt' (a text) or 'prompt_token_ids' (ids), as vLLM's TextPrompt / "
+                     f"TokensPrompt, and nothing else; got keys {sorted(map(str, keys))}{hint}")
+
+
+def _token_id(t) -> int:
+    """An integer token id (a NumPy or 0-d tensor integer too); a float or a bool is refused, not truncated."""
+    if isinstance(t, torch.Tensor) and t.dim() == 0 and not t.is_floating_point() and t.dtype != torch.bool:
+        return int(t)
+    if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+        raise ValueError(f"token ids must be integers, got {t!r} ({type(t).__name__})")
+    return int(t)
 
 
 def never_fits(prompt_len: int, max_new_tokens: int, num_return_sequences: int, *, max_model_len: int,

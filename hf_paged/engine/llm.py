@@ -97,9 +97,9 @@ class LLM:
                     ids.append(engine.add_request(prompt, prompt_index=i, on_token=on_token, params=shared))
                 else:
                     ids.append(engine.add_request(prompt, prompt_index=i, on_token=on_token, **own))
-        except Exception:
+        except Exception:            # all or none: the requests added before the bad one are taken back
             for rid in ids:
-                engine.cancel(rid)
+                engine.withdraw(rid)
             raise
         self.last_ids = ids
         show = len(prompts) >= TQDM_MIN_REQUESTS if use_tqdm is None else use_tqdm
@@ -146,11 +146,11 @@ class LLM:
 
 
 def prompt_list(prompts) -> list:
-    """``prompts`` as a list of prompts: a text is one, a 1-d tensor of ids is one, a 2-d one is one per row;
-    a flat list of ints is refused (one prompt of ids, or several one-token prompts?)."""
+    """``prompts`` as a list of prompts: a text or a prompt dict is one, a 1-d tensor of ids is one, a 2-d one is
+    one per row; a flat list of ints is refused (one prompt of ids, or several one-token prompts?)."""
     import torch
 
-    if isinstance(prompts, str):
+    if isinstance(prompts, (str, Mapping)):          # a text, or one prompt dict (vLLM's TextPrompt / TokensPrompt)
         return [prompts]
     if isinstance(prompts, torch.Tensor):
         return [prompts] if prompts.dim() == 1 else list(prompts)

@@ -149,6 +149,42 @@ def test_bad_input_fails_clearly_and_alone():
     check_pool(llm.engine)
 
 
+def test_vllm_prompt_dicts_and_what_is_not_a_prompt():
+    model = make_model("llama", seed=4)
+    from tiny_models import word_tokenizer
+    llm = LLM(model, word_tokenizer(), block_size=4)
+    greedy = dict(max_new_tokens=3, do_sample=False)
+    plain = [o.outputs[0].token_ids for o in llm.generate(["w5 w6", [7, 8, 9]], **greedy)]
+    dicts = llm.generate([{"prompt": "w5 w6"}, {"prompt_token_ids": [7, 8, 9]}], **greedy)
+    assert [o.outputs[0].token_ids for o in dicts] == plain
+    assert llm.generate({"prompt_token_ids": [7, 8, 9]}, **greedy)[0].outputs[0].token_ids == plain[1]
+    batch = word_tokenizer()(["w5 w6"], return_tensors="pt")
+    for bad, says in ((batch, "a tokenizer's output: pass its input_ids"), ({"prompt": "w5", "x": 1}, r"\['prompt', 'x'\]"),
+                      ([[5.7, 6.2]], r"token ids must be integers, got 5.7"), ([[True, 5]], "got True"),
+                      (torch.tensor([[5.0, 6.0]]), "got 5.0")):
+        with pytest.raises(ValueError, match=says):
+            llm.generate(bad, **greedy)
+    assert llm.generate([torch.tensor([7, 8, 9]), [torch.tensor(7), 8, 9]], **greedy)[1].outputs[0].token_ids == plain[1]
+    assert llm.engine.requests == {}
+    check_pool(llm.engine)
+
+
+def test_a_call_that_fails_while_adding_leaves_nothing_behind():
+    """All or none: the requests a call added before its bad one are taken back (no record, no count)."""
+    model = make_model("llama", seed=3)
+    llm = LLM(model, block_size=4, num_blocks=16, max_model_len=40)
+    for _ in range(3):
+        with pytest.raises(ValueError, match="unknown generation argument"):
+            llm.generate([[5, 6], [7] * 50, [9]], [dict(max_new_tokens=2), dict(max_new_tokens=2), dict(bogus=1)])
+    assert llm.engine.requests == {} and not llm.engine.has_work
+    stats = llm.stats()
+    assert (stats["requests_finished"], stats["requests_cancelled"], stats["requests_failed"]) == (0, 0, 0)
+    out = llm.generate([[5, 6]], max_new_tokens=3, do_sample=False)[0]
+    assert out.sequences.tolist() == reference(model, [5, 6], max_new_tokens=3, do_sample=False).tolist()
+    assert llm.engine.requests == {} and llm.stats()["requests_finished"] == 1
+    check_pool(llm.engine)
+
+
 def test_prompt_filling_the_context_gets_one_token():
     """As vLLM's engine: a prompt of max_model_len tokens still samples one token (from its last logits; the
     token never enters the model), which lm-eval's full-length loglikelihood windows need; two do not fit."""
@@ -456,3 +492,35 @@ def test_a_cpu_default_pool_too_small_says_where_its_size_came_from(monkeypatch)
     with pytest.raises(ValueError, match=r"kv_cache_memory_bytes=10240 bytes \(unset: the CPU default, .*10% of the "
                                          r"available memory.*\) holds no block.*Raise kv_cache_memory_bytes"):
         LLM(make_model("llama"))
+
+
+@pytest.mark.parametrize("knobs, says", [
+    (dict(max_model_len=0), "max_model_len must be an int >= 1 or None, got 0"),
+    (dict(max_model_len="100"), "max_model_len must be an int"),
+    (dict(enable_prefix_caching="no"), "enable_prefix_caching must be True or False"),
+    (dict(gpu_memory_utilization="0.5"), r"gpu_memory_utilization must be in \(0, 1\]"),
+    (dict(kv_cache_memory_bytes="1M"), "kv_cache_memory_bytes must be an int"),
+    (dict(block_size=True), "block_size must be an int >= 1, got True"),
+    (dict(max_logprobs=True), "max_logprobs must be an int >= 0, got True"),
+    (dict(max_model_len=513), "max_model_len=513 is over the 512 tokens this model's positions cover"),
+])
+def test_engine_knobs_are_checked_by_name(knobs, says):
+    with pytest.raises(ValueError, match=says):
+        LLM(make_model("llama"), **knobs)
+
+
+def test_a_context_past_the_trained_one_needs_the_opt_in(monkeypatch):
+    """As vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN; RoPE scaling that extends the context counts (vLLM's rule)."""
+    from hf_paged.introspect import trained_context
+    monkeypatch.setenv("HF_PAGED_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    assert LLM(make_model("llama"), max_model_len=600).engine.max_model_len == 600
+    config = make_model("llama").config
+    assert trained_context(config) == 512
+    config.rope_parameters = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256,
+                              "rope_theta": 10000.0}
+    assert trained_context(config) == 1024
+    config.rope_parameters = {"rope_type": "llama3", "factor": 8.0, "rope_theta": 10000.0}
+    assert trained_context(config) == 512
+    config.rope_parameters = {"full_attention": {"rope_type": "linear", "factor": 2.0},
+                              "sliding_attention": {"rope_type": "default"}}
+    assert trained_context(config) == 1024
