@@ -26,6 +26,7 @@ import os
 import threading
 import time
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import fields, replace
 
 import torch
@@ -206,6 +207,8 @@ class Engine:
         request_id = next(self._ids)
         request = Request(request_id, request_id if prompt_index is None else prompt_index, ids, params, on_token,
                           max_position_embeddings=getattr(self.model.config, "max_position_embeddings", None))
+        request.output.prompt = prompt if isinstance(prompt, str) else (
+            prompt.get("prompt") if isinstance(prompt, Mapping) else None)
         self.requests[request_id] = request
         error = self.never_fits(len(ids), params)
         if error:

@@ -61,6 +61,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     pad_token_id: int = 0
     prompt_logprobs: list | None = None  # None, then {token id: Logprob} per prompt token, when asked
+    prompt: str | None = None            # the prompt's text where it was given as one (vLLM's), else None
 
     @property
     def outputs(self) -> list[CompletionOutput]:

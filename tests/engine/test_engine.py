@@ -157,6 +157,7 @@ def test_vllm_prompt_dicts_and_what_is_not_a_prompt():
     plain = [o.outputs[0].token_ids for o in llm.generate(["w5 w6", [7, 8, 9]], **greedy)]
     dicts = llm.generate([{"prompt": "w5 w6"}, {"prompt_token_ids": [7, 8, 9]}], **greedy)
     assert [o.outputs[0].token_ids for o in dicts] == plain
+    assert [o.prompt for o in dicts] == ["w5 w6", None]                # vLLM's RequestOutput.prompt
     assert llm.generate({"prompt_token_ids": [7, 8, 9]}, **greedy)[0].outputs[0].token_ids == plain[1]
     batch = word_tokenizer()(["w5 w6"], return_tensors="pt")
     for bad, says in ((batch, "a tokenizer's output: pass its input_ids"), ({"prompt": "w5", "x": 1}, r"\['prompt', 'x'\]"),
