@@ -22,6 +22,8 @@ the step needs, whichever is more (each growth copies the pools once, like Dynam
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from ..backends import Step
@@ -451,6 +453,17 @@ class PagedCache(KVPools):
         self.active_rows = None
         self.prefix_source = None
 
+    def __reduce_ex__(self, protocol):
+        raise TypeError("a PagedCache cannot be pickled (its pools and block tables are bound to this process's "
+                        "kernels); copy.deepcopy makes an independent copy, or continue generating in this process")
+
+    def __deepcopy__(self, memo):
+        """The default deep copy (every attribute), spelled out since ``__reduce_ex__`` refuses pickling."""
+        clone = object.__new__(type(self))
+        memo[id(self)] = clone
+        clone.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return clone
+
     def check_invariants(self) -> None:
         """Raise AssertionError if the block bookkeeping is inconsistent."""
         if self.rows is not None:
@@ -474,7 +487,8 @@ class PagedCache(KVPools):
             blocks_total=pool.num_blocks, blocks_used=pool.num_used, block_size=bs, tokens_stored=tokens,
             kv_bytes_reserved=pool.num_used * bs * per_token, kv_bytes_used=tokens * per_token,
             peak_blocks_used=pool.peak_used, peak_kv_bytes_reserved=pool.peak_used * bs * per_token,
-            bytes_per_token=per_token, kv_bytes_allocated=pool.num_blocks * bs * per_token,
+            bytes_per_token=per_token,
+            kv_bytes_allocated=pool.num_blocks * bs * per_token + self.open_bytes,   # KIVI's open slots + sinks
             **self._prefix_counts(),
         )
 

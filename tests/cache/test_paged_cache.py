@@ -480,3 +480,19 @@ def test_batch_selection_repetition_and_crop_as_dynamic_cache():
         cache.crop(-100)
         assert cache.get_seq_length() == 0
         cache.check_invariants()
+
+
+def test_a_cache_deep_copies_but_refuses_pickling_clearly():
+    import copy
+    import pickle
+    model = make_model("llama")
+    ids, mask = make_batch([9, 6], seed=4)
+    with patched(model):
+        cache = hf_paged.PagedCache(model.config, block_size=4)
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False, past_key_values=cache)
+        clone = copy.deepcopy(cache)
+    assert clone.stats() == cache.stats()
+    assert all(a.data_ptr() != b.data_ptr() and torch.equal(a, b)
+               for a, b in zip(clone.pool_tensors(), cache.pool_tensors()))
+    with pytest.raises(TypeError, match="a PagedCache cannot be pickled.*copy.deepcopy"):
+        pickle.dumps(cache)
