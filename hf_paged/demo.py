@@ -50,7 +50,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     p.add_argument("--quiet", action="store_true", help="print the summary only, not the texts")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for name, least, most in (("max_new_tokens", 1, None), ("block_size", 1, 1024), ("threads", 1, None)):
+        value = getattr(args, name)
+        if value is not None and (value < least or (most is not None and value > most)):
+            p.error(f"--{name.replace('_', '-')} must be {f'in {least}..{most}' if most else f'>= {least}'}, got {value}")
+    if args.prompts is not None:
+        try:
+            args.prompt_lines = [line.strip() for line in args.prompts.read_text().splitlines() if line.strip()]
+        except (OSError, UnicodeDecodeError) as exc:
+            p.error(f"--prompts {args.prompts}: cannot read it ({exc})")
+        if not args.prompt_lines:
+            p.error(f"--prompts {args.prompts} has no prompt (one per non-empty line)")
+    return args
 
 
 # Rounding tolerances of the paged path against the default one, in units of eps(dtype) * max|logit| of
@@ -184,7 +196,7 @@ def _load(args):
 
     prompts = DEFAULT_PROMPTS
     if args.prompts:
-        prompts = [line.strip() for line in args.prompts.read_text().splitlines() if line.strip()]
+        prompts = args.prompt_lines
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -277,7 +289,7 @@ def main(argv=None) -> int:
               f"x max|logit| (eps of {args.dtype}: {torch.finfo(dtype).eps:.3g}); rounding differs between the "
               f"paths, so a near-tied argmax may flip" + ("." if explained else "; a difference elsewhere is a bug."))
     dyn_reserved = dynamic_cache_bytes(dyn_cache)
-    pool_bytes = sum(t.nbytes for t in cache.pool_tensors())
+    pool_bytes = cache.pool_bytes
     _print_memory(args, bpt, width, len(prompts), sum(gen), (dyn_reserved, (sum(prompt_lens) + sum(gen)) * bpt, dyn_s),
                   (pool_bytes, peak["kv_bytes_reserved"], peak["kv_bytes_used"], paged_s), samples)
     return 0 if explained else 1

@@ -105,3 +105,19 @@ def test_smollm2_greedy_batch_matches_dynamic_cache(smollm2_model):
         assert torch.equal(ref.sequences, out.sequences)
     first = tokenizer.decode(ref.sequences[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
     assert first.strip() == "The capital of France is Paris."
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
+    (["--block-size", "0"], "--block-size must be in 1..1024, got 0"),
+    (["--threads", "0"], "--threads must be >= 1, got 0"),
+    (["--prompts", "/nonexistent/prompts.txt"], "cannot read it"),
+    (["--prompts", "BLANK"], "has no prompt"),
+])
+def test_demo_refuses_bad_flags_in_one_line(argv, says, tmp_path, capsys):
+    from hf_paged.demo import parse_args
+    blank = tmp_path / "blank.txt"
+    blank.write_text("\n  \n")
+    with pytest.raises(SystemExit) as exit_:
+        parse_args([str(blank) if a == "BLANK" else a for a in argv])
+    assert exit_.value.code == 2 and says in capsys.readouterr().err
