@@ -153,7 +153,9 @@ def _make_default(model, state: PatchState, default: bool) -> None:
             state.default_cache_implementation, state.made_default = config.cache_implementation, True
         config.cache_implementation = "paged"
     elif state.made_default:
-        config.cache_implementation, state.made_default = state.default_cache_implementation, False
+        if config.cache_implementation == "paged":       # else the user set another since: theirs stays
+            config.cache_implementation = state.default_cache_implementation
+        state.made_default = False
 
 
 class PatchedGenerate:

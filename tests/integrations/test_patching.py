@@ -43,6 +43,10 @@ def test_unpatch_restores_the_model_exactly():
              model.generation_config.to_dict())
     assert after == before
     assert not hf_paged.is_patched(model)
+    hf_paged.patch(model, default=True)
+    model.generation_config.cache_implementation = "static"     # the user's own choice while patched
+    hf_paged.unpatch(model)
+    assert model.generation_config.cache_implementation == "static"
 
 
 def test_patched_model_keeps_its_own_path_for_other_calls():
