@@ -52,7 +52,7 @@ class EngineConfig:
 
     def validate(self) -> None:
         """Every knob's type and range (a ValueError naming the knob and the value; bools are not ints)."""
-        kv_format(self.kv_cache_dtype)          # raises with the known values
+        fmt = kv_format(self.kv_cache_dtype)          # raises with the known values
         if self.block_size is None:
             self.block_size = default_block_size(self.kv_cache_dtype)
         for name in ("enforce_eager", "fused_ops", "enable_prefix_caching"):
@@ -61,6 +61,10 @@ class EngineConfig:
         _check_int(self, "max_logprobs", least=0)
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             _check_int(self, name)
+        if self.block_size > 1024:                    # PagedCache's bound too
+            raise ValueError(f"block_size must be an int in 1..1024, got {self.block_size!r}")
+        if hasattr(fmt, "check_block_size"):          # kivi: its fixed block
+            fmt.check_block_size(self.block_size)
         for name in ("max_model_len", "kv_cache_memory_bytes", "num_blocks"):
             _check_int(self, name, optional=True)
         value = self.gpu_memory_utilization

@@ -504,6 +504,8 @@ def test_a_cpu_default_pool_too_small_says_where_its_size_came_from(monkeypatch)
     (dict(block_size=True), "block_size must be an int >= 1, got True"),
     (dict(max_logprobs=True), "max_logprobs must be an int >= 0, got True"),
     (dict(max_model_len=513), "max_model_len=513 is over the 512 tokens this model's positions cover"),
+    (dict(block_size=2000), r"block_size must be an int in 1\.\.1024, got 2000"),
+    (dict(kv_cache_dtype="kivi", block_size=16), "set block_size=32"),
 ])
 def test_engine_knobs_are_checked_by_name(knobs, says):
     with pytest.raises(ValueError, match=says):
