@@ -54,7 +54,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name, least, most in (("max_new_tokens", 1, None), ("block_size", 1, 1024), ("threads", 1, None)):
         value = getattr(args, name)
         if value is not None and (value < least or (most is not None and value > most)):
-            p.error(f"--{name.replace('_', '-')} must be {f'in {least}..{most}' if most else f'>= {least}'}, got {value}")
+            bound = f"in {least}..{most}" if most else f">= {least}"
+            p.error(f"--{name.replace('_', '-')} must be {bound}, got {value}")
     if args.prompts is not None:
         try:
             args.prompt_lines = [line.strip() for line in args.prompts.read_text().splitlines() if line.strip()]

@@ -74,10 +74,10 @@ class Engine:
         trained = trained_context(text_config)
         if config.max_model_len is not None and trained is not None and config.max_model_len > trained \
                 and os.environ.get(LONG_CONTEXT_ENV) != "1":
-            raise ValueError(f"max_model_len={config.max_model_len} is over the {trained} tokens this model's positions "
-                             "cover (max_position_embeddings, with its RoPE scaling): past them its outputs are not "
-                             f"what it was trained for. Lower max_model_len, or set {LONG_CONTEXT_ENV}=1 to allow it "
-                             "(as vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN)")
+            raise ValueError(f"max_model_len={config.max_model_len} is over the {trained} tokens this model's "
+                             "positions cover (max_position_embeddings, with its RoPE scaling): past them its outputs "
+                             f"are not what it was trained for. Lower max_model_len, or set {LONG_CONTEXT_ENV}=1 to "
+                             "allow it (as vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN)")
         self.max_model_len = config.max_model_len or getattr(text_config, "max_position_embeddings", None) or 2**31
         self.rope_limit = length_dependent_rope(model)     # requests past it fail alone (never_fits)
         weight = model.get_input_embeddings().weight

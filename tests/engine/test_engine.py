@@ -160,12 +160,14 @@ def test_vllm_prompt_dicts_and_what_is_not_a_prompt():
     assert [o.prompt for o in dicts] == ["w5 w6", None]                # vLLM's RequestOutput.prompt
     assert llm.generate({"prompt_token_ids": [7, 8, 9]}, **greedy)[0].outputs[0].token_ids == plain[1]
     batch = word_tokenizer()(["w5 w6"], return_tensors="pt")
-    for bad, says in ((batch, "a tokenizer's output: pass its input_ids"), ({"prompt": "w5", "x": 1}, r"\['prompt', 'x'\]"),
+    for bad, says in ((batch, "a tokenizer's output: pass its input_ids"),
+                      ({"prompt": "w5", "x": 1}, r"\['prompt', 'x'\]"),
                       ([[5.7, 6.2]], r"token ids must be integers, got 5.7"), ([[True, 5]], "got True"),
                       (torch.tensor([[5.0, 6.0]]), "got 5.0")):
         with pytest.raises(ValueError, match=says):
             llm.generate(bad, **greedy)
-    assert llm.generate([torch.tensor([7, 8, 9]), [torch.tensor(7), 8, 9]], **greedy)[1].outputs[0].token_ids == plain[1]
+    tensors = llm.generate([torch.tensor([7, 8, 9]), [torch.tensor(7), 8, 9]], **greedy)
+    assert tensors[1].outputs[0].token_ids == plain[1]
     assert llm.engine.requests == {}
     check_pool(llm.engine)
 
