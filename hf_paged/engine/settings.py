@@ -13,6 +13,7 @@ then ``generate`` makes 20 *new* tokens whatever the prompt length (capped by th
 from __future__ import annotations
 
 import copy
+import numbers
 
 import torch
 from transformers import GenerationConfig
@@ -79,6 +80,10 @@ def resolve_generation(model_generation_config, **kwargs) -> SamplingParams:
         if value is not None and value != default:
             raise ValueError(f"{name}={value!r} is not supported by the hf_paged engine (supported: greedy "
                              "and sampling with temperature/top_k/top_p); use model.generate for it")
+    for name in ("max_new_tokens", "max_length", "min_new_tokens", "min_length"):
+        value = getattr(config, name, None)       # a float (NaN: a null of a Ray Data int column) never stops
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
+            raise ValueError(f"{name} must be an int, got {value!r}")
     if config.max_new_tokens is not None and config.max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {config.max_new_tokens}")
     eos = None if engine_only.get("ignore_eos") else config.eos_token_id

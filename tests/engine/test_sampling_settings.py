@@ -117,12 +117,14 @@ def test_min_new_tokens_holds_back_stop_token_ids_too():
     (dict(allowed_token_ids=[]), "allowed_token_ids is empty"),
     (dict(stop_token_ids=[-1]), "stop_token_ids"),
     (dict(logit_bias={VOCAB + 5: 1.0}), "outside the vocabulary"),
+    (dict(max_new_tokens=float("nan")), "max_new_tokens must be an int, got nan"),   # it never stopped
+    (dict(max_new_tokens=4.0), "max_new_tokens must be an int"),
     (dict(bad_words_ids=[[]]), "bad_words_ids"),
 ])
 def test_bad_values_are_refused_with_their_name(settings, message):
     model = make_model("llama", seed=14)
     with pytest.raises(ValueError, match=message):
-        LLM(model).generate([[4, 5, 6]], max_new_tokens=2, do_sample=True, **settings)
+        LLM(model).generate([[4, 5, 6]], **{"max_new_tokens": 2, "do_sample": True, **settings})
 
 
 def test_greedy_rows_take_torch_argmax_with_its_ties_and_nans():
