@@ -19,11 +19,13 @@ Nothing here imports ray until ``generate`` is called; the actor class needs onl
 """
 from __future__ import annotations
 
+import math
 import os
 import socket
 from collections import Counter
 
 from hf_paged.engine import LLM, EngineConfig
+from hf_paged.engine.outputs import RequestOutput
 
 from .server.config import partition
 from .server.loading import default_device, load_model
@@ -72,10 +74,12 @@ class PagedGenerator:
             if column not in batch:
                 raise KeyError(f"batch has no {column!r} column (columns: {sorted(batch)}); name the prompts' "
                                "column with prompt_column=..., per-row settings with row_settings=(...)")
-        prompts = [p if isinstance(p, str) else [int(t) for t in p] for p in batch[self.prompt_column]]
-        per_row = [{name: batch[name][i].item() if hasattr(batch[name][i], "item") else batch[name][i]
-                    for name in self.row_settings} for i in range(len(prompts))] if self.row_settings else None
-        outputs = self.llm.generate(prompts, per_row, use_tqdm=False, **self.settings)   # keeps no record
+        prompts = [p if isinstance(p, str) else list(p) for p in batch[self.prompt_column]]
+        per_row = [row_values(batch, self.row_settings, i) for i in range(len(prompts))] if self.row_settings else None
+        try:
+            outputs = self.llm.generate(prompts, per_row, use_tqdm=False, **self.settings)   # keeps no record
+        except ValueError:           # a row that cannot be a request: that row fails alone (all the others run)
+            outputs = self._rows_alone(prompts, per_row)
 
         def per_request(value):
             return value if self.nested else (value[0] if value else None)
@@ -95,6 +99,41 @@ class PagedGenerator:
             column[:] = values
             out[name] = column
         return out
+
+
+    def _rows_alone(self, prompts: list, per_row: list[dict] | None) -> list[RequestOutput]:
+        """The batch with every row checked alone (``Engine.prepare``): a row refused (an empty prompt, a token
+        outside the vocabulary, a bad setting) is an error row, as an over-long one is; the others run together."""
+        good, errors = [], {}
+        for i, prompt in enumerate(prompts):
+            try:
+                self.llm.engine.prepare(prompt, **{**self.settings, **(per_row[i] if per_row else {})})
+                good.append(i)
+            except ValueError as exc:
+                errors[i] = str(exc)
+        ran = iter(self.llm.generate([prompts[i] for i in good], [per_row[i] for i in good] if per_row else None,
+                                     use_tqdm=False, **self.settings) if good else [])
+        return [RequestOutput(i, [], error=errors[i]) if i in errors else next(ran) for i in range(len(prompts))]
+
+
+# Integer settings: a column of them with a null in it reaches the actor as floats (2.0, NaN).
+INTEGER_SETTINGS = frozenset({"max_new_tokens", "min_new_tokens", "max_length", "min_length", "min_tokens", "top_k",
+                              "num_return_sequences", "seed", "logprobs", "prompt_logprobs"})
+
+
+def row_values(batch: dict, names: tuple[str, ...], i: int) -> dict:
+    """Row ``i``'s settings from their columns, as Python values; a null (None, or NaN: how Ray Data holds a
+    null of an int column, whose other values become floats) leaves the setting to the options."""
+    out = {}
+    for name in names:
+        value = batch[name][i]
+        value = value.item() if hasattr(value, "item") else value
+        if value is None or (isinstance(value, float) and math.isnan(value)):
+            continue
+        if name in INTEGER_SETTINGS and isinstance(value, float) and value.is_integer():
+            value = int(value)
+        out[name] = value
+    return out
 
 
 def generate(ds, model, *, concurrency: int = 1, batch_size: int = 32, num_cpus: float | None = 1,

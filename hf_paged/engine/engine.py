@@ -198,12 +198,7 @@ class Engine:
         (``output.error``, ``finish_reason == "error"``) and the other requests run.
         """
         self._check_weights()
-        ids = token_ids(prompt, self.tokenizer, self.model.get_input_embeddings().weight.shape[0])
-        if params is None:
-            params = resolve_generation(self.model.generation_config, **settings)
-        params = self._checked(params)
-        if params.stop_strings and self.tokenizer is None:
-            raise ValueError(f"stop_strings={list(params.stop_strings)} need a tokenizer: Engine(model, tokenizer=...)")
+        ids, params = self.prepare(prompt, params, **settings)
         request_id = next(self._ids)
         request = Request(request_id, request_id if prompt_index is None else prompt_index, ids, params, on_token,
                           max_position_embeddings=getattr(self.model.config, "max_position_embeddings", None))
@@ -218,6 +213,17 @@ class Engine:
             return request_id
         self.scheduler.add(request)
         return request_id
+
+    def prepare(self, prompt, params: SamplingParams | None = None, **settings) -> tuple[list[int], SamplingParams]:
+        """``prompt``'s token ids and its settings resolved and checked for this engine, without adding it: the
+        ValueError ``add_request`` would raise (a caller that must not fail a whole batch checks rows alone)."""
+        ids = token_ids(prompt, self.tokenizer, self.model.get_input_embeddings().weight.shape[0])
+        if params is None:
+            params = resolve_generation(self.model.generation_config, **settings)
+        params = self._checked(params)
+        if params.stop_strings and self.tokenizer is None:
+            raise ValueError(f"stop_strings={list(params.stop_strings)} need a tokenizer: Engine(model, tokenizer=...)")
+        return ids, params
 
     def _checked(self, params: SamplingParams) -> SamplingParams:
         """``params`` within this engine's limits, with a structured-output spec compiled."""

@@ -92,6 +92,22 @@ def test_request_that_cannot_fit_is_a_row_with_its_error(cluster, model_dir):
     assert rows[1]["finish_reason"] == "error" and "exceeds the model's context" in rows[1]["error"]
 
 
+def test_a_row_that_cannot_be_a_request_fails_alone(model_dir):
+    """An empty prompt, a token outside the vocabulary or a bad setting is that row's error, not the batch's (the
+    engine's calls are all or none); a null in an int settings column (NaN, its other values floats) leaves the
+    setting to the options. No cluster: the actor class called as Ray Data calls it."""
+    import numpy as np
+    actor = ray_data.PagedGenerator(str(model_dir), max_new_tokens=3, row_settings=("max_new_tokens",))
+    prompts = np.empty(5, dtype=object)
+    prompts[:] = ["w5 w6", "", [5, 10**6], "w7", "w8 w9"]
+    out = actor({"prompt": prompts, "max_new_tokens": np.array([2.0, 4.0, 4.0, np.nan, -1.0])})
+    assert [len(ids) if ids is not None else None for ids in out["generated_token_ids"]] == [2, None, None, 3, None]
+    assert list(out["finish_reason"][1:3]) == ["error", "error"] and "empty prompt" in out["error"][1]
+    assert "outside the model's vocabulary" in out["error"][2] and "max_new_tokens" in out["error"][4]
+    alone = actor({"prompt": prompts[[0, 3]], "max_new_tokens": np.array([2.0, np.nan])})
+    assert list(map(list, alone["generated_token_ids"])) == list(map(list, out["generated_token_ids"][[0, 3]]))
+
+
 def test_missing_prompt_column_is_named(model_dir):
     actor = ray_data.PagedGenerator(str(model_dir), max_new_tokens=2)
     with pytest.raises(KeyError, match="no 'prompt' column"):
