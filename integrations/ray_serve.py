@@ -32,11 +32,14 @@ def application(model: str, *, num_replicas: int = 1, num_cpus: float = 1, num_g
     """
     from ray import serve
 
+    from .server.main import checked_options
+
     if num_replicas < 1:
         raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
     owned = sorted(RAY_OWNS.keys() & server_options.keys())
     if owned:
         raise ValueError(f"{owned[0]}={server_options[owned[0]]!r}: on Ray Serve, set it with {RAY_OWNS[owned[0]]}")
+    checked_options(server_options)          # a bad knob named now, not as a failed deployment a minute later
     config, engine_knobs = split_options(server_options, ServeConfig)
 
     @serve.deployment(name="hf_paged", num_replicas=num_replicas, max_ongoing_requests=max_ongoing_requests,

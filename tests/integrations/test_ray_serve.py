@@ -63,3 +63,5 @@ def test_bad_request_is_an_openai_error(deployed):
 def test_ray_serve_owns_the_address_and_logging():
     with pytest.raises(ValueError, match=r"port=9000: on Ray Serve, set it with serve.start\(http_options"):
         ray_serve.application("unused", port=9000)
+    with pytest.raises(ValueError, match="max_num_seqs must be an int >= 1, got 0"):   # now, not at deployment
+        ray_serve.application("unused", max_num_seqs=0)
