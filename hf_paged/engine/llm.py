@@ -37,6 +37,7 @@ class LLM:
     def __init__(self, model, tokenizer=None, **knobs):
         self.engine = Engine(model, tokenizer, **knobs)
         self.last_ids: list[int] = []           # the latest call's request ids, in input order
+        self._running_past: list[int] = []      # earlier calls' requests still running (a stream left open)
         self._lock = threading.Lock()
         self._owner: int | None = None          # the thread whose calls run (generate, or a stream not finished)
         self._calls = 0
@@ -113,7 +114,8 @@ class LLM:
                         finished = engine.counters.finished
         finally:        # raised (a callback, KeyboardInterrupt) or a stream left early: nothing of it runs on
             for rid in ids:
-                engine.cancel(rid)                    # a no-op for the finished ones
+                if rid in engine.requests:            # (a later call may have dropped it, finished)
+                    engine.cancel(rid)                # a no-op for the finished ones
 
     def generate(self, prompts, settings=None, *, on_token=None, use_tqdm: bool | None = None,
                  **common) -> list[RequestOutput]:
@@ -131,11 +133,16 @@ class LLM:
         return outputs
 
     def _forget_last(self) -> None:
-        """Drop the previous call's requests from the engine's records (vLLM's LLM keeps none either)."""
-        for rid in self.last_ids:
-            if rid in self.engine.requests and self.engine.requests[rid].finished:
-                self.engine.forget(rid)
-        self.last_ids = []
+        """Drop the previous calls' requests from the engine's records (vLLM's LLM keeps none either); one still
+        running (a stream left open, whose requests later steps run on) goes at a later call, once finished."""
+        running = []
+        for rid in self._running_past + self.last_ids:
+            if rid in self.engine.requests:
+                if self.engine.requests[rid].finished:
+                    self.engine.forget(rid)
+                else:
+                    running.append(rid)
+        self._running_past, self.last_ids = running, []
 
     def cancel(self, request_id: int) -> None:
         self.engine.cancel(request_id)

@@ -327,6 +327,12 @@ def test_a_call_that_raises_or_a_stream_left_early_leaves_nothing_running():
         break
     assert llm.engine.pool.num_used == 0 and llm.stats()["requests_running"] == 0
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, **settings)] == clean
+    left_open = llm.stream(prompts, max_new_tokens=10, min_new_tokens=10, do_sample=False, use_tqdm=False)
+    next(left_open)                              # open, then another call on the same thread runs its requests too
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, **settings)] == clean
+    assert llm.engine.requests == {}, "the open stream's finished requests stayed in the records"
+    list(left_open)                              # its end: nothing of it left to cancel, and no KeyError
+    assert llm.engine.requests == {} and llm.engine.pool.num_used == 0
 
 
 def test_prompt_forms():
