@@ -26,9 +26,7 @@ def token_ids(prompt, tokenizer, vocab_size: int | None = None) -> list[int]:
         if prompt.dim() == 2 and prompt.shape[0] == 1:
             prompt = prompt[0]
         prompt = prompt.tolist()
-    ids = list(prompt)
-    if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-        ids = [_token_id(t) for t in ids]
+    ids = [t if type(t) is int else _token_id(t) for t in prompt]
     if not ids:
         raise ValueError("empty prompt: a request needs at least one token (add a BOS token or some text)")
     if vocab_size is not None and not 0 <= min(ids) <= max(ids) < vocab_size:

@@ -37,8 +37,9 @@ class Delta:
 def engine_parts(params, max_num_seqs: int) -> list[tuple[int, object]]:
     """(first sequence, params) of the engine requests that run one prompt's ``n`` sequences: one request,
     or, when n exceeds ``max_num_seqs`` (a request's sequences run together), parts of at most that many,
-    as vLLM runs n > 1 as independent child requests. A part from sequence j0 is seeded seed + j0, so that
-    sequence j still samples with seed + j (the engine's rule): the same tokens as one request of n."""
+    as vLLM runs n > 1 as independent child requests, each beginning at a multiple of max_num_seqs. A part
+    from sequence j0 is seeded seed + j0, so that sequence j still samples with seed + j (the engine's rule):
+    the same tokens as one request of n."""
     n = params.num_return_sequences
     if n <= max_num_seqs:
         return [(0, params)]
@@ -70,7 +71,8 @@ class ApiCall:
         self.completion_tokens = 0
         self.choice_tokens = [0] * (len(prompts) * self.n)     # completion tokens per choice
         self.params = params
-        parts = engine_parts(params, worker.engine.config.max_num_seqs)
+        self.part_size = worker.engine.config.max_num_seqs
+        parts = engine_parts(params, self.part_size)
         self.handles = {(i, j0): Handle(ids, part, partial(self._deliver, (i, j0)))
                         for i, ids in enumerate(prompts) for j0, part in parts}
 
@@ -176,8 +178,8 @@ class ApiCall:
     def _release(self, i: int, j: int) -> None:
         """Cancel the engine request holding sequence ``j`` of prompt ``i`` once all its sequences are done
         here, so that it gives back its slots and blocks rather than run to max_tokens for nobody."""
-        j0, handle = next((j0, h) for (p, j0), h in self.handles.items()
-                          if p == i and j0 <= j < j0 + h.params.num_return_sequences)
+        j0 = j - j % self.part_size                      # engine_parts: parts begin at its multiples
+        handle = self.handles[i, j0]
         if all((i, k) in self.done for k in range(j0, j0 + handle.params.num_return_sequences)):
             self.worker.cancel(handle)
 
