@@ -109,24 +109,34 @@ class PrefixStore(KVPools):
             self.device = cache._device
             self.allocate_pools(self.num_blocks, self.block_size, self.dtype, cache._device)
         bs, held, sources, targets = self.block_size, [], [], []
-        for row, tokens in enumerate(prompts):
-            table = cache.rows.tables[row]
-            full = min(table.num_tokens, len(tokens)) // bs
-            if cache.rows.finished[row] or full == 0:
-                continue
-            blocks, _ = self.index.match(tokens, full * bs)
-            for block in blocks:                # held while this commit runs: nothing evicts them
-                self.pool.hold(block)
-            held.extend(blocks)
-            while len(blocks) < full and self.pool.num_free:
-                block = self.pool.take()
-                sources.append(table.blocks[len(blocks)])
-                targets.append(block)
-                blocks.append(block)
-                held.append(block)
-            self.index.commit(BlockTable(list(blocks), len(blocks) * bs), tokens, [])
-        copy_blocks_between(cache, self, sources, targets)
-        self.pool.release(held)
+        try:
+            for row, tokens in enumerate(prompts):
+                table = cache.rows.tables[row]
+                full = min(table.num_tokens, len(tokens)) // bs
+                if cache.rows.finished[row] or full == 0:
+                    continue
+                blocks, _ = self.index.match(tokens, full * bs)
+                for block in blocks:                # held while this commit runs: nothing evicts them
+                    self.pool.hold(block)
+                held.extend(blocks)
+                while len(blocks) < full and self.pool.num_free:
+                    block = self.pool.take()
+                    sources.append(table.blocks[len(blocks)])
+                    targets.append(block)
+                    blocks.append(block)
+                    held.append(block)
+                # published now, so that a later row with the same prompt (beams, samples) matches these
+                # blocks instead of copying its own; their K/V are copied in below
+                self.index.commit(BlockTable(list(blocks), len(blocks) * bs), tokens, [])
+            copy_blocks_between(cache, self, sources, targets)
+        except BaseException:
+            # the new blocks' K/V may never have been copied in (an out-of-memory error, Ctrl-C): their hashes
+            # go, so that the failure loses only the caching and no later call hits unfilled blocks
+            for block in targets:
+                self.index.evicted(block)
+            raise
+        finally:
+            self.pool.release(held)
 
     def check_invariants(self) -> None:
         self.pool.check_invariants([])

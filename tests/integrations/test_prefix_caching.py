@@ -222,3 +222,37 @@ def test_new_weights_empty_the_store():
             assert torch.equal(got.sequences, ref.sequences)
             for a, b in zip(ref.logits, got.logits):
                 torch.testing.assert_close(b, a, atol=1e-5, rtol=0)
+
+
+def test_a_commit_that_fails_loses_only_the_caching(monkeypatch):
+    """A failure while the store copies a prefill's blocks in (an out-of-memory error, Ctrl-C) must not leave
+    their hashes published: later calls would hit blocks never filled and generate from garbage K/V."""
+    from hf_paged.cache import prefix_store
+    rng = random.Random(5)
+    model = make_model("llama", seed=3)
+    prefix = [rng.randrange(3, VOCAB) for _ in range(3 * BLOCK)]
+    ids, mask = prompts_with_prefix(prefix, [2, 5], rng)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, return_dict_in_generate=True,
+              output_logits=True)
+    ref = model.generate(**kw)
+    real_copy, failures = prefix_store.copy_blocks_between, [RuntimeError("out of memory (simulated)")]
+
+    def copy_failing_once(src, dst, src_blocks, dst_blocks):
+        if isinstance(dst, prefix_store.PrefixStore) and src_blocks and failures:
+            raise failures.pop()
+        return real_copy(src, dst, src_blocks, dst_blocks)
+
+    monkeypatch.setattr(prefix_store, "copy_blocks_between", copy_failing_once)
+    with patched(model, block_size=BLOCK, enable_prefix_caching=True):
+        with pytest.raises(RuntimeError, match="simulated"):
+            model.generate(cache_implementation="paged", **kw)
+        store = model._hf_paged.prefix_store
+        store.check_invariants()
+        assert store.pool.num_used == 0 and store.index.num_hashed == 0
+        for call in range(2):           # the first stores the blocks again, the second hits them
+            got = model.generate(cache_implementation="paged", **kw)
+            assert torch.equal(got.sequences, ref.sequences), call
+            for a, b in zip(ref.logits, got.logits):
+                torch.testing.assert_close(b, a, atol=1e-5, rtol=0)
+            assert (hf_paged.last_stats(model)["prefix_hit_tokens"] > 0) == (call == 1)
+        store.check_invariants()
