@@ -13,7 +13,8 @@ from .blocks import PoolExhaustedError
 from .cache import PagedCache
 from .introspect import model_geometry
 from .engine import LLM, Engine, EngineConfig, RequestOutput, generate_many
-from .integrations.patching import disable, enable, enabled, is_enabled, is_patched, last_stats, patch, unpatch
+from .integrations.patching import (disable, enable, enabled, is_enabled, is_patched, last_stats, patch, unpatch,
+                                   weights_changed)
 
 
 def pipeline(task: str = "text-generation", model=None, **kwargs):
@@ -27,7 +28,6 @@ def pipeline(task: str = "text-generation", model=None, **kwargs):
 __all__ = [
     "ATTENTION_NAME", "Engine", "EngineConfig", "LLM", "PagedCache", "PoolExhaustedError", "RequestOutput",
     "disable", "enable", "enabled", "generate_many", "is_enabled", "is_patched", "last_stats", "model_geometry", "patch",
-    "pipeline",
-    "unpatch", "use_paged_attention",
+    "pipeline", "unpatch", "use_paged_attention", "weights_changed",
 ]
 __version__ = "0.1.0"

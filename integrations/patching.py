@@ -22,7 +22,7 @@ from hf_paged.blocks import blocks_for_budget
 from hf_paged.cache import PagedCache
 from hf_paged.cache.prefix_store import DEFAULT_PREFIX_CACHE_BYTES, PrefixStore
 from hf_paged.families import family_for
-from hf_paged.introspect import weights_key
+from hf_paged.weights_watch import WeightsWatch
 
 from .generate import paged_generate, wants_paged
 
@@ -41,7 +41,7 @@ class PatchState:
     temporary_owner: int | None = None      # thread of enable()'s per-call patch, None for patch()
     prefix_cache_bytes: int | None = None    # prefix caching across calls: its budget, None = off
     prefix_store: PrefixStore | None = None  # built on the first paged call that wants it
-    prefix_weights: tuple | None = None      # the weights its K/V were computed with (``weights_key``)
+    prefix_weights: WeightsWatch | None = None   # the weights its K/V were computed with
     running: int = 0                         # paged generate calls in progress (unpatch refuses meanwhile)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -210,17 +210,26 @@ def _prefix_budget(enabled: bool, budget_bytes: int | None) -> int | None:
 
 def _prefix_store(state: PatchState, cache: PagedCache, model) -> PrefixStore | None:
     """The model's prefix store for a cache generate built, made on first use, and made anew when the
-    model's weights changed since (``load_state_dict``, ``.to(dtype)``: its K/V are another model's);
-    None when prefix caching is off. Thread-safe enough for concurrent calls: a second store made at once
-    is dropped."""
+    model's weights changed since (``load_state_dict``, ``.to(dtype)``, an optimizer step: its K/V are
+    another model's; ``hf_paged.weights_watch``); None when prefix caching is off. Thread-safe enough for
+    concurrent calls: a second store made at once is dropped."""
     if state.prefix_cache_bytes is None:
         return None
-    store, weights = state.prefix_store, weights_key(model)
-    if store is None or state.prefix_weights != weights:
+    store, watch = state.prefix_store, state.prefix_weights
+    if store is None or watch is None or watch.changed():
         store = PrefixStore(cache.config, cache.geometry, cache.kv_format, cache.block_size,
                             state.prefix_cache_bytes, cache._dtype)
-        state.prefix_store, state.prefix_weights = store, weights
+        state.prefix_store, state.prefix_weights = store, WeightsWatch(model)
     return store if store.serves(cache) else None
+
+
+def weights_changed(model) -> None:
+    """Tell a patched model that its weights changed in a way ``hf_paged.weights_watch`` cannot see (a write
+    through ``p.data`` to a few elements): its prefix store is emptied (the next call that wants one builds
+    it anew). Nothing else of the patch depends on the weights. A model not patched is left as it is."""
+    state = getattr(model, STATE_ATTR, None)
+    if state is not None:
+        state.prefix_store = state.prefix_weights = None
 
 
 def unpatch(model):

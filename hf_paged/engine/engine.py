@@ -34,7 +34,8 @@ import torch
 from ..attention_interface import use_paged_attention
 from ..backends import backend_kind
 from ..blocks import BlockPool, PrefixCache
-from ..introspect import length_dependent_rope, model_geometry, trained_context, weights_key
+from ..introspect import length_dependent_rope, model_geometry, trained_context
+from ..weights_watch import WeightsWatch
 from ..kivi import split_budget
 from ..kv_formats import kv_format
 from ..parallel import tensor_parallel_ranks
@@ -107,7 +108,7 @@ class Engine:
             log.warning("%s", slow)
         self._device, self._dtype = device, dtype
         self._build_cpu_forwards()
-        self._weights = weights_key(model)          # what the prefix cache's K/V and the prepacked copies came from
+        self._weights = WeightsWatch(model)         # what the prefix cache's K/V and the prepacked copies came from
         self._weights_settled = False               # read again after the next forward (see step)
         self.requests: dict[int, Request] = {}
         self._ids = itertools.count()
@@ -125,12 +126,18 @@ class Engine:
                              prefill_rows=config.max_num_batched_tokens)
 
     def _check_weights(self) -> None:
-        """At each new request and session: new weights since (``load_state_dict`` between calls)? The prefix
-        cache's K/V and the prepacked copies came from the old ones: the first is emptied, the second made
-        again. A dtype change, or new weights while requests run, cannot be followed: refused, saying so."""
-        key = weights_key(self.model)
-        if key == self._weights:
-            return
+        """At each new request and session: new weights since (``load_state_dict``, an optimizer step between
+        calls; ``hf_paged.weights_watch``)? The prefix cache's K/V and the prepacked copies came from the old
+        ones: the first is emptied, the second made again. A dtype change, or new weights while requests run,
+        cannot be followed: refused, saying so. While requests run only the cheap reading is taken (the
+        values were read when the first of them came)."""
+        if self._weights.changed(values=not self.has_work):
+            self.weights_changed()
+
+    def weights_changed(self) -> None:
+        """Take the model's weights as new: the prefix cache is emptied and the CPU linears prepacked again.
+        Called by the checks above; call it after changing weights in a way they cannot see (a write through
+        ``p.data`` to a few elements). Refused while requests run or when the dtype changed."""
         if self.has_work:
             raise RuntimeError("the model's weights changed while the engine has requests running or waiting: "
                                "their K/V came from the old weights. Change weights between calls only.")
@@ -141,7 +148,8 @@ class Engine:
         if self.prefix_cache is not None:
             self.prefix_cache.forget_all()
         self._build_cpu_forwards()
-        self._weights, self._weights_settled = key, False
+        self._weights.settle()
+        self._weights_settled = False
         log.info("the model's weights changed: prefix cache emptied, CPU linears prepacked again")
 
     def _num_blocks(self, geometry, device: torch.device) -> int:
@@ -304,7 +312,8 @@ class Engine:
             # A model's first forward may re-lay its own weights (bitsandbytes repacks 4-bit weights for its
             # bf16 CPU kernel): the same weights, new storage. Taken as they are after it, once, so that only
             # a change made between calls counts as new weights.
-            self._weights, self._weights_settled = weights_key(self.model), True
+            self._weights.settle()
+            self._weights_settled = True
         return events
 
     @contextlib.contextmanager

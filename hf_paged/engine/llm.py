@@ -144,6 +144,12 @@ class LLM:
                     running.append(rid)
         self._running_past, self.last_ids = running, []
 
+    def weights_changed(self) -> None:
+        """Take the model's weights as new (see ``Engine.weights_changed``): needed only after a change the
+        engine cannot see by itself (``hf_paged.weights_watch``: a write through ``p.data`` to a few elements)."""
+        with self._owned():
+            self.engine.weights_changed()
+
     def cancel(self, request_id: int) -> None:
         self.engine.cancel(request_id)
 

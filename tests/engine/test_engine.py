@@ -422,6 +422,36 @@ def test_new_weights_between_calls_are_followed():
         llm.generate(prompts, **settings)
 
 
+@pytest.mark.parametrize("change", ["fused_adamw", "data_write", "told"])
+def test_weights_changed_without_a_version_bump_are_followed(change):
+    """Writes that bump no version counter (a fused optimizer step, EMA or PEFT's merge through ``p.data``)
+    are seen by the sampled values; a change too sparse for them is told with ``llm.weights_changed()``.
+    The next call equals a fresh engine on the new weights (the prepacked copies and the prefix cache's
+    K/V were the old ones')."""
+    model = make_model("llama", seed=3)
+    prompts = [list(range(5, 22)), list(range(5, 21)) + [30]]           # a shared 16-token prefix: cache hits
+    settings = dict(max_new_tokens=6, do_sample=False, use_tqdm=False)
+    llm = LLM(model, block_size=4, num_blocks=64)
+    old = [o.outputs[0].token_ids for o in llm.generate(prompts, **settings)]
+    if change == "fused_adamw":
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, fused=True)
+        model(torch.tensor([prompts[0]])).logits.logsumexp(-1).sum().backward()
+        versions = [p._version for p in model.parameters()]
+        optimizer.step()
+        assert versions == [p._version for p in model.parameters()]        # what makes this case hard
+        model.zero_grad(set_to_none=True)
+    elif change == "data_write":
+        for p in model.parameters():
+            p.data.mul_(-1.5)
+    else:
+        embedding = model.get_input_embeddings().weight
+        embedding.data[prompts[0][:16]] *= -3                              # rows the sample may miss
+        llm.weights_changed()
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, **settings)]
+    fresh = [o.outputs[0].token_ids for o in LLM(model, block_size=4, num_blocks=64).generate(prompts, **settings)]
+    assert got == fresh and got != old
+
+
 @pytest.mark.parametrize("kv", ["kivi", "int8", "auto"])
 def test_forks_under_preemption_equal_a_roomy_pool(kv):
     """A preemption that frees a block an earlier copy-on-write of the same schedule copies from, and hands it

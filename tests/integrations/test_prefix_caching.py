@@ -224,6 +224,32 @@ def test_new_weights_empty_the_store():
                 torch.testing.assert_close(b, a, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("change", ["data_write", "told"])
+def test_weights_changed_without_a_version_bump_empty_the_store(change):
+    """A write through ``p.data`` (EMA, PEFT's merge) bumps no version counter: the sampled values see it; a
+    change too sparse for them is told with ``hf_paged.weights_changed(model)``. No stale hit either way."""
+    rng = random.Random(9)
+    model = make_model("llama", seed=3)
+    prefix = [rng.randrange(3, VOCAB) for _ in range(3 * BLOCK)]
+    ids, mask = prompts_with_prefix(prefix, [2, 5], rng)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, return_dict_in_generate=True,
+              output_logits=True)
+    with patched(model, block_size=BLOCK, enable_prefix_caching=True):
+        model.generate(cache_implementation="paged", **kw)
+        if change == "data_write":
+            for p in model.parameters():
+                p.data.mul_(-1.5)
+        else:
+            model.get_input_embeddings().weight.data[prefix[:4]] *= -3
+            hf_paged.weights_changed(model)
+        got = model.generate(cache_implementation="paged", **kw)
+        assert hf_paged.last_stats(model)["prefix_hit_tokens"] == 0
+        ref = model.generate(**kw)
+        assert torch.equal(got.sequences, ref.sequences)
+        for a, b in zip(ref.logits, got.logits):
+            torch.testing.assert_close(b, a, atol=1e-5, rtol=0)
+
+
 def test_a_commit_that_fails_loses_only_the_caching(monkeypatch):
     """A failure while the store copies a prefill's blocks in (an out-of-memory error, Ctrl-C) must not leave
     their hashes published: later calls would hit blocks never filled and generate from garbage K/V."""
