@@ -186,7 +186,7 @@ class Engine:
         """Why a prompt of ``prompt_len`` tokens with ``params`` can never run on this engine, or None (a server
         asks before it answers; ``add_request`` fails such a request alone)."""
         max_new_tokens, _ = params.new_tokens_for(prompt_len, getattr(self.model.config, "max_position_embeddings",
-                                                                      None))
+                                                                      None), self.max_model_len)
         return never_fits(prompt_len, max_new_tokens, params.num_return_sequences, max_model_len=self.max_model_len,
                           max_num_seqs=self.config.max_num_seqs, block_size=self.config.block_size,
                           num_blocks=self.pool.num_blocks, rope_limit=self.rope_limit)
@@ -209,7 +209,8 @@ class Engine:
         ids, params = self.prepare(prompt, params, **settings)
         request_id = next(self._ids)
         request = Request(request_id, request_id if prompt_index is None else prompt_index, ids, params, on_token,
-                          max_position_embeddings=getattr(self.model.config, "max_position_embeddings", None))
+                          max_position_embeddings=getattr(self.model.config, "max_position_embeddings", None),
+                          max_model_len=self.max_model_len)
         request.output.prompt = prompt if isinstance(prompt, str) else (
             prompt.get("prompt") if isinstance(prompt, Mapping) else None)
         self.requests[request_id] = request

@@ -68,6 +68,9 @@ def never_fits(prompt_len: int, max_new_tokens: int, num_return_sequences: int, 
         return (f"input length of {prompt_len} tokens is >= max_length={prompt_len + max_new_tokens} (prompt + "
                 "new tokens, as model.generate counts it, which raises for this prompt): set max_new_tokens, "
                 "or a larger max_length.")
+    if prompt_len > max_model_len:
+        return (f"prompt of {prompt_len} tokens exceeds the model's context of {max_model_len} tokens "
+                "(max_model_len). Shorten the prompt or raise max_model_len.")
     total = prompt_len + max_new_tokens
     if prompt_len == max_model_len and max_new_tokens == 1:
         # A prompt that fills the context still gets one token, as in vLLM's engine (a request stops once it

@@ -73,10 +73,13 @@ class SamplingParams:
                 or bool(self.presence_penalty) or bool(self.frequency_penalty) or bool(self.logit_bias)
                 or self.allowed_token_ids is not None or self.structured_output is not None)
 
-    def new_tokens_for(self, prompt_len: int, max_position_embeddings: int | None = None) -> tuple[int, int]:
+    def new_tokens_for(self, prompt_len: int, max_position_embeddings: int | None = None,
+                       max_model_len: int | None = None) -> tuple[int, int]:
         """(max, min) new tokens for a prompt of ``prompt_len`` tokens, as generate's
         ``_prepare_generated_length`` computes them. max < 1 when an explicit ``max_length`` leaves no
-        room (generate raises for it; the engine fails that request alone)."""
+        room (generate raises for it; the engine fails that request alone). With ``max_model_len`` (an
+        engine's context), max stops there, as vLLM's engine stops a sequence (finish_reason "length"); a
+        prompt that fills the context still samples one token (``intake.never_fits``)."""
         if self.max_new_tokens is not None:
             most = self.max_new_tokens
         elif self.default_max_length:          # "by default let's always generate 20 new tokens"
@@ -90,6 +93,8 @@ class SamplingParams:
             least = self.min_new_tokens
         else:
             least = max(0, (self.min_length or 0) - prompt_len)
+        if max_model_len is not None and most >= 1:
+            most = min(most, max(1, max_model_len - prompt_len))
         return most, least
 
 
@@ -103,9 +108,10 @@ class Request:
     """One prompt: its settings, its sequences and its output record."""
 
     def __init__(self, request_id: int, prompt_index: int, prompt: list[int], params: SamplingParams, on_token=None,
-                 max_position_embeddings: int | None = None):
+                 max_position_embeddings: int | None = None, max_model_len: int | None = None):
         self.request_id, self.prompt_index, self.prompt, self.params = request_id, prompt_index, prompt, params
-        self.max_new_tokens, self.min_new_tokens = params.new_tokens_for(len(prompt), max_position_embeddings)
+        self.max_new_tokens, self.min_new_tokens = params.new_tokens_for(len(prompt), max_position_embeddings,
+                                                                         max_model_len)
         self.on_token = on_token
         self.processors = generate_processors(params)      # transformers' own, built once
         allowed = params.allowed_token_ids

@@ -158,19 +158,19 @@ def requested_max_tokens(req) -> int | None:
 
 
 def context_checked(prompts: list[list[int]], max_tokens: int | None, max_model_len: int) -> int:
-    """``max_tokens`` (chat without it: up to the context), refused when the longest prompt plus it
-    exceeds ``max_model_len``."""
+    """``max_tokens`` as the engine gets it (chat without it: up to the context). Each sequence stops at the
+    context's end, as vLLM's ``get_max_tokens`` trims max_tokens to the room a prompt leaves (finish_reason
+    "length"; the engine applies it per prompt). Refused, as vLLM refuses them: max_tokens past the whole
+    context, a prompt longer than it or filling it (but for an echo with max_tokens 0)."""
     longest = max(len(p) for p in prompts)
-    if max_tokens is None:
-        max_tokens = max_model_len - longest
-        if max_tokens < 1:
-            raise ApiError(400, f"the prompt ({longest} tokens) fills the model's context of {max_model_len} tokens "
-                                "(max_model_len): no room for a new token", param="prompt", code="context_too_long")
-    if longest + max_tokens > max_model_len:
-        raise ApiError(400, f"prompt ({longest} tokens) + max_tokens ({max_tokens}) exceeds the model's "
-                            f"context of {max_model_len} tokens (max_model_len)",
-                       param="max_tokens" if longest < max_model_len else "prompt", code="context_too_long")
-    return max_tokens
+    if max_tokens is not None and max_tokens > max_model_len:
+        raise ApiError(400, f"max_tokens={max_tokens} exceeds the model's context of {max_model_len} tokens "
+                            "(max_model_len)", param="max_tokens", code="context_too_long")
+    if longest > max_model_len or (longest == max_model_len and max_tokens != 0):
+        raise ApiError(400, f"the prompt ({longest} tokens) {'exceeds' if longest > max_model_len else 'fills'} "
+                            f"the model's context of {max_model_len} tokens (max_model_len): no room for a new token",
+                       param="prompt", code="context_too_long")
+    return max_model_len if max_tokens is None else max_tokens
 
 
 def _off(value, neutral):

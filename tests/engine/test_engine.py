@@ -189,15 +189,21 @@ def test_a_call_that_fails_while_adding_leaves_nothing_behind():
 
 
 def test_prompt_filling_the_context_gets_one_token():
-    """As vLLM's engine: a prompt of max_model_len tokens still samples one token (from its last logits; the
-    token never enters the model), which lm-eval's full-length loglikelihood windows need; two do not fit."""
+    """As vLLM's engine: a sequence stops at the context's end (finish_reason "length"), whatever max_new_tokens
+    asks; a prompt of max_model_len tokens still samples one token (from its last logits; the token never
+    enters the model), which lm-eval's full-length loglikelihood windows need; a longer prompt fails alone."""
     model = make_model("llama", seed=11)
     llm = LLM(model, block_size=4, max_model_len=16)
-    prompt = torch.randint(3, model.config.vocab_size, (16,), generator=torch.Generator().manual_seed(5)).tolist()
-    one, two = llm.generate([prompt, prompt], [dict(max_new_tokens=1), dict(max_new_tokens=2)])
-    assert one.error is None
-    assert one.sequences.tolist() == reference(model, prompt, max_new_tokens=1, do_sample=False).tolist()
-    assert "max_model_len" in two.error and "18 tokens" in two.error
+    prompt = torch.randint(3, model.config.vocab_size, (17,), generator=torch.Generator().manual_seed(5)).tolist()
+    full, short, too_long = llm.generate([prompt[:16], prompt[:10], prompt],
+                                         [dict(max_new_tokens=2), dict(max_new_tokens=20), dict(max_new_tokens=1)],
+                                         do_sample=False, ignore_eos=True)
+    assert full.error is None and full.outputs[0].finish_reason == "length"
+    assert full.sequences.tolist() == reference(model, prompt[:16], max_new_tokens=1, do_sample=False).tolist()
+    assert short.outputs[0].finish_reason == "length" and len(short.outputs[0].token_ids) == 6
+    assert short.sequences.tolist() == reference(model, prompt[:10], max_new_tokens=6, min_new_tokens=6,
+                                                 do_sample=False).tolist()
+    assert "17 tokens exceeds the model's context of 16 tokens (max_model_len)" in too_long.error
     check_pool(llm.engine)
 
 

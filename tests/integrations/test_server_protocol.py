@@ -411,9 +411,18 @@ def test_what_clients_send_at_the_edges_reads_as_vllm_reads_it():
     full = [3] * state.max_model_len
     req = request({"echo": True, "max_tokens": 0, "logprobs": 1})
     assert asyncio.run(sampling_params(state, req, [full], requested_max_tokens(req))).max_new_tokens == 1
-    with pytest.raises(ApiError, match=r"prompt \(128 tokens\) \+ max_tokens \(1\) exceeds"):
+    with pytest.raises(ApiError, match=r"the prompt \(128 tokens\) fills the model's context of 128"):
         req = request({"max_tokens": 1})
         asyncio.run(sampling_params(state, req, [full], requested_max_tokens(req)))
+    # max_tokens past the room a prompt leaves runs to the context's end (vLLM's get_max_tokens trims it; the
+    # engine stops each sequence there); past the whole context it is refused, as vLLM refuses it
+    req = request({"max_tokens": 128})
+    assert asyncio.run(sampling_params(state, req, [[3] * 100], requested_max_tokens(req))).max_new_tokens == 128
+    with pytest.raises(ApiError, match=r"max_tokens=129 exceeds the model's context of 128") as err:
+        req = request({"max_tokens": 129})
+        asyncio.run(sampling_params(state, req, [[3, 4]], requested_max_tokens(req)))
+    assert err.value.param == "max_tokens"
+    req = request({"max_tokens": 1})
     state.engine.never_fits = lambda prompt_len, params: "why not"      # refused before a stream's status line
     with pytest.raises(ApiError, match="why not") as err:
         asyncio.run(sampling_params(state, req, [[3, 4]], requested_max_tokens(req)))
