@@ -113,8 +113,8 @@ def chat_text(state: ServerState, req) -> str:
     if not getattr(tokenizer, "chat_template", None):
         raise ApiError(400, "this model's tokenizer has no chat template; use /v1/completions",
                        param="messages", code="no_chat_template")
-    messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                for m in req.messages]
+    messages = developer_as_system([{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+                                    for m in req.messages], str(tokenizer.chat_template))
     kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items() if k not in TEMPLATE_FLAGS}
     effort = getattr(req, "reasoning_effort", None)
     if effort is not None:                               # as vLLM passes it to the template
@@ -126,6 +126,21 @@ def chat_text(state: ServerState, req) -> str:
                                              documents=getattr(req, "documents", None), **kwargs)
     except Exception as exc:              # jinja's TemplateError (e.g. roles must alternate), ValueError
         raise ApiError(400, f"the chat template refused the messages: {exc}", param="messages")
+
+
+def developer_as_system(messages: list[dict], template: str) -> list[dict]:
+    """OpenAI's ``developer`` role (what its current clients send instead of ``system``) for a template that
+    does not know it: as vLLM renders it, each developer message becomes a system message and, where then
+    more than one system message or one not first, all of them are merged into one at the start (joined
+    by a blank line: some templates take a system message only there)."""
+    if not any(m["role"] == "developer" for m in messages) or '"developer"' in template or "'developer'" in template:
+        return messages
+    messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
+    systems = [i for i, m in enumerate(messages) if m["role"] == "system"]
+    if systems == [0]:
+        return messages
+    merged = {"role": "system", "content": "\n\n".join(messages[i]["content"] for i in systems if messages[i]["content"])}
+    return [merged] + [m for m in messages if m["role"] != "system"]
 
 
 def answer_role(req: ChatCompletionRequest) -> str:

@@ -323,6 +323,23 @@ def test_chat_template_options_reach_the_template():
     assert text({"chat_template_kwargs": {"add_generation_prompt": False}}) == "w3 w4 w9"
 
 
+def test_developer_messages_are_system_messages_for_templates_without_the_role():
+    """OpenAI's current clients send ``developer`` where they sent ``system``: for a template that does not
+    name the role, vLLM's renderer makes it a system message and merges the system messages into one, first."""
+    state = fake_state()
+    state.tokenizer.chat_template = "{% for m in messages %}{{ m['role'] }}:{{ m['content'] }} {% endfor %}"
+
+    def text(*turns):
+        body = {"messages": [{"role": r, "content": c} for r, c in turns]}
+        return chat_text(state, checked(parse(json.dumps(body).encode(), ChatCompletionRequest), state))
+
+    assert text(("developer", "w1"), ("user", "w2")).strip() == "system:w1 user:w2"
+    assert text(("system", "w1"), ("user", "w2"), ("developer", "w3")).strip() == "system:w1\n\nw3 user:w2"
+    assert text(("user", "w2"), ("system", "w1")).strip() == "user:w2 system:w1"       # no developer: as given
+    state.tokenizer.chat_template += "{% if messages[0]['role'] == 'developer' %}dev{% endif %}"
+    assert text(("developer", "w1"), ("user", "w2")).strip() == "developer:w1 user:w2 dev"
+
+
 def test_bodies_are_read_as_vllm_reads_them(caplog):
     """vLLM's lax parsing ("5" and 5.0 are 5, true is 1) and its unknown fields, ignored and logged by name
     (nested ones too); NaN and a float token id stay refused."""
