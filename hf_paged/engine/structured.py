@@ -49,12 +49,15 @@ class StructuredOutput:
     - ``choice``: exactly one of these strings (a non-empty list or tuple);
     - ``grammar``: llguidance's lark syntax; GBNF (``root ::= ...`` rules) is converted to lark first
       (llguidance's own ``gbnf_to_lark``: its lark parser alone rejects ``::=``).
+    JSON may have whitespace wherever JSON allows it, as vLLM's default; ``disable_any_whitespace`` (vLLM's
+    option) makes it compact: ``", "`` and ``": "`` separators, no other whitespace.
     """
     json: object = None
     json_object: bool = False
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
+    disable_any_whitespace: bool = False
 
     def _set(self) -> list[str]:
         return [k for k in KINDS
@@ -86,10 +89,11 @@ class StructuredOutput:
         self.validate()
         return self._set()[0]
 
-    def cache_key(self) -> tuple[str, str]:
-        """A hashable key, equal for equal specs (a schema's text and its dict agree; key order counts,
-        since it is the order llguidance generates properties in). Validates first."""
+    def cache_key(self) -> tuple[str, str, bool]:
+        """A hashable key (kind, text, compact JSON), equal for equal specs (a schema's text and its dict agree;
+        key order counts, since it is the order llguidance generates properties in). Validates first."""
         kind = self.kind
+        compact = bool(self.disable_any_whitespace) and kind in ("json", "json_object")
         if kind == "json":
             schema = self.json
             if isinstance(schema, str):
@@ -97,10 +101,10 @@ class StructuredOutput:
                     schema = _json.loads(schema)
                 except ValueError as exc:
                     raise ValueError(f"structured output json: not valid JSON: {exc}") from None
-            return kind, _json.dumps(schema)
+            return kind, _json.dumps(schema), compact
         if kind == "choice":
-            return kind, _json.dumps(list(self.choice))
-        return kind, "" if kind == "json_object" else getattr(self, kind)
+            return kind, _json.dumps(list(self.choice)), compact
+        return kind, "" if kind == "json_object" else getattr(self, kind), compact
 
 
 # JSON-schema keywords whose values are schemas (a map of them, a list of them, or one or a list); allOf is left
@@ -153,15 +157,14 @@ class GrammarCompiler:
 
     Holds llguidance's tokenizer (~0.5 s to build) over ``vocab_size`` ids: the model's embedding rows,
     which may exceed ``len(tokenizer)``; ids without a token are never allowed. ``eos_token_ids`` are the
-    ids the mask allows when the grammar may (or must) end. JSON is generated compactly (``", "`` and
-    ``": "`` separators, no other whitespace) unless ``any_whitespace``; a schema's ``x-guidance``
-    options override that. ``compile`` is thread-safe (a lock guards the LRU of ``cache_size`` grammars;
+    ids the mask allows when the grammar may (or must) end. JSON's whitespace follows the spec's
+    ``disable_any_whitespace``; a schema's ``x-guidance`` options override that. ``compile`` is thread-safe (a lock guards the LRU of ``cache_size`` grammars;
     compiling itself runs outside it); ``mask_threads`` sizes llguidance's mask-filling thread pool
     (None: its default, 80% of the CPUs).
     """
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: frozenset[int], *, cache_size: int = 64,
-                 any_whitespace: bool = False, mask_threads: int | None = None):
+                 mask_threads: int | None = None):
         llg = _llguidance()
         if not eos_token_ids:
             raise ValueError("GrammarCompiler needs at least one EOS token id")
@@ -179,8 +182,6 @@ class GrammarCompiler:
                 f"said: {exc}") from None
         self._limits = llg.LLParserLimits(verbose_errors=False)   # errors without the whole parser state
         self._executor = llg.LLExecutor(mask_threads)
-        self._json_options = {} if any_whitespace else {
-            "whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
         self._eos_row = _eos_words(self.eos_token_ids, (self.vocab_size + 31) // 32)
         self._cache_size = cache_size
         self._cache: OrderedDict[tuple[str, str], Grammar] = OrderedDict()
@@ -205,13 +206,14 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
         return grammar
 
-    def _template(self, kind: str, text: str):
+    def _template(self, kind: str, text: str, compact: bool):
         """A fresh llguidance ``LLMatcher`` for one spec (building it is the compile step)."""
         llg = _llguidance()
         try:
             if kind in ("json", "json_object"):
                 schema = _json.dumps(closed_objects(_json.loads(text))) if kind == "json" else '{"type": "object"}'
-                grammar = llg.LLMatcher.grammar_from_json_schema(schema, defaults=self._json_options)
+                options = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "} if compact else {}
+                grammar = llg.LLMatcher.grammar_from_json_schema(schema, defaults=options)
             elif kind == "regex":
                 grammar = llg.LLMatcher.grammar_from_regex(text)
             elif kind == "choice":   # one lark terminal of JSON-escaped literals: a lexer DFA, however many

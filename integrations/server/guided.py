@@ -20,7 +20,7 @@ KINDS = {"json": "JSON schema", "json_object": "JSON object", "regex": "regex", 
          "grammar": "grammar"}
 # structured_outputs options that change the constraint: accepted only with their neutral value
 # (disable_additional_properties either way: schemas are strict here, as vLLM's default backend makes them)
-NEUTRAL_OPTIONS = {"disable_any_whitespace": False, "whitespace_pattern": None, "structural_tag": None}
+NEUTRAL_OPTIONS = {"whitespace_pattern": None, "structural_tag": None}
 
 
 def _from_response_format(rf) -> list[tuple[str, StructuredOutput]]:
@@ -44,11 +44,12 @@ def _from_structured_outputs(so) -> list[tuple[str, StructuredOutput]]:
         if getattr(so, name) != neutral:
             raise ApiError(400, f"structured_outputs.{name}={getattr(so, name)!r:.60} is not supported "
                                 f"(only {neutral!r})", param=f"structured_outputs.{name}", code="unsupported")
-    found = [("structured_outputs.json", so.json_ is not None and StructuredOutput(json=so.json_)),
+    compact = dict(disable_any_whitespace=bool(so.disable_any_whitespace))
+    found = [("structured_outputs.json", so.json_ is not None and StructuredOutput(json=so.json_, **compact)),
              ("structured_outputs.regex", so.regex is not None and StructuredOutput(regex=so.regex)),
              ("structured_outputs.choice", so.choice is not None and StructuredOutput(choice=tuple(so.choice))),
              ("structured_outputs.grammar", so.grammar is not None and StructuredOutput(grammar=so.grammar)),
-             ("structured_outputs.json_object", bool(so.json_object) and StructuredOutput(json_object=True))]
+             ("structured_outputs.json_object", bool(so.json_object) and StructuredOutput(json_object=True, **compact))]
     return [(name, spec) for name, spec in found if spec]
 
 

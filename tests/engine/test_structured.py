@@ -159,6 +159,21 @@ def test_backslash_d_is_any_unicode_digit(compiler, tokenizer):
             ascii_only.accept(token)
 
 
+def test_json_whitespace_is_free_unless_disabled(compiler, tokenizer):
+    """As vLLM's default, JSON may have whitespace wherever JSON allows it (a model's own layout: a newline
+    after "{"); ``disable_any_whitespace`` (vLLM's option) makes it compact, separators ", " and ": "."""
+    newline = tokenizer.convert_tokens_to_ids(tokenizer.tokenize("\n"))[0]
+    brace = tokenizer.encode("{", add_special_tokens=False)
+    for compact in (False, True):
+        for spec in (StructuredOutput(json=PERSON, disable_any_whitespace=compact),
+                     StructuredOutput(json_object=True, disable_any_whitespace=compact)):
+            matcher = compiler.compile(spec).matcher()
+            for token in brace:
+                matcher.accept(token)
+            assert (newline in _allowed(compiler, matcher).tolist()) is not compact, spec
+    assert StructuredOutput(regex="a", disable_any_whitespace=True).cache_key() == ("regex", "a", False)
+
+
 def test_ids_beyond_the_tokenizer_are_masked(tokenizer):
     extra = 40                           # an embedding padded past the tokenizer, as many models have
     wide = GrammarCompiler(tokenizer, len(tokenizer) + extra, frozenset({EOS}))
