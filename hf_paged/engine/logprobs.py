@@ -1,8 +1,9 @@
 """Log-probabilities as vLLM hands them back, from the model's raw next-token distribution.
 
 Which distribution: ``log_softmax`` of the float32 logits the model produced, before any penalty,
-bias, grammar mask, temperature or top-k/top-p/min-p (vLLM's default ``logprobs_mode="raw_logprobs"``;
-the same as ``log_softmax`` of ``generate(output_logits=True)``'s logits). A token's entry is a dict
+bias, temperature or top-k/top-p/min-p (vLLM's default ``logprobs_mode="raw_logprobs"``; the same as
+``log_softmax`` of ``generate(output_logits=True)``'s logits); under a grammar, of those logits with the
+grammar's mask (vLLM masks them before its sampler; ``sampler.sampled_logprobs``). A token's entry is a dict
 ``{token id: Logprob}`` holding the chosen (or prompt) token first, then the ``k`` most likely tokens
 (the chosen one may be among them: then the dict has ``k`` entries, else ``k + 1``), as vLLM's.
 """

@@ -79,11 +79,24 @@ def _choose(logits: torch.Tensor, seqs: list, plain: list[bool], tokens: list[in
 
 def sampled_logprobs(logits: torch.Tensor, seqs: list, tokens: list[int], texts) -> list:
     """The raw-distribution entry of each sequence's ``tokens`` when its request asks ``logprobs`` (else
-    None); ``logits``: the rows ``sample`` drew from."""
+    None); ``logits``: the rows ``sample`` drew from. A sequence under a grammar gets the distribution over
+    the tokens its grammar allows (its mask applied to the raw logits, nothing else), as vLLM's, which masks
+    the logits before its sampler reads them: the confidence a constrained choice reports is among the
+    choices. Called before the sampled tokens advance the matchers."""
     rows = [r for r, s in enumerate(seqs) if s.request.params.logprobs is not None]
     out = [None] * len(seqs)
     if rows:
-        entries = logprob_entries(logits[rows], [tokens[r] for r in rows],
+        raw = logits[rows]
+        masked = [i for i, r in enumerate(rows) if seqs[r].matcher is not None and not seqs[r].matcher.is_finished]
+        if masked:
+            from .structured import apply_masks
+            block = raw[masked].clone()
+            apply_masks(block, [seqs[rows[i]].matcher for i in masked])
+            raw = raw.clone()
+            for j, i in enumerate(masked):
+                if torch.isfinite(block[j].max()):      # a grammar that allows nothing: the raw row
+                    raw[i] = block[j]
+        entries = logprob_entries(raw, [tokens[r] for r in rows],
                                   [seqs[r].request.params.logprobs for r in rows], texts)
         for r, entry in zip(rows, entries):
             out[r] = entry

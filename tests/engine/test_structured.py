@@ -174,6 +174,28 @@ def test_json_whitespace_is_free_unless_disabled(compiler, tokenizer):
     assert StructuredOutput(regex="a", disable_any_whitespace=True).cache_key() == ("regex", "a", False)
 
 
+def test_logprobs_under_a_grammar_are_over_what_it_allows(compiler):
+    """As vLLM (which masks the logits before its sampler reads them): a constrained sequence's log-probabilities
+    are the raw logits' with the grammar's mask, so a choice's confidence is among the choices."""
+    from types import SimpleNamespace
+
+    from hf_paged.engine.sampler import sampled_logprobs
+    logits = torch.randn(2, compiler.vocab_size, generator=torch.Generator().manual_seed(4))
+    matcher = compiler.compile(StructuredOutput(choice=("yes", "no"))).matcher()
+    allowed = _allowed(compiler, matcher)
+    masked = logits[:1].clone()
+    apply_masks(masked, [matcher])
+    want = torch.log_softmax(masked[0], -1)
+    seqs = [SimpleNamespace(request=SimpleNamespace(params=SimpleNamespace(logprobs=3)), matcher=m)
+            for m in (matcher, None)]
+    chosen = int(allowed[0])
+    constrained, free = sampled_logprobs(logits, seqs, [chosen, 7], lambda token: None)
+    assert set(constrained) <= set(allowed.tolist()) and len(constrained) >= 3
+    for token, entry in constrained.items():
+        assert entry.logprob == pytest.approx(float(want[token]), abs=1e-5)
+    assert free[7].logprob == pytest.approx(float(torch.log_softmax(logits[1], -1)[7]), abs=1e-5)  # no grammar: raw
+
+
 def test_ids_beyond_the_tokenizer_are_masked(tokenizer):
     extra = 40                           # an embedding padded past the tokenizer, as many models have
     wide = GrammarCompiler(tokenizer, len(tokenizer) + extra, frozenset({EOS}))
