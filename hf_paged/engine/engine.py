@@ -386,11 +386,14 @@ class Engine:
         """Record the prompt log-probabilities of this step's spans (rows of ``logits`` in span order)."""
         if not spans:
             return
-        chosen, ks = [], []
+        chosen, ks, contexts = [], [], []
         for seq, first, count in spans:
-            chosen.extend(seq.request.prompt[first + 1:first + 1 + count])
+            prompt = seq.request.prompt
+            chosen.extend(prompt[first + 1:first + 1 + count])
             ks.extend([seq.request.params.prompt_logprobs] * count)
-        entries = iter(logprob_entries(logits[:len(chosen)], chosen, ks, self.token_texts))
+            # each token's text read after the prompt tokens before it (vLLM's: from prompt token 1 on)
+            contexts.extend(prompt[max(1, p - TokenTexts.CONTEXT):p] for p in range(first + 1, first + 1 + count))
+        entries = iter(logprob_entries(logits[:len(chosen)], chosen, ks, self.token_texts, contexts))
         for seq, first, count in spans:
             seq.request.prompt_logprobs.extend(next(entries) for _ in range(count))
 

@@ -9,6 +9,7 @@ grammar's mask (vLLM masks them before its sampler; ``sampler.sampled_logprobs``
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import torch
@@ -25,24 +26,80 @@ class Logprob:
 
 
 class TokenTexts:
-    """``tokenizer.decode([id])`` per token id, remembered (a vocabulary's worth at most)."""
+    """A token's text as vLLM's log-probabilities show it: ``tokenizer.decode([id])`` (remembered, a
+    vocabulary's worth at most), with the leading spaces a SentencePiece ("▁") token's decode drops put back;
+    a token that ends inside a UTF-8 character (byte-level BPE, byte fallback: its decode ends in U+FFFD) is
+    read after up to ``CONTEXT`` tokens before it (:meth:`in_context`): "" while the character is incomplete,
+    the whole character on the token that completes it, so that the texts join into the text."""
+
+    CONTEXT = 4
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.texts: dict[int, str] = {}
+        self._marker = _space_marker(tokenizer) if tokenizer is not None else None
 
     def __call__(self, token: int) -> str | None:
         if self.tokenizer is None:
             return None
         text = self.texts.get(token)
         if text is None:
-            text = self.texts[token] = self.tokenizer.decode([token], skip_special_tokens=False)
+            text = self.tokenizer.decode([token], skip_special_tokens=False)
+            if self._marker is not None:
+                piece = self.tokenizer.convert_ids_to_tokens(token) or ""
+                missing = (len(piece) - len(piece.lstrip(self._marker))) - (len(text) - len(text.lstrip(" ")))
+                text = " " * missing + text if missing > 0 else text
+            self.texts[token] = text
         return text
 
+    def in_context(self, token: int, context: list[int]) -> str | None:
+        """``token``'s text after the tokens ``context`` (the sequence's, oldest first), as vLLM's
+        ``_correct_decoded_token``: its own text unless that ends in U+FFFD; then the text the shortest run
+        of the last tokens completes with it, less what the complete tokens before that run wrote ("" when
+        none completes it)."""
+        text = self(token)
+        if text is None or not text.endswith("\ufffd"):
+            return text
+        decode = self.tokenizer.decode
+        for size in range(1, min(len(context), self.CONTEXT) + 1):
+            run = list(context[-size:])
+            whole = decode(run + [token])
+            if whole.endswith("\ufffd"):
+                continue
+            clean = len(run)        # the run's last tokens that are themselves partial belong to this token
+            while clean > 0 and self(run[clean - 1]).endswith("\ufffd"):
+                clean -= 1
+            prefix = decode(run[:clean]) if clean else ""
+            if whole.startswith(prefix):
+                return whole[len(prefix):]
+            same = 0
+            for a, b in zip(prefix, whole):
+                if a != b:
+                    break
+                same += 1
+            return whole[same:]
+        return ""
 
-def logprob_entries(logits: torch.Tensor, chosen: list[int], ks: list[int], texts: TokenTexts) -> list[dict]:
+
+def _space_marker(tokenizer) -> str | None:
+    """The Metaspace replacement ("▁") of a SentencePiece-style fast tokenizer, whose decode of one token
+    drops its leading space; None for byte-level and the others (vLLM's ``get_leading_space_marker``)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    try:
+        pre = json.loads(backend.to_str()).get("pre_tokenizer") or {} if backend is not None else {}
+    except (ValueError, AttributeError, TypeError):
+        return None
+    for sub in [pre] + list(pre.get("pretokenizers") or []):
+        if isinstance(sub, dict) and sub.get("type") == "Metaspace":
+            return sub.get("replacement", "\u2581")
+    return None
+
+
+def logprob_entries(logits: torch.Tensor, chosen: list[int], ks: list[int], texts: TokenTexts,
+                    contexts: list[list[int]] | None = None) -> list[dict]:
     """One entry per row: logits float32 [R, V] (raw), ``chosen[r]`` the row's token, ``ks[r]`` how many
-    top tokens to add. Batched: one log_softmax, one top-k over the rows."""
+    top tokens to add, ``contexts[r]``: the tokens before the row's position that its texts are read after
+    (``TokenTexts.in_context``; None: each token's own text). Batched: one log_softmax, one top-k over the rows."""
     if not chosen:
         return []
     logprobs = torch.log_softmax(logits.float(), dim=-1)
@@ -56,11 +113,13 @@ def logprob_entries(logits: torch.Tensor, chosen: list[int], ks: list[int], text
     top_ids = top_ids.tolist() if k else None
     entries = []
     for r, token in enumerate(chosen):
-        entry = {token: Logprob(own[r], ranks[r], texts(token))}
+        context = contexts[r] if contexts is not None else None
+        text = texts if not context else (lambda t: texts.in_context(t, context))
+        entry = {token: Logprob(own[r], ranks[r], text(token))}
         for rank in range(min(ks[r], k)):
             tid = top_ids[r][rank]
             if tid not in entry:
-                entry[tid] = Logprob(top_values[r][rank], rank + 1, texts(tid))
+                entry[tid] = Logprob(top_values[r][rank], rank + 1, text(tid))
         entries.append(entry)
     return entries
 

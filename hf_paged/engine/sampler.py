@@ -96,8 +96,11 @@ def sampled_logprobs(logits: torch.Tensor, seqs: list, tokens: list[int], texts)
             for j, i in enumerate(masked):
                 if torch.isfinite(block[j].max()):      # a grammar that allows nothing: the raw row
                     raw[i] = block[j]
+        # each token's text read after the sequence's new tokens before it (vLLM's context)
+        contexts = [seqs[r].token_ids[max(len(seqs[r].request.prompt), len(seqs[r].token_ids) - texts.CONTEXT):]
+                    for r in rows] if texts.tokenizer is not None else None
         entries = logprob_entries(raw, [tokens[r] for r in rows],
-                                  [seqs[r].request.params.logprobs for r in rows], texts)
+                                  [seqs[r].request.params.logprobs for r in rows], texts, contexts)
         for r, entry in zip(rows, entries):
             out[r] = entry
     return out

