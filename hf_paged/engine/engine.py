@@ -424,14 +424,20 @@ class Engine:
         return event
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
-        """Why ``seq`` stops at its new last token ``token``: "stop" (EOS), "stop_string", "length", or None."""
+        """Why ``seq`` stops at its new last token ``token``: "stop" (EOS, a stop token, its grammar's end),
+        "stop_string", "length", or None; ``seq.stop_reason`` is then vLLM's: the stop string or the
+        stop_token_ids entry (None for EOS, a grammar, a length)."""
         request, params = seq.request, seq.request.params
         if token in params.stops_on or (seq.matcher is not None and seq.matcher.is_finished):
+            if token in params.stop_token_ids and token not in params.eos_token_ids:
+                seq.stop_reason = token
             return "stop"
         wait = request.min_new_tokens if params.stop_strings_wait else 0       # vLLM's min_tokens
-        if params.stop_strings and StopStrings(params.stop_strings).in_tail(self.tokenizer, seq.token_ids,
-                                                                             seq.num_output, wait):
-            return "stop_string"
+        if params.stop_strings:
+            found = StopStrings(params.stop_strings).in_tail(self.tokenizer, seq.token_ids, seq.num_output, wait)
+            if found is not None:
+                seq.stop_reason = found
+                return "stop_string"
         if seq.num_output >= request.max_new_tokens:
             return "length"
         return None

@@ -32,6 +32,7 @@ class CompletionOutput:
     finish_reason: str | None = None     # "stop" (EOS), "stop_string", "length", "cancelled", "error"
     logprobs: list | None = None         # one {token id: Logprob} per token, when asked (vLLM's shape)
     cumulative_logprob: float | None = None
+    stop_reason: str | int | None = None  # vLLM's: the stop string or stop_token_ids entry it ended on, else None
 
 
 class FailedOutputs(list):
@@ -109,7 +110,7 @@ def write_record(request, tokenizer) -> bool:
                                                  skip_special_tokens=True)) if tokenizer else None)
         cumulative = seq.cumulative_logprob if seq.logprobs is not None else None
         completions.append(CompletionOutput(seq.index, seq.output_ids, text, seq.finish_reason, seq.logprobs,
-                                            cumulative))
+                                            cumulative, seq.stop_reason))
     request.output.completions = completions
     request.output.prompt_logprobs = request.prompt_logprobs
     return True

@@ -150,7 +150,8 @@ class Sequence:
     ``num_computed <= high_water``; a WAITING or FINISHED sequence holds no block."""
 
     __slots__ = ("seq_id", "request", "index", "token_ids", "num_computed", "block_table", "block_hashes",
-                 "status", "generator", "high_water", "finish_reason", "logprobs", "cumulative_logprob", "matcher")
+                 "status", "generator", "high_water", "finish_reason", "stop_reason", "logprobs", "cumulative_logprob",
+                 "matcher")
 
     def __init__(self, seq_id: int, request: Request, index: int, token_ids: list[int]):
         self.seq_id, self.request, self.index, self.token_ids = seq_id, request, index, token_ids
@@ -162,6 +163,7 @@ class Sequence:
         self.generator = None if seed is None else torch.Generator().manual_seed(seed + index)
         self.high_water = 0                  # most tokens ever computed (recomputation after preemption)
         self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None   # vLLM's: the stop string or stop_token_ids entry it ended on
         self.logprobs: list | None = [] if request.params.logprobs is not None else None   # one dict per new token
         self.cumulative_logprob = 0.0
         grammar = request.params.structured_output

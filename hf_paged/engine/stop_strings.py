@@ -30,8 +30,18 @@ class StopStrings:
 
     def first(self, text: str, after: int = 0) -> int | None:
         """Index in ``text`` of the earliest stop string that ends after its first ``after`` characters, or None."""
-        hits = [i for i in (text.find(s, max(0, after - len(s) + 1)) for s in self.strings) if i >= 0]
-        return min(hits) if hits else None
+        found = self.earliest(text, after)
+        return None if found is None else found[0]
+
+    def earliest(self, text: str, after: int = 0) -> tuple[int, str] | None:
+        """(index, stop string) of the earliest stop string in ``text`` that ends after its first ``after``
+        characters (of those starting there, the first given), or None."""
+        best = None
+        for stop in self.strings:
+            at = text.find(stop, max(0, after - len(stop) + 1))
+            if at >= 0 and (best is None or at < best[0]):
+                best = (at, stop)
+        return best
 
     def cut(self, text: str, keep: bool = False, after: int = 0) -> tuple[str, bool]:
         """(``text`` up to the first stop string — through it when ``keep`` —, whether one was found);
@@ -43,15 +53,16 @@ class StopStrings:
             at += max(len(s) for s in self.strings if text.startswith(s, at) and at + len(s) > after)
         return text[:at], True
 
-    def in_tail(self, tokenizer, token_ids: list[int], num_output: int, min_tokens: int = 0) -> bool:
-        """Whether the text of a sequence's new tokens (the last ``num_output`` of ``token_ids``) holds one
-        in its last ``window`` tokens' text, decoded as the continuation of the token before them
-        (``hf_paged.engine.continuation``); with ``min_tokens`` (vLLM's), only stop strings ending after the
-        first ``min_tokens`` new tokens' text count."""
+    def in_tail(self, tokenizer, token_ids: list[int], num_output: int, min_tokens: int = 0) -> str | None:
+        """The stop string the text of a sequence's new tokens (the last ``num_output`` of ``token_ids``)
+        holds in its last ``window`` tokens' text (the earliest), or None; the text is decoded as the
+        continuation of the token before them (``hf_paged.engine.continuation``); with ``min_tokens``
+        (vLLM's), only stop strings ending after the first ``min_tokens`` new tokens' text count."""
         if num_output <= min_tokens:
-            return False
+            return None
         first = len(token_ids) - min(num_output, self.window)      # the first new token decoded
         context = token_ids[max(0, first - 1):first]
         held = len(token_ids) - num_output + min_tokens             # token_ids[:held]: the prompt and min_tokens
         after = len(continuation(tokenizer, context, token_ids[first:held])) if held > first else 0
-        return self.first(continuation(tokenizer, context, token_ids[first:]), after) is not None
+        found = self.earliest(continuation(tokenizer, context, token_ids[first:]), after)
+        return None if found is None else found[1]

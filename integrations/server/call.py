@@ -32,6 +32,7 @@ class Delta:
     tokens: list[int] = field(default_factory=list)
     entries: list = field(default_factory=list)
     prompt: bool = False
+    stop_reason: str | int | None = None    # vLLM's: the stop string or stop_token_ids entry it ended on
 
 
 def engine_parts(params, max_num_seqs: int) -> list[tuple[int, object]]:
@@ -172,7 +173,10 @@ class ApiCall:
             reason = "stop" if stream.stopped else finish_reason(event.finished)
             if not event.finished:                       # the text stopped where the engine did not (yet)
                 self._release(i, j)
-            return self._delta(i, j, delta, reason)
+            out = self._delta(i, j, delta, reason)
+            out.stop_reason = stream.stop_string if stream.stopped else (
+                event.token if last_stop and event.token not in self.params.eos_token_ids else None)
+            return out
         return self._delta(i, j, delta, None) if delta else None
 
     def _release(self, i: int, j: int) -> None:

@@ -86,11 +86,13 @@ class TextStream:
         self.text = ""          # decoded so far (final characters)
         self.sent = 0           # characters of self.text already emitted
         self.stopped = False    # a stop string was found: the text ends before it
+        self.stop_string: str | None = None     # which (vLLM's stop_reason)
 
     def _cut(self) -> None:
         if self.tokens <= self.min_tokens:
             self.boundary = len(self.text)
-        if self.stop and not self.stopped:
+        if self.stop and not self.stopped and self.stop.earliest(self.text, self.boundary) is not None:
+            self.stop_string = self.stop.earliest(self.text, self.boundary)[1]
             self.text, self.stopped = self.stop.cut(self.text, keep=self.include_stop, after=self.boundary)
 
     def add(self, token: int, last_stop: bool = False) -> str:

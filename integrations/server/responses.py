@@ -132,6 +132,7 @@ async def events(call: ApiCall, reply: Reply, include_usage: bool):
         async for d in call.deltas():
             at = sent[d.index] if d.prompt else offsets[d.index]
             choice = reply.shape.delta(d.index, d.text, d.reason, fmt, d.tokens, d.entries, at, d.prompt)
+            choice["stop_reason"] = d.stop_reason
             if d.index not in first and reply.shape is COMPLETION:
                 first.add(d.index)
                 with_prompt_logprobs(choice, call, d.index)
@@ -149,7 +150,7 @@ async def events(call: ApiCall, reply: Reply, include_usage: bool):
 
 async def whole(request: Request, call: ApiCall, reply: Reply) -> Response:
     """The whole text of every choice in one body, or 499 when the client left first."""
-    texts, reasons = [""] * call.choices, [None] * call.choices
+    texts, reasons, stop_reasons = [""] * call.choices, [None] * call.choices, [None] * call.choices
     deltas = [[] for _ in texts]          # (tokens, entries, offset, length, prompt) per delta
 
     async def collect():
@@ -157,7 +158,7 @@ async def whole(request: Request, call: ApiCall, reply: Reply) -> Response:
             deltas[d.index].append((d.tokens, d.entries, len(texts[d.index]), len(d.text), d.prompt))
             texts[d.index] += d.text
             if d.reason:
-                reasons[d.index] = d.reason
+                reasons[d.index], stop_reasons[d.index] = d.reason, d.stop_reason
 
     collecting = asyncio.ensure_future(collect())
     watching = asyncio.ensure_future(disconnected(request))
@@ -172,8 +173,8 @@ async def whole(request: Request, call: ApiCall, reply: Reply) -> Response:
         return Response(status_code=499)   # nobody reads it
     collecting.result()                    # re-raises an ApiError from the engine side
     fmt = formatter(call)
-    choices = [reply.shape.choice(k, texts[k], reasons[k], fmt, deltas[k], call.options.role)
-               for k in range(call.choices)]
+    choices = [{**reply.shape.choice(k, texts[k], reasons[k], fmt, deltas[k], call.options.role),
+                "stop_reason": stop_reasons[k]} for k in range(call.choices)]
     extra = {}
     if reply.shape is COMPLETION:
         choices = [with_prompt_logprobs(c, call, k) for k, c in enumerate(choices)]

@@ -207,6 +207,22 @@ def test_prompt_filling_the_context_gets_one_token():
     check_pool(llm.engine)
 
 
+def test_stop_reason_names_the_stop_string_or_token_as_vllms():
+    """``CompletionOutput.stop_reason``: the stop string or the stop_token_ids entry the sequence ended on;
+    None for EOS and for a length."""
+    model = make_model("llama", seed=3)
+    prompt = [5, 6, 7]
+    free = LLM(model).generate([prompt], max_new_tokens=6, do_sample=False, ignore_eos=True)[0].outputs[0]
+    assert free.stop_reason is None and free.finish_reason == "length"
+    stop = free.token_ids[2]
+    first = free.token_ids.index(stop)
+    out = LLM(model).generate([prompt], max_new_tokens=6, do_sample=False, ignore_eos=True,
+                              stop_token_ids=[stop])[0].outputs[0]
+    assert (out.finish_reason, out.stop_reason, out.token_ids) == ("stop", stop, free.token_ids[:first + 1])
+    eos = LLM(model).generate([prompt], max_new_tokens=6, do_sample=False, eos_token_id=stop)[0].outputs[0]
+    assert (eos.finish_reason, eos.stop_reason) == ("stop", None)
+
+
 def test_cancel_mid_way_frees_blocks_and_the_rest_complete():
     model = make_model("glm", seed=8)
     prompts = [[11] * 9, [12] * 30, [13] * 4]
@@ -257,8 +273,8 @@ def test_stop_strings_never_matching_and_matching():
     assert never.outputs[0].finish_reason == "length" and never.outputs[0].token_ids == free.outputs[0].token_ids
     stop = words[-1]
     first = next(k for k in range(len(words)) if stop in " ".join(words[:k + 1]))
-    hit = generate_many(model, ["w5 w6"], tok, max_new_tokens=8, do_sample=False, stop_strings=[stop])[0]
-    assert hit.outputs[0].finish_reason == "stop_string"
+    hit = generate_many(model, ["w5 w6"], tok, max_new_tokens=8, do_sample=False, stop_strings=["zz-never", stop])[0]
+    assert (hit.outputs[0].finish_reason, hit.outputs[0].stop_reason) == ("stop_string", stop)
     assert hit.outputs[0].token_ids == free.outputs[0].token_ids[:first + 1]
     with pytest.raises(ValueError, match="need a tokenizer"):
         generate_many(model, [[5, 6]], max_new_tokens=3, stop_strings=["x"])

@@ -26,6 +26,8 @@ def test_first_cut_and_hold():
     assert stops.cut("abcdz") == ("ab", True) and stops.cut("abc") == ("abc", False)
     none = StopStrings()
     assert not none and none.hold == 0 and none.cut("abc") == ("abc", False)
+    assert stops.earliest("abcdz") == (2, "cd") and StopStrings(("abc", "ab")).earliest("xabc") == (1, "abc")
+    assert stops.in_tail(Letters(), [0, 1, 2, 3, 25], 5) == "cd" and stops.in_tail(Letters(), [0, 1], 2) is None
 
 
 def test_in_tail_reads_only_the_last_window_of_new_tokens():

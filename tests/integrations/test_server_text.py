@@ -157,8 +157,10 @@ def test_min_tokens_reaches_past_a_stop_string(client):
     free = complete(client, prompt="w5 w6 w7", max_tokens=10, ignore_eos=True)["text"]
     words = free.split()
     stop = words[1]
-    assert complete(client, prompt="w5 w6 w7", max_tokens=10, ignore_eos=True, stop=[stop])["text"] == \
-        free[:free.index(stop)]
+    cut = complete(client, prompt="w5 w6 w7", max_tokens=10, ignore_eos=True, stop=["zzz", stop])
+    assert cut["text"] == free[:free.index(stop)] and cut["stop_reason"] == stop        # vLLM's stop_reason
+    last = events(client, "/v1/completions", dict(prompt="w5 w6 w7", max_tokens=10, ignore_eos=True, stop=[stop]))
+    assert [c["stop_reason"] for e in last for c in e["choices"]][-1] == stop
     waited = complete(client, prompt="w5 w6 w7", max_tokens=10, ignore_eos=True, stop=[stop], min_tokens=2)
     after = free.index(stop, free.index(stop) + 1) if free.count(stop) > 1 else len(free)
     assert waited["text"] == free[:after]                       # the first one was inside the min_tokens' text
@@ -171,6 +173,7 @@ def test_stop_token_ids_leave_the_token_s_text_out(client):
     first = tokens.index(tokens[2])
     got = complete(client, prompt="w5 w6 w7", max_tokens=6, ignore_eos=True, stop_token_ids=[stop_id])
     assert got["finish_reason"] == "stop" and got["text"] == "".join(" " + t for t in tokens[:first])
+    assert got["stop_reason"] == stop_id and free["stop_reason"] is None
     kept = complete(client, prompt="w5 w6 w7", max_tokens=6, ignore_eos=True, stop_token_ids=[stop_id],
                     include_stop_str_in_output=True)
     assert kept["text"] == "".join(" " + t for t in tokens[:first + 1])
