@@ -12,7 +12,8 @@ from .attention_interface import ATTENTION_NAME, use_paged_attention
 from .blocks import PoolExhaustedError
 from .cache import PagedCache
 from .introspect import model_geometry
-from .engine import LLM, Engine, EngineConfig, RequestOutput, generate_many
+from .engine import Engine, EngineConfig, RequestOutput, generate_many
+from .integrations.offline import LLM
 from .integrations.patching import (disable, enable, enabled, is_enabled, is_patched, last_stats, patch, unpatch,
                                    weights_changed)
 

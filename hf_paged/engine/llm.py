@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 
 from collections.abc import Mapping
@@ -35,6 +36,10 @@ class LLM:
     """Continuous batching for lists of prompts on one model (knobs: EngineConfig fields)."""
 
     def __init__(self, model, tokenizer=None, **knobs):
+        if isinstance(model, (str, os.PathLike)):
+            raise TypeError(f"hf_paged.engine.LLM takes a loaded model, not {model!r}: hf_paged.LLM({model!r}) loads "
+                            "the checkpoint (vLLM's way), or pass AutoModelForCausalLM.from_pretrained(...) and its "
+                            "tokenizer")
         self.engine = Engine(model, tokenizer, **knobs)
         self.last_ids: list[int] = []           # the latest call's request ids, in input order
         self._running_past: list[int] = []      # earlier calls' requests still running (a stream left open)
