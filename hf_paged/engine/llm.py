@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
 
 from collections.abc import Mapping
@@ -118,9 +119,15 @@ class LLM:
                         bar.update(engine.counters.finished - finished)
                         finished = engine.counters.finished
         finally:        # raised (a callback, KeyboardInterrupt) or a stream left early: nothing of it runs on
-            for rid in ids:
+            failure = None
+            for rid in ids:                           # every one, whatever one of them raises
                 if rid in engine.requests:            # (a later call may have dropped it, finished)
-                    engine.cancel(rid)                # a no-op for the finished ones
+                    try:
+                        engine.cancel(rid)            # a no-op for the finished ones
+                    except Exception as exc:          # noqa: BLE001  (raised after the others are cancelled)
+                        failure = failure or exc
+            if failure is not None and isinstance(sys.exc_info()[1], (type(None), GeneratorExit)):
+                raise failure                         # (an error already in flight goes on instead)
 
     def generate(self, prompts, settings=None, *, on_token=None, use_tqdm: bool | None = None,
                  **common) -> list[RequestOutput]:

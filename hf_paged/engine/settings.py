@@ -91,9 +91,19 @@ def resolve_generation(model_generation_config, **kwargs) -> SamplingParams:
     stops = config.stop_strings
     stops = () if not stops else (stops,) if isinstance(stops, str) else tuple(stops)
     n = config.num_return_sequences
-    if not isinstance(n, int) or n < 1:
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ValueError(f"num_return_sequences must be a positive int, got {n!r}")
+    for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+        value = getattr(config, name, None)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
+            raise ValueError(f"{name} must be a number, got {value!r}")
+    if any(not isinstance(stop, str) or not stop for stop in stops):
+        raise ValueError(f"stop_strings must be non-empty strings (an empty one would stop at once), got {list(stops)!r}")
     seed = engine_only.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)
+                             or not -2**63 <= seed <= 2**64 - n):
+        # sequence j samples with its own generator seeded seed + j: torch takes seeds in [-2**63, 2**64)
+        raise ValueError(f"seed must be an int in [-2**63, 2**64 - num_return_sequences], got {seed!r}")
     if config.do_sample and seed is None:
         seed = int(torch.randint(0, 2**62, ()).item())      # from the global RNG: manual_seed reproduces it
     params = SamplingParams(

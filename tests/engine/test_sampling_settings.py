@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tiny_models import EOS, VOCAB, make_model
+from tiny_models import EOS, VOCAB, make_model, word_tokenizer
 from hf_paged.engine import LLM
 
 
@@ -120,11 +120,38 @@ def test_min_new_tokens_holds_back_stop_token_ids_too():
     (dict(max_new_tokens=float("nan")), "max_new_tokens must be an int, got nan"),   # it never stopped
     (dict(max_new_tokens=4.0), "max_new_tokens must be an int"),
     (dict(bad_words_ids=[[]]), "bad_words_ids"),
+    (dict(seed=2**64 - 1, num_return_sequences=2), r"seed must be an int in \[-2\*\*63"),   # overflowed at the fork
+    (dict(seed="7"), "seed must be an int"),
+    (dict(seed=1.5), "seed must be an int"),
+    (dict(num_return_sequences=True), "num_return_sequences must be a positive int"),
+    (dict(temperature="hot"), "temperature must be a number, got 'hot'"),
+    (dict(stop_strings=["x", ""]), "stop_strings must be non-empty strings"),     # stopped after one token
 ])
 def test_bad_values_are_refused_with_their_name(settings, message):
     model = make_model("llama", seed=14)
+    llm = LLM(model, tokenizer=word_tokenizer())
     with pytest.raises(ValueError, match=message):
-        LLM(model).generate([[4, 5, 6]], **{"max_new_tokens": 2, "do_sample": True, **settings})
+        llm.generate([[4, 5, 6]], **{"max_new_tokens": 2, "do_sample": True, **settings})
+    assert not llm.engine.has_work and llm.engine.pool.num_used == 0
+
+
+def test_a_call_that_fails_cancels_all_its_requests_whatever_one_cancel_raises(monkeypatch):
+    model = make_model("llama", seed=14)
+    llm = LLM(model)
+    real_cancel, failures = llm.engine.cancel, [RuntimeError("cancel failed (simulated)")]
+
+    def cancel_failing_once(rid):
+        if failures:
+            raise failures.pop()
+        real_cancel(rid)
+
+    monkeypatch.setattr(llm.engine, "cancel", cancel_failing_once)
+    stream = llm.stream([[4, 5, 6], [7, 8], [9]], max_new_tokens=50, do_sample=False, ignore_eos=True)
+    next(stream)
+    with pytest.raises(RuntimeError, match="simulated"):
+        stream.close()
+    running = [rid for rid in llm.last_ids[1:] if rid in llm.engine.requests and not llm.engine.requests[rid].finished]
+    assert running == []
 
 
 def test_greedy_rows_take_torch_argmax_with_its_ties_and_nans():
