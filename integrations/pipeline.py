@@ -80,9 +80,17 @@ def run_list_through_engine(pipe: TextGenerationPipeline, llm: LLM, text_inputs,
             params.append(resolve_generation(pipe.model.generation_config, **settings))   # as generate resolves them
         except ValueError:
             return None        # a setting the engine does not do (or a bad value): the stock path, its own errors
-    engine = llm.engine
-    ids = [engine.add_request(x["input_ids"][0], prompt_index=i, params=p) for i, (x, p) in enumerate(zip(inputs, params))]
-    engine.run()
+    engine, ids = llm.engine, []
+    try:
+        for i, (x, p) in enumerate(zip(inputs, params)):
+            ids.append(engine.add_request(x["input_ids"][0], prompt_index=i, params=p))
+        engine.run()
+    except BaseException:      # an error or Ctrl-C: nothing of this call runs on, and no record of it stays
+        for rid in ids:
+            if rid in engine.requests:
+                engine.cancel(rid)
+                engine.forget(rid)
+        raise
     records = []
     outputs = [engine.forget(rid) for rid in ids]          # the engine keeps no record of them
     for out, x in zip(outputs, inputs):

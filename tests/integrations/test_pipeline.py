@@ -31,6 +31,33 @@ def test_pipeline_list_matches_stock_pipeline_prompt_by_prompt():
     assert paged(prompts[0], **kw) == expected[0]                     # a single prompt takes the stock path
 
 
+def test_an_interrupted_list_call_leaves_nothing_running(monkeypatch):
+    """Ctrl-C (or an error) mid-run: the call's requests are cancelled and forgotten, so the next call runs
+    only its own prompts (it finished the interrupted batch first, for nobody)."""
+    model = make_model("llama", seed=12)
+    tok = word_tokenizer()
+    prompts = _prompts(13, (3, 9, 1, 6))
+    kw = dict(max_new_tokens=30, do_sample=False)
+    paged = hf_paged.pipeline("text-generation", model=model, tokenizer=tok, engine_options=dict(max_num_seqs=2))
+    engine = paged.llm.engine
+    real_step, steps = engine.step, []
+
+    def interrupted_step():
+        steps.append(1)
+        if len(steps) == 3:
+            raise KeyboardInterrupt
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", interrupted_step)
+    with pytest.raises(KeyboardInterrupt):
+        paged(prompts, **kw)
+    assert not engine.requests and not engine.has_work and engine.pool.num_used == 0
+    monkeypatch.setattr(engine, "step", real_step)
+    stock = pipeline("text-generation", model=model, tokenizer=tok)
+    assert paged(prompts[:2], **kw) == [stock(p, **kw) for p in prompts[:2]]
+    assert not engine.requests
+
+
 def test_pipeline_with_a_patched_model_and_sampling():
     model = make_model("qwen2", seed=14)
     tok = word_tokenizer()
