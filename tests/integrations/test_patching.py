@@ -93,6 +93,13 @@ def test_plain_forwards_while_a_paged_call_runs_take_the_model_s_own_attention()
             assert torch.equal(model.generate(cache_implementation="paged", **base, **extra), want), extra
         with pytest.raises(ValueError, match="use_cache=False .* no KV cache to page"):
             model.generate(cache_implementation="paged", use_cache=False, **kw)
+        # a generation config's use_cache false (a checkpoint saved while training) asks nothing of the call
+        model.generation_config.use_cache = False
+        try:
+            got = model.generate(cache_implementation="paged", **single)
+            assert torch.equal(got, model.generate(**single)) and hf_paged.last_stats(model)
+        finally:
+            model.generation_config.use_cache = True
     assert model.config.num_hidden_layers == 2
     assert not any("_hf_paged_replaced_attention" in m.__dict__ for m in model.modules())
 
