@@ -61,17 +61,17 @@ def paged_generate(model, generate, args: tuple, kwargs: dict, cache_options: di
     if kwargs.get("use_cache") is False:
         raise ValueError("use_cache=False recomputes the whole sequence at every step: there is no KV cache to "
                          "page. Drop use_cache=False, or generate without cache_implementation='paged' / a PagedCache.")
-    if _setting("use_cache", kwargs, generation_config, model) is False:
-        # a generation config's use_cache false (a checkpoint saved while training with gradient checkpointing,
-        # or the pipeline's copy of it) asks nothing of this call: paging was asked, and a cache changes no token
-        kwargs["use_cache"] = True
     if cache is not None and not isinstance(cache, PagedCache):
         raise ValueError(f"cache_implementation='paged' and a {type(cache).__name__} were both passed; pass one: "
                          "drop the cache to page this call, or cache_implementation to use your cache")
     _refuse_right_padding(args, kwargs, generation_config, model)
     kwargs = dict(kwargs)
-    if asked:
-        kwargs["cache_implementation"] = None
+    overrides = {"cache_implementation": None} if asked else {}     # this hook builds the cache, not generate
+    if _setting("use_cache", kwargs, generation_config, model) is False:
+        # a generation config's use_cache false (a checkpoint saved while training with gradient checkpointing,
+        # or the pipeline's copy of it) asks nothing of this call: paging was asked, and a cache changes no token
+        overrides["use_cache"] = True
+    kwargs.update(overrides)     # as keywords: a passed config's values lose to the model's where they are defaults
     if cache is None:
         options = dict(cache_options)
         options.setdefault("dtype", model.dtype)
