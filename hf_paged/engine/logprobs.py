@@ -114,7 +114,7 @@ def logprob_entries(logits: torch.Tensor, chosen: list[int], ks: list[int], text
     entries = []
     for r, token in enumerate(chosen):
         context = contexts[r] if contexts is not None else None
-        text = texts if not context else (lambda t: texts.in_context(t, context))
+        text = texts if context is None else (lambda t: texts.in_context(t, context))
         entry = {token: Logprob(own[r], ranks[r], text(token))}
         for rank in range(min(ks[r], k)):
             tid = top_ids[r][rank]

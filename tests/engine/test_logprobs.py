@@ -140,6 +140,9 @@ def test_token_texts_join_into_the_text_as_vllms(smollm2_tokenizer):
     parts = [texts.in_context(token, ids[max(0, i - TokenTexts.CONTEXT):i]) for i, token in enumerate(ids)]
     assert "".join(parts) == text and "" in parts and "\ufffd" not in "".join(parts)
     assert texts(ids[0]).endswith("\ufffd") and texts.in_context(ids[0], []) == ""
+    from hf_paged.engine.logprobs import logprob_entries     # a sequence's first new token: no context, ""
+    entry = logprob_entries(torch.zeros(1, len(smollm2_tokenizer)), [ids[0]], [0], texts, [[]])[0]
+    assert entry[ids[0]].decoded_token == ""
     backend = Tokenizer(models.WordLevel({"\u2581the": 0, "\u2581cat": 1, "[UNK]": 2, "s": 3}, unk_token="[UNK]"))
     backend.pre_tokenizer, backend.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
     spaced = TokenTexts(PreTrainedTokenizerFast(tokenizer_object=backend))
