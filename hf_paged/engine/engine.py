@@ -428,10 +428,13 @@ class Engine:
         "stop_string", "length", or None; ``seq.stop_reason`` is then vLLM's: the stop string or the
         stop_token_ids entry (None for EOS, a grammar, a length)."""
         request, params = seq.request, seq.request.params
-        if token in params.stops_on or (seq.matcher is not None and seq.matcher.is_finished):
+        if token in params.stops_on:
             if token in params.stop_token_ids and token not in params.eos_token_ids:
                 seq.stop_reason = token
             return "stop"
+        if seq.matcher is not None and seq.matcher.is_finished \
+                and not params.eos_token_ids & seq.matcher.grammar.compiler.eos_token_ids:
+            return "stop"   # else, as vLLM's, the next token is the EOS the grammar's mask leaves (counted, no text)
         wait = request.min_new_tokens if params.stop_strings_wait else 0       # vLLM's min_tokens
         if params.stop_strings:
             found = StopStrings(params.stop_strings).in_tail(self.tokenizer, seq.token_ids, seq.num_output, wait)

@@ -87,7 +87,7 @@ def sampled_logprobs(logits: torch.Tensor, seqs: list, tokens: list[int], texts)
     out = [None] * len(seqs)
     if rows:
         raw = logits[rows]
-        masked = [i for i, r in enumerate(rows) if seqs[r].matcher is not None and not seqs[r].matcher.is_finished]
+        masked = [i for i, r in enumerate(rows) if seqs[r].matcher is not None]
         if masked:
             from .structured import apply_masks
             block = raw[masked].clone()

@@ -4,13 +4,13 @@ compiled by llguidance (the grammar engine vLLM also uses) and applied as a toke
 Life of a constrained sequence: the server (any thread) calls ``GrammarCompiler.compile(spec)``, which
 returns a cached immutable :class:`Grammar`; the engine thread gives the sequence ``grammar.matcher()``
 and, each step, calls :func:`apply_masks` on the batch's logits before sampling, then
-``matcher.accept(token)`` with the sampled token, and ends the sequence once ``matcher.is_finished``.
+``matcher.accept(token)`` with the sampled token, and ends the sequence on the EOS that follows ``is_finished``.
 
 EOS rule: the mask allows the compiler's ``eos_token_ids`` exactly when the grammar may end here (an
 accepting state), and *only* them once it must end (``is_finished``: nothing can follow, e.g. after a
-JSON object's closing brace or a complete choice). So greedy decoding of a finished object emits EOS;
-an engine that ends the sequence as soon as ``is_finished`` turns true after ``accept`` (the expected
-use) never needs to. ``accept`` of an EOS id after the end is a no-op.
+JSON object's closing brace or a complete choice). So decoding a finished object emits EOS: the engine
+ends a sequence on it, as vLLM's does (the EOS counted as a token, its text left out), or at once where the
+request stops on no EOS (``ignore_eos``). ``accept`` of an EOS id after the end is a no-op.
 
 llguidance is imported inside functions only, so ``import hf_paged`` works without it.
 """
@@ -44,8 +44,9 @@ class StructuredOutput:
     - ``json``: a JSON schema, a dict or its JSON text; strict as vLLM's: an object schema that names its
       properties allows no others unless it says so (``closed_objects``);
     - ``json_object``: any JSON object;
-    - ``regex``: Rust regex syntax, matched in full (``\\d`` is any Unicode digit, as in Python;
-      ``[0-9]`` or ``(?-u:\\d)`` for ASCII ones);
+    - ``regex``: Rust regex syntax, matched in full; ``\\d`` / ``\\D`` are ASCII digits / not them, as in
+      vLLM's default backend (``ascii_digits``: in Rust's and Python's own syntax ``\\d`` is any Unicode
+      digit, and SmolLM2 once wrote a phone number in U+1FBF8 digits for it);
     - ``choice``: exactly one of these strings (a non-empty list or tuple);
     - ``grammar``: llguidance's lark syntax; GBNF (``root ::= ...`` rules) is converted to lark first
       (llguidance's own ``gbnf_to_lark``: its lark parser alone rejects ``::=``).
@@ -139,6 +140,36 @@ def closed_objects(schema):
     return closed
 
 
+def ascii_digits(pattern: str) -> str:
+    """``pattern`` with ``\\d`` as ``[0-9]`` (``0-9`` inside a class) and ``\\D`` as ``[^0-9]`` outside one:
+    the ASCII digits vLLM's default grammar backend (xgrammar) reads them as. Escapes (``\\\\d``: a backslash
+    and a d) and a class's leading ``]`` (a literal) are kept as they are."""
+    out, i, in_class = [], 0, False
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\" and i + 1 < len(pattern):
+            escaped = pattern[i + 1]
+            if escaped == "d":
+                out.append("0-9" if in_class else "[0-9]")
+            elif escaped == "D" and not in_class:
+                out.append("[^0-9]")
+            else:
+                out.append(c + escaped)
+            i += 2
+            continue
+        out.append(c)
+        i += 1
+        if c == "[" and not in_class:
+            in_class = True
+            for lead in "^]":             # "[^" and a first "]" belong to the class's opening
+                if pattern.startswith(lead, i):
+                    out.append(lead)
+                    i += 1
+        elif c == "]" and in_class:
+            in_class = False
+    return "".join(out)
+
+
 class StructuredOutputUnavailable(ValueError):
     """Structured output cannot run with this engine at all (no tokenizer, or one llguidance cannot read):
     the engine's limit, not the grammar's fault."""
@@ -215,7 +246,7 @@ class GrammarCompiler:
                 options = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "} if compact else {}
                 grammar = llg.LLMatcher.grammar_from_json_schema(schema, defaults=options)
             elif kind == "regex":
-                grammar = llg.LLMatcher.grammar_from_regex(text)
+                grammar = llg.LLMatcher.grammar_from_regex(ascii_digits(text))
             elif kind == "choice":   # one lark terminal of JSON-escaped literals: a lexer DFA, however many
                 # (as grammar rules, "start: a | b | ...", llguidance's parser refuses tokens past 2,000 alternatives)
                 grammar = llg.LLMatcher.grammar_from_lark(

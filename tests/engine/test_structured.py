@@ -136,17 +136,20 @@ def test_eos_is_allowed_exactly_when_the_grammar_may_end(compiler, tokenizer):
     assert matcher.is_finished
 
 
-def test_backslash_d_is_any_unicode_digit(compiler, tokenizer):
-    """Rust regex semantics (as Python's): SmolLM2 once wrote a phone number in U+1FBF8 digits for \\d."""
+def test_backslash_d_is_an_ascii_digit_as_in_vllms_default_backend(compiler, tokenizer):
+    """In Rust's (and Python's) regex syntax \\d is any Unicode digit: SmolLM2 once wrote a phone number in
+    U+1FBF8 digits for it. vLLM's default backend reads it as [0-9], and so does this one."""
+    from hf_paged.engine.structured import ascii_digits
     digit = tokenizer.encode("\U0001FBF8")
-    wide = compiler.compile(StructuredOutput(regex=r"\d")).matcher()
-    for token in digit:
-        wide.accept(token)
-    assert wide.is_finished
-    ascii_only = compiler.compile(StructuredOutput(regex=r"(?-u:\d)")).matcher()
-    with pytest.raises(RuntimeError):
-        for token in digit:
-            ascii_only.accept(token)
+    for regex in (r"\d", r"[\d]", r"(?-u:\d)"):
+        matcher = compiler.compile(StructuredOutput(regex=regex)).matcher()
+        with pytest.raises(RuntimeError):
+            for token in digit:
+                matcher.accept(token)
+        ascii_seven = compiler.compile(StructuredOutput(regex=regex)).matcher()
+        ascii_seven.accept(tokenizer.encode("7")[0])
+        assert ascii_seven.is_accepting
+    assert ascii_digits(r"\d{3}-\D[^\d]\\d[]\d]") == r"[0-9]{3}-[^0-9][^0-9]\\d[]0-9]"
 
 
 def test_json_whitespace_is_free_unless_disabled(compiler, tokenizer):

@@ -64,6 +64,12 @@ def test_engine_mixed_batch_is_valid_and_leaves_neighbours_alone(real):
     if outs[5].outputs[0].finish_reason == "stop":       # an open-ended object may run to the cap
         assert isinstance(json.loads(texts[5]), dict)
     assert all(o.outputs[0].finish_reason == "stop" for o in outs[:5])
+    eos = model.generation_config.eos_token_id
+    eos = {eos} if isinstance(eos, int) else set(eos)
+    assert all(o.outputs[0].token_ids[-1] in eos for o in outs[:5])      # as vLLM's: ends on the EOS, counted
+    bare = llm.generate([prompts[3]], structured_output=specs[3], max_new_tokens=16, do_sample=False,
+                        ignore_eos=True)[0].outputs[0]                    # no EOS to end on: ends with the grammar
+    assert bare.text == texts[3] and bare.token_ids == outs[3].outputs[0].token_ids[:-1]
     for mixed, solo in zip(outs[6:], alone):
         assert mixed.outputs[0].token_ids == solo.outputs[0].token_ids
     sampled = llm.generate([prompts[0]], structured_output=StructuredOutput(json=PERSON), num_return_sequences=3,
