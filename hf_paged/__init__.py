@@ -14,6 +14,7 @@ from .cache import PagedCache
 from .introspect import model_geometry
 from .engine import Engine, EngineConfig, RequestOutput, generate_many
 from .integrations.offline import LLM
+from .integrations.vllm_params import SamplingParams
 from .integrations.patching import (disable, enable, enabled, is_enabled, is_patched, last_stats, patch, unpatch,
                                    weights_changed)
 
@@ -28,6 +29,7 @@ def pipeline(task: str = "text-generation", model=None, **kwargs):
 
 __all__ = [
     "ATTENTION_NAME", "Engine", "EngineConfig", "LLM", "PagedCache", "PoolExhaustedError", "RequestOutput",
+    "SamplingParams",
     "disable", "enable", "enabled", "generate_many", "is_enabled", "is_patched", "last_stats", "model_geometry", "patch",
     "pipeline", "unpatch", "use_paged_attention", "weights_changed",
 ]
