@@ -33,6 +33,7 @@ class Delta:
     entries: list = field(default_factory=list)
     prompt: bool = False
     stop_reason: str | int | None = None    # vLLM's: the stop string or stop_token_ids entry it ended on
+    ids: list[int] = field(default_factory=list)     # the generated token ids it covers (vLLM's return_token_ids)
 
 
 def engine_parts(params, max_num_seqs: int) -> list[tuple[int, object]]:
@@ -65,6 +66,7 @@ class ApiCall:
                                            min_tokens=options.min_tokens)
                         for i in range(len(prompts)) for j in range(self.n)}
         self.pending = {key: ([], []) for key in self.streams}     # tokens / entries not sent yet
+        self.pending_ids = {key: [] for key in self.streams}       # every generated id not sent yet
         self.done: set[tuple[int, int]] = set()          # (prompt, sequence) pairs whose last delta went out
         self.echoed: set[int] = set()                    # prompts whose echo went out
         self.prompt_logprobs: dict[int, list] = {}       # prompt -> its entries, as the engine sent them
@@ -146,7 +148,8 @@ class ApiCall:
     def _delta(self, i: int, j: int, text: str, reason: str | None) -> Delta:
         tokens, entries = self.pending[i, j]
         self.pending[i, j] = ([], [])
-        return Delta(i * self.n + j, text, reason, tokens, entries)
+        ids, self.pending_ids[i, j] = self.pending_ids[i, j], []
+        return Delta(i * self.n + j, text, reason, tokens, entries, ids=ids)
 
     def _token(self, i: int, j: int, event) -> Delta | None:
         """The delta one TokenEvent of sequence ``j`` of prompt ``i`` adds to its choice, or None (nothing to
@@ -158,6 +161,7 @@ class ApiCall:
             self.done.add(key)
             return Delta(i * self.n + j, "", "length")
         stream = self.streams[key]
+        self.pending_ids[key].append(event.token)
         self.completion_tokens += 1
         self.choice_tokens[i * self.n + j] += 1
         if event.logprobs is not None:

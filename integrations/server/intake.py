@@ -270,6 +270,7 @@ def call_options(req) -> CallOptions:
                        prompt_logprobs=asked_prompt_logprobs(req, chat), chat=chat,
                        role=answer_role(req) if chat else "",
                        return_tokens_as_token_ids=bool(req.return_tokens_as_token_ids),
+                       return_token_ids=bool(req.return_token_ids),
                        min_tokens=req.min_tokens or 0,
                        continuous_usage=bool(req.stream and req.stream_options and req.stream_options.include_usage
                                              and req.stream_options.continuous_usage_stats))

@@ -17,7 +17,8 @@ class CallOptions:
     chat completion. return_tokens_as_token_ids: tokens written "token_id:N" (vLLM's extension).
     min_tokens: vLLM's (a stop string must end after the first min_tokens tokens' text).
     continuous_usage: vLLM's ``stream_options.continuous_usage_stats``: every chunk carries its choice's usage.
-    role: a chat answer's role (``intake.answer_role``)."""
+    role: a chat answer's role (``intake.answer_role``). return_token_ids: vLLM's, each choice carries its
+    token ids (all of them: an EOS or stop token too) and the prompt's ids."""
     n: int = 1
     stops: tuple[str, ...] = ()
     include_stop_str_in_output: bool = False
@@ -28,6 +29,7 @@ class CallOptions:
     prompt_logprobs: int | None = None
     chat: bool = False
     return_tokens_as_token_ids: bool = False
+    return_token_ids: bool = False
     min_tokens: int = 0
     continuous_usage: bool = False
     role: str = ""

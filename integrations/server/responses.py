@@ -105,8 +105,8 @@ class Reply:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices,
                 **extra}
 
-    def chunk(self, choices: list[dict], include_usage: bool, usage: dict | None = None) -> str:
-        body = self.body(self.shape.chunk_object, choices, **({"usage": usage} if include_usage else {}))
+    def chunk(self, choices: list[dict], include_usage: bool, usage: dict | None = None, **extra) -> str:
+        body = self.body(self.shape.chunk_object, choices, **({"usage": usage} if include_usage else {}), **extra)
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
 
@@ -125,17 +125,22 @@ async def events(call: ApiCall, reply: Reply, include_usage: bool):
     try:
         continuous = call.options.continuous_usage       # each chunk: its choice's usage so far (vLLM's)
         opening = reply.shape.opening(call.choices, call.options.role)
-        for choice in opening:
-            yield reply.chunk([choice], include_usage, call.usage(choice["index"]) if continuous else None)
+        for choice in opening:          # (chat's; with return_token_ids the first carries the prompt's ids, as vLLM's)
+            extra = {"prompt_token_ids": call.prompts[0]} if call.options.return_token_ids and choice["index"] == 0 else {}
+            yield reply.chunk([choice], include_usage, call.usage(choice["index"]) if continuous else None, **extra)
         fmt, sent, first = formatter(call), [0] * call.choices, set()
         offsets = [0] * call.choices          # where each choice's next generated token's text starts
         async for d in call.deltas():
             at = sent[d.index] if d.prompt else offsets[d.index]
             choice = reply.shape.delta(d.index, d.text, d.reason, fmt, d.tokens, d.entries, at, d.prompt)
             choice["stop_reason"] = d.stop_reason
+            if call.options.return_token_ids:
+                choice["token_ids"] = d.ids
             if d.index not in first and reply.shape is COMPLETION:
                 first.add(d.index)
                 with_prompt_logprobs(choice, call, d.index)
+                if call.options.return_token_ids:
+                    choice["prompt_token_ids"] = call.prompts[d.index // call.n]
             sent[d.index] += len(d.text)
             offsets[d.index] = sent[d.index] if d.prompt else at + fmt.text_length(d.tokens, d.entries)
             yield reply.chunk([choice], include_usage, call.usage(d.index) if continuous else None)
@@ -151,12 +156,14 @@ async def events(call: ApiCall, reply: Reply, include_usage: bool):
 async def whole(request: Request, call: ApiCall, reply: Reply) -> Response:
     """The whole text of every choice in one body, or 499 when the client left first."""
     texts, reasons, stop_reasons = [""] * call.choices, [None] * call.choices, [None] * call.choices
+    ids = [[] for _ in texts]             # each choice's generated token ids (return_token_ids)
     deltas = [[] for _ in texts]          # (tokens, entries, offset, length, prompt) per delta
 
     async def collect():
         async for d in call.deltas():
             deltas[d.index].append((d.tokens, d.entries, len(texts[d.index]), len(d.text), d.prompt))
             texts[d.index] += d.text
+            ids[d.index] += d.ids
             if d.reason:
                 reasons[d.index], stop_reasons[d.index] = d.reason, d.stop_reason
 
@@ -176,6 +183,13 @@ async def whole(request: Request, call: ApiCall, reply: Reply) -> Response:
     choices = [{**reply.shape.choice(k, texts[k], reasons[k], fmt, deltas[k], call.options.role),
                 "stop_reason": stop_reasons[k]} for k in range(call.choices)]
     extra = {}
+    if call.options.return_token_ids:     # vLLM's: a choice's ids; the prompt's on each completion choice, beside chat's
+        for k, choice in enumerate(choices):
+            choice["token_ids"] = ids[k]
+            if reply.shape is COMPLETION:
+                choice["prompt_token_ids"] = call.prompts[k // call.n]
+        if reply.shape is not COMPLETION:
+            extra["prompt_token_ids"] = call.prompts[0]
     if reply.shape is COMPLETION:
         choices = [with_prompt_logprobs(c, call, k) for k, c in enumerate(choices)]
     elif call.options.prompt_logprobs is not None:        # chat: vLLM puts them beside the choices

@@ -32,7 +32,6 @@ NEUTRAL_ONLY = {
     "logprob_token_ids": "logprob_token_ids is not implemented; ask for the top k with logprobs",
     "prompt_embeds": "prompt embeddings are not accepted; send text or token ids",
     "priority": "priority scheduling is not implemented (requests are served first come, first served)",
-    "return_token_ids": "return_token_ids is not implemented",
     "return_prompt_text": "return_prompt_text is not implemented",
     "routed_experts_prompt_start": "routed-expert data is not returned by this server",
     "cache_salt": ("prefix-cache salting is not implemented; a salted request is refused rather than "
@@ -69,7 +68,7 @@ IMPLEMENTED = {
     "echo", "ignore_eos", "min_tokens", "stop_token_ids", "include_stop_str_in_output",
     "skip_special_tokens", "bad_words", "allowed_token_ids", "truncate_prompt_tokens", "truncation_side",
     "add_special_tokens", "response_format", "structured_outputs", "guided_json", "guided_regex",
-    "guided_choice", "guided_grammar", "return_tokens_as_token_ids", "add_generation_prompt",
+    "guided_choice", "guided_grammar", "return_tokens_as_token_ids", "return_token_ids", "add_generation_prompt",
     "continue_final_message", "documents", "chat_template_kwargs", "reasoning_effort",
 }
 

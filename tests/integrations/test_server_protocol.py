@@ -194,7 +194,6 @@ def test_bad_words_follow_vllms_rule():
     ({"repetition_detection": {"max_pattern_size": 4, "min_count": 2}}, False, "repetition_detection", []),
     ({"thinking_token_budget": 10}, True, "thinking_token_budget", []),
     ({"vllm_xargs": {"a": 1}}, False, "vllm_xargs", []),
-    ({"return_token_ids": True}, False, "return_token_ids", []),
     ({"stream": True, "prompt_logprobs": 1}, False, "prompt_logprobs", ["stream"]),
     ({"truncate_prompt_tokens": 0}, False, "truncate_prompt_tokens", []),
     ({"stop": ["w3"] * 65}, False, "stop", ["at most 64"]),

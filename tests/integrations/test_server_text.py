@@ -179,6 +179,32 @@ def test_stop_token_ids_leave_the_token_s_text_out(client):
     assert kept["text"] == "".join(" " + t for t in tokens[:first + 1])
 
 
+def test_return_token_ids_gives_every_token_and_the_prompt_s(client):
+    """vLLM's return_token_ids (RL and agent frameworks read it): each choice's generated ids, a stop token
+    included though its text is left out, and the prompt's ids; streamed, each chunk's own ids."""
+    free = complete(client, prompt="w5 w6 w7", max_tokens=6, ignore_eos=True, logprobs=0)
+    ids = [int(t[1:]) for t in free["logprobs"]["tokens"]]
+    got = complete(client, prompt="w5 w6 w7", max_tokens=6, ignore_eos=True, stop_token_ids=[ids[2]],
+                   return_token_ids=True)
+    first = ids.index(ids[2])
+    assert got["token_ids"] == ids[:first + 1] and got["prompt_token_ids"] == [5, 6, 7]
+    assert "token_ids" not in free
+    parts = events(client, "/v1/completions", dict(prompt="w5 w6 w7", max_tokens=6, ignore_eos=True,
+                                                   return_token_ids=True))
+    assert [t for p in parts for c in p["choices"] for t in c["token_ids"]] == ids
+    assert parts[0]["choices"][0]["prompt_token_ids"] == [5, 6, 7]
+    r = client.post("/v1/chat/completions", json={"model": MODEL, "temperature": 0, "max_tokens": 3,
+                                                  "messages": [{"role": "user", "content": "w5"}],
+                                                  "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert len(body["choices"][0]["token_ids"]) == body["usage"]["completion_tokens"] and body["prompt_token_ids"]
+    chat = events(client, "/v1/chat/completions", {"max_tokens": 3, "messages": [{"role": "user", "content": "w5"}],
+                                                   "return_token_ids": True})
+    assert chat[0]["prompt_token_ids"] == body["prompt_token_ids"]
+    assert [t for p in chat for c in p["choices"] for t in c.get("token_ids", [])] == body["choices"][0]["token_ids"]
+
+
 def events(client, path: str, body: dict) -> list[dict]:
     r = client.post(path, json={"model": MODEL, "temperature": 0, "stream": True, **body})
     assert r.status_code == 200, r.text
