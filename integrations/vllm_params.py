@@ -126,11 +126,12 @@ def as_vllm_output(output, params: SamplingParams, tokenizer, eos_ids: frozenset
         if reason == "stop" and ids and ids[-1] in stop_tokens and not params.include_stop_str_in_output:
             ids = ids[:-1]
         context = output.prompt_token_ids[-CONTEXT:]
-        text = complete_characters(continuation(tokenizer, context, ids, skip_special_tokens=params.skip_special_tokens))
+        skip = params.skip_special_tokens
+        text = complete_characters(continuation(tokenizer, context, ids, skip_special_tokens=skip))
         if reason == "stop_string":       # the first one that ends after the text of the first min_tokens tokens
             stops = StopStrings([params.stop] if isinstance(params.stop, str) else params.stop)
-            after = len(continuation(tokenizer, context, ids[:params.min_tokens],
-                                     skip_special_tokens=params.skip_special_tokens)) if params.min_tokens else 0
+            after = len(continuation(tokenizer, context, ids[:params.min_tokens], skip_special_tokens=skip)) \
+                if params.min_tokens else 0
             text = stops.cut(text, keep=params.include_stop_str_in_output, after=after)[0]
         if not params.detokenize:
             text = ""

@@ -35,10 +35,10 @@ from ..attention_interface import use_paged_attention
 from ..backends import backend_kind
 from ..blocks import BlockPool, PrefixCache
 from ..introspect import length_dependent_rope, model_geometry, trained_context
-from ..weights_watch import WeightsWatch
 from ..kivi import split_budget
 from ..kv_formats import kv_format
 from ..parallel import tensor_parallel_ranks
+from ..weights_watch import WeightsWatch
 from .config import EngineConfig, kv_pool_blocks
 from .cpu_bf16 import bf16_warning
 from .fused import FusedOps

@@ -98,7 +98,8 @@ def resolve_generation(model_generation_config, **kwargs) -> SamplingParams:
         if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
             raise ValueError(f"{name} must be a number, got {value!r}")
     if any(not isinstance(stop, str) or not stop for stop in stops):
-        raise ValueError(f"stop_strings must be non-empty strings (an empty one would stop at once), got {list(stops)!r}")
+        raise ValueError("stop_strings must be non-empty strings (an empty one would stop at once), "
+                         f"got {list(stops)!r}")
     seed = engine_only.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)
                              or not -2**63 <= seed <= 2**64 - n):

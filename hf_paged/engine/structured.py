@@ -189,8 +189,8 @@ class GrammarCompiler:
     Holds llguidance's tokenizer (~0.5 s to build) over ``vocab_size`` ids: the model's embedding rows,
     which may exceed ``len(tokenizer)``; ids without a token are never allowed. ``eos_token_ids`` are the
     ids the mask allows when the grammar may (or must) end. JSON's whitespace follows the spec's
-    ``disable_any_whitespace``; a schema's ``x-guidance`` options override that. ``compile`` is thread-safe (a lock guards the LRU of ``cache_size`` grammars;
-    compiling itself runs outside it); ``mask_threads`` sizes llguidance's mask-filling thread pool
+    ``disable_any_whitespace``; a schema's ``x-guidance`` options override that. ``compile`` is thread-safe
+    (a lock guards the LRU of ``cache_size`` grammars; compiling itself runs outside it); ``mask_threads`` sizes llguidance's mask-filling thread pool
     (None: its default, 80% of the CPUs).
     """
 
@@ -243,7 +243,8 @@ class GrammarCompiler:
         try:
             if kind in ("json", "json_object"):
                 schema = _json.dumps(closed_objects(_json.loads(text))) if kind == "json" else '{"type": "object"}'
-                options = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "} if compact else {}
+                options = ({"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+                           if compact else {})
                 grammar = llg.LLMatcher.grammar_from_json_schema(schema, defaults=options)
             elif kind == "regex":
                 grammar = llg.LLMatcher.grammar_from_regex(ascii_digits(text))

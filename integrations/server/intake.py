@@ -139,7 +139,8 @@ def developer_as_system(messages: list[dict], template: str) -> list[dict]:
     systems = [i for i, m in enumerate(messages) if m["role"] == "system"]
     if systems == [0]:
         return messages
-    merged = {"role": "system", "content": "\n\n".join(messages[i]["content"] for i in systems if messages[i]["content"])}
+    merged = {"role": "system",
+              "content": "\n\n".join(messages[i]["content"] for i in systems if messages[i]["content"])}
     return [merged] + [m for m in messages if m["role"] != "system"]
 
 

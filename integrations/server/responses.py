@@ -126,7 +126,8 @@ async def events(call: ApiCall, reply: Reply, include_usage: bool):
         continuous = call.options.continuous_usage       # each chunk: its choice's usage so far (vLLM's)
         opening = reply.shape.opening(call.choices, call.options.role)
         for choice in opening:          # (chat's; with return_token_ids the first carries the prompt's ids, as vLLM's)
-            extra = {"prompt_token_ids": call.prompts[0]} if call.options.return_token_ids and choice["index"] == 0 else {}
+            first_one = call.options.return_token_ids and choice["index"] == 0
+            extra = {"prompt_token_ids": call.prompts[0]} if first_one else {}
             yield reply.chunk([choice], include_usage, call.usage(choice["index"]) if continuous else None, **extra)
         fmt, sent, first = formatter(call), [0] * call.choices, set()
         offsets = [0] * call.choices          # where each choice's next generated token's text starts
@@ -183,7 +184,7 @@ async def whole(request: Request, call: ApiCall, reply: Reply) -> Response:
     choices = [{**reply.shape.choice(k, texts[k], reasons[k], fmt, deltas[k], call.options.role),
                 "stop_reason": stop_reasons[k]} for k in range(call.choices)]
     extra = {}
-    if call.options.return_token_ids:     # vLLM's: a choice's ids; the prompt's on each completion choice, beside chat's
+    if call.options.return_token_ids:   # vLLM's: a choice's ids; the prompt's on each completion choice, beside chat's
         for k, choice in enumerate(choices):
             choice["token_ids"] = ids[k]
             if reply.shape is COMPLETION:

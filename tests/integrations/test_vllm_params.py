@@ -72,7 +72,8 @@ def test_a_vllm_object_is_read_by_its_attributes(llm):
 
 def test_chat_runs_the_template_as_vllms(llm):
     tokenizer = llm.get_tokenizer()
-    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}w9{% endif %}"
+    tokenizer.chat_template = ("{% for m in messages %}{{ m['content'] }} {% endfor %}"
+                               "{% if add_generation_prompt %}w9{% endif %}")
     conversation = [{"role": "user", "content": "w5 w6"}, {"role": "assistant", "content": "w7"}]
     out = llm.chat(conversation, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
     assert out.prompt == "w5 w6 w7 w9" and out.prompt_token_ids == tokenizer.encode("w5 w6 w7 w9",
