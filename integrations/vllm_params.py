@@ -18,7 +18,7 @@ from hf_paged.engine.continuation import CONTEXT, complete_characters, continuat
 from hf_paged.engine.stop_strings import StopStrings
 from hf_paged.engine.structured import StructuredOutput
 
-GREEDY_BELOW = 1e-5          # vLLM's _SAMPLING_EPS: a lower temperature is greedy
+from .server.defaults import GREEDY_BELOW     # vLLM's _SAMPLING_EPS: a lower temperature is greedy
 
 
 @dataclass

@@ -201,14 +201,20 @@ def test_length_dependent_rope_reuses_no_block_across_frequency_sets():
     assert stats[2]["prefix_hit_tokens"] > 0                                          # call 1's blocks serve call 2
 
 
-def test_new_weights_empty_the_store():
-    """Blocks stored under other weights (load_state_dict, a dtype round trip) are never served."""
-    rng = random.Random(9)
-    model, other = make_model("llama", seed=3), make_model("llama", seed=4)
+def two_rows_with_a_prefix(seed: int):
+    """A tiny Llama and greedy generate kwargs for two rows that share a 3-block prefix: (model, prefix, kwargs)."""
+    rng = random.Random(seed)
+    model = make_model("llama", seed=3)
     prefix = [rng.randrange(3, VOCAB) for _ in range(3 * BLOCK)]
     ids, mask = prompts_with_prefix(prefix, [2, 5], rng)
-    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, return_dict_in_generate=True,
-              output_logits=True)
+    return model, prefix, dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
+                               return_dict_in_generate=True, output_logits=True)
+
+
+def test_new_weights_empty_the_store():
+    """Blocks stored under other weights (load_state_dict, a dtype round trip) are never served."""
+    model, _, kw = two_rows_with_a_prefix(9)
+    other = make_model("llama", seed=4)
     with patched(model, block_size=BLOCK, enable_prefix_caching=True):
         model.generate(cache_implementation="paged", **kw)
         model.generate(cache_implementation="paged", **kw)
@@ -228,12 +234,7 @@ def test_new_weights_empty_the_store():
 def test_weights_changed_without_a_version_bump_empty_the_store(change):
     """A write through ``p.data`` (EMA, PEFT's merge) bumps no version counter: the sampled values see it; a
     change too sparse for them is told with ``hf_paged.weights_changed(model)``. No stale hit either way."""
-    rng = random.Random(9)
-    model = make_model("llama", seed=3)
-    prefix = [rng.randrange(3, VOCAB) for _ in range(3 * BLOCK)]
-    ids, mask = prompts_with_prefix(prefix, [2, 5], rng)
-    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, return_dict_in_generate=True,
-              output_logits=True)
+    model, prefix, kw = two_rows_with_a_prefix(9)
     with patched(model, block_size=BLOCK, enable_prefix_caching=True):
         model.generate(cache_implementation="paged", **kw)
         if change == "data_write":
@@ -254,12 +255,7 @@ def test_a_commit_that_fails_loses_only_the_caching(monkeypatch):
     """A failure while the store copies a prefill's blocks in (an out-of-memory error, Ctrl-C) must not leave
     their hashes published: later calls would hit blocks never filled and generate from garbage K/V."""
     from hf_paged.cache import prefix_store
-    rng = random.Random(5)
-    model = make_model("llama", seed=3)
-    prefix = [rng.randrange(3, VOCAB) for _ in range(3 * BLOCK)]
-    ids, mask = prompts_with_prefix(prefix, [2, 5], rng)
-    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, return_dict_in_generate=True,
-              output_logits=True)
+    model, _, kw = two_rows_with_a_prefix(5)
     ref = model.generate(**kw)
     real_copy, failures = prefix_store.copy_blocks_between, [RuntimeError("out of memory (simulated)")]
 
