@@ -213,6 +213,7 @@ class Engine:
                           max_model_len=self.max_model_len)
         request.output.prompt = prompt if isinstance(prompt, str) else (
             prompt.get("prompt") if isinstance(prompt, Mapping) else None)
+        request.output.request_id = str(request_id)
         self.requests[request_id] = request
         error = self.never_fits(len(ids), params)
         if error:

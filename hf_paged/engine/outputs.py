@@ -63,6 +63,7 @@ class RequestOutput:
     pad_token_id: int = 0
     prompt_logprobs: list | None = None  # None, then {token id: Logprob} per prompt token, when asked
     prompt: str | None = None            # the prompt's text where it was given as one (vLLM's), else None
+    request_id: str | None = None        # the engine's id of the request, as text (vLLM's field)
 
     @property
     def outputs(self) -> list[CompletionOutput]:

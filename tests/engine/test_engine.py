@@ -221,6 +221,9 @@ def test_stop_reason_names_the_stop_string_or_token_as_vllms():
     assert (out.finish_reason, out.stop_reason, out.token_ids) == ("stop", stop, free.token_ids[:first + 1])
     eos = LLM(model).generate([prompt], max_new_tokens=6, do_sample=False, eos_token_id=stop)[0].outputs[0]
     assert (eos.finish_reason, eos.stop_reason) == ("stop", None)
+    llm = LLM(model)
+    first, second = llm.generate([prompt, prompt], max_new_tokens=1)
+    assert first.request_id.isdigit() and int(second.request_id) == int(first.request_id) + 1    # vLLM's field
 
 
 def test_cancel_mid_way_frees_blocks_and_the_rest_complete():
