@@ -47,7 +47,8 @@ class LLM(EngineLLM):
             if settings is not None:
                 raise ValueError("pass settings or sampling_params (vLLM's name), not both")
             settings = sampling_params
-        vllm = _vllm_params(settings, len(prompt_list(prompts)))
+        prompts = prompt_list(prompts)         # once: a generator is read here, not again by the engine
+        vllm = _vllm_params(settings, len(prompts))
         if vllm is None:
             return super().generate(prompts, settings, on_token=on_token, use_tqdm=use_tqdm, **common)
         if common:
@@ -58,6 +59,18 @@ class LLM(EngineLLM):
                                 use_tqdm=use_tqdm)
         eos = _eos_ids(engine)
         return [as_vllm_output(out, p, engine.tokenizer, eos) for out, p in zip(outs, vllm)]
+
+    def stream(self, prompts, settings=None, *, on_token=None, use_tqdm=None, **common):
+        """The engine's ``stream``; vLLM's SamplingParams (one, or one per prompt) give its settings (the
+        events carry tokens: vLLM's text rules apply to ``generate``'s outputs)."""
+        prompts = prompt_list(prompts)
+        vllm = _vllm_params(settings, len(prompts))
+        if vllm is not None:
+            if common:
+                raise ValueError(f"{sorted(common)} given beside SamplingParams: set them in the SamplingParams")
+            vocab = self.engine.model.get_input_embeddings().weight.shape[0]
+            settings = [p.settings(self.engine.tokenizer, vocab) for p in vllm]
+        return super().stream(prompts, settings, on_token=on_token, use_tqdm=use_tqdm, **common)
 
     def chat(self, messages, sampling_params=None, *, chat_template_kwargs: dict | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False, use_tqdm=None, **settings):

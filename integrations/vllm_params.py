@@ -12,6 +12,7 @@ What differs from the engine's own settings (generate's names, the model's gener
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 
 from hf_paged.engine.continuation import CONTEXT, complete_characters, continuation
@@ -59,7 +60,8 @@ class SamplingParams:
             return params
         names = {f.name for f in fields(cls)}
         known = {name: getattr(params, name) for name in names if hasattr(params, name)}
-        unsupported = {"best_of": None, "use_beam_search": False, "length_penalty": 1.0, "truncate_prompt_tokens": None}
+        unsupported = {"best_of": None, "use_beam_search": False, "length_penalty": 1.0, "truncate_prompt_tokens": None,
+                       "guided_decoding": None, "logits_processors": None}
         for name, default in unsupported.items():
             value = getattr(params, name, default)
             if value is not None and value != default and not (name == "best_of" and value == known.get("n", 1)):
@@ -91,8 +93,23 @@ class SamplingParams:
             out["seed"] = self.seed
         so = self.structured_outputs
         if so is not None:
-            out["structured_output"] = so if isinstance(so, StructuredOutput) else StructuredOutput(**dict(so))
+            out["structured_output"] = so if isinstance(so, StructuredOutput) else structured_output(so)
         return {k: v for k, v in out.items() if v is not None}
+
+
+def structured_output(so) -> StructuredOutput:
+    """vLLM's ``StructuredOutputsParams`` (its object or a dict of its fields) as the engine's StructuredOutput;
+    options that would change the constraint and are not implemented are refused by name, the backend's own
+    knobs (``disable_fallback``, ``disable_additional_properties``: schemas are strict here) left out."""
+    def get(name):
+        return so.get(name) if isinstance(so, Mapping) else getattr(so, name, None)
+    for name in ("whitespace_pattern", "structural_tag"):
+        if get(name) is not None:
+            raise ValueError(f"structured_outputs.{name} is not supported by hf_paged.LLM")
+    choice = get("choice")
+    return StructuredOutput(json=get("json"), json_object=bool(get("json_object")), regex=get("regex"),
+                            choice=None if choice is None else tuple(choice), grammar=get("grammar"),
+                            disable_any_whitespace=bool(get("disable_any_whitespace")))
 
 
 def bad_words_ids(tokenizer, words, vocab_size: int) -> list[list[int]] | None:

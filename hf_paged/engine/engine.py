@@ -89,6 +89,13 @@ class Engine:
         self.bytes_per_token = geometry.bytes_per_token(dtype, fmt)
         self.open_slots = config.max_num_seqs        # kivi: open slots and sinks the cache holds (_minus_open_slots)
         blocks = self._num_blocks(geometry, device)
+        if config.max_model_len is None and blocks * config.block_size < self.max_model_len:
+            # the context a request can ever have here: the whole pool (vLLM refuses to start where the pool holds
+            # less than max_model_len; a derived one is lowered instead, and a sequence stops there, "length")
+            log.info("max_model_len %d (the model's) lowered to the %d tokens the KV pool holds (%d blocks of %d); "
+                     "raise kv_cache_memory_bytes / gpu_memory_utilization for more", self.max_model_len,
+                     blocks * config.block_size, blocks, config.block_size)
+            self.max_model_len = blocks * config.block_size
         capture = self._graph_capture(device, geometry)
         # With decode graphs the pools get one block more than the block pool manages: the scratch block
         # that the pad rows of a bucket write and read (hf_paged.engine.graphs).
@@ -433,9 +440,13 @@ class Engine:
             if token in params.stop_token_ids and token not in params.eos_token_ids:
                 seq.stop_reason = token
             return "stop"
-        if seq.matcher is not None and seq.matcher.is_finished \
-                and not params.eos_token_ids & seq.matcher.grammar.compiler.eos_token_ids:
-            return "stop"   # else, as vLLM's, the next token is the EOS the grammar's mask leaves (counted, no text)
+        if seq.matcher is not None and seq.matcher.is_finished:
+            # as vLLM's, a sequence ends on the EOS its grammar's mask leaves once complete (counted, no text): the
+            # token after the end is one of the compiler's EOS ids, whether or not this request stops on it; a
+            # request that stops on none of them (ignore_eos) ends with the grammar
+            eos = seq.matcher.grammar.compiler.eos_token_ids
+            if token in eos or not params.eos_token_ids & eos:
+                return "stop"
         wait = request.min_new_tokens if params.stop_strings_wait else 0       # vLLM's min_tokens
         if params.stop_strings:
             found = StopStrings(params.stop_strings).in_tail(self.tokenizer, seq.token_ids, seq.num_output, wait)

@@ -124,7 +124,8 @@ def test_prefix_cache_second_call_computes_only_new_tokens():
 
 def test_bad_input_fails_clearly_and_alone():
     model = make_model("qwen3", seed=7)
-    llm = LLM(model, block_size=4, num_blocks=8)
+    # a context asked past the pool's 32 tokens (a derived one is lowered to them: test_context_is_the_pools)
+    llm = LLM(model, block_size=4, num_blocks=8, max_model_len=model.config.max_position_embeddings)
     with pytest.raises(ValueError, match="empty prompt"):
         llm.generate([[5, 6], []], max_new_tokens=3)
     with pytest.raises(ValueError, match="unknown generation argument.*tempreature"):
@@ -224,6 +225,17 @@ def test_stop_reason_names_the_stop_string_or_token_as_vllms():
     llm = LLM(model)
     first, second = llm.generate([prompt, prompt], max_new_tokens=1)
     assert first.request_id.isdigit() and int(second.request_id) == int(first.request_id) + 1    # vLLM's field
+
+
+def test_context_is_the_pools_where_it_holds_less_than_the_models():
+    """A derived max_model_len (the model's) past what the KV pool holds is lowered to the pool (vLLM refuses to
+    start there): a request without a length limit then ends at the pool's end, "length", instead of failing
+    for want of blocks (hf_paged.SamplingParams(max_tokens=None), the server's chat without max_tokens)."""
+    model = make_model("llama", seed=3)
+    llm = LLM(model, block_size=4, num_blocks=8)
+    assert llm.engine.max_model_len == 32 < model.config.max_position_embeddings
+    out = llm.generate([[5, 6, 7]], max_new_tokens=10_000, do_sample=False, ignore_eos=True)[0].outputs[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 29
 
 
 def test_cancel_mid_way_frees_blocks_and_the_rest_complete():

@@ -162,7 +162,7 @@ def test_bad_settings_are_refused_by_name():
 
 def test_a_request_that_fails_alone_says_so():
     model = make_model("qwen3", seed=19)
-    llm = LLM(model, block_size=4, num_blocks=8)
+    llm = LLM(model, block_size=4, num_blocks=8, max_model_len=64)
     outs = llm.generate([[5, 6, 7], [9] * 40], max_new_tokens=4)      # 44 tokens > the 32-token pool
     ok, failed = outs
     assert ok.error is None and ok.finish_reason == "length" and len(ok.outputs) == 1

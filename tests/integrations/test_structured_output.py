@@ -78,6 +78,25 @@ def test_engine_mixed_batch_is_valid_and_leaves_neighbours_alone(real):
         jsonschema.validate(json.loads(seq.text), PERSON)
 
 
+def test_a_grammar_ends_on_any_of_its_eos_ids_whatever_the_request_stops_on(real):
+    """The mask after a grammar's end allows every EOS id the compiler knows (the model's generation config's);
+    a request stopping on only one of them still ends there, not at max_new_tokens on repeated EOS."""
+    model, tokenizer = real
+    eos = model.generation_config.eos_token_id
+    model.generation_config.eos_token_id = [eos, 0] if isinstance(eos, int) else list(eos) + [0]
+    try:
+        llm = LLM(model, tokenizer)
+        alone = [chat(tokenizer, "Is the sky blue?")]
+        for stops_on in (None, 0, model.generation_config.eos_token_id[0]):
+            extra = {} if stops_on is None else {"eos_token_id": stops_on}
+            out = llm.generate(alone, structured_output=StructuredOutput(choice=("yes", "no")), max_new_tokens=12,
+                               do_sample=False, **extra)[0].outputs[0]
+            assert out.finish_reason == "stop" and out.text in ("yes", "no"), (stops_on, out)
+            assert len(out.token_ids) <= 3 and out.token_ids[-1] in model.generation_config.eos_token_id
+    finally:
+        model.generation_config.eos_token_id = eos
+
+
 def test_a_choice_among_thousands(real):
     """A choice is one lexer terminal: llguidance's parser refuses tokens once a rule has over 2,000
     alternatives (the answer was then cut short and not one of the choices)."""

@@ -84,3 +84,35 @@ def test_chat_runs_the_template_as_vllms(llm):
     two = llm.chat([conversation, conversation[:1]], SamplingParams(temperature=0, max_tokens=2),
                    add_generation_prompt=False)
     assert [o.prompt for o in two] == ["w5 w6 w7 ", "w5 w6 "]
+
+
+def test_generators_streams_and_vllms_structured_outputs_params(llm):
+    from dataclasses import dataclass
+
+    from hf_paged.engine.structured import StructuredOutput
+    from hf_paged.integrations.vllm_params import structured_output
+
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    assert len(llm.generate((p for p in [PROMPT, "w9"]), params)) == 2           # a generator is read once
+    tokens = [e.token for e in llm.stream([PROMPT], params)]
+    assert tokens == llm.generate([PROMPT], params)[0].outputs[0].token_ids
+
+    @dataclass
+    class StructuredOutputsParams:            # vLLM's, as a dataclass (not a mapping)
+        json: object = None
+        regex: str | None = None
+        choice: list | None = None
+        grammar: str | None = None
+        json_object: bool | None = None
+        disable_fallback: bool = False
+        disable_any_whitespace: bool = False
+        whitespace_pattern: str | None = None
+
+    assert structured_output(StructuredOutputsParams(choice=["a", "b"])) == StructuredOutput(choice=("a", "b"))
+    assert structured_output({"json": {"type": "object"}, "disable_fallback": True, "disable_any_whitespace": True}) \
+        == StructuredOutput(json={"type": "object"}, disable_any_whitespace=True)
+    with pytest.raises(ValueError, match="whitespace_pattern is not supported"):
+        structured_output(StructuredOutputsParams(regex="a", whitespace_pattern=" "))
+    fields = {f: getattr(SamplingParams(), f) for f in SamplingParams.__dataclass_fields__}
+    with pytest.raises(ValueError, match="guided_decoding=.* is not supported"):      # an older vLLM's field
+        llm.generate([PROMPT], SimpleNamespace(**fields, guided_decoding={"regex": "w5"}))
