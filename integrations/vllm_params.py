@@ -121,14 +121,22 @@ def bad_words_ids(tokenizer, words, vocab_size: int) -> list[list[int]] | None:
         raise ValueError("bad_words need a tokenizer: hf_paged.LLM(model, tokenizer)")
     out = []
     for word in words:
-        plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
-        if not plain:
+        spellings = bad_word_spellings(lambda text: tokenizer.encode(text, add_special_tokens=False), word)
+        if not spellings:
             raise ValueError(f"bad_words entry {word!r} tokenizes to no token")
-        out.append(plain)
-        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
-        if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
-            out.append(spaced)
+        out += spellings
     return [ids for ids in out if all(t < vocab_size for t in ids)] or None
+
+
+def bad_word_spellings(encode, word: str) -> list[list[int]]:
+    """The token-id sequences vLLM bans for one bad word (``encode``: text -> ids without special tokens):
+    the word left-stripped, and with a leading space where that gives another first token and as many
+    tokens (the word in the middle of a text); [] when it tokenizes to nothing."""
+    plain = encode(word.lstrip()) if word.strip() else []
+    if not plain:
+        return []
+    spaced = encode(" " + word.lstrip())
+    return [plain] + ([spaced] if spaced and spaced[0] != plain[0] and len(spaced) == len(plain) else [])
 
 
 def as_vllm_output(output, params: SamplingParams, tokenizer, eos_ids: frozenset):

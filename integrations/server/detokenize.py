@@ -91,8 +91,9 @@ class TextStream:
     def _cut(self) -> None:
         if self.tokens <= self.min_tokens:
             self.boundary = len(self.text)
-        if self.stop and not self.stopped and self.stop.earliest(self.text, self.boundary) is not None:
-            self.stop_string = self.stop.earliest(self.text, self.boundary)[1]
+        found = self.stop.earliest(self.text, self.boundary) if self.stop and not self.stopped else None
+        if found is not None:
+            self.stop_string = found[1]
             self.text, self.stopped = self.stop.cut(self.text, keep=self.include_stop, after=self.boundary)
 
     def add(self, token: int, last_stop: bool = False) -> str:

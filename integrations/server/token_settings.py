@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from ..vllm_params import bad_word_spellings
 from .errors import ApiError
 
 LOGIT_BIAS_RANGE = 100.0        # OpenAI: "values between -100 and 100"; beyond them clamped
@@ -48,13 +49,10 @@ def bad_words_ids(state, words: Optional[list[str]]) -> Optional[list[list[int]]
         raise ApiError(400, f"{len(words)} bad_words: at most {MAX_BAD_WORDS}", param="bad_words")
     out: list[list[int]] = []
     for word in words:
-        plain = _encode(state, word.lstrip())
-        if not plain:
+        spellings = bad_word_spellings(lambda text: _encode(state, text), word)
+        if not spellings:
             raise ApiError(400, f"bad_words entry {word!r:.40} tokenizes to no token", param="bad_words")
-        out.append(in_vocab(state, plain, "bad_words"))
-        spaced = _encode(state, " " + word.lstrip())
-        if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
-            out.append(in_vocab(state, spaced, "bad_words"))
+        out += [in_vocab(state, ids, "bad_words") for ids in spellings]
     return out
 
 
