@@ -5,7 +5,10 @@ EngineConfig knobs) and the app; the engine thread starts and stops with the app
 Endpoints (``routes``): ``GET /v1/models`` (and ``/v1/models/{name}``), ``POST /v1/completions``,
 ``POST /v1/chat/completions`` (``stream`` as server-sent events ending in ``data: [DONE]``), ``GET`` /
 ``HEAD /health`` and vLLM's ``/ping`` (both open even with an API key), ``GET /metrics`` (Prometheus),
-vLLM's ``POST /tokenize``, ``POST /detokenize``, ``GET /version`` and ``GET /tokenizer_info`` (``tokenization``).
+vLLM's ``POST /tokenize``, ``POST /detokenize``, ``GET /version`` and ``GET /tokenizer_info`` (``tokenization``);
+answered through chat completions: Anthropic's ``POST /v1/messages`` and ``/v1/messages/count_tokens``
+(``anthropic_api``, Anthropic's error bodies), OpenAI's ``POST /v1/responses`` (``responses_api``; nothing stored:
+``GET /v1/responses/{id}`` answers 404, as vLLM's without its store) and SageMaker's ``POST /invocations``.
 Every error answers an OpenAI-style body ``{"error": {"message", "type", "param", "code"}}`` (``errors``); no
 traceback reaches a client.
 

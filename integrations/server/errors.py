@@ -67,8 +67,9 @@ async def _api_error(request, exc: ApiError):
 async def _http_error(request, exc: StarletteHTTPException):
     if exc.status_code == 404:        # no such route: say which there are
         return error_response(404, f"no route {request.method} {request.url.path}: this server answers POST "
-                                   "/v1/completions and /v1/chat/completions, GET /v1/models, /health, /metrics, "
-                                   "/version, POST /tokenize and /detokenize (text generation only: no embeddings)")
+                                   "/v1/completions, /v1/chat/completions, /v1/responses, /v1/messages (Anthropic's), "
+                                   "/invocations, GET /v1/models, /health, /metrics, /version, POST /tokenize and "
+                                   "/detokenize (text generation only: no embeddings)")
     return error_response(exc.status_code, str(exc.detail))
 
 

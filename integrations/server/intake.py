@@ -16,7 +16,7 @@ from fastapi import Request
 from hf_paged.engine.settings import resolve_generation
 
 from .body import read_json
-from .call import engine_parts
+from .call import ApiCall, engine_parts
 from .defaults import GREEDY_BELOW
 from .errors import ApiError
 from .guided import compile_structured, structured_spec
@@ -275,3 +275,13 @@ def call_options(req) -> CallOptions:
                        min_tokens=req.min_tokens or 0,
                        continuous_usage=bool(req.stream and req.stream_options and req.stream_options.include_usage
                                              and req.stream_options.continuous_usage_stats))
+
+
+async def start_chat_call(state: ServerState, req: ChatCompletionRequest) -> ApiCall:
+    """A checked chat request's prompt tokenized, its settings resolved and its engine requests submitted
+    (the APIs answered through chat completions: Anthropic's Messages, OpenAI's Responses)."""
+    prompt = await state.off_loop(chat_prompt, state, req)
+    params = await sampling_params(state, req, [prompt], requested_max_tokens(req))
+    call = ApiCall(state.worker, state.tokenizer, [prompt], params, call_options(req))
+    call.submit()
+    return call

@@ -10,6 +10,7 @@ import asyncio
 import json
 import time
 import uuid
+from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -154,19 +155,30 @@ async def events(call: ApiCall, reply: Reply, include_usage: bool):
     yield DONE
 
 
-async def whole(request: Request, call: ApiCall, reply: Reply) -> Response:
-    """The whole text of every choice in one body, or 499 when the client left first."""
-    texts, reasons, stop_reasons = [""] * call.choices, [None] * call.choices, [None] * call.choices
-    ids = [[] for _ in texts]             # each choice's generated token ids (return_token_ids)
-    deltas = [[] for _ in texts]          # (tokens, entries, offset, length, prompt) per delta
+@dataclass
+class Collected:
+    """Every choice of a call, whole (index: choice): its text, finish reason, stop reason (vLLM's), generated
+    token ids and its deltas as (tokens, entries, offset, text length, prompt)."""
+    texts: list[str]
+    reasons: list[str | None]
+    stop_reasons: list[str | int | None]
+    ids: list[list[int]]
+    deltas: list[list[tuple]]
+
+
+async def collected(request: Request, call: ApiCall) -> Collected | None:
+    """``call`` run to its end and every choice's text, or None when the client left first (then its
+    requests are cancelled)."""
+    n = call.choices
+    got = Collected([""] * n, [None] * n, [None] * n, [[] for _ in range(n)], [[] for _ in range(n)])
 
     async def collect():
         async for d in call.deltas():
-            deltas[d.index].append((d.tokens, d.entries, len(texts[d.index]), len(d.text), d.prompt))
-            texts[d.index] += d.text
-            ids[d.index] += d.ids
+            got.deltas[d.index].append((d.tokens, d.entries, len(got.texts[d.index]), len(d.text), d.prompt))
+            got.texts[d.index] += d.text
+            got.ids[d.index] += d.ids
             if d.reason:
-                reasons[d.index], stop_reasons[d.index] = d.reason, d.stop_reason
+                got.reasons[d.index], got.stop_reasons[d.index] = d.reason, d.stop_reason
 
     collecting = asyncio.ensure_future(collect())
     watching = asyncio.ensure_future(disconnected(request))
@@ -178,8 +190,17 @@ async def whole(request: Request, call: ApiCall, reply: Reply) -> Response:
             collecting.cancel()
         call.cancel()                      # no-op for finished requests; frees a disconnected one's
     if not collecting.done() or collecting.cancelled():
-        return Response(status_code=499)   # nobody reads it
+        return None                        # nobody reads it
     collecting.result()                    # re-raises an ApiError from the engine side
+    return got
+
+
+async def whole(request: Request, call: ApiCall, reply: Reply) -> Response:
+    """The whole text of every choice in one body, or 499 when the client left first."""
+    got = await collected(request, call)
+    if got is None:
+        return Response(status_code=499)
+    texts, reasons, stop_reasons, ids, deltas = got.texts, got.reasons, got.stop_reasons, got.ids, got.deltas
     fmt = formatter(call)
     choices = [{**reply.shape.choice(k, texts[k], reasons[k], fmt, deltas[k], call.options.role),
                 "stop_reason": stop_reasons[k]} for k in range(call.choices)]

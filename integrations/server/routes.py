@@ -1,12 +1,17 @@
 """The endpoints (``add_routes``). Each reads the app's ``ServerState`` from ``request.app.state.server``."""
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import Request
 from fastapi.responses import Response
+from pydantic import BaseModel, ConfigDict
 
+from . import anthropic_api, responses_api
+from .body import parse, read_body
 from .call import ApiCall
-from .errors import error_response
-from .intake import (call_options, chat_echo, chat_prompt, completion_prompts, echo_texts, read_request,
+from .errors import ApiError, error_response
+from .intake import (call_options, chat_echo, checked, chat_prompt, completion_prompts, echo_texts, read_request,
                      requested_max_tokens, sampling_params)
 from .metrics import CONTENT_TYPE_LATEST
 from .protocol import ChatCompletionRequest, CompletionRequest
@@ -48,17 +53,43 @@ async def model(request: Request):
 
 async def completions(request: Request):
     state = state_of(request)
-    req = await read_request(request, CompletionRequest, state)
+    return await complete(request, state, await read_request(request, CompletionRequest, state))
+
+
+async def complete(request: Request, state: ServerState, req: CompletionRequest):
     prompts = await state.off_loop(completion_prompts, state, req)
     return await answer(request, state, req, prompts, COMPLETION, echo_texts(req) if req.echo else None)
 
 
 async def chat_completions(request: Request):
     state = state_of(request)
-    req = await read_request(request, ChatCompletionRequest, state)
+    return await chat(request, state, await read_request(request, ChatCompletionRequest, state))
+
+
+async def chat(request: Request, state: ServerState, req: ChatCompletionRequest):
     echo = chat_echo(req)                  # the answer's text begins with it (vLLM's chat echo)
     prompt = await state.off_loop(chat_prompt, state, req)
     return await answer(request, state, req, [prompt], CHAT, [echo] if echo else None)
+
+
+class _Invocation(BaseModel):
+    """What tells a SageMaker invocation's kind: chat (``messages``) before completions (``prompt``), as vLLM."""
+    model_config = ConfigDict(extra="ignore")
+    messages: Any = None
+    prompt: Any = None
+
+
+async def invocations(request: Request):
+    """SageMaker's ``POST /invocations`` (vLLM's): a chat completion or a completion, told by the body."""
+    state = state_of(request)
+    raw = await read_body(request, state.config.max_body_bytes)
+    kind = parse(raw, _Invocation)
+    if kind.messages is not None:
+        return await chat(request, state, checked(parse(raw, ChatCompletionRequest), state))
+    if kind.prompt is not None:
+        return await complete(request, state, checked(parse(raw, CompletionRequest), state))
+    raise ApiError(400, "an invocation is a chat completion (with messages) or a completion (with prompt); this "
+                        "body has neither", code="invalid_request")
 
 
 async def answer(request: Request, state: ServerState, req, prompts: list[list[int]], shape, texts=None):
@@ -74,7 +105,13 @@ ROUTES = (("GET", "/health", health), ("HEAD", "/health", health), ("GET", "/pin
           ("GET", "/metrics", prometheus), ("GET", "/v1/models", models), ("GET", "/v1/models/{name:path}", model),
           ("POST", "/v1/completions", completions), ("POST", "/v1/chat/completions", chat_completions),
           ("POST", "/tokenize", tokenize_endpoint), ("POST", "/detokenize", detokenize_endpoint),
-          ("GET", "/version", version), ("GET", "/tokenizer_info", tokenizer_info))
+          ("GET", "/version", version), ("GET", "/tokenizer_info", tokenizer_info),
+          ("POST", "/v1/messages", anthropic_api.messages),
+          ("POST", "/v1/messages/count_tokens", anthropic_api.count_tokens),
+          ("POST", "/v1/responses", responses_api.create),
+          ("GET", "/v1/responses/{response_id}", responses_api.retrieve),
+          ("POST", "/v1/responses/{response_id}/cancel", responses_api.retrieve),
+          ("POST", "/invocations", invocations))
 
 
 def add_routes(app) -> None:

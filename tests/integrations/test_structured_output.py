@@ -13,6 +13,7 @@ pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
 
 from hf_paged.engine import LLM  # noqa: E402
 from hf_paged.engine.structured import StructuredOutput  # noqa: E402
@@ -168,6 +169,22 @@ def test_server_structured_fields_on_both_endpoints(client):
     r = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Sky blue?"}],
                                        max_tokens=12, temperature=0, extra_body={"structured_outputs": {"grammar": GRAMMAR}})
     assert re.fullmatch(r"Answer: (yes|no)\.", r.choices[0].message.content)
+
+
+def test_structured_output_through_messages_and_responses(client):
+    """Anthropic's ``output_config.format`` and the Responses API's ``text.format``: the chat answer's JSON."""
+    ask = [{"role": "user", "content": "A person, as JSON."}]
+    expected = client.chat.completions.create(model="smollm2", messages=ask, max_tokens=64, temperature=0, response_format={
+        "type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}).choices[0].message.content
+    jsonschema.validate(json.loads(expected), PERSON)
+    r = client.responses.create(model="smollm2", input=ask, max_output_tokens=64, temperature=0,
+                                text={"format": {"type": "json_schema", "name": "person", "schema": PERSON}})
+    assert r.output_text == expected and r.status == "completed"
+    base = str(client.base_url).rstrip("/").removesuffix("/v1")
+    got = httpx.post(base + "/v1/messages", timeout=120, json={
+        "model": "smollm2", "max_tokens": 64, "temperature": 0, "messages": ask,
+        "output_config": {"format": {"type": "json_schema", "schema": PERSON}}}).json()
+    assert got["content"][0]["text"] == expected and got["stop_reason"] == "end_turn"
 
 
 def test_server_refuses_a_grammar_that_cannot_compile(client):

@@ -1,0 +1,257 @@
+"""Anthropic's Messages API, as vLLM serves it: ``POST /v1/messages`` and ``POST /v1/messages/count_tokens``
+(clients: the ``anthropic`` SDK, Claude Code and agents written against it, pointed at this server).
+
+A request becomes a chat completion the way vLLM converts it (``to_chat``): the top-level ``system`` (its
+text blocks joined, Claude Code's per-request ``x-anthropic-billing-header`` block left out) as the first
+system message; ``system`` messages in the list kept in place, or merged into the first one where the chat
+template takes a system message only first (vLLM renders [system, user, system, user] to find out); text
+blocks as text parts; ``thinking`` blocks of earlier answers dropped (no reasoning parser here);
+``stop_sequences`` as ``stop``; ``output_config.format`` as a JSON-schema ``response_format``;
+``thinking: {"type": "disabled"}`` as ``reasoning_effort: "none"``. Tools, tool results and images are refused
+by name, as the chat endpoint refuses them. The answer is Anthropic's message (``stop_reason`` end_turn /
+max_tokens / stop_sequence) or its event stream (message_start, one text block's start, deltas and stop,
+message_delta with the stop reason and usage, message_stop). Errors answer Anthropic's body
+``{"type": "error", "error": {"type", "message"}}``.
+"""
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any, Literal, Optional, Union
+
+import jinja2.ext
+import jinja2.sandbox
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import Field, ValidationError
+
+from .body import read_json, validation_error
+from .errors import ApiError, log
+from .intake import checked, chat_prompt, start_chat_call
+from .protocol import ChatCompletionRequest
+from .request_parts import Body
+from .responses import STREAM_HEADERS, collected
+
+BILLING_HEADER = "x-anthropic-billing-header"      # Claude Code's per-request hash (vLLM drops it: prefix caching)
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 413: "request_too_large", 499: "invalid_request_error", 500: "api_error",
+               503: "overloaded_error"}
+TOOL_BLOCKS = ("tool_use", "tool_result", "tool_reference", "server_tool_use", "web_search_tool_result",
+               "mcp_tool_use", "mcp_tool_result")
+SKIPPED_BLOCKS = ("thinking", "redacted_thinking")     # a client sends its earlier answers back whole
+
+
+class AnthropicBlock(Body):
+    type: str
+    text: Optional[str] = None
+    thinking: Optional[str] = None       # the fields of the blocks that are read or skipped, so as not to log them
+    signature: Optional[str] = None
+    data: Optional[str] = None
+    cache_control: Optional[dict[str, Any]] = None     # a prompt-caching hint (prefix caching here is automatic)
+    citations: Optional[Any] = None
+    source: Optional[Any] = None         # an image's or document's (refused by name, not logged as unknown first)
+    id: Optional[str] = None             # tool blocks' (refused by name)
+    name: Optional[str] = None
+    input: Optional[Any] = None
+    tool_use_id: Optional[str] = None
+    content: Optional[Any] = None
+    is_error: Optional[bool] = None
+
+
+class AnthropicMessage(Body):
+    role: Literal["user", "assistant", "system"]
+    content: Union[str, list[AnthropicBlock]]
+
+
+class _Common(Body):
+    """The fields count_tokens shares with a message request."""
+    model: str = Field(min_length=1)
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    system: Optional[Union[str, list[AnthropicBlock]]] = None
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Optional[dict[str, Any]] = None
+    thinking: Optional[dict[str, Any]] = None
+    output_config: Optional[dict[str, Any]] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+
+
+class MessagesRequest(_Common):
+    max_tokens: int = Field(ge=1)
+    stop_sequences: Optional[list[str]] = None
+    stream: Optional[bool] = False
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    metadata: Optional[dict[str, Any]] = None     # Anthropic's user id: no effect here
+    service_tier: Optional[str] = None             # an Anthropic account feature: no effect here
+
+
+def error_response(exc: ApiError) -> JSONResponse:
+    """Anthropic's error body for ``exc`` (the status kept)."""
+    body = {"type": "error", "error": {"type": ERROR_TYPES.get(exc.status, "api_error"), "message": exc.message}}
+    return JSONResponse(body, status_code=exc.status, headers=exc.headers)
+
+
+def _block_text(block: AnthropicBlock, where: str) -> str | None:
+    """A block's text; None for a block that is skipped; refused: tool and media blocks."""
+    if block.type == "text":
+        return block.text or ""
+    if block.type in SKIPPED_BLOCKS:
+        return None
+    if block.type in TOOL_BLOCKS:
+        raise ApiError(400, f"{where} is a {block.type!r} block: tool calling is not supported by this server "
+                            "(vLLM parses tool calls with model-specific parsers); send the tool's text as a text "
+                            "block instead", param=where)
+    raise ApiError(400, f"{where} is a {block.type!r} block: this server runs text-only models, whose messages take "
+                        "'text' blocks only", param=where)
+
+
+def _texts(content, where: str, system: bool = False) -> list[str]:
+    if isinstance(content, str):
+        return [content]
+    texts = [_block_text(b, f"{where}.{i}") for i, b in enumerate(content)]
+    return [t for t in texts if t is not None and not (system and t.startswith(BILLING_HEADER))]
+
+
+def system_first(template: str) -> bool:
+    """Whether ``template`` takes a system message only first (it fails on [system, user, system, user])."""
+    try:
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                           extensions=[jinja2.ext.loopcontrols])
+        env.from_string(template).render(messages=[{"role": r, "content": "t"} for r in ("system", "user") * 2],
+                                         add_generation_prompt=False)
+        return False
+    except jinja2.TemplateError:
+        return True
+
+
+def chat_messages(req: _Common, template: str) -> list[dict]:
+    """The chat messages vLLM's conversion makes of ``req``'s system and messages."""
+    system = _texts(req.system, "system", system=True) if req.system else []
+    inline = [i for i, m in enumerate(req.messages) if m.role == "system"]
+    merge = bool(inline) and system_first(template)
+    out = []
+    for i, m in enumerate(req.messages):
+        texts = _texts(m.content, f"messages.{i}.content", system=m.role == "system")
+        if m.role == "system":
+            if merge:
+                system += texts
+            elif texts:
+                out.append({"role": "system", "content": "".join(texts)})
+        elif m.role == "user" and not texts and not isinstance(m.content, str):
+            continue                                   # vLLM drops a user turn left without content
+        else:
+            content = texts[0] if len(texts) == 1 else [{"type": "text", "text": t} for t in texts] or None
+            out.append({"role": m.role, "content": content})
+    return ([{"role": "system", "content": "".join(system)}] if system else []) + out
+
+
+def to_chat(req: _Common, state, stream: bool = False) -> ChatCompletionRequest:
+    """``req`` as the chat completion vLLM makes of it, checked as the chat endpoint checks one."""
+    if req.tools:
+        raise ApiError(400, "tools are not supported: this server has no tool calling (vLLM parses tool calls "
+                            "with model-specific parsers, its --enable-auto-tool-choice --tool-call-parser)",
+                       param="tools")
+    chat = {"model": req.model, "messages": chat_messages(req, str(getattr(state.tokenizer, "chat_template", "")))}
+    if req.chat_template_kwargs:
+        chat["chat_template_kwargs"] = req.chat_template_kwargs
+    thinking = (req.thinking or {}).get("type")
+    if thinking == "enabled":
+        raise ApiError(400, "thinking type 'enabled' (a thinking budget) needs a reasoning parser, which this "
+                            "server does not have; leave thinking out or set it 'disabled'", param="thinking.type")
+    if thinking == "disabled":
+        chat["reasoning_effort"] = "none"
+    config = req.output_config or {}
+    if config.get("effort") is not None:
+        chat["reasoning_effort"] = config["effort"]
+    schema = (config.get("format") or {}).get("schema")
+    if schema is not None:
+        chat["response_format"] = {"type": "json_schema", "json_schema": {"name": "json_schema", "schema": schema}}
+    if isinstance(req, MessagesRequest):
+        chat.update(max_tokens=req.max_tokens, stop=req.stop_sequences, temperature=req.temperature,
+                    top_p=req.top_p, top_k=req.top_k, stream=stream)
+    try:
+        converted = ChatCompletionRequest.model_validate({k: v for k, v in chat.items() if v is not None})
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+    return checked(converted, state)
+
+
+def stop_reason(reason: str | None, stop: str | int | None) -> tuple[str | None, str | None]:
+    """Anthropic's (stop_reason, stop_sequence) for the chat answer's finish reason and vLLM's stop reason."""
+    if reason == "length":
+        return "max_tokens", None
+    if reason != "stop":
+        return None, None
+    return ("stop_sequence", stop) if isinstance(stop, str) else ("end_turn", None)
+
+
+def usage(call) -> dict:
+    u = call.usage()
+    return {"input_tokens": u["prompt_tokens"], "output_tokens": u["completion_tokens"]}
+
+
+async def messages(request: Request):
+    state = request.app.state.server
+    try:
+        req = await read_json(request, MessagesRequest, state.config.max_body_bytes)
+        chat = to_chat(req, state, stream=bool(req.stream))
+        call = await start_chat_call(state, chat)
+    except ApiError as exc:
+        return error_response(exc)
+    message_id = "msg_" + uuid.uuid4().hex
+    if req.stream:
+        return StreamingResponse(events(call, message_id, state.name), media_type="text/event-stream",
+                                 headers=STREAM_HEADERS)
+    try:
+        got = await collected(request, call)
+    except ApiError as exc:
+        return error_response(exc)
+    if got is None:
+        return Response(status_code=499)
+    reason, sequence = stop_reason(got.reasons[0], got.stop_reasons[0])
+    return JSONResponse({"id": message_id, "type": "message", "role": "assistant",
+                         "content": [{"type": "text", "text": got.texts[0]}], "model": state.name,
+                         "stop_reason": reason, "stop_sequence": sequence, "usage": usage(call)})
+
+
+def event(kind: str, body: dict) -> str:
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **body}, ensure_ascii=False)}\n\n"
+
+
+async def events(call, message_id: str, model: str):
+    """Anthropic's event stream of one answer (a text block opened at once, as Anthropic's API opens it)."""
+    try:
+        yield event("message_start", {"message": {
+            "id": message_id, "type": "message", "role": "assistant", "content": [], "model": model,
+            "stop_reason": None, "stop_sequence": None,
+            "usage": {"input_tokens": call.prompt_tokens, "output_tokens": 0}}})
+        yield event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
+        reason = sequence = None
+        async for d in call.deltas():
+            if d.text:
+                yield event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": d.text}})
+            if d.reason:
+                reason, sequence = stop_reason(d.reason, d.stop_reason)
+        yield event("content_block_stop", {"index": 0})
+        yield event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
+                                      "usage": usage(call)})
+        yield event("message_stop", {})
+    except Exception as exc:
+        if not isinstance(exc, ApiError):
+            log.error("internal error while streaming", exc_info=exc)
+            exc = ApiError(500, "internal server error")
+        yield event("error", {"error": {"type": ERROR_TYPES.get(exc.status, "api_error"), "message": exc.message}})
+    finally:
+        call.cancel()
+
+
+async def count_tokens(request: Request):
+    """The prompt's tokens as ``/v1/messages`` would run it (vLLM's answer, with its context_management)."""
+    state = request.app.state.server
+    try:
+        req = await read_json(request, _Common, state.config.max_body_bytes)
+        prompt = await state.off_loop(chat_prompt, state, to_chat(req, state))
+    except ApiError as exc:
+        return error_response(exc)
+    return {"input_tokens": len(prompt), "context_management": {"original_input_tokens": len(prompt)}}

@@ -1,0 +1,301 @@
+"""OpenAI's Responses API, as vLLM serves it without its response store (its default):
+``POST /v1/responses`` (whole or streamed), ``GET /v1/responses/{id}`` and ``POST /v1/responses/{id}/cancel``
+(nothing is stored, so both answer 404, as vLLM's do). Clients: ``client.responses.create`` of the ``openai``
+SDK, and agents written against it.
+
+A request becomes a chat completion as vLLM renders it (``to_chat``): ``instructions`` as the first system
+message, ``input`` (a text: one user message; or items: messages whose text parts are joined, an assistant
+item's first part taken, reasoning items dropped) in order; a last assistant item that is ``in_progress`` or
+``incomplete`` is continued rather than answered; ``max_output_tokens`` as max_tokens; ``text.format`` as a
+``response_format``; ``include: ["message.output_text.logprobs"]`` with ``top_logprobs`` as chat logprobs;
+``reasoning.effort`` as ``reasoning_effort``; ``truncation: "auto"`` as truncate_prompt_tokens -1; vLLM's
+sampling fields as they are. ``store`` has no effect (vLLM's default); ``previous_response_id`` answers 404 and
+``background`` with ``store`` 400, as vLLM's do without ``VLLM_ENABLE_RESPONSES_API_STORE``. Tools, tool
+items and images are refused by name. The answer is one ``message`` output item with one ``output_text``
+part, ``status`` "incomplete" with ``incomplete_details.reason``
+"max_output_tokens" where the length ended it, or the event stream vLLM sends (response.created,
+.in_progress, .output_item.added, .content_part.added, .output_text.delta..., .output_text.done,
+.content_part.done, .output_item.done, response.completed).
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, Literal, Optional, Union
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import Field, ValidationError
+
+from .body import read_json, validation_error
+from .errors import ApiError, error_response, log
+from .intake import checked, start_chat_call
+from .protocol import ChatCompletionRequest
+from .request_parts import Body, StructuredOutputsParams
+from .responses import STREAM_HEADERS, collected, formatter
+
+LOGPROBS = "message.output_text.logprobs"
+TEXT_PARTS = ("input_text", "output_text", "text")
+TOOL_ITEMS = ("function_call", "function_call_output", "custom_tool_call", "custom_tool_call_output",
+              "mcp_call", "web_search_call", "file_search_call", "computer_call", "computer_call_output",
+              "code_interpreter_call", "local_shell_call", "local_shell_call_output", "image_generation_call")
+# the chat fields whose values pass through unchanged (vLLM's sampling fields of the Responses request)
+PASSED = ("model", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
+          "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "include_stop_str_in_output",
+          "skip_special_tokens", "structured_outputs", "chat_template_kwargs")
+
+
+class InputPart(Body):
+    type: str
+    text: Optional[str] = None
+    annotations: Optional[list[Any]] = None     # an earlier answer's output_text, sent back whole
+    logprobs: Optional[list[Any]] = None
+
+
+class InputItem(Body):
+    type: Optional[str] = None                 # "message" where absent (an easy input message)
+    role: Optional[str] = None
+    content: Optional[Union[str, list[InputPart]]] = None
+    status: Optional[str] = None
+    id: Optional[str] = None
+    summary: Optional[list[Any]] = None        # a reasoning item's (dropped)
+    encrypted_content: Optional[str] = None
+
+
+class TextFormat(Body):
+    type: Literal["text", "json_object", "json_schema"]
+    name: Optional[str] = None
+    schema_: Optional[dict[str, Any]] = Field(None, alias="schema")
+    description: Optional[str] = None
+    strict: Optional[bool] = None
+
+
+class TextConfig(Body):
+    format: Optional[TextFormat] = None
+    verbosity: Optional[str] = None            # a hint to OpenAI's models: no effect here
+
+
+class Reasoning(Body):
+    effort: Optional[Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]] = None
+    summary: Optional[str] = None
+    generate_summary: Optional[str] = None
+
+
+class ResponsesRequest(Body):
+    model: Optional[str] = None
+    input: Union[str, list[InputItem]]
+    instructions: Optional[str] = None
+    max_output_tokens: Optional[int] = Field(None, ge=1)
+    stream: Optional[bool] = False
+    store: Optional[bool] = True
+    background: Optional[bool] = False
+    previous_response_id: Optional[str] = None
+    include: Optional[list[str]] = None
+    top_logprobs: Optional[int] = Field(0, ge=0, le=20)
+    text: Optional[TextConfig] = None
+    reasoning: Optional[Reasoning] = None
+    truncation: Optional[Literal["auto", "disabled"]] = "disabled"
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Optional[Union[str, dict[str, Any]]] = "auto"
+    parallel_tool_calls: Optional[bool] = True
+    max_tool_calls: Optional[int] = None
+    metadata: Optional[dict[str, str]] = None
+    user: Optional[str] = None
+    service_tier: Optional[str] = "auto"
+    prompt_cache_key: Optional[str] = None     # OpenAI's routing hint: no effect here
+    safety_identifier: Optional[str] = None
+    # vLLM's sampling fields
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    seed: Optional[int] = None
+    stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: Optional[list[int]] = None
+    ignore_eos: bool = False
+    repetition_penalty: Optional[float] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    logit_bias: Optional[dict[str, float]] = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    structured_outputs: Optional[StructuredOutputsParams] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    request_id: Optional[str] = None           # vLLM's: the response's id when given
+
+
+def _item_message(item: InputItem, i: int) -> dict | None:
+    """The chat message of input item ``i`` (None: a reasoning item, dropped)."""
+    kind = item.type or "message"
+    where = f"input.{i}"
+    if kind == "reasoning":
+        if item.encrypted_content:
+            raise ApiError(400, "encrypted reasoning content is not supported", param=where)
+        return None
+    if kind in TOOL_ITEMS:
+        raise ApiError(400, f"{where} is a {kind!r} item: tool calling is not supported by this server (vLLM "
+                            "parses tool calls with model-specific parsers); send the text as a message", param=where)
+    if kind != "message" or item.role is None:
+        raise ApiError(400, f"{where}: an item of type {kind!r} is not supported (messages with a role and text "
+                            "only; item references need a response store, which this server does not keep)",
+                       param=where)
+    content = item.content
+    if isinstance(content, list):
+        for j, part in enumerate(content):
+            if part.type not in TEXT_PARTS:
+                raise ApiError(400, f"{where}.content.{j} has type {part.type!r}: this server runs text-only "
+                                    f"models, whose messages take parts of type {' / '.join(TEXT_PARTS)} only",
+                               param=f"{where}.content.{j}")
+        texts = [p.text or "" for p in content]
+        content = (texts[:1] if item.role == "assistant" else texts) or None     # vLLM: an assistant's first part
+        content = None if content is None else "\n".join(content)
+    return {"role": item.role, "content": content}
+
+
+def to_chat(req: ResponsesRequest, state) -> ChatCompletionRequest:
+    """``req`` as the chat completion vLLM renders it, checked as the chat endpoint checks one."""
+    if req.tools:
+        raise ApiError(400, "tools are not supported: this server has no tool calling (vLLM parses tool calls "
+                            "with model-specific parsers, its --enable-auto-tool-choice --tool-call-parser)",
+                       param="tools")
+    if req.previous_response_id is not None:
+        raise ApiError(404, f"Response with id '{req.previous_response_id}' not found. (this server stores no "
+                            "responses, as vLLM without VLLM_ENABLE_RESPONSES_API_STORE: send the conversation "
+                            "as input items)", param="previous_response_id")
+    if req.background and req.store:
+        raise ApiError(400, "background mode needs a response store, which this server does not keep "
+                            "(vLLM: VLLM_ENABLE_RESPONSES_API_STORE=1)", param="background")
+    items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else \
+        [m for m in (_item_message(item, i) for i, item in enumerate(req.input)) if m is not None]
+    messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + items
+    last = None if isinstance(req.input, str) or not req.input else req.input[-1]
+    partial = last is not None and (last.type or "message") == "message" and last.role == "assistant" \
+        and last.status in ("in_progress", "incomplete")
+    chat = {name: getattr(req, name) for name in PASSED}
+    chat.update(messages=messages, max_tokens=req.max_output_tokens, stream=bool(req.stream),
+                continue_final_message=partial, add_generation_prompt=not partial)
+    if req.include and LOGPROBS in req.include:
+        chat.update(logprobs=True, top_logprobs=req.top_logprobs)
+    fmt = req.text.format if req.text else None
+    if fmt is not None and fmt.type != "text":
+        if req.structured_outputs is not None:
+            raise ApiError(400, "Cannot specify both structured_outputs and text.format", param="structured_outputs")
+        chat["response_format"] = {"type": "json_object"} if fmt.type == "json_object" else {
+            "type": "json_schema", "json_schema": {"name": fmt.name or "json_schema", "schema": fmt.schema_}}
+    if req.reasoning is not None and req.reasoning.effort is not None:
+        chat["reasoning_effort"] = req.reasoning.effort
+    if req.truncation == "auto":
+        chat["truncate_prompt_tokens"] = -1
+    try:
+        converted = ChatCompletionRequest.model_validate({k: v for k, v in chat.items() if v is not None})
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+    return checked(converted, state)
+
+
+class Answer:
+    """The response object of one call, built up as it runs."""
+
+    def __init__(self, req: ResponsesRequest, chat: ChatCompletionRequest, state, call):
+        self.req, self.call, self.model = req, call, state.name
+        self.id = req.request_id or "resp_" + uuid.uuid4().hex
+        self.item_id = "msg_" + uuid.uuid4().hex
+        self.created = int(time.time())
+        defaults = state.defaults
+        self.temperature = chat.temperature if chat.temperature is not None else defaults.temperature
+        self.top_p = chat.top_p if chat.top_p is not None else defaults.top_p
+        self.max_tokens = call.params.max_new_tokens
+        self.logprobs = req.top_logprobs if chat.logprobs else None
+
+    def body(self, status: str, output: list, usage: dict | None) -> dict:
+        req = self.req
+        return {"id": self.id, "object": "response", "created_at": self.created, "status": status, "error": None,
+                "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+                "instructions": req.instructions, "metadata": req.metadata, "model": self.model, "output": output,
+                "parallel_tool_calls": req.parallel_tool_calls if req.parallel_tool_calls is not None else True,
+                "temperature": self.temperature, "tool_choice": "none", "tools": [],      # (vLLM's, without tools) "top_p": self.top_p,
+                "background": bool(req.background), "max_output_tokens": self.max_tokens,
+                "max_tool_calls": req.max_tool_calls, "previous_response_id": None,
+                "reasoning": req.reasoning.model_dump() if req.reasoning else None, "service_tier": req.service_tier,
+                "store": False, "text": req.text.model_dump(by_alias=True, exclude_none=True) if req.text else None,
+                "top_logprobs": self.logprobs, "truncation": req.truncation, "usage": usage, "user": req.user}
+
+    def usage(self) -> dict:
+        u = self.call.usage()
+        return {"input_tokens": u["prompt_tokens"], "input_tokens_details": {"cached_tokens": 0},
+                "output_tokens": u["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": u["total_tokens"]}
+
+    def part(self, text: str, logprobs: list | None) -> dict:
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}
+
+    def item(self, status: str, content: list) -> dict:
+        return {"id": self.item_id, "type": "message", "status": status, "role": "assistant", "content": content}
+
+
+def _status(reason: str | None) -> str:
+    return "incomplete" if reason == "length" else "cancelled" if reason == "abort" else "completed"
+
+
+async def create(request: Request):
+    state = request.app.state.server
+    req = await read_json(request, ResponsesRequest, state.config.max_body_bytes)
+    chat = to_chat(req, state)
+    call = await start_chat_call(state, chat)
+    answer = Answer(req, chat, state, call)
+    if req.stream:
+        return StreamingResponse(events(answer), media_type="text/event-stream", headers=STREAM_HEADERS)
+    got = await collected(request, call)
+    if got is None:
+        return Response(status_code=499)
+    logprobs = None
+    if answer.logprobs is not None:
+        fmt = formatter(call)
+        logprobs = fmt.chat([t for d in got.deltas[0] for t in d[0]], [e for d in got.deltas[0] for e in d[1]])
+    output = [answer.item("completed", [answer.part(got.texts[0], logprobs)])]
+    return JSONResponse(answer.body(_status(got.reasons[0]), output, answer.usage()))
+
+
+async def events(answer: Answer):
+    """vLLM's event stream of one response (each event numbered by ``sequence_number``)."""
+    number = -1
+
+    def event(kind: str, **body) -> str:
+        nonlocal number
+        number += 1
+        return f"event: {kind}\ndata: {json.dumps({'type': kind, **body, 'sequence_number': number})}\n\n"
+
+    call, where = answer.call, dict(item_id=answer.item_id, output_index=0, content_index=0)
+    try:
+        opening = answer.body("in_progress", [], None)
+        yield event("response.created", response=opening)
+        yield event("response.in_progress", response=opening)
+        yield event("response.output_item.added", output_index=0, item=answer.item("in_progress", []))
+        yield event("response.content_part.added", **where, part=answer.part("", []))
+        fmt, text, logprobs, reason = formatter(call), "", [], None
+        async for d in call.deltas():
+            reason = d.reason or reason
+            if d.text:
+                chunk = fmt.chat(d.tokens, d.entries) if answer.logprobs is not None else []
+                text, logprobs = text + d.text, logprobs + chunk
+                yield event("response.output_text.delta", **where, delta=d.text, logprobs=chunk)
+        part = answer.part(text, logprobs if answer.logprobs is not None else None)
+        yield event("response.output_text.done", **where, text=text, logprobs=logprobs)
+        yield event("response.content_part.done", **where, part=part)
+        item = answer.item("completed", [part])
+        yield event("response.output_item.done", output_index=0, item=item)
+        yield event("response.completed", response=answer.body(_status(reason), [item], answer.usage()))
+    except Exception as exc:
+        if not isinstance(exc, ApiError):
+            log.error("internal error while streaming", exc_info=exc)
+            exc = ApiError(500, "internal server error")
+        yield event("error", code=exc.code or str(exc.status), message=exc.message, param=exc.param)
+    finally:
+        call.cancel()
+
+
+async def retrieve(request: Request):
+    """Nothing is stored: every id is unknown (vLLM's answer without its store)."""
+    response_id = request.path_params["response_id"]
+    return error_response(404, f"Response with id '{response_id}' not found.", param="response_id")

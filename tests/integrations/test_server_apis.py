@@ -1,0 +1,313 @@
+"""The APIs the server answers through chat completions, as vLLM serves them: Anthropic's Messages
+(``/v1/messages``, ``/v1/messages/count_tokens``), OpenAI's Responses (``/v1/responses``, stateless) and
+SageMaker's ``/invocations``. Each answer is checked against the chat completion the request converts to
+(greedy, the same tiny model), then the official ``anthropic`` and ``openai`` clients read them from a live server.
+Structured output through both (a real tokenizer) is in test_structured_output.py.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("prometheus_client")
+pytest.importorskip("httpx")
+
+from starlette.testclient import TestClient  # noqa: E402
+
+from hf_paged.integrations.server import create_app  # noqa: E402
+from hf_paged.integrations.server.anthropic_api import stop_reason, system_first  # noqa: E402
+from live_server import running  # noqa: E402
+from tiny_models import CHAT_TEMPLATE, chat_word_tokenizer, make_model  # noqa: E402
+
+MODEL = "tiny"
+KNOBS = dict(num_blocks=32, max_num_seqs=6, max_num_batched_tokens=64, block_size=16)
+GREEDY = {"temperature": 0}
+# a template that takes a system message only first (as Qwen's: raise_exception elsewhere)
+SYSTEM_FIRST = ("{% for m in messages %}{% if m['role'] == 'system' and not loop.first %}"
+                "{{ raise_exception('system first') }}{% endif %}{{ m['content'] }} {% endfor %}"
+                "{% if add_generation_prompt %}w9{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def client():
+    app = create_app(make_model("llama"), chat_word_tokenizer(), served_model_name=MODEL, **KNOBS)
+    with TestClient(app, raise_server_exceptions=False) as c:
+        yield c
+
+
+def chat(client, messages, **fields) -> dict:
+    r = client.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, **GREEDY, **fields})
+    assert r.status_code == 200, r.json()
+    return r.json()
+
+
+def sse(text: str) -> list[tuple[str, dict]]:
+    """(event name, data) of each server-sent event."""
+    events = []
+    for block in filter(None, text.split("\n\n")):
+        lines = dict(line.split(": ", 1) for line in block.split("\n"))
+        events.append((lines["event"], json.loads(lines["data"])))
+    return events
+
+
+# --- Anthropic's Messages ---
+
+def test_messages_answer_the_converted_chat(client):
+    body = {"model": MODEL, "max_tokens": 6, "system": "w5 w6", **GREEDY,
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "w10"}, {"type": "text", "text": "w11"}]},
+                         {"role": "assistant", "content": "w12"}, {"role": "user", "content": "w13"}]}
+    r = client.post("/v1/messages", json=body)
+    assert r.status_code == 200, r.json()
+    got = r.json()
+    expected = chat(client, [{"role": "system", "content": "w5 w6"}, {"role": "user", "content": "w10\nw11"},
+                             {"role": "assistant", "content": "w12"}, {"role": "user", "content": "w13"}], max_tokens=6)
+    assert got["content"] == [{"type": "text", "text": expected["choices"][0]["message"]["content"]}]
+    assert got["type"] == "message" and got["role"] == "assistant" and got["id"].startswith("msg_")
+    assert (got["stop_reason"], got["stop_sequence"]) == ("max_tokens", None)
+    assert got["usage"] == {"input_tokens": expected["usage"]["prompt_tokens"], "output_tokens": 6}
+
+
+def test_messages_stop_sequence(client):
+    base = {"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "w10 w11"}], **GREEDY}
+    text = client.post("/v1/messages", json=base).json()["content"][0]["text"]
+    stop = text.split()[2]                           # the third word: the answer ends before it
+    got = client.post("/v1/messages", json={**base, "stop_sequences": [" " + stop]}).json()
+    assert got["content"][0]["text"] == " " + " ".join(text.split()[:2])
+    assert (got["stop_reason"], got["stop_sequence"]) == ("stop_sequence", " " + stop)
+
+
+def test_stop_reasons():
+    assert stop_reason("length", None) == ("max_tokens", None)
+    assert stop_reason("stop", None) == ("end_turn", None)          # EOS
+    assert stop_reason("stop", 7) == ("end_turn", None)             # a stop token id is not a stop sequence
+    assert stop_reason("stop", "w3") == ("stop_sequence", "w3")
+    assert stop_reason("abort", None) == (None, None)
+
+
+def test_messages_stream_events(client):
+    body = {"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": "w10 w11"}], **GREEDY}
+    whole = client.post("/v1/messages", json=body).json()
+    r = client.post("/v1/messages", json={**body, "stream": True})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = sse(r.text)
+    names = [e for e, _ in events]
+    assert names[:2] == ["message_start", "content_block_start"] and names[-3:] == [
+        "content_block_stop", "message_delta", "message_stop"]
+    assert set(names[2:-3]) == {"content_block_delta"}
+    assert all(data["type"] == name for name, data in events)
+    start = events[0][1]["message"]
+    assert start["usage"] == {"input_tokens": whole["usage"]["input_tokens"], "output_tokens": 0}
+    assert "".join(d["delta"]["text"] for _, d in events[2:-3]) == whole["content"][0]["text"]
+    delta = events[-2][1]
+    assert delta["delta"] == {"stop_reason": "max_tokens", "stop_sequence": None} and delta["usage"] == whole["usage"]
+
+
+def test_system_blocks_billing_header_and_count_tokens(client):
+    """Claude Code's per-request billing block is left out; count_tokens counts what /v1/messages runs."""
+    messages = [{"role": "user", "content": "w10 w11"}]
+    plain = client.post("/v1/messages/count_tokens", json={"model": MODEL, "system": "w5", "messages": messages})
+    blocks = client.post("/v1/messages/count_tokens", json={"model": MODEL, "messages": messages, "system": [
+        {"type": "text", "text": "x-anthropic-billing-header: cc_version=1; cch=abc"},
+        {"type": "text", "text": "w5", "cache_control": {"type": "ephemeral"}}]})
+    tokens = client.post("/tokenize", json={"messages": [{"role": "system", "content": "w5"}, *messages]}).json()
+    assert plain.json() == blocks.json() == {"input_tokens": tokens["count"],
+                                             "context_management": {"original_input_tokens": tokens["count"]}}
+
+
+def test_inline_system_messages_kept_or_merged():
+    assert not system_first(CHAT_TEMPLATE) and system_first(SYSTEM_FIRST)
+    tok = chat_word_tokenizer()
+    tok.chat_template = SYSTEM_FIRST
+    body = {"model": MODEL, "system": "w5 ", "messages": [{"role": "user", "content": "w10"},
+                                                          {"role": "system", "content": "w6"},
+                                                          {"role": "user", "content": "w11"}]}
+    app = create_app(make_model("llama"), tok, served_model_name=MODEL, **KNOBS)
+    with TestClient(app) as c:
+        merged = c.post("/v1/messages/count_tokens", json=body).json()["input_tokens"]
+        expected = c.post("/tokenize", json={"messages": [{"role": "system", "content": "w5 w6"},
+                                                          {"role": "user", "content": "w10"},
+                                                          {"role": "user", "content": "w11"}]}).json()["count"]
+        assert merged == expected
+    app = create_app(make_model("llama"), chat_word_tokenizer(), served_model_name=MODEL, **KNOBS)
+    with TestClient(app) as c:              # a template that takes them anywhere: in place
+        kept = c.post("/v1/messages/count_tokens", json=body).json()["input_tokens"]
+        assert kept == c.post("/tokenize", json={"messages": [{"role": "system", "content": "w5 "}, *[
+            {"role": m["role"], "content": m["content"]} for m in body["messages"]]]}).json()["count"]
+
+
+@pytest.mark.parametrize("body, status, words", [
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "url"}}]}]},
+     400, "text-only"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t"}]}]},
+     400, "tool calling"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": "w3"}], "tools": [{"name": "f", "input_schema": {}}]},
+     400, "tools are not supported"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": "w3"}],
+      "thinking": {"type": "enabled", "budget_tokens": 2048}}, 400, "reasoning parser"),
+    ({"messages": [{"role": "user", "content": "w3"}]}, 400, "max_tokens"),
+    ({"max_tokens": 0, "messages": [{"role": "user", "content": "w3"}]}, 400, "max_tokens"),
+    ({"max_tokens": 5, "messages": []}, 400, "messages"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": "w3"}], "model": "other"}, 404, "other"),
+])
+def test_messages_refusals_in_anthropic_errors(client, body, status, words):
+    r = client.post("/v1/messages", json={"model": MODEL, **body})
+    assert r.status_code == status
+    error = r.json()
+    assert error["type"] == "error" and words in error["error"]["message"], error
+    assert error["error"]["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
+
+
+def test_thinking_disabled_and_earlier_thinking_blocks_accepted(client):
+    r = client.post("/v1/messages", json={"model": MODEL, "max_tokens": 3, "thinking": {"type": "disabled"}, **GREEDY,
+                                          "messages": [{"role": "user", "content": "w10"},
+                                                       {"role": "assistant", "content": [
+                                                           {"type": "thinking", "thinking": "w4", "signature": "s"},
+                                                           {"type": "text", "text": "w12"}]},
+                                                       {"role": "user", "content": "w13"}]})
+    assert r.status_code == 200, r.json()
+    expected = chat(client, [{"role": "user", "content": "w10"}, {"role": "assistant", "content": "w12"},
+                             {"role": "user", "content": "w13"}], max_tokens=3)
+    assert r.json()["content"][0]["text"] == expected["choices"][0]["message"]["content"]
+
+
+def test_api_key_also_as_x_api_key():
+    app = create_app(make_model("llama"), chat_word_tokenizer(), served_model_name=MODEL, api_key="secret", **KNOBS)
+    body = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "w10"}]}
+    with TestClient(app) as c:
+        assert c.post("/v1/messages", json=body).status_code == 401
+        assert c.post("/v1/messages", json=body, headers={"x-api-key": "wrong"}).status_code == 401
+        assert c.post("/v1/messages", json=body, headers={"x-api-key": "secret"}).status_code == 200
+        assert c.post("/v1/messages", json=body, headers={"Authorization": "Bearer secret"}).status_code == 200
+
+
+# --- OpenAI's Responses ---
+
+def test_responses_answer_the_converted_chat(client):
+    got = client.post("/v1/responses", json={"model": MODEL, "instructions": "w5", "max_output_tokens": 6, **GREEDY,
+                                             "input": [{"role": "user", "content": [{"type": "input_text", "text": "w10"}]},
+                                                       {"type": "message", "role": "assistant",
+                                                        "content": [{"type": "output_text", "text": "w12"}]},
+                                                       {"type": "reasoning", "summary": []},
+                                                       {"role": "user", "content": "w13"}]})
+    assert got.status_code == 200, got.json()
+    got = got.json()
+    expected = chat(client, [{"role": "system", "content": "w5"}, {"role": "user", "content": "w10"},
+                             {"role": "assistant", "content": "w12"}, {"role": "user", "content": "w13"}], max_tokens=6)
+    text = expected["choices"][0]["message"]["content"]
+    assert got["object"] == "response" and got["id"].startswith("resp_") and got["model"] == MODEL
+    assert got["status"] == "incomplete" and got["incomplete_details"] == {"reason": "max_output_tokens"}
+    [item] = got["output"]
+    assert item["type"] == "message" and item["role"] == "assistant" and item["status"] == "completed"
+    assert item["content"] == [{"type": "output_text", "text": text, "annotations": [], "logprobs": None}]
+    assert got["usage"]["input_tokens"] == expected["usage"]["prompt_tokens"] and got["usage"]["output_tokens"] == 6
+    assert got["usage"]["total_tokens"] == expected["usage"]["total_tokens"]
+    assert got["max_output_tokens"] == 6 and got["temperature"] == 0 and got["instructions"] == "w5"
+
+
+def test_responses_text_input_logprobs_and_completed_status(client):
+    body = {"model": MODEL, "input": "w10 w11", "max_output_tokens": 4, **GREEDY,
+            "include": ["message.output_text.logprobs"], "top_logprobs": 2}
+    got = client.post("/v1/responses", json=body).json()
+    expected = chat(client, [{"role": "user", "content": "w10 w11"}], max_tokens=4, logprobs=True, top_logprobs=2)
+    part = got["output"][0]["content"][0]
+    assert part["text"] == expected["choices"][0]["message"]["content"]
+    assert part["logprobs"] == expected["choices"][0]["logprobs"]["content"] and got["top_logprobs"] == 2
+    words = part["text"].split()
+    stopped = client.post("/v1/responses", json={**body, "stop": [" " + words[1]]}).json()
+    assert stopped["status"] == "completed" and stopped["incomplete_details"] is None
+    assert stopped["output"][0]["content"][0]["text"] == " " + words[0]
+
+
+def test_responses_continue_a_partial_answer(client):
+    """A last assistant item that is in_progress / incomplete is continued (vLLM's rule)."""
+    items = [{"role": "user", "content": "w10"}, {"type": "message", "role": "assistant", "status": "incomplete",
+                                                  "content": [{"type": "output_text", "text": "w12"}]}]
+    got = client.post("/v1/responses", json={"model": MODEL, "input": items, "max_output_tokens": 3, **GREEDY}).json()
+    expected = chat(client, [{"role": "user", "content": "w10"}, {"role": "assistant", "content": "w12"}], max_tokens=3,
+                    add_generation_prompt=False, continue_final_message=True)
+    assert got["output"][0]["content"][0]["text"] == expected["choices"][0]["message"]["content"]
+
+
+def test_responses_stream_events(client):
+    body = {"model": MODEL, "input": "w10 w11", "max_output_tokens": 5, **GREEDY}
+    whole = client.post("/v1/responses", json=body).json()
+    events = sse(client.post("/v1/responses", json={**body, "stream": True}).text)
+    names = [e for e, _ in events]
+    assert names[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert names[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.completed"]
+    assert set(names[4:-4]) == {"response.output_text.delta"}
+    assert [d["sequence_number"] for _, d in events] == list(range(len(events)))
+    assert all(d["type"] == name for name, d in events)
+    text = whole["output"][0]["content"][0]["text"]
+    assert "".join(d["delta"] for _, d in events[4:-4]) == text == events[-4][1]["text"]
+    final = events[-1][1]["response"]
+    assert final["status"] == "incomplete" and final["output"][0]["content"][0]["text"] == text
+    assert final["usage"] == whole["usage"] and events[0][1]["response"]["status"] == "in_progress"
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"input": "w3", "previous_response_id": "resp_x"}, 404, "previous_response_id"),
+    ({"input": "w3", "background": True}, 400, "background"),
+    ({"input": "w3", "tools": [{"type": "function", "name": "f"}]}, 400, "tools"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "w3"}]}, 400, "input.0"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400, "input.0.content.0"),
+    ({"input": "w3", "text": {"format": {"type": "json_object"}}, "structured_outputs": {"regex": "w3"}}, 400,
+     "structured_outputs"),
+    ({"input": "w3", "max_output_tokens": 0}, 400, "max_output_tokens"),
+    ({"input": "w3", "model": "other"}, 404, "model"),
+])
+def test_responses_refusals(client, body, status, param):
+    r = client.post("/v1/responses", json={"model": MODEL, **body})
+    assert r.status_code == status and r.json()["error"]["param"] == param, r.json()
+
+
+def test_responses_are_not_stored(client):
+    for r in (client.get("/v1/responses/resp_abc"), client.post("/v1/responses/resp_abc/cancel")):
+        assert r.status_code == 404 and r.json()["error"]["message"] == "Response with id 'resp_abc' not found."
+
+
+# --- SageMaker's /invocations ---
+
+def test_invocations_route_by_body(client):
+    messages = [{"role": "user", "content": "w10"}]
+    got = client.post("/invocations", json={"messages": messages, "max_tokens": 3, **GREEDY}).json()
+    assert got["object"] == "chat.completion"
+    assert got["choices"][0]["message"] == chat(client, messages, max_tokens=3)["choices"][0]["message"]
+    got = client.post("/invocations", json={"prompt": "w10 w11", "max_tokens": 3, **GREEDY}).json()
+    assert got["object"] == "text_completion" and got["usage"]["completion_tokens"] == 3
+    r = client.post("/invocations", json={"input": "w3"})
+    assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
+
+
+# --- the official clients ---
+
+def test_official_clients_read_both_apis():
+    anthropic = pytest.importorskip("anthropic")
+    openai = pytest.importorskip("openai")
+    app = create_app(make_model("llama"), chat_word_tokenizer(), served_model_name=MODEL, api_key="k", **KNOBS)
+    messages = [{"role": "user", "content": "w10 w11"}]
+    with running(app) as url:
+        a = anthropic.Anthropic(base_url=url, api_key="k", max_retries=0)
+        m = a.messages.create(model=MODEL, max_tokens=4, messages=messages, extra_body=GREEDY)
+        assert m.stop_reason == "max_tokens" and m.usage.output_tokens == 4
+        with a.messages.stream(model=MODEL, max_tokens=4, messages=messages, extra_body=GREEDY) as stream:
+            streamed = "".join(stream.text_stream)
+            final = stream.get_final_message()
+        assert streamed == final.content[0].text == m.content[0].text
+        assert a.messages.count_tokens(model=MODEL, messages=messages).input_tokens == m.usage.input_tokens
+        with pytest.raises(anthropic.BadRequestError, match="tools are not supported"):
+            a.messages.create(model=MODEL, max_tokens=4, messages=messages, tools=[{"name": "f", "input_schema": {}}])
+        o = openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0)
+        r = o.responses.create(model=MODEL, input="w10 w11", max_output_tokens=4, temperature=0)
+        assert r.output_text == m.content[0].text and r.status == "incomplete"
+        assert r.incomplete_details.reason == "max_output_tokens"
+        with o.responses.stream(model=MODEL, input="w10 w11", max_output_tokens=4, temperature=0) as stream:
+            deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
+            final = stream.get_final_response()
+        assert "".join(deltas) == final.output_text == r.output_text
+        with pytest.raises(openai.NotFoundError):
+            o.responses.retrieve("resp_x")
