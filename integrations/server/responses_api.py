@@ -10,7 +10,7 @@ item's first part taken, reasoning items dropped) in order; a last assistant ite
 ``response_format``; ``include: ["message.output_text.logprobs"]`` with ``top_logprobs`` as chat logprobs;
 ``reasoning.effort`` as ``reasoning_effort``; ``truncation: "auto"`` as truncate_prompt_tokens -1; vLLM's
 sampling fields as they are. ``store`` has no effect (vLLM's default); ``previous_response_id`` answers 404 and
-``background`` with ``store`` 400, as vLLM's do without ``VLLM_ENABLE_RESPONSES_API_STORE``. Tools, tool
+``background`` 400, as vLLM's do without ``VLLM_ENABLE_RESPONSES_API_STORE``. Tools, tool
 items and images are refused by name. The answer is one ``message`` output item with one ``output_text``
 part, ``status`` "incomplete" with ``incomplete_details.reason``
 "max_output_tokens" where the length ended it, or the event stream vLLM sends (response.created,
@@ -163,9 +163,11 @@ def to_chat(req: ResponsesRequest, state) -> ChatCompletionRequest:
         raise ApiError(404, f"Response with id '{req.previous_response_id}' not found. (this server stores no "
                             "responses, as vLLM without VLLM_ENABLE_RESPONSES_API_STORE: send the conversation "
                             "as input items)", param="previous_response_id")
-    if req.background and req.store:
-        raise ApiError(400, "background mode needs a response store, which this server does not keep "
-                            "(vLLM: VLLM_ENABLE_RESPONSES_API_STORE=1)", param="background")
+    if req.background:
+        raise ApiError(400, "background mode needs a response store (and store=true), which this server does not "
+                            "keep (vLLM: VLLM_ENABLE_RESPONSES_API_STORE=1)", param="background")
+    if req.input == []:
+        raise ApiError(400, "input is an empty list: give a text or at least one message item", param="input")
     items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else \
         [m for m in (_item_message(item, i) for i, item in enumerate(req.input)) if m is not None]
     messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + items

@@ -252,6 +252,8 @@ def test_responses_stream_events(client):
 @pytest.mark.parametrize("body, status, param", [
     ({"input": "w3", "previous_response_id": "resp_x"}, 404, "previous_response_id"),
     ({"input": "w3", "background": True}, 400, "background"),
+    ({"input": "w3", "background": True, "store": False}, 400, "background"),
+    ({"input": []}, 400, "input"),
     ({"input": "w3", "tools": [{"type": "function", "name": "f"}]}, 400, "tools"),
     ({"input": [{"type": "function_call_output", "call_id": "c", "output": "w3"}]}, 400, "input.0"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400, "input.0.content.0"),
