@@ -30,16 +30,17 @@ class CompletionShape:
 
     def choice(self, index: int, text: str, reason: str | None, fmt, deltas, role: str = "") -> dict:
         """``deltas``: (tokens, entries, offset, text length, prompt) of the choice's deltas, in order. An
-        echoed prompt's tokens are placed from its text's start, the generated ones from where their text
-        starts, each after the one before (at most the text's end): text held back (a possible stop string)
-        reaches the client in a later delta than its tokens, so a delta's start is not its tokens'."""
+        echoed prompt's tokens are placed from its text's start (at most its end), the generated ones from where
+        their text starts, each after the one before, past the text's end for the tokens of a stop string cut
+        off (vLLM's, and the stream's): text held back (a possible stop string) reaches the client in a later
+        delta than its tokens, so a delta's start is not its tokens'."""
         if fmt.k is None:
             return {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
         pieces = [fmt.completion(t, e, offset, offset + n) for t, e, offset, n, prompt in deltas if prompt]
         generated = [d for d in deltas if not d[4]]
         if generated:
             pieces.append(fmt.completion([t for d in generated for t in d[0]], [e for d in generated for e in d[1]],
-                                         generated[0][2], len(text)))
+                                         generated[0][2]))
         return {"index": index, "text": text, "logprobs": fmt.merged(pieces), "finish_reason": reason}
 
     def delta(self, index: int, text: str, reason: str | None, fmt, tokens, entries, offset: int = 0,

@@ -153,6 +153,24 @@ def test_text_offsets_follow_the_tokens_when_a_stop_string_holds_text_back(clien
     assert streamed_offsets == offsets
 
 
+def test_text_offsets_run_on_past_a_stop_string_whole_and_streamed(client):
+    """The tokens of a stop string cut off keep the rule (the previous token's offset plus its text's length),
+    past the text's end, as vLLM's and as the stream's offsets were (the whole answer clipped them at the end)."""
+    body = dict(prompt="w5 w6 w7", max_tokens=8, ignore_eos=True, logprobs=1)
+    words = complete(client, **body)["text"].split()
+    k = next(k for k in range(1, len(words) - 1) if words[k] not in words[:k])     # a word not seen before it
+    stop = f" {words[k]} "                                   # (spaces round it: no other word holds it)
+    cut = complete(client, **body, stop=[stop])
+    assert cut["text"] == " " + " ".join(words[:k])
+    tokens, offsets = cut["logprobs"]["tokens"], cut["logprobs"]["text_offset"]
+    assert len(tokens) == k + 2 and offsets == [sum(len(t) for t in tokens[:j]) for j in range(k + 2)]
+    assert len(cut["text"]) < offsets[-1]                    # the stop string's last token starts past the text
+    chunks = client.post("/v1/completions", json={"model": MODEL, "temperature": 0, "stream": True, **body,
+                                                   "stop": [stop]}).text
+    parts = [json.loads(line[6:]) for line in chunks.splitlines() if line.startswith("data: {")]
+    assert [o for p in parts for c in p["choices"] if c["logprobs"] for o in c["logprobs"]["text_offset"]] == offsets
+
+
 def test_min_tokens_reaches_past_a_stop_string(client):
     free = complete(client, prompt="w5 w6 w7", max_tokens=10, ignore_eos=True)["text"]
     words = free.split()
