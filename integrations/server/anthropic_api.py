@@ -7,8 +7,9 @@ system message; ``system`` messages in the list kept in place, or merged into th
 template takes a system message only first (vLLM renders [system, user, system, user] to find out); text
 blocks as text parts; ``thinking`` blocks of earlier answers dropped (no reasoning parser here);
 ``stop_sequences`` as ``stop``; ``output_config.format`` as a JSON-schema ``response_format``;
-``thinking: {"type": "disabled"}`` as ``reasoning_effort: "none"``. Tools, tool results and images are refused
-by name, as the chat endpoint refuses them. The answer is Anthropic's message (``stop_reason`` end_turn /
+``thinking: {"type": "disabled"}`` as ``reasoning_effort: "none"``; ``tools`` with ``tool_choice: {"type":
+"none"}`` handed to the chat template in OpenAI's form. Other tool use, tool results and images are refused by
+name, as the chat endpoint refuses them. The answer is Anthropic's message (``stop_reason`` end_turn /
 max_tokens / stop_sequence) or its event stream (message_start, one text block's start, deltas and stop,
 message_delta with the stop reason and usage, message_stop). Errors answer Anthropic's body
 ``{"type": "error", "error": {"type", "message"}}``.
@@ -148,11 +149,15 @@ def chat_messages(req: _Common, template: str) -> list[dict]:
 
 def to_chat(req: _Common, state, stream: bool = False) -> ChatCompletionRequest:
     """``req`` as the chat completion vLLM makes of it, checked as the chat endpoint checks one."""
-    if req.tools:
-        raise ApiError(400, "tools are not supported: this server has no tool calling (vLLM parses tool calls "
-                            "with model-specific parsers, its --enable-auto-tool-choice --tool-call-parser)",
-                       param="tools")
     chat = {"model": req.model, "messages": chat_messages(req, str(getattr(state.tokenizer, "chat_template", "")))}
+    if req.tools:
+        if (req.tool_choice or {}).get("type") != "none":
+            raise ApiError(400, "tools are not supported unless tool_choice is {\"type\": \"none\"}: this server has "
+                                "no tool calling (vLLM parses tool calls with model-specific parsers, its "
+                                "--enable-auto-tool-choice --tool-call-parser)", param="tools")
+        chat.update(tool_choice="none", tools=[{"type": "function", "function": {   # the template sees them, as vLLM's
+            "name": t.get("name"), "description": t.get("description"), "parameters": t.get("input_schema")}}
+            for t in req.tools])
     if req.chat_template_kwargs:
         chat["chat_template_kwargs"] = req.chat_template_kwargs
     thinking = (req.thinking or {}).get("type")

@@ -21,7 +21,7 @@ from .defaults import GREEDY_BELOW
 from .errors import ApiError
 from .guided import compile_structured, structured_spec
 from .options import CallOptions
-from .protocol import TEMPLATE_FLAGS, ChatCompletionRequest, CompletionRequest
+from .protocol import TEMPLATE_FLAGS, ChatCompletionRequest, CompletionRequest, template_tools
 from .state import ServerState
 from .token_settings import (asked_prompt_logprobs, bad_words_ids, generated_logprobs, in_vocab, logit_bias,
                              logprob_counts, token_list)
@@ -120,6 +120,9 @@ def chat_text(state: ServerState, req) -> str:
     if effort is not None:                               # as vLLM passes it to the template
         kwargs.setdefault("reasoning_effort", effort)
         kwargs.setdefault("enable_thinking", effort != "none")
+    tools = template_tools(getattr(req, "tools", None))
+    if tools:                          # tool_choice "none" (else refused): the template sees them, as vLLM's
+        kwargs["tools"] = tools
     try:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=req.add_generation_prompt,
                                              continue_final_message=req.continue_final_message,

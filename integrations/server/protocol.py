@@ -50,6 +50,32 @@ def prompt_shape(value):
     return value
 
 
+def template_tools(tools: list | None) -> list[dict] | None:
+    """OpenAI function tools as vLLM hands them to a chat template: ``{"type": "function", "function": {name,
+    description, parameters[, strict]}}``, an absent description or parameters None (what a template that
+    writes the tools into the prompt renders). None without tools."""
+    if not tools:
+        return None
+    out = []
+    for tool in tools:
+        f = tool["function"]
+        fn = {"name": f["name"], "description": f.get("description"), "parameters": f.get("parameters")}
+        if f.get("strict") is not None:
+            fn["strict"] = f["strict"]
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def tool_shape_error(tools: list | None) -> Optional[tuple[str, str]]:
+    """(param, message) for the first tool that is not an OpenAI function tool, or None."""
+    for i, tool in enumerate(tools or []):
+        f = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(f, dict) or tool.get("type", "function") != "function" or not isinstance(f.get("name"), str):
+            return f"tools.{i}", ("a tool is {\"type\": \"function\", \"function\": {\"name\": ..., "
+                                  "\"description\": ..., \"parameters\": {...}}}")
+    return None
+
+
 class _Sampling(VllmSampling):
     """OpenAI's fields of both endpoints (vLLM's come from VllmSampling)."""
     model: Optional[str] = None
@@ -197,7 +223,8 @@ class ChatCompletionRequest(_Sampling):
 
     def unsupported(self):
         if not is_neutral(self, "tools"):                 # named first: a tool_choice comes with them
-            return "tools", f"tools are not supported: {TOOLS}"
+            return "tools", (f"tools are not supported unless tool_choice is \"none\" (then, as vLLM, the chat "
+                             f"template sees them and the answer is text): {TOOLS}")
         return super().unsupported()
 
     def conflicts(self):
@@ -214,4 +241,4 @@ class ChatCompletionRequest(_Sampling):
         clash = sorted(RESERVED_TEMPLATE_KWARGS & set(self.chat_template_kwargs or {}))
         if clash:
             return "chat_template_kwargs", f"chat_template_kwargs may not set {clash}: the server sets them"
-        return super().conflicts()
+        return tool_shape_error(self.tools) or super().conflicts()

@@ -1,21 +1,19 @@
-"""OpenAI's Responses API, as vLLM serves it without its response store (its default):
-``POST /v1/responses`` (whole or streamed), ``GET /v1/responses/{id}`` and ``POST /v1/responses/{id}/cancel``
-(nothing is stored, so both answer 404, as vLLM's do). Clients: ``client.responses.create`` of the ``openai``
-SDK, and agents written against it.
-
-A request becomes a chat completion as vLLM renders it (``to_chat``): ``instructions`` as the first system
-message, ``input`` (a text: one user message; or items: messages whose text parts are joined, an assistant
-item's first part taken, reasoning items dropped) in order; a last assistant item that is ``in_progress`` or
-``incomplete`` is continued rather than answered; ``max_output_tokens`` as max_tokens; ``text.format`` as a
-``response_format``; ``include: ["message.output_text.logprobs"]`` with ``top_logprobs`` as chat logprobs;
-``reasoning.effort`` as ``reasoning_effort``; ``truncation: "auto"`` as truncate_prompt_tokens -1; vLLM's
-sampling fields as they are. ``store`` has no effect (vLLM's default); ``previous_response_id`` answers 404 and
-``background`` 400, as vLLM's do without ``VLLM_ENABLE_RESPONSES_API_STORE``. Tools, tool
-items and images are refused by name. The answer is one ``message`` output item with one ``output_text``
-part, ``status`` "incomplete" with ``incomplete_details.reason``
-"max_output_tokens" where the length ended it, or the event stream vLLM sends (response.created,
-.in_progress, .output_item.added, .content_part.added, .output_text.delta..., .output_text.done,
-.content_part.done, .output_item.done, response.completed).
+"""OpenAI's Responses API, as vLLM serves it without its response store (its default): ``POST /v1/responses``
+(whole or streamed), ``GET /v1/responses/{id}`` and ``POST /v1/responses/{id}/cancel`` (nothing is stored, so
+both answer 404, as vLLM's do). Clients: ``client.responses.create`` of the ``openai`` SDK, and agents written
+against it. A request becomes a chat completion as vLLM renders it (``to_chat``): ``instructions`` as the first
+system message, ``input`` (a text: one user message; or items: messages whose text parts are joined, an
+assistant item's first part taken, reasoning items dropped) in order; a last assistant item that is
+``in_progress`` or ``incomplete`` is continued rather than answered; ``max_output_tokens`` as max_tokens;
+``text.format`` as a ``response_format``; ``include: ["message.output_text.logprobs"]`` with ``top_logprobs`` as
+chat logprobs; ``reasoning.effort`` as ``reasoning_effort``; ``truncation: "auto"`` as truncate_prompt_tokens
+-1; function ``tools`` with ``tool_choice: "none"`` as chat's (the template sees them); vLLM's sampling fields
+as they are. ``store`` has no effect (vLLM's default); ``previous_response_id`` answers 404 and ``background``
+400, as vLLM's do without ``VLLM_ENABLE_RESPONSES_API_STORE``. Other tool use, tool items and images are refused
+by name. The answer is one ``message`` output item with one ``output_text`` part, ``status`` "incomplete" with
+``incomplete_details.reason`` "max_output_tokens" where the length ended it, or the event stream vLLM sends
+(response.created, .in_progress, .output_item.added, .content_part.added, .output_text.delta...,
+.output_text.done, .content_part.done, .output_item.done, response.completed).
 """
 from __future__ import annotations
 
@@ -155,9 +153,10 @@ def _item_message(item: InputItem, i: int) -> dict | None:
 
 def to_chat(req: ResponsesRequest, state) -> ChatCompletionRequest:
     """``req`` as the chat completion vLLM renders it, checked as the chat endpoint checks one."""
-    if req.tools:
-        raise ApiError(400, "tools are not supported: this server has no tool calling (vLLM parses tool calls "
-                            "with model-specific parsers, its --enable-auto-tool-choice --tool-call-parser)",
+    if req.tools and (req.tool_choice != "none" or any(t.get("type") != "function" for t in req.tools)):
+        raise ApiError(400, "tools are not supported unless they are function tools and tool_choice is \"none\" "
+                            "(then the chat template sees them): this server has no tool calling (vLLM parses tool "
+                            "calls with model-specific parsers, its --enable-auto-tool-choice --tool-call-parser)",
                        param="tools")
     if req.previous_response_id is not None:
         raise ApiError(404, f"Response with id '{req.previous_response_id}' not found. (this server stores no "
@@ -175,6 +174,9 @@ def to_chat(req: ResponsesRequest, state) -> ChatCompletionRequest:
     partial = last is not None and (last.type or "message") == "message" and last.role == "assistant" \
         and last.status in ("in_progress", "incomplete")
     chat = {name: getattr(req, name) for name in PASSED}
+    if req.tools:                      # tool_choice "none": the template sees them in chat's form, as vLLM's
+        chat.update(tool_choice="none", tools=[{"type": "function", "function": {
+            k: v for k, v in t.items() if k != "type"}} for t in req.tools])
     chat.update(messages=messages, max_tokens=req.max_output_tokens, stream=bool(req.stream),
                 continue_final_message=partial, add_generation_prompt=not partial)
     if req.include and LOGPROBS in req.include:
@@ -216,7 +218,7 @@ class Answer:
                 "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
                 "instructions": req.instructions, "metadata": req.metadata, "model": self.model, "output": output,
                 "parallel_tool_calls": req.parallel_tool_calls if req.parallel_tool_calls is not None else True,
-                "temperature": self.temperature, "tool_choice": "none", "tools": [],      # (vLLM's, without tools) "top_p": self.top_p,
+                "temperature": self.temperature, "tool_choice": "none", "tools": req.tools or [], "top_p": self.top_p,
                 "background": bool(req.background), "max_output_tokens": self.max_tokens,
                 "max_tool_calls": req.max_tool_calls, "previous_response_id": None,
                 "reasoning": req.reasoning.model_dump() if req.reasoning else None, "service_tier": req.service_tier,

@@ -14,9 +14,8 @@ from pydantic_core import from_json
 from .body import parse, read_body
 from .errors import ApiError
 from .intake import chat_text, check_ids, model_checked, tokenize
-from .protocol import RESERVED_TEMPLATE_KWARGS, ChatMessage
+from .protocol import RESERVED_TEMPLATE_KWARGS, ChatMessage, tool_shape_error
 from .request_parts import Body
-from .vllm_fields import TOOLS
 from .state import ServerState
 
 FALLBACK_VERSION = "0.1.0"
@@ -47,8 +46,9 @@ class DetokenizeRequest(Body):
 
 def chat_checked(req: TokenizeChatRequest) -> TokenizeChatRequest:
     """What /v1/chat/completions refuses among these fields, refused alike."""
-    if req.tools:
-        raise ApiError(400, f"tools are not supported: {TOOLS}", param="tools", code="unsupported")
+    shape = tool_shape_error(req.tools)          # tools are rendered as a chat with tool_choice "none" renders them
+    if shape:
+        raise ApiError(400, shape[1], param=shape[0])
     if req.continue_final_message and req.add_generation_prompt:
         raise ApiError(400, "continue_final_message and add_generation_prompt cannot both be true "
                             "(set add_generation_prompt=false)", param="continue_final_message")

@@ -76,7 +76,7 @@ IMPLEMENTED = {
 def is_neutral(req, name: str) -> bool:
     """``name``'s value leaves the answer as if it were absent: None, the field's default, empty, false
     for a flag whose default is unset; for
-    best_of, n; for tool_choice, "none"; for thinking_token_budget, -1 (unlimited)."""
+    best_of, n; for tool_choice, "none"; tools with tool_choice "none"; for thinking_token_budget, -1 (unlimited)."""
     value = getattr(req, name)
     if value is None or (isinstance(value, (str, list, dict)) and not value):
         return True
@@ -84,6 +84,8 @@ def is_neutral(req, name: str) -> bool:
         return value == req.n
     if name == "tool_choice":
         return value == "none"
+    if name == "tools":                 # (non-empty) only for the chat template, as vLLM with tool_choice "none"
+        return getattr(req, "tool_choice", None) == "none"
     if name == "thinking_token_budget":
         return value == -1
     if name == "repetition_detection":

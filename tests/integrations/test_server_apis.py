@@ -272,6 +272,43 @@ def test_responses_are_not_stored(client):
         assert r.status_code == 404 and r.json()["error"]["message"] == "Response with id 'resp_abc' not found."
 
 
+# --- tools with tool_choice "none": the template sees them, the answer is text (vLLM's, all three APIs) ---
+
+TOOL_TEMPLATE = ("{% for t in tools or [] %}{{ t['function']['name'] }} {% endfor %}"
+                 "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}w9{% endif %}")
+
+
+def test_tools_with_tool_choice_none_reach_the_template():
+    tok = chat_word_tokenizer()
+    tok.chat_template = TOOL_TEMPLATE
+    tool = {"type": "function", "function": {"name": "w7", "parameters": {"type": "object"}}}
+    messages = [{"role": "user", "content": "w10 w11"}]
+    app = create_app(make_model("llama"), tok, served_model_name=MODEL, **KNOBS)
+    with TestClient(app) as c:
+        with_tool = chat(c, messages, max_tokens=3, tools=[tool], tool_choice="none")
+        assert with_tool["usage"]["prompt_tokens"] == 4                     # w7 w10 w11 w9
+        assert with_tool["choices"][0]["message"]["content"] != ""
+        counted = c.post("/tokenize", json={"messages": messages, "tools": [tool]}).json()
+        assert counted["tokens"] == [7, 10, 11, 9]
+        for choice in ("auto", "required", None):
+            r = c.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "tools": [tool],
+                                                     **({"tool_choice": choice} if choice else {})})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.json()
+        r = c.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "tools": [{"name": "w7"}],
+                                                 "tool_choice": "none"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tools.0"
+        anthropic = c.post("/v1/messages", json={"model": MODEL, "max_tokens": 3, "messages": messages, **GREEDY,
+                                                 "tools": [{"name": "w7", "input_schema": {"type": "object"}}],
+                                                 "tool_choice": {"type": "none"}}).json()
+        assert anthropic["usage"]["input_tokens"] == 4
+        assert anthropic["content"][0]["text"] == with_tool["choices"][0]["message"]["content"]
+        responses = c.post("/v1/responses", json={"model": MODEL, "max_output_tokens": 3, "input": messages, **GREEDY,
+                                                   "tools": [{"type": "function", "name": "w7", "parameters": {}}],
+                                                   "tool_choice": "none"}).json()
+        assert responses["usage"]["input_tokens"] == 4 and responses["tools"][0]["name"] == "w7"
+        assert responses["output"][0]["content"][0]["text"] == anthropic["content"][0]["text"]
+
+
 # --- SageMaker's /invocations ---
 
 def test_invocations_route_by_body(client):

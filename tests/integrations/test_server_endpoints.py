@@ -63,7 +63,7 @@ def test_lm_eval_remote_tokenizer_reads_the_server():
 @pytest.mark.parametrize("path, body, status, param", [
     ("/tokenize", {"model": "other", "prompt": "w3"}, 404, "model"),
     ("/tokenize", {"prompt": 3}, 400, "prompt"),
-    ("/tokenize", {"messages": MESSAGES, "tools": [{"type": "function"}]}, 400, "tools"),
+    ("/tokenize", {"messages": MESSAGES, "tools": [{"type": "function"}]}, 400, "tools.0"),
     ("/tokenize", {"messages": MESSAGES, "continue_final_message": True}, 400, "continue_final_message"),
     ("/detokenize", {"tokens": [3, VOCAB]}, 400, "tokens"),
     ("/detokenize", {"tokens": ["w3"]}, 400, "tokens.0"),
