@@ -204,6 +204,7 @@ def test_responses_answer_the_converted_chat(client):
     assert got["usage"]["input_tokens"] == expected["usage"]["prompt_tokens"] and got["usage"]["output_tokens"] == 6
     assert got["usage"]["total_tokens"] == expected["usage"]["total_tokens"]
     assert got["max_output_tokens"] == 6 and got["temperature"] == 0 and got["instructions"] == "w5"
+    assert got["top_p"] == 1.0 and got["tool_choice"] == "none" and got["tools"] == [] and got["store"] is False
 
 
 def test_responses_text_input_logprobs_and_completed_status(client):
