@@ -65,12 +65,14 @@ def check_ids(state: ServerState, ids: list[int], param: str) -> list[int]:
 
 
 def truncated(req, ids: list[int], max_model_len: int) -> list[int]:
-    """vLLM's truncate_prompt_tokens (-1: the model's context): the last k tokens, or the first k with
-    truncation_side "right"."""
+    """vLLM's truncate_prompt_tokens: the last k tokens, or the first k with truncation_side "right". -1 is the
+    model's context less one token, the room for one new token, where the request asks for new tokens
+    (max_tokens given and not 0), else the whole context (vLLM's ``max_truncation_tokens``)."""
     k = req.truncate_prompt_tokens
     if k is None:
         return ids
-    k = max_model_len if k == -1 else k
+    if k == -1:
+        k = max_model_len - 1 if requested_max_tokens(req) else max_model_len
     if len(ids) <= k:
         return ids
     return ids[:k] if req.truncation_side == "right" else ids[-k:]

@@ -268,6 +268,26 @@ def test_responses_refusals(client, body, status, param):
     assert r.status_code == status and r.json()["error"]["param"] == param, r.json()
 
 
+def test_truncation_auto_leaves_room_for_a_token(client):
+    """vLLM's truncate_prompt_tokens -1 (the Responses API's truncation "auto"): the context less one token where
+    new tokens are asked, the whole context for an echo of max_tokens 0 (lm-eval's loglikelihood windows)."""
+    context = client.get("/v1/models").json()["data"][0]["max_model_len"]
+    long = " ".join(f"w{3 + i % 200}" for i in range(context + 40))
+    got = client.post("/v1/responses", json={"model": MODEL, "input": long, "max_output_tokens": 5, **GREEDY,
+                                             "truncation": "auto"})
+    assert got.status_code == 200, got.json()
+    got = got.json()
+    assert got["usage"]["input_tokens"] == context - 1 and got["usage"]["output_tokens"] == 1
+    assert got["status"] == "incomplete"
+    r = client.post("/v1/responses", json={"model": MODEL, "input": long, "max_output_tokens": 5})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_too_long"
+    r = chat(client, [{"role": "user", "content": long}], max_tokens=5, truncate_prompt_tokens=-1)
+    assert r["usage"]["prompt_tokens"] == context - 1 and r["choices"][0]["finish_reason"] == "length"
+    echo = client.post("/v1/completions", json={"model": MODEL, "prompt": long, "max_tokens": 0, "echo": True,
+                                                "truncate_prompt_tokens": -1}).json()
+    assert echo["usage"]["prompt_tokens"] == context
+
+
 def test_responses_are_not_stored(client):
     for r in (client.get("/v1/responses/resp_abc"), client.post("/v1/responses/resp_abc/cancel")):
         assert r.status_code == 404 and r.json()["error"]["message"] == "Response with id 'resp_abc' not found."
