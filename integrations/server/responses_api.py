@@ -3,7 +3,8 @@
 both answer 404, as vLLM's do). Clients: ``client.responses.create`` of the ``openai`` SDK, and agents written
 against it. A request becomes a chat completion as vLLM renders it (``to_chat``): ``instructions`` as the first
 system message, ``input`` (a text: one user message; or items: messages whose text parts are joined, an
-assistant item's first part taken, reasoning items dropped) in order; a last assistant item that is
+assistant item's first part taken, a reasoning item an assistant turn of its own unless folded into the assistant
+message next to it, as vLLM's) in order; a last assistant item that is
 ``in_progress`` or ``incomplete`` is continued rather than answered; ``max_output_tokens`` as max_tokens;
 ``text.format`` as a ``response_format``; ``include: ["message.output_text.logprobs"]`` with ``top_logprobs`` as
 chat logprobs; ``reasoning.effort`` as ``reasoning_effort``; ``truncation: "auto"`` as truncate_prompt_tokens
@@ -123,14 +124,34 @@ class ResponsesRequest(Body):
     request_id: Optional[str] = None           # vLLM's: the response's id when given
 
 
-def _item_message(item: InputItem, i: int) -> dict | None:
-    """The chat message of input item ``i`` (None: a reasoning item, dropped)."""
+def input_messages(items: list[InputItem]) -> list[dict]:
+    """The chat messages of the input items, as vLLM's ``construct_chat_messages_with_tool_call`` makes them: a
+    reasoning item is an assistant turn (its text is not the template's content), folded into the assistant
+    message just before it, else opening one that the next assistant message's text fills."""
+    messages, thinking = [], []         # thinking[k]: message k is an assistant turn that holds a reasoning item
+    for i, item in enumerate(items):
+        before = len(messages) and messages[-1]["role"] == "assistant"
+        if (item.type or "message") == "reasoning":
+            if item.encrypted_content:
+                raise ApiError(400, "encrypted reasoning content is not supported", param=f"input.{i}")
+            if not (before and not thinking[-1]):
+                messages.append({"role": "assistant", "content": None})
+                thinking.append(True)
+            thinking[-1] = True
+            continue
+        message = _item_message(item, i)
+        if message["role"] == "assistant" and before and messages[-1]["content"] is None:
+            messages[-1]["content"] = message["content"]
+            continue
+        messages.append(message)
+        thinking.append(False)
+    return messages
+
+
+def _item_message(item: InputItem, i: int) -> dict:
+    """The chat message of input item ``i`` (not a reasoning item)."""
     kind = item.type or "message"
     where = f"input.{i}"
-    if kind == "reasoning":
-        if item.encrypted_content:
-            raise ApiError(400, "encrypted reasoning content is not supported", param=where)
-        return None
     if kind in TOOL_ITEMS:
         raise ApiError(400, f"{where} is a {kind!r} item: tool calling is not supported by this server (vLLM "
                             "parses tool calls with model-specific parsers); send the text as a message", param=where)
@@ -168,10 +189,10 @@ def to_chat(req: ResponsesRequest, state) -> ChatCompletionRequest:
     if req.input == []:
         raise ApiError(400, "input is an empty list: give a text or at least one message item", param="input")
     items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else \
-        [m for m in (_item_message(item, i) for i, item in enumerate(req.input)) if m is not None]
+        input_messages(req.input)
     messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + items
     last = None if isinstance(req.input, str) or not req.input else req.input[-1]
-    partial = last is not None and (last.type or "message") == "message" and last.role == "assistant" \
+    partial = last is not None and ((last.type or "message") == "reasoning" or last.role == "assistant") \
         and last.status in ("in_progress", "incomplete")
     chat = {name: getattr(req, name) for name in PASSED}
     if req.tools:                      # tool_choice "none": the template sees them in chat's form, as vLLM's

@@ -207,6 +207,33 @@ def test_responses_answer_the_converted_chat(client):
     assert got["top_p"] == 1.0 and got["tool_choice"] == "none" and got["tools"] == [] and got["store"] is False
 
 
+ROLE_TEMPLATE = "{% for m in messages %}{{ m['role'] }} {{ m['content'] or '' }} {% endfor %}w9"
+
+
+@pytest.mark.parametrize("items, chat_messages", [
+    ([{"role": "user", "content": "w10"}, {"type": "reasoning", "summary": []}, {"role": "user", "content": "w11"}],
+     [{"role": "user", "content": "w10"}, {"role": "assistant", "content": ""}, {"role": "user", "content": "w11"}]),
+    ([{"role": "user", "content": "w10"}, {"type": "reasoning", "summary": []},
+      {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "w12"}]},
+      {"role": "user", "content": "w11"}],
+     [{"role": "user", "content": "w10"}, {"role": "assistant", "content": "w12"}, {"role": "user", "content": "w11"}]),
+    ([{"role": "user", "content": "w10"}, {"role": "assistant", "content": "w12"}, {"type": "reasoning", "summary": []},
+      {"type": "reasoning", "summary": []}, {"role": "user", "content": "w11"}],
+     [{"role": "user", "content": "w10"}, {"role": "assistant", "content": "w12"}, {"role": "assistant", "content": ""},
+      {"role": "user", "content": "w11"}]),
+])
+def test_responses_reasoning_items_are_assistant_turns(items, chat_messages):
+    """vLLM's rule: a reasoning item folds into the assistant message before it, else opens an assistant turn
+    that the next assistant message fills (the template sees the turn even when it stays empty)."""
+    tok = chat_word_tokenizer()
+    tok.chat_template = ROLE_TEMPLATE                      # each role is a token ("<pad>"): turns are counted
+    app = create_app(make_model("llama"), tok, served_model_name=MODEL, **KNOBS)
+    with TestClient(app) as c:
+        got = c.post("/v1/responses", json={"model": MODEL, "input": items, "max_output_tokens": 1}).json()
+        expected = c.post("/tokenize", json={"messages": chat_messages}).json()
+        assert got["usage"]["input_tokens"] == expected["count"], (got, expected)
+
+
 def test_responses_text_input_logprobs_and_completed_status(client):
     body = {"model": MODEL, "input": "w10 w11", "max_output_tokens": 4, **GREEDY,
             "include": ["message.output_text.logprobs"], "top_logprobs": 2}
