@@ -1,18 +1,18 @@
 """Anthropic's Messages API, as vLLM serves it: ``POST /v1/messages`` and ``POST /v1/messages/count_tokens``
 (clients: the ``anthropic`` SDK, Claude Code and agents written against it, pointed at this server).
 
-A request becomes a chat completion the way vLLM converts it (``to_chat``): the top-level ``system`` (its
-text blocks joined, Claude Code's per-request ``x-anthropic-billing-header`` block left out) as the first
-system message; ``system`` messages in the list kept in place, or merged into the first one where the chat
-template takes a system message only first (vLLM renders [system, user, system, user] to find out); text
-blocks as text parts; ``thinking`` blocks of earlier answers dropped (no reasoning parser here);
-``stop_sequences`` as ``stop``; ``output_config.format`` as a JSON-schema ``response_format``;
-``thinking: {"type": "disabled"}`` as ``reasoning_effort: "none"``; ``tools`` with ``tool_choice: {"type":
-"none"}`` handed to the chat template in OpenAI's form. Other tool use, tool results and images are refused by
-name, as the chat endpoint refuses them. The answer is Anthropic's message (``stop_reason`` end_turn /
-max_tokens / stop_sequence) or its event stream (message_start, one text block's start, deltas and stop,
-message_delta with the stop reason and usage, message_stop). Errors answer Anthropic's body
-``{"type": "error", "error": {"type", "message"}}``.
+A request becomes a chat completion the way vLLM converts it (``to_chat``): the top-level ``system`` (its text
+blocks joined, Claude Code's per-request ``x-anthropic-billing-header`` block left out) as the first system
+message; ``system`` messages in the list kept in place, or merged into the first one where the chat template
+takes a system message only first (vLLM renders [system, user, system, user] to find out); text blocks as text
+parts; ``thinking`` blocks of earlier answers dropped (no reasoning parser here); ``stop_sequences`` as
+``stop``; ``output_config.format`` as a JSON-schema ``response_format``; ``thinking: {"type": "disabled"}`` as
+``reasoning_effort: "none"``; ``tools`` with ``tool_choice: {"type": "none"}`` handed to the chat template in
+OpenAI's form. Other tool use, tool results and images are refused by name, as the chat endpoint refuses them.
+The answer is Anthropic's message (``stop_reason`` end_turn / max_tokens / stop_sequence) or its event stream
+(message_start, one text block's start, deltas and stop (none for an empty text, as vLLM's), message_delta with
+the stop reason and usage, message_stop). Errors answer Anthropic's body ``{"type": "error", "error": {"type",
+"message"}}``.
 """
 from __future__ import annotations
 
@@ -225,20 +225,25 @@ def event(kind: str, body: dict) -> str:
 
 
 async def events(call, message_id: str, model: str):
-    """Anthropic's event stream of one answer (a text block opened at once, as Anthropic's API opens it)."""
+    """Anthropic's event stream of one answer (its text block opened with the first text: an empty answer has
+    none, as vLLM's stream)."""
     try:
         yield event("message_start", {"message": {
             "id": message_id, "type": "message", "role": "assistant", "content": [], "model": model,
             "stop_reason": None, "stop_sequence": None,
             "usage": {"input_tokens": call.prompt_tokens, "output_tokens": 0}}})
-        yield event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
         reason = sequence = None
+        opened = False
         async for d in call.deltas():
             if d.text:
+                if not opened:
+                    opened = True
+                    yield event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
                 yield event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": d.text}})
             if d.reason:
                 reason, sequence = stop_reason(d.reason, d.stop_reason)
-        yield event("content_block_stop", {"index": 0})
+        if opened:
+            yield event("content_block_stop", {"index": 0})
         yield event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
                                       "usage": usage(call)})
         yield event("message_stop", {})

@@ -71,6 +71,7 @@ class ApiCall:
         self.echoed: set[int] = set()                    # prompts whose echo went out
         self.prompt_logprobs: dict[int, list] = {}       # prompt -> its entries, as the engine sent them
         self.prompt_tokens = sum(len(p) for p in prompts)
+        self.cached_tokens = [0] * len(prompts)          # per prompt: its tokens the prefix cache held (when done)
         self.completion_tokens = 0
         self.choice_tokens = [0] * (len(prompts) * self.n)     # completion tokens per choice
         self.params = params
@@ -122,6 +123,8 @@ class ApiCall:
                     raise ApiError(400, value, param="prompt")
                 if kind == "fault":                      # the server's fault, not the request's
                     raise ApiError(500, value, code="engine_error")
+                if value is not None:
+                    self.cached_tokens[i] = max(self.cached_tokens[i], value.num_cached_tokens)
                 pending -= 1
                 for j in range(j0, j0 + self.handles[i, j0].params.num_return_sequences):
                     if (i, j) not in self.done:          # sequences that ended without an event (cancelled)

@@ -11,7 +11,8 @@ chat logprobs; ``reasoning.effort`` as ``reasoning_effort``; ``truncation: "auto
 -1; function ``tools`` with ``tool_choice: "none"`` as chat's (the template sees them); vLLM's sampling fields
 as they are. ``store`` has no effect (vLLM's default); ``previous_response_id`` answers 404 and ``background``
 400, as vLLM's do without ``VLLM_ENABLE_RESPONSES_API_STORE``. Other tool use, tool items and images are refused
-by name. The answer is one ``message`` output item with one ``output_text`` part, ``status`` "incomplete" with
+by name. The answer is one ``message`` output item with one ``output_text`` part (none for an empty text,
+and streamed no item at all, as vLLM's), ``status`` "incomplete" with
 ``incomplete_details.reason`` "max_output_tokens" where the length ended it, or the event stream vLLM sends
 (response.created, .in_progress, .output_item.added, .content_part.added, .output_text.delta...,
 .output_text.done, .content_part.done, .output_item.done, response.completed).
@@ -230,7 +231,8 @@ class Answer:
         defaults = state.defaults
         self.temperature = chat.temperature if chat.temperature is not None else defaults.temperature
         self.top_p = chat.top_p if chat.top_p is not None else defaults.top_p
-        self.max_tokens = call.params.max_new_tokens
+        # what the engine runs at most: max_tokens, trimmed to the room the prompt leaves (vLLM's answer too)
+        self.max_tokens = min(call.params.max_new_tokens, state.max_model_len - call.prompt_tokens)
         self.logprobs = req.top_logprobs if chat.logprobs else None
 
     def body(self, status: str, output: list, usage: dict | None) -> dict:
@@ -248,7 +250,8 @@ class Answer:
 
     def usage(self) -> dict:
         u = self.call.usage()
-        return {"input_tokens": u["prompt_tokens"], "input_tokens_details": {"cached_tokens": 0},
+        cached = sum(self.call.cached_tokens)          # prompt tokens the prefix cache held
+        return {"input_tokens": u["prompt_tokens"], "input_tokens_details": {"cached_tokens": cached},
                 "output_tokens": u["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": u["total_tokens"]}
 
@@ -278,7 +281,8 @@ async def create(request: Request):
     if answer.logprobs is not None:
         fmt = formatter(call)
         logprobs = fmt.chat([t for d in got.deltas[0] for t in d[0]], [e for d in got.deltas[0] for e in d[1]])
-    output = [answer.item("completed", [answer.part(got.texts[0], logprobs)])]
+    text = got.texts[0]
+    output = [answer.item("completed", [answer.part(text, logprobs)] if text else [])]      # (vLLM's: no part)
     return JSONResponse(answer.body(_status(got.reasons[0]), output, answer.usage()))
 
 
@@ -296,21 +300,25 @@ async def events(answer: Answer):
         opening = answer.body("in_progress", [], None)
         yield event("response.created", response=opening)
         yield event("response.in_progress", response=opening)
-        yield event("response.output_item.added", output_index=0, item=answer.item("in_progress", []))
-        yield event("response.content_part.added", **where, part=answer.part("", []))
         fmt, text, logprobs, reason = formatter(call), "", [], None
         async for d in call.deltas():
             reason = d.reason or reason
-            if d.text:
-                chunk = fmt.chat(d.tokens, d.entries) if answer.logprobs is not None else []
-                text, logprobs = text + d.text, logprobs + chunk
-                yield event("response.output_text.delta", **where, delta=d.text, logprobs=chunk)
-        part = answer.part(text, logprobs if answer.logprobs is not None else None)
-        yield event("response.output_text.done", **where, text=text, logprobs=logprobs)
-        yield event("response.content_part.done", **where, part=part)
-        item = answer.item("completed", [part])
-        yield event("response.output_item.done", output_index=0, item=item)
-        yield event("response.completed", response=answer.body(_status(reason), [item], answer.usage()))
+            if not d.text:
+                continue
+            if not text:               # the item opens with the first text (an empty answer has none: vLLM's)
+                yield event("response.output_item.added", output_index=0, item=answer.item("in_progress", []))
+                yield event("response.content_part.added", **where, part=answer.part("", []))
+            chunk = fmt.chat(d.tokens, d.entries) if answer.logprobs is not None else []
+            text, logprobs = text + d.text, logprobs + chunk
+            yield event("response.output_text.delta", **where, delta=d.text, logprobs=chunk)
+        output = []
+        if text:
+            part = answer.part(text, logprobs if answer.logprobs is not None else None)
+            yield event("response.output_text.done", **where, text=text, logprobs=logprobs)
+            yield event("response.content_part.done", **where, part=part)
+            output = [answer.item("completed", [part])]
+            yield event("response.output_item.done", output_index=0, item=output[0])
+        yield event("response.completed", response=answer.body(_status(reason), output, answer.usage()))
     except Exception as exc:
         if not isinstance(exc, ApiError):
             log.error("internal error while streaming", exc_info=exc)

@@ -315,6 +315,35 @@ def test_truncation_auto_leaves_room_for_a_token(client):
     assert echo["usage"]["prompt_tokens"] == context
 
 
+def test_an_empty_answer_has_no_part_or_block(client):
+    """An answer cut to no text (its first word is a stop string) has vLLM's shapes: no output_text part (whole)
+    and no item events (streamed) in the Responses API; one empty text block whole and none streamed in Anthropic's."""
+    first = client.post("/v1/responses", json={"model": MODEL, "input": "w10", "max_output_tokens": 2,
+                                               **GREEDY}).json()["output"][0]["content"][0]["text"].split()[0]
+    body = {"model": MODEL, "input": "w10", "max_output_tokens": 2, "stop": [f" {first}"], **GREEDY}
+    whole = client.post("/v1/responses", json=body).json()
+    assert whole["status"] == "completed" and whole["output"][0]["content"] == []
+    events = sse(client.post("/v1/responses", json={**body, "stream": True}).text)
+    assert [e for e, _ in events] == ["response.created", "response.in_progress", "response.completed"]
+    assert events[-1][1]["response"]["output"] == []
+    messages = {"model": MODEL, "max_tokens": 2, "stop_sequences": [f" {first}"], **GREEDY,
+                "messages": [{"role": "user", "content": "w10"}]}
+    got = client.post("/v1/messages", json=messages).json()
+    assert got["content"] == [{"type": "text", "text": ""}] and got["stop_reason"] == "stop_sequence"
+    names = [e for e, _ in sse(client.post("/v1/messages", json={**messages, "stream": True}).text)]
+    assert names == ["message_start", "message_delta", "message_stop"]
+
+
+def test_responses_report_what_runs_and_what_was_cached(client):
+    context = client.get("/v1/models").json()["data"][0]["max_model_len"]
+    prompt = " ".join(f"w{20 + i}" for i in range(40))              # more than two blocks of 16
+    first = client.post("/v1/responses", json={"model": MODEL, "input": prompt, **GREEDY}).json()
+    assert first["max_output_tokens"] == context - first["usage"]["input_tokens"]    # the room the prompt leaves
+    again = client.post("/v1/responses", json={"model": MODEL, "input": prompt, "max_output_tokens": 2, **GREEDY}).json()
+    assert again["max_output_tokens"] == 2
+    assert again["usage"]["input_tokens_details"]["cached_tokens"] >= 32      # the full blocks, from the prefix cache
+
+
 def test_responses_are_not_stored(client):
     for r in (client.get("/v1/responses/resp_abc"), client.post("/v1/responses/resp_abc/cancel")):
         assert r.status_code == 404 and r.json()["error"]["message"] == "Response with id 'resp_abc' not found."
