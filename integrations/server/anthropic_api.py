@@ -24,13 +24,14 @@ import jinja2.ext
 import jinja2.sandbox
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import Field, ValidationError
+from pydantic import Field
 
-from .body import read_json, validation_error
-from .errors import ApiError, log
-from .intake import checked, chat_prompt, start_chat_call
+from .body import read_json
+from .errors import ApiError, as_api_error
+from .intake import chat_prompt, chat_request, start_chat_call
 from .protocol import ChatCompletionRequest
 from .request_parts import Body
+from .vllm_fields import TOOLS
 from .responses import STREAM_HEADERS, collected
 
 BILLING_HEADER = "x-anthropic-billing-header"      # Claude Code's per-request hash (vLLM drops it: prefix caching)
@@ -64,15 +65,45 @@ class AnthropicMessage(Body):
     content: Union[str, list[AnthropicBlock]]
 
 
+class AnthropicTool(Body):
+    name: str
+    description: Optional[str] = None
+    input_schema: dict[str, Any]
+    strict: Optional[bool] = None
+    cache_control: Optional[dict[str, Any]] = None
+
+
+class ToolChoice(Body):
+    type: Literal["auto", "any", "tool", "none"]
+    name: Optional[str] = None
+    disable_parallel_tool_use: Optional[bool] = None
+
+
+class Thinking(Body):
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: Optional[int] = None
+    display: Optional[str] = None
+
+
+class JsonFormat(Body):
+    type: Literal["json_schema"] = "json_schema"
+    schema_: Optional[dict[str, Any]] = Field(None, alias="schema")
+
+
+class OutputConfig(Body):
+    effort: Optional[Literal["low", "medium", "high", "xhigh", "max"]] = None
+    format: Optional[JsonFormat] = None
+
+
 class _Common(Body):
     """The fields count_tokens shares with a message request."""
     model: str = Field(min_length=1)
     messages: list[AnthropicMessage] = Field(min_length=1)
     system: Optional[Union[str, list[AnthropicBlock]]] = None
-    tools: Optional[list[dict[str, Any]]] = None
-    tool_choice: Optional[dict[str, Any]] = None
-    thinking: Optional[dict[str, Any]] = None
-    output_config: Optional[dict[str, Any]] = None
+    tools: Optional[list[AnthropicTool]] = None
+    tool_choice: Optional[ToolChoice] = None
+    thinking: Optional[Thinking] = None
+    output_config: Optional[OutputConfig] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
 
 
@@ -94,9 +125,10 @@ def error_response(exc: ApiError) -> JSONResponse:
 
 
 def _block_text(block: AnthropicBlock, where: str) -> str | None:
-    """A block's text; None for a block that is skipped; refused: tool and media blocks."""
+    """A block's text; None for a block that is skipped (an empty text too, as vLLM's); refused: tool and media
+    blocks."""
     if block.type == "text":
-        return block.text or ""
+        return block.text or None
     if block.type in SKIPPED_BLOCKS:
         return None
     if block.type in TOOL_BLOCKS:
@@ -108,10 +140,16 @@ def _block_text(block: AnthropicBlock, where: str) -> str | None:
 
 
 def _texts(content, where: str, system: bool = False) -> list[str]:
-    if isinstance(content, str):
-        return [content]
-    texts = [_block_text(b, f"{where}.{i}") for i, b in enumerate(content)]
+    """The texts of a message's content (a system message's without Claude Code's billing header)."""
+    texts = [content] if isinstance(content, str) else [_block_text(b, f"{where}.{i}") for i, b in enumerate(content)]
     return [t for t in texts if t is not None and not (system and t.startswith(BILLING_HEADER))]
+
+
+def takes_system_first(state) -> bool:
+    """``system_first`` of the served tokenizer's template, probed once."""
+    if state.system_first is None:
+        state.system_first = system_first(str(getattr(state.tokenizer, "chat_template", None) or ""))
+    return state.system_first
 
 
 def system_first(template: str) -> bool:
@@ -126,18 +164,17 @@ def system_first(template: str) -> bool:
         return True
 
 
-def chat_messages(req: _Common, template: str) -> list[dict]:
+def chat_messages(req: _Common, state) -> list[dict]:
     """The chat messages vLLM's conversion makes of ``req``'s system and messages."""
     system = _texts(req.system, "system", system=True) if req.system else []
-    inline = [i for i, m in enumerate(req.messages) if m.role == "system"]
-    merge = bool(inline) and system_first(template)
+    merge = any(m.role == "system" for m in req.messages) and takes_system_first(state)
     out = []
     for i, m in enumerate(req.messages):
         texts = _texts(m.content, f"messages.{i}.content", system=m.role == "system")
         if m.role == "system":
             if merge:
                 system += texts
-            elif texts:
+            elif "".join(texts):
                 out.append({"role": "system", "content": "".join(texts)})
         elif m.role == "user" and not texts and not isinstance(m.content, str):
             continue                                   # vLLM drops a user turn left without content
@@ -149,37 +186,31 @@ def chat_messages(req: _Common, template: str) -> list[dict]:
 
 def to_chat(req: _Common, state, stream: bool = False) -> ChatCompletionRequest:
     """``req`` as the chat completion vLLM makes of it, checked as the chat endpoint checks one."""
-    chat = {"model": req.model, "messages": chat_messages(req, str(getattr(state.tokenizer, "chat_template", "")))}
+    chat = {"model": req.model, "messages": chat_messages(req, state)}
     if req.tools:
-        if (req.tool_choice or {}).get("type") != "none":
-            raise ApiError(400, "tools are not supported unless tool_choice is {\"type\": \"none\"}: this server has "
-                                "no tool calling (vLLM parses tool calls with model-specific parsers, its "
-                                "--enable-auto-tool-choice --tool-call-parser)", param="tools")
+        if req.tool_choice is None or req.tool_choice.type != "none":
+            raise ApiError(400, f"tools are not supported unless tool_choice is {{\"type\": \"none\"}}: {TOOLS}",
+                           param="tools")
         chat.update(tool_choice="none", tools=[{"type": "function", "function": {   # the template sees them, as vLLM's
-            "name": t.get("name"), "description": t.get("description"), "parameters": t.get("input_schema")}}
-            for t in req.tools])
+            "name": t.name, "description": t.description, "parameters": t.input_schema}} for t in req.tools])
     if req.chat_template_kwargs:
         chat["chat_template_kwargs"] = req.chat_template_kwargs
-    thinking = (req.thinking or {}).get("type")
+    thinking = req.thinking.type if req.thinking else None
     if thinking == "enabled":
         raise ApiError(400, "thinking type 'enabled' (a thinking budget) needs a reasoning parser, which this "
                             "server does not have; leave thinking out or set it 'disabled'", param="thinking.type")
     if thinking == "disabled":
         chat["reasoning_effort"] = "none"
-    config = req.output_config or {}
-    if config.get("effort") is not None:
-        chat["reasoning_effort"] = config["effort"]
-    schema = (config.get("format") or {}).get("schema")
-    if schema is not None:
-        chat["response_format"] = {"type": "json_schema", "json_schema": {"name": "json_schema", "schema": schema}}
+    config = req.output_config
+    if config is not None and config.effort is not None:
+        chat["reasoning_effort"] = config.effort
+    if config is not None and config.format is not None and config.format.schema_ is not None:
+        chat["response_format"] = {"type": "json_schema",
+                                   "json_schema": {"name": "json_schema", "schema": config.format.schema_}}
     if isinstance(req, MessagesRequest):
         chat.update(max_tokens=req.max_tokens, stop=req.stop_sequences, temperature=req.temperature,
                     top_p=req.top_p, top_k=req.top_k, stream=stream)
-    try:
-        converted = ChatCompletionRequest.model_validate({k: v for k, v in chat.items() if v is not None})
-    except ValidationError as exc:
-        raise validation_error(exc) from None
-    return checked(converted, state)
+    return chat_request(chat, state)
 
 
 def stop_reason(reason: str | None, stop: str | int | None) -> tuple[str | None, str | None]:
@@ -196,22 +227,34 @@ def usage(call) -> dict:
     return {"input_tokens": u["prompt_tokens"], "output_tokens": u["completion_tokens"]}
 
 
+# the chat completion's field names in its errors, as this API names them
+PARAMS = {"stop": "stop_sequences", "prompt": "messages", "max_completion_tokens": "max_tokens"}
+
+
+def error_response_of(exc: BaseException, where: str) -> JSONResponse:
+    """Anthropic's error body for any failure of a handler (an unexpected one: 500, logged)."""
+    exc = as_api_error(exc, where)
+    if exc.param in PARAMS:
+        exc.param = PARAMS[exc.param]
+    return error_response(exc)
+
+
 async def messages(request: Request):
     state = request.app.state.server
     try:
         req = await read_json(request, MessagesRequest, state.config.max_body_bytes)
         chat = to_chat(req, state, stream=bool(req.stream))
         call = await start_chat_call(state, chat)
-    except ApiError as exc:
-        return error_response(exc)
+    except Exception as exc:
+        return error_response_of(exc, "on /v1/messages")
     message_id = "msg_" + uuid.uuid4().hex
     if req.stream:
         return StreamingResponse(events(call, message_id, state.name), media_type="text/event-stream",
                                  headers=STREAM_HEADERS)
     try:
         got = await collected(request, call)
-    except ApiError as exc:
-        return error_response(exc)
+    except Exception as exc:
+        return error_response_of(exc, "on /v1/messages")
     if got is None:
         return Response(status_code=499)
     reason, sequence = stop_reason(got.reasons[0], got.stop_reasons[0])
@@ -248,9 +291,7 @@ async def events(call, message_id: str, model: str):
                                       "usage": usage(call)})
         yield event("message_stop", {})
     except Exception as exc:
-        if not isinstance(exc, ApiError):
-            log.error("internal error while streaming", exc_info=exc)
-            exc = ApiError(500, "internal server error")
+        exc = as_api_error(exc)
         yield event("error", {"error": {"type": ERROR_TYPES.get(exc.status, "api_error"), "message": exc.message}})
     finally:
         call.cancel()
@@ -262,6 +303,6 @@ async def count_tokens(request: Request):
     try:
         req = await read_json(request, _Common, state.config.max_body_bytes)
         prompt = await state.off_loop(chat_prompt, state, to_chat(req, state))
-    except ApiError as exc:
-        return error_response(exc)
+    except Exception as exc:
+        return error_response_of(exc, "on /v1/messages/count_tokens")
     return {"input_tokens": len(prompt), "context_management": {"original_input_tokens": len(prompt)}}

@@ -52,12 +52,17 @@ class ApiError(Exception):
         return error_response(self.status, self.message, self.param, self.code, self.headers)
 
 
+def as_api_error(exc: BaseException, where: str = "while streaming") -> ApiError:
+    """``exc`` itself when it is an ApiError, else a 500 that says nothing of it (the error logged)."""
+    if isinstance(exc, ApiError):
+        return exc
+    log.error("internal error %s", where, exc_info=exc)
+    return ApiError(500, "internal server error")
+
+
 def sse_error(exc: BaseException) -> str:
     """The server-sent event that ends a stream failing half-way (the status line went out already)."""
-    if not isinstance(exc, ApiError):
-        log.error("internal error while streaming", exc_info=exc)
-        exc = ApiError(500, "internal server error")
-    return f"data: {json.dumps(exc.body())}\n\n"
+    return f"data: {json.dumps(as_api_error(exc).body())}\n\n"
 
 
 async def _api_error(request, exc: ApiError):

@@ -12,10 +12,11 @@ config's where it sets them (``defaults``); a neutral value leaves its key out.
 from __future__ import annotations
 
 from fastapi import Request
+from pydantic import ValidationError
 
 from hf_paged.engine.settings import resolve_generation
 
-from .body import read_json
+from .body import read_json, validation_error
 from .call import ApiCall, engine_parts
 from .defaults import GREEDY_BELOW
 from .errors import ApiError
@@ -280,6 +281,16 @@ def call_options(req) -> CallOptions:
                        min_tokens=req.min_tokens or 0,
                        continuous_usage=bool(req.stream and req.stream_options and req.stream_options.include_usage
                                              and req.stream_options.continuous_usage_stats))
+
+
+def chat_request(fields: dict, state: ServerState) -> ChatCompletionRequest:
+    """The chat completion another API's request converts to (``fields``; None values left out), validated and
+    checked as the chat endpoint checks one."""
+    try:
+        req = ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+    return checked(req, state)
 
 
 async def start_chat_call(state: ServerState, req: ChatCompletionRequest) -> ApiCall:

@@ -26,14 +26,15 @@ from typing import Any, Literal, Optional, Union
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import Field, ValidationError
+from pydantic import Field
 
-from .body import read_json, validation_error
-from .errors import ApiError, error_response, log
-from .intake import checked, start_chat_call
+from .body import read_json
+from .errors import ApiError, as_api_error, error_response
+from .intake import chat_request, start_chat_call
 from .protocol import ChatCompletionRequest
 from .request_parts import Body, StructuredOutputsParams
 from .responses import STREAM_HEADERS, collected, formatter
+from .vllm_fields import TOOLS
 
 LOGPROBS = "message.output_text.logprobs"
 TEXT_PARTS = ("input_text", "output_text", "text")
@@ -177,9 +178,7 @@ def to_chat(req: ResponsesRequest, state) -> ChatCompletionRequest:
     """``req`` as the chat completion vLLM renders it, checked as the chat endpoint checks one."""
     if req.tools and (req.tool_choice != "none" or any(t.get("type") != "function" for t in req.tools)):
         raise ApiError(400, "tools are not supported unless they are function tools and tool_choice is \"none\" "
-                            "(then the chat template sees them): this server has no tool calling (vLLM parses tool "
-                            "calls with model-specific parsers, its --enable-auto-tool-choice --tool-call-parser)",
-                       param="tools")
+                            f"(then the chat template sees them): {TOOLS}", param="tools")
     if req.previous_response_id is not None:
         raise ApiError(404, f"Response with id '{req.previous_response_id}' not found. (this server stores no "
                             "responses, as vLLM without VLLM_ENABLE_RESPONSES_API_STORE: send the conversation "
@@ -213,11 +212,7 @@ def to_chat(req: ResponsesRequest, state) -> ChatCompletionRequest:
         chat["reasoning_effort"] = req.reasoning.effort
     if req.truncation == "auto":
         chat["truncate_prompt_tokens"] = -1
-    try:
-        converted = ChatCompletionRequest.model_validate({k: v for k, v in chat.items() if v is not None})
-    except ValidationError as exc:
-        raise validation_error(exc) from None
-    return checked(converted, state)
+    return chat_request(chat, state)
 
 
 class Answer:
@@ -266,11 +261,25 @@ def _status(reason: str | None) -> str:
     return "incomplete" if reason == "length" else "cancelled" if reason == "abort" else "completed"
 
 
+def as_input_error(exc: ApiError) -> ApiError:
+    """``exc`` from the chat checks, its field named as this API names it (max_output_tokens, input)."""
+    param = exc.param or ""
+    if param in ("max_tokens", "max_completion_tokens"):
+        return ApiError(exc.status, exc.message.replace(f"{param}=", "max_output_tokens="), "max_output_tokens",
+                        exc.code, exc.headers)
+    if param == "prompt" or param == "messages" or param.startswith("messages."):
+        return ApiError(exc.status, exc.message, "input", exc.code, exc.headers)
+    return exc
+
+
 async def create(request: Request):
     state = request.app.state.server
     req = await read_json(request, ResponsesRequest, state.config.max_body_bytes)
-    chat = to_chat(req, state)
-    call = await start_chat_call(state, chat)
+    try:
+        chat = to_chat(req, state)
+        call = await start_chat_call(state, chat)
+    except ApiError as exc:
+        raise as_input_error(exc) from None
     answer = Answer(req, chat, state, call)
     if req.stream:
         return StreamingResponse(events(answer), media_type="text/event-stream", headers=STREAM_HEADERS)
@@ -320,15 +329,14 @@ async def events(answer: Answer):
             yield event("response.output_item.done", output_index=0, item=output[0])
         yield event("response.completed", response=answer.body(_status(reason), output, answer.usage()))
     except Exception as exc:
-        if not isinstance(exc, ApiError):
-            log.error("internal error while streaming", exc_info=exc)
-            exc = ApiError(500, "internal server error")
+        exc = as_api_error(exc)
         yield event("error", code=exc.code or str(exc.status), message=exc.message, param=exc.param)
     finally:
         call.cancel()
 
 
-async def retrieve(request: Request):
-    """Nothing is stored: every id is unknown (vLLM's answer without its store)."""
+async def not_stored(request: Request):
+    """GET /v1/responses/{id} and its cancel: nothing is stored, every id is unknown (vLLM's answer without its
+    store)."""
     response_id = request.path_params["response_id"]
     return error_response(404, f"Response with id '{response_id}' not found.", param="response_id")

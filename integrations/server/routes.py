@@ -109,8 +109,8 @@ ROUTES = (("GET", "/health", health), ("HEAD", "/health", health), ("GET", "/pin
           ("POST", "/v1/messages", anthropic_api.messages),
           ("POST", "/v1/messages/count_tokens", anthropic_api.count_tokens),
           ("POST", "/v1/responses", responses_api.create),
-          ("GET", "/v1/responses/{response_id}", responses_api.retrieve),
-          ("POST", "/v1/responses/{response_id}/cancel", responses_api.retrieve),
+          ("GET", "/v1/responses/{response_id}", responses_api.not_stored),
+          ("POST", "/v1/responses/{response_id}/cancel", responses_api.not_stored),
           ("POST", "/invocations", invocations))
 
 

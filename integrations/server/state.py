@@ -37,6 +37,8 @@ class ServerState:
     defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
     base: object = None
     created: int = field(default_factory=lambda: int(time.time()))
+    # Whether the chat template takes a system message only first (anthropic_api.system_first): probed once
+    system_first: bool | None = None
     # Tokenizing (chat templates, long prompts) off the event loop, one at a time as vLLM does: a 4 MB prompt
     # took 6-9 s on the loop, stalling every stream and /health meanwhile.
     tokenizing: ThreadPoolExecutor = field(

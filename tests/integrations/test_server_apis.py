@@ -150,6 +150,11 @@ def test_inline_system_messages_kept_or_merged():
     ({"max_tokens": 0, "messages": [{"role": "user", "content": "w3"}]}, 400, "max_tokens"),
     ({"max_tokens": 5, "messages": []}, 400, "messages"),
     ({"max_tokens": 5, "messages": [{"role": "user", "content": "w3"}], "model": "other"}, 404, "other"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": "w3"}], "output_config": {"format": "json"}}, 400,
+     "output_config.format"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": "w3"}], "tool_choice": {"type": "maybe"}}, 400,
+     "tool_choice.type"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": "w3"}], "stop_sequences": [""]}, 400, "stop"),
 ])
 def test_messages_refusals_in_anthropic_errors(client, body, status, words):
     r = client.post("/v1/messages", json={"model": MODEL, **body})
@@ -157,6 +162,36 @@ def test_messages_refusals_in_anthropic_errors(client, body, status, words):
     error = r.json()
     assert error["type"] == "error" and words in error["error"]["message"], error
     assert error["error"]["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
+
+
+def test_thinking_disabled_reaches_the_template():
+    """thinking disabled is vLLM's reasoning_effort "none": a template that reads enable_thinking sees it off."""
+    tok = chat_word_tokenizer()
+    tok.chat_template = "{% if enable_thinking is defined and not enable_thinking %}w4 {% endif %}" + CHAT_TEMPLATE
+    app = create_app(make_model("llama"), tok, served_model_name=MODEL, **KNOBS)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "w10"}]}
+    with TestClient(app) as c:
+        plain = c.post("/v1/messages/count_tokens", json=body).json()["input_tokens"]
+        off = c.post("/v1/messages/count_tokens", json={**body, "thinking": {"type": "disabled"}}).json()
+        assert off["input_tokens"] == plain + 1
+
+
+def test_empty_texts_and_billing_headers_leave_no_turn():
+    """As vLLM's conversion: empty text blocks are dropped (a user turn left without text too, an inline system
+    message without text gives none), and Claude Code's billing header goes from inline system strings too."""
+    tok = chat_word_tokenizer()
+    tok.chat_template = ROLE_TEMPLATE                      # each role is a token: turns are counted
+    app = create_app(make_model("llama"), tok, served_model_name=MODEL, **KNOBS)
+    user = {"role": "user", "content": "w10"}
+    with TestClient(app) as c:
+        def count(messages):
+            return c.post("/v1/messages/count_tokens", json={"model": MODEL, "messages": messages}).json()["input_tokens"]
+        base = count([user])
+        assert count([{"role": "user", "content": [{"type": "text", "text": ""}]}, user]) == base
+        assert count([user, {"role": "system", "content": ""}]) == base
+        assert count([user, {"role": "system", "content": "x-anthropic-billing-header: cch=1"}]) == base
+        assert count([user, {"role": "system", "content": [{"type": "text", "text": ""}]}]) == base
+        assert count([{"role": "user", "content": [{"type": "text", "text": "w10"}, {"type": "text", "text": ""}]}]) == base
 
 
 def test_thinking_disabled_and_earlier_thinking_blocks_accepted(client):
@@ -289,6 +324,9 @@ def test_responses_stream_events(client):
      "structured_outputs"),
     ({"input": "w3", "max_output_tokens": 0}, 400, "max_output_tokens"),
     ({"input": "w3", "model": "other"}, 404, "model"),
+    ({"input": "w3", "max_output_tokens": 10**6}, 400, "max_output_tokens"),
+    ({"input": " ".join(["w3"] * 600), "max_output_tokens": 5}, 400, "input"),
+    ({"input": [{"role": "tool", "content": "w3"}]}, 400, "input"),
 ])
 def test_responses_refusals(client, body, status, param):
     r = client.post("/v1/responses", json={"model": MODEL, **body})
