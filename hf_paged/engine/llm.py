@@ -134,8 +134,9 @@ class LLM:
         """Run every prompt to the end; one RequestOutput per prompt, in input order. Logs the stats.
 
         A request that fails alone (e.g. a prompt longer than the model's context, or prompt + max new tokens
-        over the pool; a sequence reaching the context's end just stops there, "length") does not raise: its output has ``error`` (the message) and ``finish_reason == "error"``, no
-        outputs, and ``outputs[0]`` / ``sequences`` raise RuntimeError with that message."""
+        over the pool; a sequence reaching the context's end just stops there, "length") does not raise: its
+        output has ``error`` (the message) and ``finish_reason == "error"``, no outputs, and ``outputs[0]`` /
+        ``sequences`` raise RuntimeError with that message."""
         with self._owned():
             for _ in self.stream(prompts, settings, on_token=on_token, use_tqdm=use_tqdm, **common):
                 pass

@@ -293,11 +293,16 @@ def chat_request(fields: dict, state: ServerState) -> ChatCompletionRequest:
     return checked(req, state)
 
 
+async def api_call(state: ServerState, req, prompts: list[list[int]], texts=None) -> ApiCall:
+    """The call that runs ``prompts`` with ``req``'s settings (not submitted yet); ``texts``: the prompts' texts
+    an echo answers (None where the ids are decoded)."""
+    params = await sampling_params(state, req, prompts, requested_max_tokens(req))
+    return ApiCall(state.worker, state.tokenizer, prompts, params, call_options(req), texts)
+
+
 async def start_chat_call(state: ServerState, req: ChatCompletionRequest) -> ApiCall:
     """A checked chat request's prompt tokenized, its settings resolved and its engine requests submitted
     (the APIs answered through chat completions: Anthropic's Messages, OpenAI's Responses)."""
-    prompt = await state.off_loop(chat_prompt, state, req)
-    params = await sampling_params(state, req, [prompt], requested_max_tokens(req))
-    call = ApiCall(state.worker, state.tokenizer, [prompt], params, call_options(req))
+    call = await api_call(state, req, [await state.off_loop(chat_prompt, state, req)])
     call.submit()
     return call

@@ -9,10 +9,8 @@ from pydantic import BaseModel, ConfigDict
 
 from . import anthropic_api, responses_api
 from .body import parse, read_body
-from .call import ApiCall
 from .errors import ApiError, error_response
-from .intake import (call_options, chat_echo, checked, chat_prompt, completion_prompts, echo_texts, read_request,
-                     requested_max_tokens, sampling_params)
+from .intake import api_call, chat_echo, chat_prompt, checked, completion_prompts, echo_texts, read_request
 from .metrics import CONTENT_TYPE_LATEST
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .responses import CHAT, COMPLETION, Reply, respond
@@ -95,8 +93,7 @@ async def invocations(request: Request):
 async def answer(request: Request, state: ServerState, req, prompts: list[list[int]], shape, texts=None):
     """Run ``prompts`` with ``req``'s settings and answer in ``shape`` (whole or streamed); ``texts``: the
     prompts' texts an echo answers (None where the ids are decoded)."""
-    params = await sampling_params(state, req, prompts, requested_max_tokens(req))
-    call = ApiCall(state.worker, state.tokenizer, prompts, params, call_options(req), texts)
+    call = await api_call(state, req, prompts, texts)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     return await respond(request, call, Reply(shape, state.name), req.stream, include_usage)
 
