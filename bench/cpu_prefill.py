@@ -88,7 +88,7 @@ def build_baseline(ref: str):
     for name, text in texts.items():
         (folder / name).write_text(text)
     cpp_extension.load(name=f"hf_paged_cpu_base_{digest}", sources=[str(folder / n) for n in cpu_backend.SOURCES],
-                       extra_cflags=flags, extra_ldflags=cpp_build.LDFLAGS, is_python_module=False)
+                       extra_cflags=list(flags), extra_ldflags=list(cpp_build.LDFLAGS), is_python_module=False)
     return getattr(torch.ops, BASE_NAMESPACE).paged_attention
 
 
