@@ -87,11 +87,12 @@ struct Scratch {
   std::vector<float> q, qt, acc, m, l, corr, lo, hi, kbuf, vbuf, scores, row;
   std::vector<uint32_t> qt2;              // [D/2][R] bf16 query pairs (score_block_bf16)
   std::vector<TileBlock> blocks;
+  std::vector<const float*> key_rows;     // the key tile's [D] rows, key by key across its blocks (score_tile)
   Scratch(int64_t queries, int64_t head_dim, int64_t block_size)
       : rows(pad(queries)), tile_keys(std::max(kTileKeys, block_size)), q(rows * head_dim), qt(head_dim * rows),
         acc(rows * head_dim), m(rows), l(rows), corr(rows), lo(rows), hi(rows), kbuf(tile_keys * head_dim),
         vbuf(tile_keys * head_dim), scores(tile_keys * rows), row(head_dim), qt2(head_dim / 2 * rows),
-        blocks(tile_keys / block_size) {}
+        blocks(tile_keys / block_size), key_rows(tile_keys) {}
   static int64_t pad(int64_t n) { return (n + kRowStep - 1) / kRowStep * kRowStep; }
 };
 
@@ -432,6 +433,7 @@ void chunk_item(Scratch& s, TileCache& cache, const Geometry& g, const Tiles& ti
       block_tiles(tiles, cache, h, block, g.num_blocks, keys, head_dim, true, b == own,
                   s.kbuf.data() + n * head_dim, s.vbuf.data() + n * head_dim, k, v);
       s.blocks[nb] = TileBlock{k, v, keys};
+      for (int64_t j = 0; j < keys; ++j) s.key_rows[n + j] = k + j * head_dim;
       n += keys;
     }
     const bool masked = tile_bounds(s, g, t0, count, b0 * g.block_size, n, vectors);
@@ -442,17 +444,14 @@ void chunk_item(Scratch& s, TileCache& cache, const Geometry& g, const Tiles& ti
     for (int64_t r0 = 0; r0 < vectors; r0 += kRowStep) {
       simd::V scored_max[2] = {simd::set1(-std::numeric_limits<float>::infinity()),
                                simd::set1(-std::numeric_limits<float>::infinity())};
-      for (int64_t b = 0, at = 0; b < nb; at += s.blocks[b].keys, ++b) {
 #if defined(__AVX512BF16__)
-        if (dot) {
+      if (dot) {
+        for (int64_t b = 0, at = 0; b < nb; at += s.blocks[b].keys, ++b)
           score_block_bf16(s.blocks[b].kbits, s.blocks[b].keys, s.qt2.data(), head_dim, rows, r0, g.scale,
                            s.scores.data() + at * rows, scored_max);
-          continue;
-        }
+      } else
 #endif
-        score_block(s.blocks[b].k, s.blocks[b].keys, s.qt.data(), head_dim, rows, r0, s.scores.data() + at * rows,
-                    scored_max);
-      }
+        score_tile(s.key_rows.data(), n, s.qt.data(), head_dim, rows, r0, s.scores.data(), scored_max);
       softmax_rows(s.scores.data(), n, rows, r0, std::min(r0 + kRowStep, vectors), state, masked, scored_max);
     }
     value_tile(s.acc.data(), s.corr.data(), s.scores.data(), rows, s.blocks.data(), nb, live, head_dim);
