@@ -82,3 +82,19 @@ def test_no_import_cycles():
     for node in sorted(graph):
         if not state.get(node):
             visit(node)
+
+
+def test_the_kernel_folder_leaves_nvidias_cuda_namespace_importable(tmp_path):
+    """From the repository root, ``cuda/`` (our kernel sources, installed as ``hf_paged.cuda``) is also the
+    top-level ``cuda``: it must not hide NVIDIA's namespace package of that name (``cuda.pathfinder``, which
+    CuPy 14 imports on import; ``cuda.bindings``). A stand-in portion later on sys.path stays importable."""
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    (tmp_path / "cuda" / "pathfinder").mkdir(parents=True)             # a namespace portion, as NVIDIA's
+    (tmp_path / "cuda" / "pathfinder" / "__init__.py").write_text("FOUND = True\n")
+    code = ("import sys; sys.path[:0] = [sys.argv[1], sys.argv[2]]; import cuda.pathfinder; "
+            "assert cuda.pathfinder.FOUND; import hf_paged.cuda")
+    done = subprocess.run([sys.executable, "-c", code, str(ROOT), str(tmp_path)], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
