@@ -3,14 +3,18 @@ environment switches that steer them.
 
 ``build_extension`` compiles, or loads from torch's extension cache (``$TORCH_EXTENSIONS_DIR``, default
 ``~/.cache/torch_extensions``), one extension under a name that hashes its sources, headers, flags, torch's
-and Python's versions and the CPU's features. Three things it guards against that torch's loader does not:
+and Python's versions and the CPU's features. Four things it guards against that torch's loader does not:
 a cached library cut short (a full disk, a killed link: torch loads it and the process dies of SIGBUS) is
-found by its ELF header and built again; the key's flags are never handed to torch as a list it may extend
+found by its ELF header and built again; a build killed while it held torch's lock file (SIGKILL, a notebook
+kernel restarted, a deadline's kill) left that file behind, and torch then waits for it forever: builds are
+serialised by a kernel lock instead (``flock``, released when its holder dies), under which a torch lock file
+can only be a dead build's, so it is removed; the key's flags are never handed to torch as a list it may extend
 (it appends its own link flags in place, which renamed every later build of the process); and a build that
 failed is not tried again in the same process (each attempt cost a full compile and a warning).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -95,19 +99,58 @@ def _built(prefix: str, sources: tuple[str, ...], headers: tuple[str, ...], flag
     op registry is the process's), and a failed build is not repeated there."""
     from torch.utils import cpp_extension  # noqa: PLC0415  (pulls in setuptools; only when building)
     folder = resources.files("hf_paged.cuda")
-    texts = [(folder / name).read_text() for name in sources + headers]
-    key = "\0".join([*texts, " ".join([*flags, *LDFLAGS]), torch.__version__, sys.version, cpu_features()])
-    name = prefix + hashlib.sha1(key.encode()).hexdigest()[:12]
+    name = build_name(prefix, sources, headers, flags)
     log.info("building or loading %s, %s (built once per machine, 20-60 s on 2 cores; cached by torch)", what, name)
     try:
-        _drop_if_cut_short(name)
-        with resources.as_file(folder) as path:        # the sources include their headers from this folder
+        with _build_lock(name), resources.as_file(folder) as path:   # the sources include their headers from it
+            _drop_if_cut_short(name)
             cpp_extension.load(name=name, sources=[str(path / n) for n in sources], extra_cflags=list(flags),
                                extra_ldflags=list(LDFLAGS), is_python_module=False, verbose=False)
     except Exception as err:    # compiler missing or failing: the caller decides whether to fall back
         return f"could not build {what} ({', '.join(sources)}): {err}"
     log.info("%s loaded", name)
     return None
+
+
+def build_name(prefix: str, sources: tuple[str, ...], headers: tuple[str, ...], flags: tuple[str, ...]) -> str:
+    """The extension's name in torch's cache: ``prefix`` + a hash of its sources, headers, flags, torch's and
+    Python's versions and the CPU's features (a change to any of them is another build)."""
+    folder = resources.files("hf_paged.cuda")
+    texts = [(folder / name).read_text() for name in sources + headers]
+    key = "\0".join([*texts, " ".join([*flags, *LDFLAGS]), torch.__version__, sys.version, cpu_features()])
+    return prefix + hashlib.sha1(key.encode()).hexdigest()[:12]
+
+
+@contextlib.contextmanager
+def _build_lock(name: str):
+    """Hold build ``name``'s kernel lock (``flock`` on a file beside torch's build): one process builds a name at a
+    time, and the lock is released when its holder exits, however it dies. Under it no live process of ours
+    holds torch's lock file (``lock``), so one found there was left by a killed build: removed, or torch would
+    wait on it forever. Without ``fcntl`` (not POSIX) or a build directory torch can tell, torch's lock alone."""
+    from torch.utils import cpp_extension  # noqa: PLC0415
+    handle = None
+    try:
+        import fcntl  # noqa: PLC0415
+        folder = Path(cpp_extension._get_build_directory(name, verbose=False))
+        handle = open(folder / "hf_paged_build.flock", "w")      # noqa: SIM115  (closed below)
+    except Exception:                       # another OS or torch: nothing to lock with
+        pass
+    if handle is None:
+        yield
+        return
+    with handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX)  # waits while another process builds this name
+        except OSError as err:              # a file system without locks: torch's lock alone
+            log.info("no build lock for %s (%s): a killed build's lock file would stay", name, err)
+            yield
+            return
+        stale = folder / "lock"
+        if stale.exists():
+            log.warning("removing %s, left by a build of %s that was killed (torch would wait on it forever)",
+                        stale, name)
+            stale.unlink(missing_ok=True)
+        yield                               # the lock goes with the handle's close (or the process)
 
 
 def _drop_if_cut_short(name: str) -> None:

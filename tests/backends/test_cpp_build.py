@@ -1,7 +1,8 @@
 """The C++ extensions' build guards (hf_paged/backends/cpp_build.py): a cached library cut short is built again
-(torch loaded it and the process died of SIGBUS), the build's name does not depend on what the process built
-before (torch appends its link flags to the list it is given), a failed build is not repeated in a process,
-and the environment switches take one spelling everywhere."""
+(torch loaded it and the process died of SIGBUS), a killed build's lock file does not stop every later load
+(torch waits on it forever), the build's name does not depend on what the process built before (torch appends
+its link flags to the list it is given), a failed build is not repeated in a process, and the environment
+switches take one spelling everywhere."""
 from __future__ import annotations
 
 import shutil
@@ -28,6 +29,24 @@ def test_a_library_cut_short_is_found_and_dropped(tmp_path, monkeypatch):
     cpp_build._drop_if_cut_short("hf_paged_x")
     cpp_build._drop_if_cut_short("hf_paged_y")
     assert not (tmp_path / "hf_paged_x.so").exists() and (tmp_path / "hf_paged_y.so").exists()
+
+
+def test_a_killed_builds_lock_file_is_removed_under_the_build_lock(tmp_path, monkeypatch):
+    """torch's loader waits, even for a library already built, while its `lock` file exists; a build killed
+    while holding it (SIGKILL, a notebook kernel restarted, a deadline) leaves it, and every later load hung."""
+    monkeypatch.setattr(cpp_extension, "_get_build_directory", lambda name, verbose: str(tmp_path))
+    seen = []
+
+    def load(name, **kwargs):                    # torch's loader: its lock file must be gone by now
+        seen.append((tmp_path / "lock").exists())
+
+    monkeypatch.setattr(cpp_extension, "load", load)
+    (tmp_path / "lock").write_text("")           # what a killed build leaves
+    assert cpp_build._built.__wrapped__("hf_paged_test_", ("paged_attention_cpu.cpp",), (), ("-O3",), "x") is None
+    assert seen == [False] and not (tmp_path / "lock").exists()
+    with cpp_build._build_lock("hf_paged_test_"):             # a live build's lock file is its own, kept
+        (tmp_path / "lock").write_text("")
+    assert (tmp_path / "lock").exists()
 
 
 def test_the_build_name_does_not_depend_on_earlier_builds(monkeypatch):
