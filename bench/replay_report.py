@@ -103,9 +103,10 @@ def replay_section(res: dict, pngs: list[str]) -> list[str]:
 
 
 def bars(ax, labels, stats, scale: float = 1.0, horizontal: bool = False) -> None:
-    """Bars at the medians with min–max error bars."""
+    """Bars at the medians with min–max error bars (none for a figure of one run: a median alone)."""
     med = [s["median"] * scale for s in stats]
-    err = [[(s["median"] - s["min"]) * scale for s in stats], [(s["max"] - s["median"]) * scale for s in stats]]
+    err = [[(s["median"] - s.get("min", s["median"])) * scale for s in stats],
+           [(s.get("max", s["median"]) - s["median"]) * scale for s in stats]]
     if horizontal:
         ax.barh(labels, med, xerr=err)
     else:

@@ -159,12 +159,13 @@ def _utilisation_plot(res: dict, plt):
 
 
 def _throughput_plot(res: dict, plt):
-    bars = [(f"{model}/{wname}\n{LABEL[a]}", r[a]["ratio_to_dynamic"]) for model, wls in res.get("throughput", {}).items()
-            for wname, r in wls.items() for a in ORDER if r.get(a, {}).get("ratio_to_dynamic")]
-    if not bars:
+    ratios = [(f"{model}/{wname}\n{LABEL[a]}", r[a]["ratio_to_dynamic"])
+              for model, wls in res.get("throughput", {}).items()
+              for wname, r in wls.items() for a in ORDER if r.get(a, {}).get("ratio_to_dynamic")]
+    if not ratios:
         return None
     fig, ax = plt.subplots(figsize=(7, 3))
-    bars(ax, [k for k, _ in bars], [s for _, s in bars], horizontal=True)
+    bars(ax, [k for k, _ in ratios], [s for _, s in ratios], horizontal=True)
     ax.axvline(1.0, color="k", lw=0.8)
     ax.set_xlabel("generated tokens/s, ratio to DynamicCache (median, min–max)")
     ax.tick_params(labelsize=6)
@@ -222,7 +223,18 @@ def main(argv=None, prog: str = "python -m bench report") -> None:
     p.add_argument("results", nargs="?", type=Path, help="a quick/full results JSON (default: the newest in bench/results)")
     p.add_argument("--out", type=Path, default=None, help="folder for report.md and the PNGs (default: the JSON's)")
     args = p.parse_args(argv)
-    path = args.results or max(RESULTS.glob("[0-9]*.json"))  # quick/full runs: <timestamp>.json
+    runs = sorted(RESULTS.glob("[0-9]*.json"))               # quick/full runs: <timestamp>.json
+    path = args.results or (runs[-1] if runs else None)
+    if path is None or not path.is_file():
+        p.error(f"no results JSON {'at ' + str(path) if path else 'in ' + str(RESULTS)}: give the path of one "
+                "that `python -m bench quick` or `full` wrote")
+    try:
+        res = json.loads(path.read_text())
+    except ValueError as err:
+        p.error(f"{path} is not JSON: {err}")
+    if not isinstance(res, dict) or "meta" not in res:
+        p.error(f"{path} is not a quick/full results JSON (no 'meta'): report rebuilds those only; the other "
+                "commands write their own report beside their JSON")
     out_dir = args.out or path.parent
     out_dir.mkdir(parents=True, exist_ok=True)
-    print(write(json.loads(path.read_text()), out_dir, path.name))
+    print(write(res, out_dir, path.name))
