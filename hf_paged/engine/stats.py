@@ -65,6 +65,22 @@ class EngineStats:
     def as_dict(self) -> dict:
         return asdict(self)
 
+    def since(self, earlier: EngineStats) -> EngineStats:
+        """The counters over the interval from ``earlier`` (a snapshot of the same engine) to this one: running
+        totals subtracted, the rates taken over the interval; the state fields (requests running / waiting,
+        blocks, utilisation) are this snapshot's."""
+        d = {k: v - getattr(earlier, k) if k in RUNNING_TOTALS else v for k, v in self.as_dict().items()}
+        d["prefix_hit_rate"] = d["prefix_hit_tokens"] / d["prefix_query_tokens"] if d["prefix_query_tokens"] else 0.0
+        d["tokens_per_s"] = d["generated_tokens"] / d["wall_s"] if d["wall_s"] else 0.0
+        return EngineStats(**d)
+
+
+# EngineStats' fields that count from the engine's start (EngineStats.since subtracts them).
+RUNNING_TOTALS = frozenset({
+    "requests_finished", "requests_failed", "requests_cancelled", "prefix_query_tokens", "prefix_hit_tokens",
+    "prefix_evictions", "preemptions", "recomputed_tokens", "steps", "computed_tokens", "generated_tokens",
+    "forward_s", "host_s", "wall_s"})
+
 
 def snapshot(c: EngineCounters, pool, blocks_cached: int, requests_running: int, requests_waiting: int,
              bytes_per_token: int) -> EngineStats:

@@ -116,6 +116,12 @@ def test_prefix_cache_second_call_computes_only_new_tokens():
     decode_tokens = len(second) * (settings["max_new_tokens"] - 1)
     assert after["computed_tokens"] - before["computed_tokens"] == new_prompt_tokens + decode_tokens
     assert all(o.num_cached_tokens == cached for o in outs)
+    interval = after.since(before)                  # the second call's own counters
+    assert interval["prefix_hit_tokens"] == cached * len(second) and interval["requests_finished"] == len(second)
+    assert interval["prefix_query_tokens"] == after["prefix_query_tokens"] - before["prefix_query_tokens"]
+    assert interval["prefix_hit_rate"] == interval["prefix_hit_tokens"] / interval["prefix_query_tokens"]
+    assert interval["generated_tokens"] == len(second) * settings["max_new_tokens"]
+    assert 0 < interval["wall_s"] < after["wall_s"] and interval["blocks_used"] == after["blocks_used"]
     plain = generate_many(model, second, enable_prefix_caching=False, **settings)
     assert [o.sequences.tolist() for o in outs] == [o.sequences.tolist() for o in plain]
     assert 0 < after["prefix_hit_rate"] < 1 and after["blocks_cached"] > 0
