@@ -65,7 +65,8 @@ def main(argv=None, prog: str = "python -m bench bf16") -> dict:
           f"bf16 {ppl['bf16']:.4f} ({(ppl['bf16'] / ppl['fp32'] - 1) * 100:+.2f}%)", flush=True)
     inputs = chat_inputs(tok, DEFAULT_PROMPTS)
     prompts = [row[mask.bool()].tolist() for row, mask in zip(inputs["input_ids"], inputs["attention_mask"])]
-    llms = {name: LLM(model, tok) for name, (model, _) in models.items()}
+    # Prefix caching off: the same prompts every round, so a cache would skip most of the timed prefill.
+    llms = {name: LLM(model, tok, enable_prefix_caching=False) for name, (model, _) in models.items()}
     params = dict(max_new_tokens=args.tokens, do_sample=False, ignore_eos=True, use_tqdm=False)
     rates, ratios, tokens = {"fp32": [], "bf16": []}, [], {}
     for r in range(args.rounds + 1):            # round 0 warms both up (kernel builds) and gives the tokens

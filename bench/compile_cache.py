@@ -4,7 +4,8 @@ fused CPU ops: first start (empty cache), warm start (the cache filled by the fi
     python -m bench compile-cache [--model smollm2] [--n 16] [--rounds 3] [--threads 1] [--cache-dir DIR]
 
 Each start runs in a fresh process (``--phase`` cold / warm, spawned by the driver) with
-``TORCHINDUCTOR_CACHE_DIR`` pointing at one directory (emptied before the cold start): the engine is built
+``TORCHINDUCTOR_CACHE_DIR`` pointing at one directory (a fresh temporary one, or ``DIR/hf_paged_compile_cache``,
+emptied before the cold start): the engine is built
 with ``enforce_eager=True`` (inductor cannot lower the prepacked oneDNN weights, and fuses the pointwise ops itself), its runner's model replaced by
 ``torch.compile(model, dynamic=True)``, and the workload's first two requests run once — the start-up
 (Dynamo tracing, and compilation when the cache is cold) is that run's wall time. The warm process then
@@ -77,7 +78,9 @@ def main(argv=None, prog: str = "python -m bench compile-cache") -> dict:
     ap.add_argument("--n", type=int, default=16, help="requests of the ShareGPT-shaped workload")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--cache-dir", default=None, help="the compile cache (default: a fresh temporary directory)")
+    ap.add_argument("--cache-dir", default=None,
+                    help="where the compile cache goes: DIR/hf_paged_compile_cache, emptied before the cold start "
+                         "(default: a fresh temporary directory)")
     ap.add_argument("--phase", choices=["cold", "warm"], help=argparse.SUPPRESS)
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args(argv)
@@ -85,9 +88,12 @@ def main(argv=None, prog: str = "python -m bench compile-cache") -> dict:
     if args.phase:                  # a child: print one JSON line for the driver
         print("RESULT " + json.dumps(phase(args)), flush=True)
         return {}
-    cache = args.cache_dir or tempfile.mkdtemp(prefix="hf_paged_inductor_")
-    shutil.rmtree(cache, ignore_errors=True)
-    os.makedirs(cache)
+    if args.cache_dir:              # a folder of its own inside DIR, emptied; nothing else in DIR is touched
+        cache = os.path.join(args.cache_dir, "hf_paged_compile_cache")
+        shutil.rmtree(cache, ignore_errors=True)
+    else:
+        cache = tempfile.mkdtemp(prefix="hf_paged_inductor_")
+    os.makedirs(cache, exist_ok=True)
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "OMP_NUM_THREADS": str(args.threads)}
     results = {"machine": machine(), "threads": args.threads, "cache_dir": cache}
     for name in ("cold", "warm"):

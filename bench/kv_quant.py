@@ -49,6 +49,7 @@ from .kv_quant_decode import held_out, held_out_table
 from .kv_quant_texts import PROMPT
 
 NAMES = ["auto", "fp8_e4m3", "fp8_e5m2", "int8", "int4", "kivi", "nvfp4"]
+SECTIONS = ["quality", "held-out", "capacity", "speed", "quantized-cache"]
 
 def passages(tokenizer, count: int = 8, tokens: int = 512) -> list[torch.Tensor]:
     """The first ``count`` reference-manual topics (sorted by name) with at least ``tokens`` tokens."""
@@ -373,7 +374,7 @@ def plot(result: dict, path: Path) -> bool:
 
 def main(argv=None, prog: str = "python -m bench kv-quant") -> None:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sections", default="quality,held-out,capacity,speed,quantized-cache")
+    parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of {','.join(SECTIONS)}")
     parser.add_argument("--formats", default=",".join(NAMES), help="kv_cache_dtype values to measure ('auto' first)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (recorded)")
     parser.add_argument("--rounds", type=int, default=3, help="speed: interleaved rounds")
@@ -387,9 +388,18 @@ def main(argv=None, prog: str = "python -m bench kv-quant") -> None:
                         help="speed: no second engine of the first format (the noise control)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
+    sections = [s for s in args.sections.split(",") if s]
+    names = [n for n in args.formats.split(",") if n]
+    unknown = [s for s in sections if s not in SECTIONS]
+    if unknown or not sections:
+        parser.error(f"--sections: unknown {unknown or 'none given'}; choose from {','.join(SECTIONS)}")
+    from hf_paged.kv_formats import KV_CACHE_DTYPES  # noqa: PLC0415
+    unknown = [n for n in names if n not in KV_CACHE_DTYPES]
+    if unknown or not names:
+        parser.error(f"--formats: unknown {unknown or 'none given'}; choose from {','.join(KV_CACHE_DTYPES)}")
+    if args.threads < 1 or args.rounds < 1:
+        parser.error(f"--threads and --rounds must be >= 1 (got {args.threads}, {args.rounds})")
     torch.set_num_threads(args.threads)
-    sections = args.sections.split(",")
-    names = args.formats.split(",")
     from hf_paged.integrations.smollm2 import load_smollm2  # noqa: PLC0415
 
     progress = functools.partial(print, flush=True)

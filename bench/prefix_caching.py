@@ -154,17 +154,24 @@ def main(argv=None, prog: str = "python -m bench prefix") -> None:
     parser.add_argument("--limit", type=int, default=96, help="few-shot questions per round")
     parser.add_argument("--batch-size", type=int, default=8, help="HFLM's batch size")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--only", nargs="*", default=["fewshot", "chat"], choices=["fewshot", "chat"])
+    parser.add_argument("--only", nargs="+", default=["fewshot", "chat"], choices=["fewshot", "chat"])
+    parser.add_argument("--out", type=Path, default=RESULTS, help="folder for prefix-<timestamp>.json")
     args = parser.parse_args(argv)
+    if min(args.rounds, args.limit, args.batch_size, args.threads) < 1:
+        parser.error("--rounds, --limit, --batch-size and --threads must be >= 1")
     import torch
 
     from hf_paged.integrations.smollm2 import load_smollm2
     torch.set_num_threads(args.threads)
     model, tokenizer = load_smollm2(torch.float32)
-    from lm_eval.tasks import TaskManager
-    tasks = TaskManager(include_path=str(_task_dir(args.limit)))
     rounds = {w: {"off": [], "on": []} for w in args.only}
-    _fewshot_round(model, tokenizer, tasks, min(args.limit, args.batch_size), args.batch_size, True)  # warm-up
+    tasks = None
+    if "fewshot" in rounds:                    # lm-eval only for the few-shot workload
+        from lm_eval.tasks import TaskManager
+        tasks = TaskManager(include_path=str(_task_dir(args.limit)))
+        _fewshot_round(model, tokenizer, tasks, min(args.limit, args.batch_size), args.batch_size, True)  # warm-up
+    else:
+        _chat_round(model, tokenizer, True)    # warm-up
     for r in range(args.rounds):               # interleaved: off, on, off, on, ...
         for setting in ("off", "on"):
             if "fewshot" in rounds:
@@ -181,8 +188,9 @@ def main(argv=None, prog: str = "python -m bench prefix") -> None:
                 run["prompt_tokens"] = run["prompt_tokens"] or by_setting["on"][0]["prompt_tokens"]
     table = md_table(["workload", "prefix caching", "wall s, median (min–max)", "in generate s", "prompt tokens prefilled",
                       "same generations as off"], _summary(rounds))
-    path = RESULTS / f"prefix-{stamp()}.json"
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"prefix-{stamp()}.json"
     path.write_text(json.dumps({"machine": machine(), "versions": versions("torch", "transformers", "lm_eval"),
-                                "args": vars(args), "rounds": rounds, "table": table}, indent=1))
+                                "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "rounds": rounds, "table": table}, indent=1))
     print("\n".join(table))
     print(f"[bench prefix] {path}")

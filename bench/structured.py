@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 
 from .common import RESULTS, fmt_spread, machine, md_table, spread, stamp, versions
 
@@ -69,7 +70,10 @@ def main(argv=None, prog: str = "python -m bench structured") -> None:
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=RESULTS, help="folder for structured-<timestamp>.json")
     args = parser.parse_args(argv)
+    if min(args.rounds, args.requests, args.max_new_tokens, args.threads) < 1:
+        parser.error("--rounds, --requests, --max-new-tokens and --threads must be >= 1")
     import torch
 
     from hf_paged.engine import LLM
@@ -102,8 +106,9 @@ def main(argv=None, prog: str = "python -m bench structured") -> None:
                      f"{sum(x['valid'] for x in runs)}/{sum(x['constrained'] for x in runs)}"])
     table = md_table(["constrained", "requests", "ms per output token", "vs none", "output tokens/s",
                       "% of wall in masks", "valid JSON"], rows)
-    path = RESULTS / f"structured-{stamp()}.json"
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"structured-{stamp()}.json"
     path.write_text(json.dumps({"machine": machine(), "versions": versions("torch", "transformers", "llguidance"),
-                                "args": vars(args), "rounds": rounds, "table": table}, indent=1))
+                                "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "rounds": rounds, "table": table}, indent=1))
     print("\n".join(table))
     print(f"[bench structured] {path}")
