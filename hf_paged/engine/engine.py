@@ -80,6 +80,7 @@ class Engine:
                              f"are not what it was trained for. Lower max_model_len, or set {LONG_CONTEXT_ENV}=1 to "
                              "allow it (as vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN)")
         self.max_model_len = config.max_model_len or getattr(text_config, "max_position_embeddings", None) or 2**31
+        self.model_len = None        # the model's own context, where the KV pool lowered max_model_len below it
         self.rope_limit = length_dependent_rope(model)     # requests past it fail alone (never_fits)
         weight = model.get_input_embeddings().weight
         dtype, device = weight.dtype, weight.device
@@ -95,7 +96,7 @@ class Engine:
             log.info("max_model_len %d (the model's) lowered to the %d tokens the KV pool holds (%d blocks of %d); "
                      "raise kv_cache_memory_bytes / gpu_memory_utilization for more", self.max_model_len,
                      blocks * config.block_size, blocks, config.block_size)
-            self.max_model_len = blocks * config.block_size
+            self.model_len, self.max_model_len = self.max_model_len, blocks * config.block_size
         capture = self._graph_capture(device, geometry)
         # With decode graphs the pools get one block more than the block pool manages: the scratch block
         # that the pad rows of a bucket write and read (hf_paged.engine.graphs).
@@ -196,7 +197,7 @@ class Engine:
                                                                       None), self.max_model_len)
         return never_fits(prompt_len, max_new_tokens, params.num_return_sequences, max_model_len=self.max_model_len,
                           max_num_seqs=self.config.max_num_seqs, block_size=self.config.block_size,
-                          num_blocks=self.pool.num_blocks, rope_limit=self.rope_limit)
+                          num_blocks=self.pool.num_blocks, rope_limit=self.rope_limit, model_len=self.model_len)
 
     def add_request(self, prompt, prompt_index: int | None = None, on_token=None, params: SamplingParams | None = None,
                     **settings) -> int:

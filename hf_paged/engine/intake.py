@@ -58,17 +58,22 @@ def _token_id(t) -> int:
 
 
 def never_fits(prompt_len: int, max_new_tokens: int, num_return_sequences: int, *, max_model_len: int,
-               max_num_seqs: int, block_size: int, num_blocks: int, rope_limit: tuple[str, int] | None = None
-               ) -> str | None:
+               max_num_seqs: int, block_size: int, num_blocks: int, rope_limit: tuple[str, int] | None = None,
+               model_len: int | None = None) -> str | None:
     """Why a request of ``prompt_len`` tokens, ``max_new_tokens`` new ones and ``num_return_sequences``
     sequences can never run on this engine (the message names the value, the limit and the knob), or None.
     rope_limit: (rope type, tokens) of a RoPE whose frequencies follow each forward's longest position
-    (``hf_paged.introspect.length_dependent_rope``)."""
+    (``hf_paged.introspect.length_dependent_rope``). model_len: the model's own context where the engine lowered
+    max_model_len to what its KV pool holds (then the pool is the limit named, and its size the knob)."""
     if max_new_tokens < 1:       # generate raises "Input length of input_ids is ..." for these
         return (f"input length of {prompt_len} tokens is >= max_length={prompt_len + max_new_tokens} (prompt + "
                 "new tokens, as model.generate counts it, which raises for this prompt): set max_new_tokens, "
                 "or a larger max_length.")
+    pool = (f"the {max_model_len} tokens the KV pool holds (max_model_len, lowered from the model's {model_len}; "
+            "num_blocks, kv_cache_memory_bytes or, on a GPU, gpu_memory_utilization sets it)") if model_len else None
     if prompt_len > max_model_len:
+        if pool:
+            return f"prompt of {prompt_len} tokens exceeds {pool}. Shorten the prompt or enlarge the pool."
         return (f"prompt of {prompt_len} tokens exceeds the model's context of {max_model_len} tokens "
                 "(max_model_len). Shorten the prompt or raise max_model_len.")
     total = prompt_len + max_new_tokens
@@ -79,6 +84,9 @@ def never_fits(prompt_len: int, max_new_tokens: int, num_return_sequences: int, 
         # ask it (echo, max_tokens=0).
         total = max_model_len
     if total > max_model_len:
+        if pool:
+            return (f"prompt of {prompt_len} tokens + max_new_tokens={max_new_tokens} = {total} tokens exceeds "
+                    f"{pool}. Shorten the prompt, lower max_new_tokens or enlarge the pool.")
         return (f"prompt of {prompt_len} tokens + max_new_tokens={max_new_tokens} = {total} tokens exceeds the "
                 f"model's context of {max_model_len} (max_model_len). Shorten the prompt or lower max_new_tokens.")
     if rope_limit is not None and total > rope_limit[1]:

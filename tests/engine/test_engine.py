@@ -242,6 +242,11 @@ def test_context_is_the_pools_where_it_holds_less_than_the_models():
     assert llm.engine.max_model_len == 32 < model.config.max_position_embeddings
     out = llm.generate([[5, 6, 7]], max_new_tokens=10_000, do_sample=False, ignore_eos=True)[0].outputs[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 29
+    # a prompt past it is refused naming the pool and its knobs, not "raise max_model_len" (which the pool refuses)
+    error = llm.generate([[5] * 40], max_new_tokens=5, do_sample=False, ignore_eos=True)[0].error
+    assert error.startswith("prompt of 40 tokens exceeds the 32 tokens the KV pool holds")
+    assert f"lowered from the model's {model.config.max_position_embeddings}" in error
+    assert "num_blocks, kv_cache_memory_bytes" in error and "raise max_model_len" not in error
 
 
 def test_cancel_mid_way_frees_blocks_and_the_rest_complete():
