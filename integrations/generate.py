@@ -9,6 +9,7 @@ places (keyword, passed config, ``model.generation_config``), builds a PagedCach
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
@@ -71,7 +72,20 @@ def paged_generate(model, generate, args: tuple, kwargs: dict, cache_options: di
         # a generation config's use_cache false (a checkpoint saved while training with gradient checkpointing,
         # or the pipeline's copy of it) asks nothing of this call: paging was asked, and a cache changes no token
         overrides["use_cache"] = True
-    kwargs.update(overrides)     # as keywords: a passed config's values lose to the model's where they are defaults
+    if generation_config is not None and all(getattr(model.generation_config, k, None) in (None, v)
+                                             for k, v in overrides.items()):
+        # Into a copy of the passed config: next to one, keywords make transformers warn that mixing them is
+        # deprecated. Only where the model's config holds nothing else for them: a copy's default value would be
+        # refilled from it.
+        generation_config = copy.deepcopy(generation_config)
+        for key, value in overrides.items():
+            setattr(generation_config, key, value)
+        if "generation_config" in kwargs:
+            kwargs["generation_config"] = generation_config
+        else:
+            args = (args[0], generation_config, *args[2:])
+    else:
+        kwargs.update(overrides)     # as keywords: a passed config's values lose to the model's where they are defaults
     if cache is None:
         options = dict(cache_options)
         options.setdefault("dtype", model.dtype)

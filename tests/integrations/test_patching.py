@@ -544,3 +544,32 @@ def test_a_model_patched_with_prefix_caching_copies_after_a_call():
     for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
         assert torch.equal(clone.generate(cache_implementation="paged", **kw), first)
     hf_paged.unpatch(model)
+
+
+def test_paged_from_a_passed_config_is_turned_off_in_a_copy_of_it_not_by_a_keyword():
+    """transformers warns (deprecation) when keywords come next to a passed GenerationConfig: the hook's own
+    override (cache_implementation None: it builds the cache) goes into a copy of that config, unless the
+    model's config holds a value that would refill the copy's default; the caller's config is left as it was."""
+    from transformers import GenerationConfig
+
+    from hf_paged.integrations.generate import paged_generate
+    model = make_model("llama", seed=3)
+    seen = []
+
+    def generate(*args, **kwargs):
+        seen.append((args, kwargs))
+
+    ids = torch.tensor([[5, 6, 7]])
+    for positional in (False, True):
+        config = GenerationConfig(max_new_tokens=2, cache_implementation="paged")
+        args, kwargs = ((ids, config), {}) if positional else ((ids,), {"generation_config": config})
+        paged_generate(model, generate, args, kwargs, {})
+        got_args, got_kwargs = seen[-1]
+        passed = got_args[1] if positional else got_kwargs["generation_config"]
+        assert "cache_implementation" not in got_kwargs and passed.cache_implementation is None
+        assert passed is not config and config.cache_implementation == "paged"
+        assert isinstance(got_kwargs.get("past_key_values", got_kwargs.get("cache")), hf_paged.PagedCache)
+    model.generation_config.cache_implementation = "static"      # would refill a copy's None: the keyword stays
+    config = GenerationConfig(max_new_tokens=2, cache_implementation="paged")
+    paged_generate(model, generate, (ids,), {"generation_config": config}, {})
+    assert seen[-1][1]["cache_implementation"] is None and seen[-1][1]["generation_config"] is config
