@@ -140,22 +140,28 @@ def md_table(header: list[str], rows) -> list[str]:
             *("| " + " | ".join(str(c) for c in row) + " |" for row in rows)]
 
 
-def int_at_least(low: int):
-    """An argparse ``type``: an integer >= ``low``; anything else is refused with the option's name and the bound."""
-    def parse(text: str) -> int:
+def at_least(low, kind=int, what: str = "an integer"):
+    """An argparse ``type``: a ``kind`` (int or float) >= ``low``; anything else is refused with the option's
+    name and the bound."""
+    def parse(text: str):
         try:
-            value = int(text)
+            value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if value < low:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if not value >= low:
             raise argparse.ArgumentTypeError(f"{value} is below {low}")
         return value
     return parse
 
 
+def int_at_least(low: int):
+    """An argparse ``type``: an integer >= ``low``."""
+    return at_least(low)
+
+
 def ints_at_least(low: int):
     """An argparse ``type``: a comma list of integers, each >= ``low`` (a list, in the order given)."""
-    one = int_at_least(low)
+    one = at_least(low)
 
     def parse(text: str) -> list[int]:
         values = [one(part.strip()) for part in text.split(",") if part.strip()]
@@ -167,12 +173,4 @@ def ints_at_least(low: int):
 
 def float_at_least(low: float):
     """An argparse ``type``: a number >= ``low``."""
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if not value >= low:
-            raise argparse.ArgumentTypeError(f"{value} is below {low}")
-        return value
-    return parse
+    return at_least(low, float, "a number")
