@@ -80,6 +80,7 @@ def paged_generate(model, generate, args: tuple, kwargs: dict, cache_options: di
         generation_config = copy.deepcopy(generation_config)
         for key, value in overrides.items():
             setattr(generation_config, key, value)
+            kwargs.pop(key, None)        # the caller's own keyword for it ("paged") goes too
         if "generation_config" in kwargs:
             kwargs["generation_config"] = generation_config
         else:

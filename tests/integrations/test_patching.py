@@ -569,6 +569,9 @@ def test_paged_from_a_passed_config_is_turned_off_in_a_copy_of_it_not_by_a_keywo
         assert "cache_implementation" not in got_kwargs and passed.cache_implementation is None
         assert passed is not config and config.cache_implementation == "paged"
         assert isinstance(got_kwargs.get("past_key_values", got_kwargs.get("cache")), hf_paged.PagedCache)
+    config = GenerationConfig(max_new_tokens=2)                   # "paged" as a keyword beside a config: it goes
+    paged_generate(model, generate, (ids,), {"generation_config": config, "cache_implementation": "paged"}, {})
+    assert "cache_implementation" not in seen[-1][1] and seen[-1][1]["generation_config"].cache_implementation is None
     model.generation_config.cache_implementation = "static"      # would refill a copy's None: the keyword stays
     config = GenerationConfig(max_new_tokens=2, cache_implementation="paged")
     paged_generate(model, generate, (ids,), {"generation_config": config}, {})
