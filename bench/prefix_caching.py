@@ -191,6 +191,7 @@ def main(argv=None, prog: str = "python -m bench prefix") -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"prefix-{stamp()}.json"
     path.write_text(json.dumps({"machine": machine(), "versions": versions("torch", "transformers", "lm_eval"),
-                                "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "rounds": rounds, "table": table}, indent=1))
+                                "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+                                "rounds": rounds, "table": table}, indent=1))
     print("\n".join(table))
     print(f"[bench prefix] {path}")

@@ -109,6 +109,7 @@ def main(argv=None, prog: str = "python -m bench structured") -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"structured-{stamp()}.json"
     path.write_text(json.dumps({"machine": machine(), "versions": versions("torch", "transformers", "llguidance"),
-                                "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "rounds": rounds, "table": table}, indent=1))
+                                "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+                                "rounds": rounds, "table": table}, indent=1))
     print("\n".join(table))
     print(f"[bench structured] {path}")
