@@ -179,19 +179,23 @@ def requested_max_tokens(req) -> int | None:
     return req.max_tokens
 
 
-def context_checked(prompts: list[list[int]], max_tokens: int | None, max_model_len: int) -> int:
+def context_checked(prompts: list[list[int]], max_tokens: int | None, max_model_len: int,
+                    model_len: int | None = None) -> int:
     """``max_tokens`` as the engine gets it (chat without it: up to the context). Each sequence stops at the
     context's end, as vLLM's ``get_max_tokens`` trims max_tokens to the room a prompt leaves (finish_reason
     "length"; the engine applies it per prompt). Refused, as vLLM refuses them: max_tokens past the whole
-    context, a prompt longer than it or filling it (but for an echo with max_tokens 0)."""
+    context, a prompt longer than it or filling it (but for an echo with max_tokens 0). ``model_len``: the
+    model's own context where the KV pool lowered max_model_len (the messages then say so, and what raises it)."""
     longest = max(len(p) for p in prompts)
+    lowered = (f", lowered from the model's {model_len} to what the KV pool holds: --kv-cache-memory-bytes or "
+               "--num-blocks raises it") if model_len else ""
     if max_tokens is not None and max_tokens > max_model_len:
         raise ApiError(400, f"max_tokens={max_tokens} exceeds the model's context of {max_model_len} tokens "
-                            "(max_model_len)", param="max_tokens", code="context_too_long")
+                            f"(max_model_len{lowered})", param="max_tokens", code="context_too_long")
     if longest > max_model_len or (longest == max_model_len and max_tokens != 0):
         raise ApiError(400, f"the prompt ({longest} tokens) {'exceeds' if longest > max_model_len else 'fills'} "
-                            f"the model's context of {max_model_len} tokens (max_model_len): no room for a new token",
-                       param="prompt", code="context_too_long")
+                            f"the model's context of {max_model_len} tokens (max_model_len{lowered}): no room for a "
+                            "new token", param="prompt", code="context_too_long")
     return max_model_len if max_tokens is None else max_tokens
 
 
@@ -246,7 +250,7 @@ async def engine_settings(state, req, max_tokens: int) -> dict:
 async def sampling_params(state: ServerState, req, prompts: list[list[int]], max_tokens: int | None):
     """The engine's SamplingParams for every prompt of ``req`` (400 for what ``generate`` refuses)."""
     given = max_tokens is not None
-    max_tokens = context_checked(prompts, max_tokens, state.max_model_len)
+    max_tokens = context_checked(prompts, max_tokens, state.max_model_len, state.engine.model_len)
     if max_tokens == 0:        # echo only: counted as 0 (vLLM's check), the engine runs one token the answer drops
         max_tokens = 1
     if not given and state.defaults.max_tokens is not None:    # vLLM: the generation config's max_new_tokens

@@ -101,4 +101,4 @@ def fit_context(engine: Engine, asked: int | None) -> None:
                          f"--kv-cache-memory-bytes (or --num-blocks), or lower --max-model-len to at most {tokens}.")
     log.warning("max_model_len lowered from the model's %d to %d tokens: %s; raise --kv-cache-memory-bytes (or "
                 "--num-blocks) to serve the whole context", engine.max_model_len, tokens, pool)
-    engine.max_model_len = tokens
+    engine.model_len, engine.max_model_len = engine.max_model_len, tokens

@@ -48,7 +48,7 @@ VLLM_CHAT = VLLM_COMMON + """messages top_logprobs max_completion_tokens tools t
 
 def fake_state(compile_grammar=None):
     engine = SimpleNamespace(config=SimpleNamespace(max_logprobs=MAX_LOGPROBS, max_num_seqs=8),
-                             never_fits=lambda prompt_len, params: None)
+                             never_fits=lambda prompt_len, params: None, model_len=None)
     if compile_grammar is not None:
         engine.compile_grammar = compile_grammar
     return SimpleNamespace(vocab_size=VOCAB, tokenizer=word_tokenizer(), max_model_len=128, name="tiny",
@@ -521,3 +521,16 @@ def test_choices_cut_by_the_text_release_their_engine_request():
         assert len(cancelled) == 1                                   # the engine ended that one itself
 
     asyncio.run(run())
+
+
+def test_a_context_the_kv_pool_lowered_is_named_with_what_raises_it():
+    from hf_paged.integrations.server.intake import context_checked
+    with pytest.raises(ApiError, match=r"max_tokens=100 exceeds the model's context of 64 tokens \(max_model_len, "
+                                       r"lowered from the model's 512 to what the KV pool holds: "
+                                       r"--kv-cache-memory-bytes or --num-blocks raises it\)"):
+        context_checked([[3, 4]], 100, 64, model_len=512)
+    with pytest.raises(ApiError, match=r"the prompt \(70 tokens\) exceeds the model's context of 64 tokens "
+                                       r"\(max_model_len, lowered from the model's 512"):
+        context_checked([[3] * 70], 4, 64, model_len=512)
+    with pytest.raises(ApiError, match=r"of 64 tokens \(max_model_len\): no room"):     # the model's own: as before
+        context_checked([[3] * 70], 4, 64)
