@@ -187,8 +187,8 @@ def context_checked(prompts: list[list[int]], max_tokens: int | None, max_model_
     context, a prompt longer than it or filling it (but for an echo with max_tokens 0). ``model_len``: the
     model's own context where the KV pool lowered max_model_len (the messages then say so, and what raises it)."""
     longest = max(len(p) for p in prompts)
-    lowered = (f", lowered from the model's {model_len} to what the KV pool holds: --kv-cache-memory-bytes or "
-               "--num-blocks raises it") if model_len else ""
+    lowered = (f", lowered from the model's {model_len} to what the KV pool holds: --kv-cache-memory-bytes, or "
+               "--gpu-memory-utilization on a GPU, raises it") if model_len else ""
     if max_tokens is not None and max_tokens > max_model_len:
         raise ApiError(400, f"max_tokens={max_tokens} exceeds the model's context of {max_model_len} tokens "
                             f"(max_model_len{lowered})", param="max_tokens", code="context_too_long")

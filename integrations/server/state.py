@@ -98,7 +98,8 @@ def fit_context(engine: Engine, asked: int | None) -> None:
             f"tokens ({tokens * engine.bytes_per_token / 2**20:.1f} MiB)")
     if asked is not None:
         raise ValueError(f"--max-model-len {asked} needs room for {asked} tokens of one request, but {pool}. Raise "
-                         f"--kv-cache-memory-bytes (or --num-blocks), or lower --max-model-len to at most {tokens}.")
+                         f"--kv-cache-memory-bytes (or --gpu-memory-utilization on a GPU), or lower --max-model-len "
+                         f"to at most {tokens}.")
     log.warning("max_model_len lowered from the model's %d to %d tokens: %s; raise --kv-cache-memory-bytes (or "
-                "--num-blocks) to serve the whole context", engine.max_model_len, tokens, pool)
+                "--gpu-memory-utilization on a GPU) to serve the whole context", engine.max_model_len, tokens, pool)
     engine.model_len, engine.max_model_len = engine.max_model_len, tokens

@@ -527,7 +527,7 @@ def test_a_context_the_kv_pool_lowered_is_named_with_what_raises_it():
     from hf_paged.integrations.server.intake import context_checked
     with pytest.raises(ApiError, match=r"max_tokens=100 exceeds the model's context of 64 tokens \(max_model_len, "
                                        r"lowered from the model's 512 to what the KV pool holds: "
-                                       r"--kv-cache-memory-bytes or --num-blocks raises it\)"):
+                                       r"--kv-cache-memory-bytes, or --gpu-memory-utilization on a GPU, raises it\)"):
         context_checked([[3, 4]], 100, 64, model_len=512)
     with pytest.raises(ApiError, match=r"the prompt \(70 tokens\) exceeds the model's context of 64 tokens "
                                        r"\(max_model_len, lowered from the model's 512"):
