@@ -2,9 +2,11 @@
 
 transformers routes the keyword ``cache_implementation="paged"`` to its own continuous batching and
 silently gives a DynamicCache when "paged" comes in a GenerationConfig. The hook looks in all three
-places (keyword, passed config, ``model.generation_config``), builds a PagedCache, and passes
-``cache_implementation=None`` explicitly (a config copy with None would be refilled from
-``model.generation_config``). Pipelines call ``model.generate``, so they go through the same hook.
+places (keyword, passed config, ``model.generation_config``), builds a PagedCache, and turns transformers'
+own route off: ``cache_implementation=None`` in a copy of a passed config (a keyword beside one makes
+transformers log a deprecation), or as a keyword where there is no passed config or ``model.generation_config``
+holds a value that would refill the copy's None. Pipelines call ``model.generate``, so they go through the
+same hook.
 """
 from __future__ import annotations
 
