@@ -70,9 +70,13 @@ class EngineStats:
         totals subtracted, the rates taken over the interval; the state fields (requests running / waiting,
         blocks, utilisation) are this snapshot's."""
         d = {k: v - getattr(earlier, k) if k in RUNNING_TOTALS else v for k, v in self.as_dict().items()}
-        d["prefix_hit_rate"] = d["prefix_hit_tokens"] / d["prefix_query_tokens"] if d["prefix_query_tokens"] else 0.0
-        d["tokens_per_s"] = d["generated_tokens"] / d["wall_s"] if d["wall_s"] else 0.0
-        return EngineStats(**d)
+        return EngineStats(**d | _rates(d))
+
+
+def _rates(d: dict) -> dict:
+    """The rates of totals ``d``: prefix hit rate, generated tokens per second of wall time."""
+    return {"prefix_hit_rate": d["prefix_hit_tokens"] / d["prefix_query_tokens"] if d["prefix_query_tokens"] else 0.0,
+            "tokens_per_s": d["generated_tokens"] / d["wall_s"] if d["wall_s"] else 0.0}
 
 
 # EngineStats' fields that count from the engine's start (EngineStats.since subtracts them).
@@ -92,11 +96,10 @@ def snapshot(c: EngineCounters, pool, blocks_cached: int, requests_running: int,
         blocks_cached=blocks_cached, kv_utilization=pool.num_used / pool.num_blocks, block_size=pool.block_size,
         bytes_per_token=bytes_per_token,
         prefix_query_tokens=c.prefix_query_tokens, prefix_hit_tokens=c.prefix_hit_tokens,
-        prefix_hit_rate=c.prefix_hit_tokens / c.prefix_query_tokens if c.prefix_query_tokens else 0.0,
         prefix_evictions=pool.evictions, preemptions=c.preemptions, recomputed_tokens=c.recomputed_tokens,
         steps=c.steps, computed_tokens=c.computed_tokens, generated_tokens=c.generated_tokens,
         forward_s=c.forward_s, host_s=c.host_s, wall_s=c.wall_s,
-        tokens_per_s=c.generated_tokens / c.wall_s if c.wall_s else 0.0,
+        **_rates(asdict(c)),
     )
 
 
