@@ -17,7 +17,7 @@ import sys
 from dataclasses import MISSING, fields
 
 from .engine import EngineConfig
-from .integrations.server.config import ServeConfig, field_docs
+from .integrations.server.config import TOOL_CALL_PARSERS, ServeConfig, field_docs
 from .integrations.server.loading import DTYPES
 from .integrations.weight_quant import SCHEMES
 from .kv_formats import KV_CACHE_DTYPES
@@ -91,6 +91,8 @@ SERVE_FLAGS = [
     (ServeConfig, "shutdown_timeout", dict(type=float)),
     (ServeConfig, "max_body_bytes", dict(type=SIZE)),
     (ServeConfig, "generation_config", dict(choices=["auto", "vllm"])),
+    (ServeConfig, "enable_auto_tool_choice", dict(action="store_true")),
+    (ServeConfig, "tool_call_parser", dict(choices=list(TOOL_CALL_PARSERS))),
     (ServeConfig, "trust_remote_code", dict(action="store_true")),
     (ServeConfig, "log_level", dict(choices=LOG_LEVELS)),
 ]

@@ -10,6 +10,7 @@ import re
 from dataclasses import dataclass, fields
 
 MiB = 2**20
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")      # --tool-call-parser: how tool_parsers reads calls
 
 
 @dataclass(frozen=True)
@@ -21,13 +22,18 @@ class AppConfig:
     before cancelling them. max_body_bytes: request body limit (413 above it). generation_config: where
     unset sampling fields come from, as vLLM's flag: "auto", the model's generation config where it sets
     temperature, top_p, top_k, min_p, repetition_penalty or max_new_tokens, else vLLM's defaults (temperature
-    1.0); "vllm", vLLM's defaults only."""
+    1.0); "vllm", vLLM's defaults only. enable_auto_tool_choice: answer tool calls (chat completions' tools
+    with tool_choice auto, required or a named function), read out of the model's text by tool_call_parser, as
+    vLLM's flags of these names. tool_call_parser: how the model writes a call: hermes (Qwen 2.5 / 3, Hermes)
+    or llama3_json (Llama 3.1+)."""
     served_model_name: str | None = None
     api_key: str | None = None
     max_queue: int = 256
     shutdown_timeout: float = 30.0
     max_body_bytes: int = 4 * MiB
     generation_config: str = "auto"
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
 
     def validate(self) -> None:
         if not isinstance(self.max_queue, int) or self.max_queue < 1:
@@ -36,6 +42,12 @@ class AppConfig:
             raise ValueError(f"max_body_bytes must be a positive int, got {self.max_body_bytes!r}")
         if self.generation_config not in ("auto", "vllm"):
             raise ValueError(f"generation_config must be 'auto' or 'vllm', got {self.generation_config!r}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got "
+                             f"{self.tool_call_parser!r}")
+        if self.enable_auto_tool_choice and not self.tool_call_parser:
+            raise ValueError("enable_auto_tool_choice (--enable-auto-tool-choice) needs tool_call_parser "
+                             f"(--tool-call-parser: {' or '.join(TOOL_CALL_PARSERS)})")
         if not 0 <= self.shutdown_timeout < float("inf"):        # NaN fails it too
             raise ValueError(f"shutdown_timeout must be a finite number of seconds >= 0, got {self.shutdown_timeout!r}")
 

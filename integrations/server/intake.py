@@ -24,6 +24,7 @@ from .guided import compile_structured, structured_spec
 from .options import CallOptions
 from .protocol import TEMPLATE_FLAGS, ChatCompletionRequest, CompletionRequest, template_tools
 from .state import ServerState
+from .tool_choice import ToolUse, tool_use
 from .token_settings import (asked_prompt_logprobs, bad_words_ids, generated_logprobs, in_vocab, logit_bias,
                              logprob_counts, token_list)
 
@@ -116,15 +117,14 @@ def chat_text(state: ServerState, req) -> str:
     if not getattr(tokenizer, "chat_template", None):
         raise ApiError(400, "this model's tokenizer has no chat template; use /v1/completions",
                        param="messages", code="no_chat_template")
-    messages = developer_as_system([{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                                    for m in req.messages], str(tokenizer.chat_template))
+    messages = developer_as_system([m.template_message() for m in req.messages], str(tokenizer.chat_template))
     kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items() if k not in TEMPLATE_FLAGS}
     effort = getattr(req, "reasoning_effort", None)
     if effort is not None:                               # as vLLM passes it to the template
         kwargs.setdefault("reasoning_effort", effort)
         kwargs.setdefault("enable_thinking", effort != "none")
     tools = template_tools(getattr(req, "tools", None))
-    if tools:                          # tool_choice "none" (else refused): the template sees them, as vLLM's
+    if tools:                          # whatever the tool_choice, the template sees them, as vLLM's
         kwargs["tools"] = tools
     try:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=req.add_generation_prompt,
@@ -238,24 +238,33 @@ def generation_settings(req, max_tokens: int, state) -> dict:
     return settings
 
 
-async def engine_settings(state, req, max_tokens: int) -> dict:
-    """``generation_settings`` plus ``structured_output``: the request's grammar, compiled."""
+async def engine_settings(state, req, max_tokens: int, tools: ToolUse | None = None) -> dict:
+    """``generation_settings`` plus ``structured_output``: the request's grammar (or its tool calls'), compiled."""
     settings = generation_settings(req, max_tokens, state)
     asked = structured_spec(req)
+    calls = tools.grammar() if tools is not None else None
+    if calls is not None and asked is not None and tools.mode != "required":
+        raise ApiError(400, f"{asked[0]} and tool_choice={tools.name or tools.mode!r} (with strict tools or "
+                            "parallel_tool_calls=false: a grammar of calls) both constrain the answer; send one",
+                       param=asked[0], code="invalid_request")
+    if calls is not None:             # "required" overrides a structured output, as vLLM's
+        asked = ("tools", calls)
     if asked is not None:
         settings["structured_output"] = await compile_structured(state.engine, *asked)
     return settings
 
 
-async def sampling_params(state: ServerState, req, prompts: list[list[int]], max_tokens: int | None):
-    """The engine's SamplingParams for every prompt of ``req`` (400 for what ``generate`` refuses)."""
+async def sampling_params(state: ServerState, req, prompts: list[list[int]], max_tokens: int | None,
+                          tools: ToolUse | None = None):
+    """The engine's SamplingParams for every prompt of ``req`` (400 for what ``generate`` refuses); ``tools``:
+    the chat request's tool calling (``chat_tools``)."""
     given = max_tokens is not None
     max_tokens = context_checked(prompts, max_tokens, state.max_model_len, state.engine.model_len)
     if max_tokens == 0:        # echo only: counted as 0 (vLLM's check), the engine runs one token the answer drops
         max_tokens = 1
     if not given and state.defaults.max_tokens is not None:    # vLLM: the generation config's max_new_tokens
         max_tokens = min(max_tokens, state.defaults.max_tokens)   # where the request gives no max_tokens
-    settings = await engine_settings(state, req, max_tokens)
+    settings = await engine_settings(state, req, max_tokens, tools)
     if req.n > 1 and not settings["do_sample"]:          # generate refuses it in its own words
         why = "temperature is 0" if req.temperature is not None else "no temperature was given and the model's " \
             "generation config sets temperature 0"
@@ -272,11 +281,20 @@ async def sampling_params(state: ServerState, req, prompts: list[list[int]], max
     return params
 
 
-def call_options(req) -> CallOptions:
-    """How ``req``'s answer is rendered (the engine's settings aside)."""
+def chat_tools(state: ServerState, req) -> ToolUse | None:
+    """A chat request's tool calling (``tool_choice.tool_use``: None without it), with the server's flags."""
+    if not isinstance(req, ChatCompletionRequest):
+        return None
+    return tool_use(req, state.config.tool_call_parser, state.config.enable_auto_tool_choice, state.tokenizer)
+
+
+def call_options(req, tools: ToolUse | None = None) -> CallOptions:
+    """How ``req``'s answer is rendered (the engine's settings aside); ``tools``: its tool calling. hermes
+    keeps special tokens in the text, as vLLM's parser asks (a model may mark ``<tool_call>`` special)."""
     chat = isinstance(req, ChatCompletionRequest)
     return CallOptions(n=req.n, stops=req.stops(), include_stop_str_in_output=req.include_stop_str_in_output,
-                       skip_special_tokens=req.skip_special_tokens, logprobs=generated_logprobs(req, chat)[0],
+                       skip_special_tokens=req.skip_special_tokens and (tools is None or tools.parser != "hermes"),
+                       tools=tools, logprobs=generated_logprobs(req, chat)[0],
                        echo=bool(chat_echo(req) if chat else req.echo), max_tokens_zero=not chat and req.max_tokens == 0,
                        prompt_logprobs=asked_prompt_logprobs(req, chat), chat=chat,
                        role=answer_role(req) if chat else "",
@@ -300,8 +318,9 @@ def chat_request(fields: dict, state: ServerState) -> ChatCompletionRequest:
 async def api_call(state: ServerState, req, prompts: list[list[int]], texts=None) -> ApiCall:
     """The call that runs ``prompts`` with ``req``'s settings (not submitted yet); ``texts``: the prompts' texts
     an echo answers (None where the ids are decoded)."""
-    params = await sampling_params(state, req, prompts, requested_max_tokens(req))
-    return ApiCall(state.worker, state.tokenizer, prompts, params, call_options(req), texts)
+    tools = chat_tools(state, req)
+    params = await sampling_params(state, req, prompts, requested_max_tokens(req), tools)
+    return ApiCall(state.worker, state.tokenizer, prompts, params, call_options(req, tools), texts)
 
 
 async def start_chat_call(state: ServerState, req: ChatCompletionRequest) -> ApiCall:

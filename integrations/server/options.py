@@ -18,7 +18,8 @@ class CallOptions:
     min_tokens: vLLM's (a stop string must end after the first min_tokens tokens' text).
     continuous_usage: vLLM's ``stream_options.continuous_usage_stats``: every chunk carries its choice's usage.
     role: a chat answer's role (``intake.answer_role``). return_token_ids: vLLM's, each choice carries its
-    token ids (all of them: an EOS or stop token too) and the prompt's ids."""
+    token ids (all of them: an EOS or stop token too) and the prompt's ids. tools: a chat answer's tool
+    calling (``tool_choice.ToolUse``), None without it: its text is read for calls."""
     n: int = 1
     stops: tuple[str, ...] = ()
     include_stop_str_in_output: bool = False
@@ -33,3 +34,4 @@ class CallOptions:
     min_tokens: int = 0
     continuous_usage: bool = False
     role: str = ""
+    tools: object = None

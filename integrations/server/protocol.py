@@ -9,12 +9,14 @@ contradict each other, as vLLM's validators refuse them). Limits that depend on 
 """
 from __future__ import annotations
 
+import json
 from typing import Any, Literal, Optional, Union
 
 from pydantic import Field, field_validator
 
 from .request_parts import Body, StreamOptions
-from .vllm_fields import TOOLS, VllmSampling, is_neutral, refused_field
+from .tool_choice import choice_error
+from .vllm_fields import VllmSampling, refused_field
 
 MAX_N = 64
 MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1      # vLLM's range (a 64-bit integer)
@@ -64,6 +66,17 @@ def template_tools(tools: list | None) -> list[dict] | None:
             fn["strict"] = f["strict"]
         out.append({"type": "function", "function": fn})
     return out
+
+
+def _arguments(arguments):
+    """A call's arguments as a template reads them: an object (a JSON text parsed; empty or malformed: {})."""
+    if isinstance(arguments, dict):
+        return arguments
+    try:
+        parsed = json.loads(arguments) if isinstance(arguments, str) and arguments else {}
+    except ValueError:
+        parsed = {}
+    return parsed if isinstance(parsed, dict) else {}
 
 
 def tool_shape_error(tools: list | None) -> Optional[tuple[str, str]]:
@@ -156,7 +169,6 @@ class CompletionRequest(_Sampling):
 
 
 TEXT_PARTS = ("text", "input_text", "output_text")              # vLLM reads the last two as text too
-TOOL_ROLES = ("tool", "function")       # tool results (OpenAI's older "function" role): refused by name (conflicts)
 
 
 class TextPart(Body):
@@ -165,7 +177,7 @@ class TextPart(Body):
 
 
 class ChatMessage(Body):
-    role: str                  # any role, as vLLM's (the chat template decides); TOOL_ROLES refused (conflicts)
+    role: str                  # any role, as vLLM's (the chat template decides): "tool" for a tool's result
     content: Optional[Union[str, list[TextPart]]] = None
 
     @field_validator("content", mode="before")
@@ -179,8 +191,29 @@ class ChatMessage(Body):
                                  f"take parts of type {' / '.join(map(repr, TEXT_PARTS))} only")
         return value
     name: Optional[str] = None
-    tool_call_id: Optional[str] = None          # OpenAI's tool-calling fields: read to be refused clearly
-    tool_calls: Optional[list[dict[str, Any]]] = None
+    tool_call_id: Optional[str] = None          # a tool result's call (the template sees it)
+    tool_calls: Optional[list[Any]] = None      # an assistant's calls (the template sees them: ``template_message``)
+
+    def template_message(self) -> dict:
+        """The message as a chat template reads it (vLLM's form): text content; an assistant's tool calls with
+        their arguments as objects (vLLM's ``_postprocess_messages``: a JSON text parsed, an empty or
+        malformed one as {}); a tool result's tool_call_id."""
+        out = {"role": self.role, "content": self.text(), **({"name": self.name} if self.name else {})}
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            out["tool_calls"] = [{**call, "function": {**call["function"],
+                                                       "arguments": _arguments(call["function"].get("arguments"))}}
+                                 for call in self.tool_calls]
+        return out
+
+    def tool_calls_error(self) -> Optional[str]:
+        for call in self.tool_calls or []:
+            if not isinstance(call, dict) or call.get("type", "function") != "function" \
+                    or not isinstance(call.get("function"), dict) or not isinstance(call["function"].get("name"), str):
+                return ("an assistant's tool_calls are {\"id\": ..., \"type\": \"function\", \"function\": "
+                        "{\"name\": ..., \"arguments\": \"<JSON text>\"}}")
+        return None
 
     def text(self) -> str:
         if self.content is None:
@@ -221,12 +254,6 @@ class ChatCompletionRequest(_Sampling):
     mm_processor_kwargs: Optional[dict[str, Any]] = None
     return_prompt_text: Optional[bool] = None
 
-    def unsupported(self):
-        if not is_neutral(self, "tools"):                 # named first: a tool_choice comes with them
-            return "tools", (f"tools are not supported unless tool_choice is \"none\" (then, as vLLM, the chat "
-                             f"template sees them and the answer is text): {TOOLS}")
-        return super().unsupported()
-
     def conflicts(self):
         if self.top_logprobs not in (None, 0) and not self.logprobs:
             return "top_logprobs", "top_logprobs needs logprobs=true"
@@ -234,11 +261,9 @@ class ChatCompletionRequest(_Sampling):
             return "continue_final_message", ("continue_final_message and add_generation_prompt cannot both "
                                               "be true (set add_generation_prompt=false)")
         for i, m in enumerate(self.messages):
-            if m.role in TOOL_ROLES or m.tool_calls or m.tool_call_id is not None:
-                return f"messages.{i}", ("tool results and tool calls need tool calling, which this server does "
-                                         "not do (see tools: vLLM parses them with model-specific parsers); send "
-                                         "their text as user / assistant content instead")
+            if m.tool_calls_error():
+                return f"messages.{i}.tool_calls", m.tool_calls_error()
         clash = sorted(RESERVED_TEMPLATE_KWARGS & set(self.chat_template_kwargs or {}))
         if clash:
             return "chat_template_kwargs", f"chat_template_kwargs may not set {clash}: the server sets them"
-        return tool_shape_error(self.tools) or super().conflicts()
+        return tool_shape_error(self.tools) or choice_error(self.tools, self.tool_choice) or super().conflicts()

@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from .call import ApiCall
 from .errors import sse_error
 from .logprob_format import LogprobFormat, prompt_logprobs
+from .tool_parsers import StreamParser
 
 STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 DONE = "data: [DONE]\n\n"
@@ -121,6 +122,24 @@ async def respond(request: Request, call: ApiCall, reply: Reply, stream: bool, i
     return await whole(request, call, reply)
 
 
+def tool_delta(choice: dict, parser: StreamParser, text: str, tools) -> dict | None:
+    """A chat chunk's choice with its text read for tool calls (``parser``: the choice's), or None where it has
+    nothing to send (no finish reason, no content, no call yet): vLLM skips such chunks."""
+    out = parser.feed(text) or {}
+    if choice["finish_reason"]:
+        for key, value in (parser.finish() or {}).items():
+            out[key] = out.get(key, "" if key == "content" else []) + value
+        choice["finish_reason"] = tools.stream_reason(parser.called, choice["finish_reason"])
+    if tools.single and "tool_calls" in out:          # parallel_tool_calls=false: the first call only (vLLM's)
+        out["tool_calls"] = [c for c in out["tool_calls"] if c["index"] == 0]
+        if not out["tool_calls"]:
+            del out["tool_calls"]
+    if not out and not choice["finish_reason"]:
+        return None
+    choice["delta"] = out
+    return choice
+
+
 async def events(call: ApiCall, reply: Reply, include_usage: bool):
     """The stream's events: a chunk per delta, the usage chunk if asked, ``[DONE]``; an error mid-way is
     an event with the error body."""
@@ -133,9 +152,17 @@ async def events(call: ApiCall, reply: Reply, include_usage: bool):
             yield reply.chunk([choice], include_usage, call.usage(choice["index"]) if continuous else None, **extra)
         fmt, sent, first = formatter(call), [0] * call.choices, set()
         offsets = [0] * call.choices          # where each choice's next generated token's text starts
+        tools = call.options.tools
+        parsers = [StreamParser(tools.parser) for _ in range(call.choices)] if tools is not None else None
         async for d in call.deltas():
             at = sent[d.index] if d.prompt else offsets[d.index]
             choice = reply.shape.delta(d.index, d.text, d.reason, fmt, d.tokens, d.entries, at, d.prompt)
+            if parsers is not None and not d.prompt:
+                choice = tool_delta(choice, parsers[d.index], d.text, tools)
+                if choice is None:            # text held back (a call being written): nothing to send yet
+                    offsets[d.index] = at + fmt.text_length(d.tokens, d.entries)
+                    sent[d.index] += len(d.text)
+                    continue
             choice["stop_reason"] = d.stop_reason
             if call.options.return_token_ids:
                 choice["token_ids"] = d.ids
@@ -205,6 +232,10 @@ async def whole(request: Request, call: ApiCall, reply: Reply) -> Response:
     fmt = formatter(call)
     choices = [{**reply.shape.choice(k, texts[k], reasons[k], fmt, deltas[k], call.options.role),
                 "stop_reason": stop_reasons[k]} for k in range(call.choices)]
+    if call.options.tools is not None:         # the text read for tool calls (chat)
+        for k, choice in enumerate(choices):
+            fields, choice["finish_reason"] = call.options.tools.answer(texts[k], reasons[k])
+            choice["message"] = {"role": choice["message"]["role"], **fields}
     extra = {}
     if call.options.return_token_ids:   # vLLM's: a choice's ids; the prompt's on each completion choice, beside chat's
         for k, choice in enumerate(choices):

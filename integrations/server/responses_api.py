@@ -154,9 +154,11 @@ def _item_message(item: InputItem, i: int) -> dict:
     """The chat message of input item ``i`` (not a reasoning item)."""
     kind = item.type or "message"
     where = f"input.{i}"
-    if kind in TOOL_ITEMS:
-        raise ApiError(400, f"{where} is a {kind!r} item: tool calling is not supported by this server (vLLM "
-                            "parses tool calls with model-specific parsers); send the text as a message", param=where)
+    if kind in TOOL_ITEMS or item.role == "tool":
+        what = f"a {kind!r} item" if kind in TOOL_ITEMS else "a tool result"
+        raise ApiError(400, f"{where} is {what}: tool calling is answered on /v1/chat/completions (with "
+                            "--enable-auto-tool-choice --tool-call-parser), not on this API; send the text as a "
+                            "message", param=where)
     if kind != "message" or item.role is None:
         raise ApiError(400, f"{where}: an item of type {kind!r} is not supported (messages with a role and text "
                             "only; item references need a response store, which this server does not keep)",

@@ -16,13 +16,12 @@ from pydantic import Field
 from .request_parts import Body, RepetitionDetection, ResponseFormat, StructuredOutputsParams
 
 BEAM = "beam search is not implemented by this engine"
-TOOLS = ("this server has no tool calling: vLLM parses tool calls with model-specific parsers (its "
-         "--enable-auto-tool-choice --tool-call-parser), which this server does not have")
+TOOLS = ("tool calling is answered on /v1/chat/completions (with --enable-auto-tool-choice --tool-call-parser), "
+         "not on this API")
 TEXT_ONLY = "this server serves text-only models"
 
 # name -> why only its neutral value (None, the default, empty) is accepted
 NEUTRAL_ONLY = {
-    "tools": TOOLS, "tool_choice": TOOLS,
     "use_beam_search": BEAM, "length_penalty": "length_penalty applies to beam search; " + BEAM,
     "early_stopping": "early_stopping applies to beam search; " + BEAM,
     "best_of": "best_of other than n is not supported (vLLM's current engine dropped it too)",
@@ -58,7 +57,6 @@ IGNORED = {
     "stream_interval": "a batching hint for streamed chunks; each token is sent as it comes",
     "guided_decoding_backend": "one grammar backend here; the constraint is the same",
     "include_reasoning": "no reasoning parser: the whole text is the content",
-    "parallel_tool_calls": "without tools there are no tool calls",
 }
 # implemented fields (the rest of each schema), for the record and the test that every field is placed
 IMPLEMENTED = {
@@ -69,23 +67,20 @@ IMPLEMENTED = {
     "skip_special_tokens", "bad_words", "allowed_token_ids", "truncate_prompt_tokens", "truncation_side",
     "add_special_tokens", "response_format", "structured_outputs", "guided_json", "guided_regex",
     "guided_choice", "guided_grammar", "return_tokens_as_token_ids", "return_token_ids", "add_generation_prompt",
-    "continue_final_message", "documents", "chat_template_kwargs", "reasoning_effort",
+    "continue_final_message", "documents", "chat_template_kwargs", "reasoning_effort", "tools", "tool_choice",
+    "parallel_tool_calls",
 }
 
 
 def is_neutral(req, name: str) -> bool:
     """``name``'s value leaves the answer as if it were absent: None, the field's default, empty, false
     for a flag whose default is unset; for
-    best_of, n; for tool_choice, "none"; tools with tool_choice "none"; for thinking_token_budget, -1 (unlimited)."""
+    best_of, n; for thinking_token_budget, -1 (unlimited)."""
     value = getattr(req, name)
     if value is None or (isinstance(value, (str, list, dict)) and not value):
         return True
     if name == "best_of":
         return value == req.n
-    if name == "tool_choice":
-        return value == "none"
-    if name == "tools":                 # (non-empty) only for the chat template, as vLLM with tool_choice "none"
-        return getattr(req, "tool_choice", None) == "none"
     if name == "thinking_token_budget":
         return value == -1
     if name == "repetition_detection":

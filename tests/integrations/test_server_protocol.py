@@ -180,8 +180,7 @@ def test_bad_words_follow_vllms_rule():
     ({"use_beam_search": True}, False, "use_beam_search", ["beam search"]),
     ({"best_of": 3}, False, "best_of", []),
     ({"suffix": "x"}, False, "suffix", []),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, True, "tools", ["tool-call-parser"]),
-    ({"tool_choice": "auto"}, True, "tool_choice", []),
+    ({"tool_choice": "auto"}, True, "tool_choice", ["`tools` must be set"]),
     ({"cache_salt": "s"}, False, "cache_salt", []),
     ({"prompt_embeds": "AAAA"}, False, "prompt_embeds", []),
     ({"spaces_between_special_tokens": False}, False, "spaces_between_special_tokens", []),
@@ -420,7 +419,7 @@ def test_the_generation_configs_max_new_tokens_is_the_default_only():
 def test_what_clients_send_at_the_edges_reads_as_vllm_reads_it():
     """A prompt of exactly max_model_len tokens with echo and max_tokens 0 (lm-eval's full-length
     loglikelihood windows) is checked as 0 new tokens and runs one; "model": "" is the served model; any
-    role reaches the template but tool results; an image part is refused as such, by name."""
+    role reaches the template, tool results too; an image part is refused as such, by name."""
     from hf_paged.integrations.server.intake import sampling_params
     state = fake_state()
     state.base = None
@@ -448,8 +447,8 @@ def test_what_clients_send_at_the_edges_reads_as_vllm_reads_it():
         request({"model": "other"})
     assert err.value.status == 404
     assert request({"messages": [{"role": "narrator", "content": "w3"}]}, chat=True).messages[0].role == "narrator"
-    with pytest.raises(ApiError, match="need tool calling"):
-        request({"messages": [{"role": "function", "name": "f", "content": "w3"}]}, chat=True)
+    assert request({"messages": [{"role": "tool", "tool_call_id": "c", "content": "w3"}]}, chat=True).messages[0].role \
+        == "tool"
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}
     with pytest.raises(ApiError, match="part 1 has type 'image_url': this server runs text-only models") as err:
         request({"messages": [{"role": "user", "content": [{"type": "text", "text": "w3"}, image]}]}, chat=True)

@@ -275,9 +275,9 @@ def test_probes_and_refusals(client):
     assert full.status_code == 400 and "no room for a new token" in full.json()["error"]["message"]
     assert full.json()["error"]["param"] == "prompt"
     tool = client.post("/v1/chat/completions", json={"model": MODEL, "messages": [
-        {"role": "user", "content": "w5"}, {"role": "tool", "tool_call_id": "c1", "content": "w6"}]})
-    assert tool.status_code == 400 and tool.json()["error"]["param"] == "messages.1"
-    assert "tool calling" in tool.json()["error"]["message"]
+        {"role": "user", "content": "w5"}, {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function"}]}]})
+    assert tool.status_code == 400 and tool.json()["error"]["param"] == "messages.1.tool_calls"   # no function
+    assert "tool_calls are" in tool.json()["error"]["message"]
     many = client.post("/v1/completions", json={"model": MODEL, "prompt": "w5", "n": 2, "max_tokens": 2,
                                                 "temperature": 0})
     assert many.status_code == 400 and many.json()["error"]["param"] == "n"

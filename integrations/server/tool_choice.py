@@ -1,0 +1,166 @@
+"""What a chat request's ``tools`` and ``tool_choice`` ask, as vLLM 0.32 serves them with
+``--enable-auto-tool-choice --tool-call-parser hermes|llama3_json``.
+
+- ``tool_choice`` "none" (or no tools): the template sees the tools, the answer is text.
+- "auto" (the default with tools): the model writes what it likes; the parser reads calls out of it. Where a
+  tool says ``"strict": true``, a call the model opens must be one of the tools with those arguments (a
+  grammar: free text, each call in the parser's format).
+- "required": the answer is one or more calls (hermes: calls only; llama3_json: text with at least one call).
+- a named function (``{"type": "function", "function": {"name": ...}}``): the answer is one call of it.
+The grammar for "required" and a named function constrains each call's name, and its arguments to the
+tool's ``parameters`` where the tool is strict (else any JSON), as vLLM's structural tags do (its default
+``VLLM_ENFORCE_STRICT_TOOL_CALLING``). Without the flags "auto" is refused as vLLM refuses it, and so are
+"required" and named choices.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from hf_paged.engine.structured import StructuredOutput, closed_objects
+
+from .errors import ApiError
+from .tool_parsers import HERMES, HERMES_END, HERMES_START, Parsed, parse
+
+NAMED_USAGE = 'Correct usage: `{"type": "function", "function": {"name": "my_function"}}`'
+
+
+def choice_error(tools, choice) -> tuple[str, str] | None:
+    """vLLM's ``check_tool_usage`` (what any server refuses): (param, message), or None."""
+    if tools == []:
+        return "tools", "`tools` must not be an empty array. Either provide at least one tool or omit the field entirely."
+    if choice is None or choice == "none":
+        return None
+    if tools is None:
+        return "tool_choice", "When using `tool_choice`, `tools` must be set."
+    if choice not in ("auto", "required") and not isinstance(choice, dict):
+        return "tool_choice", (f"Invalid value for `tool_choice`: {choice}! Only named tools, \"none\", \"auto\" or "
+                               "\"required\" are supported.")
+    if isinstance(choice, dict):
+        function = choice.get("function")
+        if not isinstance(function, dict):
+            return "tool_choice.function", f"Invalid value for `function`: `{function}` in `tool_choice`! {NAMED_USAGE}"
+        if "name" not in function:
+            return "tool_choice.function.name", f"Expected field `name` in `function` in `tool_choice`! {NAMED_USAGE}"
+        name = function["name"]
+        if not isinstance(name, str) or not name:
+            return "tool_choice.function.name", f"Invalid `name` in `function`: `{name}` in `tool_choice`! {NAMED_USAGE}"
+        if all(tool["function"]["name"] != name for tool in tools):
+            return "tool_choice", "The tool specified in `tool_choice` does not match any of the specified `tools`"
+    return None
+
+
+@dataclass(frozen=True)
+class ToolUse:
+    """A request's tool calling: ``parser`` (a tool_parsers kind), ``mode`` "auto", "required" or "named"
+    (``name``: the function), ``tools`` (OpenAI function tools), ``single``: parallel_tool_calls is false
+    (one call answered, the first); ``tokens``: the parser's tags the tokenizer has as one token each."""
+    parser: str
+    mode: str
+    tools: tuple
+    name: str | None = None
+    single: bool = False
+    tokens: frozenset = frozenset()
+
+    def answer(self, text: str, engine_reason: str | None) -> tuple[dict, str | None]:
+        """(the chat message's ``content`` / ``tool_calls``, the finish reason) for a whole answer, as vLLM's."""
+        parsed = self.read(text)
+        calls = parsed.calls[:1] if self.single else parsed.calls
+        if self.mode != "auto":
+            reason = "tool_calls" if self.mode == "required" and engine_reason == "stop" else engine_reason
+            return {"content": parsed.content or "", "tool_calls": calls}, reason
+        if calls:
+            return {"content": parsed.content, "tool_calls": calls}, "tool_calls"
+        return {"content": parsed.content}, engine_reason
+
+    def read(self, text: str) -> Parsed:
+        """The parser's calls and content, with vLLM's rule for content: blank beside calls is none, and so is
+        the text of a required or named choice that made no call."""
+        parsed = parse(self.parser, text)
+        blank = parsed.content is None or not parsed.content.strip()
+        if parsed.calls:
+            return Parsed(parsed.calls, None if blank else parsed.content)
+        return Parsed([], None if blank and self.mode != "auto" else parsed.content)
+
+    def stream_reason(self, called: bool, engine_reason: str | None) -> str | None:
+        """A stream's finish reason: "tool_calls" where calls were streamed and the choice is not named."""
+        return "tool_calls" if called and self.mode != "named" and engine_reason == "stop" else engine_reason
+
+    def grammar(self) -> StructuredOutput | None:
+        """The constraint on the answer, or None (auto without a strict tool, calls in parallel allowed)."""
+        strict_any = any(t["function"].get("strict") is True for t in self.tools)
+        if self.mode == "auto" and not strict_any and not self.single:
+            return None
+        tools = [t["function"] for t in self.tools if self.mode != "named" or t["function"]["name"] == self.name]
+        trigger = HERMES_START if self.parser == HERMES else '{"name": '
+        if self.mode == "named" or (self.mode == "required" and self.parser == HERMES):      # calls only
+            calls = " | ".join(self._call(f, begin, end) for f in tools for begin, end in self._forms(f["name"]))
+            return StructuredOutput(grammar=f"start: {'call+' if self.mode == 'required' and not self.single else 'call'}"
+                                            f"\ncall: {calls}\n")
+        # text with calls in it, each opened by the trigger (at least one for "required"), as llguidance's
+        # StructTag writes it: a trigger that is one token of its own cannot occur inside text
+        tags = ("tag+" if self.mode == "required" else "tag*") if not self.single else \
+               ("tag" if self.mode == "required" else "tag?")
+        rest = " | ".join(self._call(f, begin[len(trigger):], end) for f in tools for begin, end in self._forms(f["name"]))
+        if trigger in self.tokens:
+            text, opened = "TEXT: /(?s:.*)/", f"TEXT {trigger}"
+        else:
+            text = f"TEXT: /(?s:.*)/ & ~/(?s:.*{_regex(trigger)}.*)/\ntrig[lazy]: /(?s:.*)/ {json.dumps(trigger)}"
+            opened = "trig"       # lazy: ends at the trigger's first occurrence
+        return StructuredOutput(grammar=f"start: {tags} tail\ntail: TEXT\n{text}\ntag: {opened} ({rest})\n")
+
+    def _forms(self, name: str) -> list[tuple[str, str]]:
+        """(begin, end) of a call of ``name``, as vLLM's structural tags spell them: hermes with or without
+        newlines inside the tags, llama3_json one form."""
+        if self.parser == HERMES:
+            return [(f'{HERMES_START}\n{{"name": "{name}", "arguments": ', f"}}\n{HERMES_END}"),
+                    (f'{HERMES_START}{{"name": "{name}", "arguments": ', f"}}{HERMES_END}")]
+        return [(f'{{"name": "{name}", "parameters": ', "}")]
+
+    def _call(self, function: dict, begin: str, end: str) -> str:
+        """One call in lark: ``begin``, the arguments (the parameters' schema where the tool is strict, else any
+        JSON, as vLLM's), ``end``."""
+        strict = function.get("strict") is True and function.get("parameters") is not None
+        arguments = closed_objects(function["parameters"]) if strict else {}
+        return f"{_lark(begin, self.tokens)} %json {json.dumps(arguments)} {_lark(end, self.tokens)}"
+
+
+def _lark(text: str, tokens: frozenset) -> str:
+    """``text`` as lark: quoted strings, and ``tokens`` (tags the tokenizer has as one added token each) as
+    llguidance's token references: llguidance reads added tokens as special, which no quoted text matches."""
+    parts, pos = [], 0
+    while pos < len(text):
+        at = min(((text.find(t, pos), t) for t in tokens if text.find(t, pos) >= 0), default=None)
+        if at is None:
+            parts.append(json.dumps(text[pos:]))
+            break
+        if at[0] > pos:
+            parts.append(json.dumps(text[pos:at[0]]))
+        parts.append(at[1])
+        pos = at[0] + len(at[1])
+    return " ".join(parts) if parts else '""'
+
+
+def _regex(text: str) -> str:
+    """``text`` as a literal in a lark regex (Rust syntax; ``/`` ends the regex)."""
+    return "".join("\\" + c if c in "\\.+*?()|[]{}^$#&-~/" else c for c in text)
+
+
+def tool_use(req, parser: str | None, enabled: bool, tokenizer) -> ToolUse | None:
+    """The request's tool calling (None: tool_choice "none" or no tools), or a 400 where the server was not
+    started for it (vLLM's words: ``--enable-auto-tool-choice``, ``--tool-call-parser``)."""
+    choice = req.tool_choice if req.tool_choice is not None else ("auto" if req.tools else None)
+    if choice is None or choice == "none" or not req.tools:
+        return None
+    if not (enabled and parser):
+        if choice == "auto":
+            raise ApiError(400, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be '
+                                "set", param="tool_choice", code="unsupported")
+        what = f'function "{choice["function"]["name"]}"' if isinstance(choice, dict) else f'"{choice}"'
+        raise ApiError(400, f"tool_choice={what} requires --tool-call-parser to be set (and --enable-auto-tool-choice)",
+                       param="tool_choice", code="unsupported")
+    named = choice["function"]["name"] if isinstance(choice, dict) else None
+    added = tokenizer.get_added_vocab() if hasattr(tokenizer, "get_added_vocab") else {}
+    tokens = frozenset(t for t in (HERMES_START, HERMES_END) if parser == HERMES and t in added)
+    return ToolUse(parser, "named" if named else choice, tuple(req.tools), named, req.parallel_tool_calls is False,
+                   tokens)

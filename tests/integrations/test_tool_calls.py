@@ -1,0 +1,332 @@
+"""Tool calling in chat completions (``--enable-auto-tool-choice --tool-call-parser hermes|llama3_json``).
+
+The parsers are checked against vLLM 0.32's own on the same answers (``fixtures/vllm_tool_parsers.json``, made
+by vLLM's parsers: ``fixtures/make_vllm_tool_parsers.py``). The server's answers run a tiny random model over a
+byte-level tokenizer: under ``tool_choice`` "required" or a named function the grammar makes even a random
+model write calls, which come back as OpenAI's ``tool_calls`` (whole, streamed, and read by the ``openai``
+client), with vLLM's finish reasons and its refusals.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("llguidance")
+jsonschema = pytest.importorskip("jsonschema")
+
+from starlette.testclient import TestClient  # noqa: E402
+
+from hf_paged.integrations.server import create_app  # noqa: E402
+from hf_paged.integrations.server.tool_choice import ToolUse  # noqa: E402
+from hf_paged.integrations.server.tool_parsers import StreamParser, parse  # noqa: E402
+from tiny_models import make_model  # noqa: E402
+
+FIXTURES = json.loads((pathlib.Path(__file__).parents[1] / "fixtures" / "vllm_tool_parsers.json").read_text())
+EOS_TEXT = "<|im_end|>"
+# A Qwen-like template: the tools, an assistant's calls (arguments as objects) and tool results in the prompt
+TEMPLATE = (
+    "{% if tools %}<tools>{% for t in tools %}{{ t['function']['name'] }};{% endfor %}</tools>{% endif %}"
+    "{% for m in messages %}<{{ m['role'] }}>"
+    "{% if m['tool_calls'] %}{% for c in m['tool_calls'] %}<tool_call>{{ {'name': c['function']['name'], "
+    "'arguments': c['function']['arguments']} | tojson }}</tool_call>{% endfor %}"
+    "{% elif m['role'] == 'tool' %}<r id={{ m['tool_call_id'] }}>{{ m['content'] }}</r>"
+    "{% else %}{{ m['content'] }}{% endif %}" + EOS_TEXT + "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
+WEATHER = {"type": "function", "function": {"name": "get_weather", "strict": True, "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}, "days": {"type": "integer", "minimum": 1,
+                                                                               "maximum": 9}},
+    "required": ["city", "days"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "strict": True, "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+    "additionalProperties": False}}}
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+MESSAGES = [{"role": "user", "content": "Weather in Paris?"}]
+# A random model inside JSON would write optional whitespace forever (any amount is valid JSON): biased away
+# here, where the grammar leaves a choice (where it forces a space or newline, that is the only token allowed)
+NO_SPACES = {str(i): -100 for i in (197, 198, 201, 220)}       # tab, newline, carriage return, space
+
+
+def byte_chat_tokenizer():
+    """One token per byte, ``<|im_end|>`` the EOS (special) and ``<tool_call>`` one added token (as Qwen's)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=EOS_TEXT, pad_token=EOS_TEXT)
+    tok.add_tokens(["<tool_call>"])
+    tok.chat_template = TEMPLATE
+    return tok
+
+
+def tool_app(parser="hermes", enabled=True, seed=0):
+    tok = byte_chat_tokenizer()
+    model = make_model("llama", seed=seed, vocab_size=len(tok), eos_token_id=tok.eos_token_id,
+                       pad_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id)
+    model.generation_config.eos_token_id = model.generation_config.pad_token_id = tok.eos_token_id
+    return create_app(model, tok, served_model_name="tiny", num_blocks=64, max_num_seqs=4, block_size=16,
+                      max_model_len=512, enable_auto_tool_choice=enabled, tool_call_parser=parser if enabled else None)
+
+
+@pytest.fixture(scope="module")
+def hermes():
+    with TestClient(tool_app("hermes"), raise_server_exceptions=False) as client:
+        yield client
+
+
+def ask(client, **fields):
+    body = {"model": "tiny", "messages": MESSAGES, "temperature": 0, "max_tokens": 200, "logit_bias": NO_SPACES,
+            **fields}
+    return client.post("/v1/chat/completions", json=body)
+
+
+def events(client, **fields) -> list[dict]:
+    r = ask(client, stream=True, **fields)
+    assert r.status_code == 200, r.text
+    lines = [line[6:] for line in r.text.split("\n") if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def streamed_calls(chunks) -> tuple[str, list[list[str]], str]:
+    """(content, [name, arguments] per call, finish reason) accumulated from a stream, as clients do."""
+    content, calls, reason = "", {}, None
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            content += choice["delta"].get("content") or ""
+            for call in choice["delta"].get("tool_calls") or []:
+                entry = calls.setdefault(call["index"], ["", ""])
+                entry[0] += call["function"].get("name") or ""
+                entry[1] += call["function"].get("arguments") or ""
+            reason = choice["finish_reason"] or reason
+    return content, [calls[i] for i in sorted(calls)], reason
+
+
+# --- the parsers, against vLLM's on the same answers ---
+
+@pytest.mark.parametrize("kind", ["hermes", "llama3_json"])
+def test_whole_answers_parse_as_vllms_parsers_parse_them(kind):
+    for text, expected in FIXTURES[kind]:
+        got = parse(kind, text)
+        assert bool(got.calls) == expected["tools_called"], text
+        assert got.content == expected["content"], text
+        assert [[c["function"]["name"], c["function"]["arguments"]] for c in got.calls] == expected["calls"], text
+        assert all(c["type"] == "function" and c["id"].startswith("chatcmpl-tool-") for c in got.calls)
+
+
+def test_hermes_streams_as_vllms_parser_streams():
+    for text, step, expected in FIXTURES["hermes_stream"]:
+        parser, content, calls = StreamParser("hermes"), "", {}
+        for start in range(0, len(text), step):
+            out = parser.feed(text[start:start + step]) or {}
+            content += out.get("content", "")
+            for call in out.get("tool_calls", []):
+                entry = calls.setdefault(call["index"], ["", ""])
+                entry[0] += call["function"].get("name", "")
+                entry[1] += call["function"].get("arguments", "")
+                assert ("id" in call) == ("name" in call["function"])     # the id comes with the name, once
+        assert (content, [calls[i] for i in sorted(calls)]) == (expected["content"], expected["calls"]), (text, step)
+
+
+def test_llama3_json_holds_a_call_to_the_end_and_streams_text():
+    parser = StreamParser("llama3_json")
+    call = '{"name": "f", "parameters": {"a": 1}}'
+    assert [parser.feed(call[i:i + 5]) for i in range(0, len(call), 5)] == [None] * 8
+    out = parser.finish()
+    assert [(c["index"], c["function"]) for c in out["tool_calls"]] == [(0, {"name": "f", "arguments": '{"a": 1}'})]
+    text = StreamParser("llama3_json")
+    assert text.feed("Hello") == {"content": "Hello"} and text.feed(" {x}") == {"content": " {x}"} and not text.finish()
+
+
+def test_answer_rules_are_vllms():
+    """Content and finish reason per choice, as vLLM's chat serving builds them."""
+    call = '<tool_call>{"name": "f", "arguments": {}}</tool_call>'
+    auto, required, named = (ToolUse("hermes", mode, (WEATHER,), name) for mode, name in
+                             (("auto", None), ("required", None), ("named", "f")))
+    fields, reason = auto.answer("Sure. " + call, "stop")
+    assert (fields["content"], reason, len(fields["tool_calls"])) == ("Sure. ", "tool_calls", 1)
+    assert auto.answer("  \n" + call, "stop")[0]["content"] is None           # blank beside calls: none
+    assert auto.answer("no call", "length") == ({"content": "no call"}, "length")
+    assert required.answer(call, "stop")[1] == "tool_calls" and required.answer(call, "length")[1] == "length"
+    assert required.answer("  ", "stop")[0] == {"content": "", "tool_calls": []}
+    fields, reason = named.answer(call, "stop")
+    assert (fields["content"], reason, len(fields["tool_calls"])) == ("", "stop", 1)    # named: "stop", content ""
+    single = ToolUse("hermes", "required", (WEATHER,), None, single=True)
+    assert len(single.answer(call + call, "stop")[0]["tool_calls"]) == 1
+
+
+# --- the server ---
+
+def check_call(call, names=("get_weather", "get_time")):
+    assert call["type"] == "function" and call["id"].startswith("chatcmpl-tool-")
+    assert call["function"]["name"] in names
+    jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMAS[call["function"]["name"]])
+
+
+def test_named_function_is_one_valid_call(hermes):
+    r = ask(hermes, tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_time"}})
+    assert r.status_code == 200, r.json()
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["message"]["content"] == ""
+    assert len(choice["message"]["tool_calls"]) == 1
+    check_call(choice["message"]["tool_calls"][0], names=("get_time",))
+
+
+def test_required_is_calls_and_streams_the_same(hermes):
+    # a random model would open call after call up to max_tokens (the last one cut, and then, as vLLM's parser
+    # reads it, no call at all): <tool_call> biased away where EOS may come instead
+    fields = dict(tools=[WEATHER, TIME], tool_choice="required", max_tokens=300, logit_bias={**NO_SPACES, "257": -100})
+    r = ask(hermes, **fields)
+    assert r.status_code == 200, r.json()
+    choice = r.json()["choices"][0]
+    calls = choice["message"]["tool_calls"]
+    assert calls and choice["message"]["content"] == ""
+    for call in calls:
+        check_call(call)
+    assert choice["finish_reason"] == "tool_calls"
+    content, streamed, reason = streamed_calls(events(hermes, **fields))
+    assert content == "" and reason == choice["finish_reason"]
+    # streamed arguments are the model's text, the whole answer's re-serialised: the same JSON
+    assert [(n, json.loads(a)) for n, a in streamed] == [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+                                                         for c in calls]
+
+
+def test_parallel_tool_calls_false_makes_one_call(hermes):
+    r = ask(hermes, tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False)
+    calls = r.json()["choices"][0]["message"]["tool_calls"]
+    assert len(calls) == 1
+    check_call(calls[0])
+
+
+def test_auto_with_strict_tools_keeps_text_free(hermes):
+    """auto: the model may answer in text (a random model does); no call, the engine's finish reason."""
+    r = ask(hermes, tools=[WEATHER], max_tokens=12)
+    choice = r.json()["choices"][0]
+    assert r.status_code == 200 and "tool_calls" not in choice["message"] and choice["finish_reason"] == "length"
+    assert isinstance(choice["message"]["content"], str)
+
+
+def test_history_with_calls_and_results_reaches_the_template(hermes):
+    messages = MESSAGES + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    r = hermes.post("/tokenize", json={"model": "tiny", "messages": messages, "tools": [WEATHER]})
+    assert r.status_code == 200, r.json()
+    text = byte_chat_tokenizer().decode(r.json()["tokens"])
+    assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>' in text   # an object
+    assert "<r id=c1>sunny</r>" in text and text.startswith("<tools>get_weather;</tools>")
+    assert ask(hermes, messages=messages, tools=[WEATHER], max_tokens=3).status_code == 200
+    bad = MESSAGES + [{"role": "assistant", "tool_calls": [{"type": "function", "function": {"arguments": "{}"}}]}]
+    r = ask(hermes, messages=bad)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages.1.tool_calls"
+
+
+@pytest.mark.parametrize("fields, param, words", [
+    (dict(tool_choice="auto"), "tool_choice", "`tools` must be set"),
+    (dict(tools=[], tool_choice="auto"), "tools", "must not be an empty array"),
+    (dict(tools=[WEATHER], tool_choice="any"), "tool_choice", "Invalid value for `tool_choice`"),
+    (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice",
+     "does not match any"),
+    (dict(tools=[WEATHER], tool_choice={"type": "function"}), "tool_choice.function", "Invalid value for `function`"),
+    (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}},
+          response_format={"type": "json_object"}), "response_format", "both constrain"),
+])
+def test_refusals_are_vllms(hermes, fields, param, words):
+    r = ask(hermes, **fields)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param and words in r.json()["error"]["message"]
+
+
+def test_without_the_flags_tool_choices_are_refused_as_vllm_refuses_them():
+    with TestClient(tool_app(enabled=False), raise_server_exceptions=False) as client:
+        for choice, words in (("auto", '"auto" tool choice requires --enable-auto-tool-choice'),
+                              ("required", 'tool_choice="required" requires --tool-call-parser'),
+                              ({"type": "function", "function": {"name": "get_weather"}}, 'function "get_weather"')):
+            r = ask(client, tools=[WEATHER], tool_choice=choice)
+            assert r.status_code == 400 and words in r.json()["error"]["message"], r.json()
+        r = ask(client, tools=[WEATHER])                                    # tools alone: auto
+        assert r.status_code == 400 and "auto" in r.json()["error"]["message"]
+        assert ask(client, tools=[WEATHER], tool_choice="none", max_tokens=3).status_code == 200
+
+
+def test_config_refuses_a_parser_it_does_not_have_and_the_flag_without_one():
+    with pytest.raises(ValueError, match="tool_call_parser must be one of hermes, llama3_json"):
+        tool_app(parser="mistral")
+    from hf_paged.integrations.server.config import AppConfig
+    with pytest.raises(ValueError, match="needs tool_call_parser"):
+        AppConfig(enable_auto_tool_choice=True).validate()
+
+
+def test_llama3_json_named_call():
+    with TestClient(tool_app("llama3_json", seed=1), raise_server_exceptions=False) as client:
+        r = ask(client, tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        assert r.status_code == 200, r.json()
+        (call,) = r.json()["choices"][0]["message"]["tool_calls"]
+        check_call(call, names=("get_weather",))
+        content, streamed, _ = streamed_calls(events(client, tools=[WEATHER], tool_choice={
+            "type": "function", "function": {"name": "get_weather"}}))
+        assert streamed == [[call["function"]["name"], call["function"]["arguments"]]]
+
+
+def test_the_openai_client_reads_the_calls():
+    openai = pytest.importorskip("openai")
+    from live_server import running
+
+    with running(tool_app("hermes")) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x")
+        out = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=[WEATHER], temperature=0,
+                                             logit_bias=NO_SPACES,
+                                             tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        call = out.choices[0].message.tool_calls[0]
+        assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] in ("Paris", "Rome")
+        with client.chat.completions.stream(model="tiny", messages=MESSAGES, tools=[WEATHER], temperature=0,
+                                            logit_bias={**NO_SPACES, "257": -100}, tool_choice="required") as stream:
+            final = stream.get_final_completion()
+        calls = final.choices[0].message.tool_calls
+        assert len(calls) == 1 and calls[0].function.name == "get_weather"
+        assert final.choices[0].finish_reason == "tool_calls"
+
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>'
+LLAMA_CALL = '{"name": "get_weather", "parameters": {"city": "Rome", "days": 2}}'
+GRAMMAR_CASES = {     # (parser, mode): [(answer, whether the grammar takes it whole)]
+    ("hermes", "named"): [(CALL, True), ("x" + CALL, False), (CALL.replace("Paris", "Oslo"), False)],
+    ("hermes", "required"): [(CALL + CALL, True), (CALL.replace("\n", ""), True), ("hi", False)],
+    ("hermes", "auto"): [("hello " + CALL + " bye", True), ("hello", True), ('a <tool_call>\n{"name": "zzz"', False)],
+    ("llama3_json", "named"): [(LLAMA_CALL, True), ("x", False)],
+    ("llama3_json", "required"): [("Sure " + LLAMA_CALL, True), ("no call", False)],
+    ("llama3_json", "auto"): [("no call", True), ("t " + LLAMA_CALL + " end", True), ('{"name": "other"', False)],
+}
+
+
+@pytest.mark.parametrize("which", ["added tags", "smollm2"])
+def test_grammars_take_calls_and_refuse_others(which, request):
+    """Each mode's grammar (strict tools: auto constrains too) against whole answers, through the engine's
+    compiler: with a tokenizer whose ``<tool_call>`` is one added token (Qwen's; llguidance reads it as special,
+    so the grammar names the token) and with one that spells it in bytes (SmolLM2's)."""
+    from hf_paged.engine.structured import GrammarCompiler
+
+    loose = {"type": "function", "function": {"name": "f"}}
+    assert ToolUse("hermes", "auto", (loose,)).grammar() is None                  # auto, no strict tool: free
+    assert ToolUse("hermes", "auto", (loose,), single=True).grammar() is not None  # at most one call: constrained
+    tok = byte_chat_tokenizer() if which == "added tags" else request.getfixturevalue("smollm2_tokenizer")
+    compiler = GrammarCompiler(tok, len(tok), frozenset([tok.eos_token_id]))
+    for (parser, mode), answers in GRAMMAR_CASES.items():
+        added = tok.get_added_vocab()
+        tokens = frozenset(t for t in ("<tool_call>", "</tool_call>") if parser == "hermes" and t in added)
+        assert bool(tokens) == (which == "added tags" and parser == "hermes")
+        use = ToolUse(parser, mode, (WEATHER, TIME), "get_weather" if mode == "named" else None, tokens=tokens)
+        grammar = compiler.compile(use.grammar())
+        for answer, takes in answers:
+            matcher = grammar.matcher()
+            try:
+                for token in tok(answer, add_special_tokens=False)["input_ids"]:
+                    matcher.accept(token)
+                taken = matcher.is_accepting
+            except RuntimeError:
+                taken = False
+            assert taken == takes, (parser, mode, answer)
