@@ -195,12 +195,13 @@ _NO_PREFIX_SETTINGS = ("output_hidden_states", "output_attentions", "assistant_m
 def _attach_prefix(store, cache, args: tuple, kwargs: dict, generation_config, model) -> None:
     """Give a fresh cache the prompt columns the model's prefix store holds (see cache.prefix_store).
     Not for calls whose outputs would show the skipped columns (per-layer outputs of the prefill), that
-    start from embeddings, whose padding generate would infer from pad tokens, that decode with a
+    start from embeddings or give their own position_ids (the blocks hold keys rotated at the positions of the
+    call that wrote them; the store matches tokens only), whose padding generate would infer from pad tokens, that decode with a
     candidate generator (assisted, prompt-lookup: their first forward feeds the whole prompt whatever
     the cache holds), that chunk their prefill on a transformers whose chunks start at column 0, or whose
     prompts reach past where a length-dependent RoPE changes its frequencies (blocks computed under other
     frequencies than this call's would be reused; ``introspect.length_dependent_rope``)."""
-    if kwargs.get("inputs_embeds") is not None or any(
+    if kwargs.get("inputs_embeds") is not None or kwargs.get("position_ids") is not None or any(
             _setting(name, kwargs, generation_config, model) for name in _NO_PREFIX_SETTINGS):
         return
     if _setting("prefill_chunk_size", kwargs, generation_config, model) and not chunked_prefill_continues():

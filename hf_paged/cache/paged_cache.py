@@ -340,9 +340,18 @@ class PagedCache(KVPools):
         columns = self.rows.columns if self.rows is not None else 0
         expected = columns + q_len
         if attention_mask.shape[1] != expected:
+            # generate continuing from a returned cache in a mode that feeds the prompt again from column 0
+            # (assisted generation, prompt lookup; chunked prefill before transformers 5.24) passes the mask of
+            # the sequence it feeds, not of the sequence the cache would then hold
+            refed = columns and attention_mask.shape[1] < expected and (
+                attention_mask.shape[1] == q_len or attention_mask.shape[1] > columns)
+            hint = (" This forward feeds columns the cache holds again: generate does that when it continues from "
+                    "a returned cache with assistant_model / prompt_lookup_num_tokens, or with prefill_chunk_size "
+                    "before transformers 5.24 (the default path then attends over those columns twice). Start such a "
+                    "call from a fresh cache (no past_key_values).") if refed else ""
             raise ValueError(f"attention_mask has {attention_mask.shape[1]} columns but the cache has seen "
                              f"{columns} and this forward adds {q_len} (expected {expected}). Pass the "
-                             "mask of the whole sequence, as generate does, or cache.reset() for a new batch.")
+                             f"mask of the whole sequence, as generate does, or cache.reset() for a new batch.{hint}")
         return attention_mask[:, columns:].to("cpu", torch.bool).clone()
 
     def _finishing_rows(self, input_ids, q_len: int) -> list[int]:

@@ -576,3 +576,20 @@ def test_paged_from_a_passed_config_is_turned_off_in_a_copy_of_it_not_by_a_keywo
     config = GenerationConfig(max_new_tokens=2, cache_implementation="paged")
     paged_generate(model, generate, (ids,), {"generation_config": config}, {})
     assert seen[-1][1]["cache_implementation"] is None and seen[-1][1]["generation_config"] is config
+
+
+def test_continuing_in_a_mode_that_refeeds_the_prompt_says_so():
+    """generate continuing from a returned cache with prompt lookup feeds the whole sequence again in its first
+    forward (the default path then attends over it twice); with a padded row the mask cannot say where: the
+    refusal names the mode and what to do, not only the column counts."""
+    model = make_model("llama", seed=1)
+    ids = torch.tensor([[0, 0, 0, 164, 122, 142, 131, 189]])
+    mask = (ids != 0).long()
+    with patched(model):
+        first = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, eos_token_id=None,
+                               return_dict_in_generate=True, cache_implementation="paged")
+        full = torch.cat([first.sequences, torch.tensor([[92, 37, 136]])], 1)
+        with pytest.raises(ValueError, match=r"(?s)cache has seen 11 .*prompt_lookup_num_tokens.*fresh cache"):
+            model.generate(input_ids=full, attention_mask=torch.cat([mask, torch.ones(1, 7, dtype=torch.long)], 1),
+                           past_key_values=first.past_key_values, max_new_tokens=6, eos_token_id=None,
+                           prompt_lookup_num_tokens=2)

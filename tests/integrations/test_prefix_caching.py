@@ -278,3 +278,20 @@ def test_a_commit_that_fails_loses_only_the_caching(monkeypatch):
                 torch.testing.assert_close(b, a, atol=1e-5, rtol=0)
             assert (hf_paged.last_stats(model)["prefix_hit_tokens"] > 0) == (call == 1)
         store.check_invariants()
+
+
+def test_a_call_with_its_own_position_ids_takes_no_prefix():
+    """The store matches tokens only; its blocks hold keys rotated at the positions of the call that wrote them.
+    A call that gives position_ids (here 37..56, the same tokens) is served without it: the default path's tokens."""
+    model = make_model("qwen3", seed=1, initializer_range=0.2)
+    prompt = torch.randint(3, VOCAB, (2, 20), generator=torch.Generator().manual_seed(5))
+    mask, positions = torch.ones_like(prompt), torch.arange(20).expand(2, 20) + 37
+    kw = dict(input_ids=prompt, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    reference = model.generate(position_ids=positions, **kw)
+    with patched(model, enable_prefix_caching=True, block_size=4):
+        model.generate(cache_implementation="paged", **kw)                  # fills the store at positions 0..19
+        out = model.generate(position_ids=positions, cache_implementation="paged", **kw)
+        assert hf_paged.last_stats(model)["prefix_hit_tokens"] == 0
+        model.generate(cache_implementation="paged", **kw)
+        assert hf_paged.last_stats(model)["prefix_hit_tokens"] > 0           # the store is still used otherwise
+    assert torch.equal(out, reference)
