@@ -14,7 +14,8 @@ path unchanged, which also raises transformers' own errors for bad values. ``bat
 ignored for lists: the engine's ``max_num_seqs`` / ``max_num_batched_tokens`` schedule instead.
 
     pipe = hf_paged.pipeline("text-generation", model=model, tokenizer=tok, max_num_seqs=32)
-    pipe(list_of_prompts, max_new_tokens=64)          # same records as the stock pipeline, per prompt
+    pipe(list_of_prompts, max_new_tokens=64)          # the stock pipeline's records, per prompt (greedy; sampled
+                                                      # ones draw with the engine's own per-request seeds)
     pipe.engine_stats()
 """
 from __future__ import annotations
