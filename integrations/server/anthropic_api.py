@@ -7,11 +7,15 @@ message; ``system`` messages in the list kept in place, or merged into the first
 takes a system message only first (vLLM renders [system, user, system, user] to find out); text blocks as text
 parts; ``thinking`` blocks of earlier answers dropped (no reasoning parser here); ``stop_sequences`` as
 ``stop``; ``output_config.format`` as a JSON-schema ``response_format``; ``thinking: {"type": "disabled"}`` as
-``reasoning_effort: "none"``; ``tools`` with ``tool_choice: {"type": "none"}`` handed to the chat template in
-OpenAI's form. Other tool use, tool results and images are refused by name, as the chat endpoint refuses them.
-The answer is Anthropic's message (``stop_reason`` end_turn / max_tokens / stop_sequence) or its event stream
-(message_start, one text block's start, deltas and stop (none for an empty text, as vLLM's), message_delta with
-the stop reason and usage, message_stop). Errors answer Anthropic's body ``{"type": "error", "error": {"type",
+``reasoning_effort: "none"``; ``tools`` as OpenAI function tools and ``tool_choice`` auto / any / tool / none as
+chat's auto / required / named / none (``disable_parallel_tool_use`` as ``parallel_tool_calls: false``); an
+assistant's ``tool_use`` blocks as its ``tool_calls``, a user's ``tool_result`` blocks as ``tool`` messages before
+the user's text. Tool calling needs the chat endpoint's flags (``--enable-auto-tool-choice
+--tool-call-parser``). Server and MCP tool blocks and images are refused by name. The answer is Anthropic's
+message (text, then a ``tool_use`` block per call; ``stop_reason`` end_turn / max_tokens / stop_sequence /
+tool_use, as vLLM maps them) or its event stream (message_start; text and tool_use blocks, each started, its
+deltas (``text_delta``, ``input_json_delta``) and stopped, none for an empty text, as vLLM's; message_delta with
+the stop reason and usage; message_stop). Errors answer Anthropic's body ``{"type": "error", "error": {"type",
 "message"}}``.
 """
 from __future__ import annotations
@@ -31,15 +35,14 @@ from .errors import ApiError, as_api_error
 from .intake import chat_prompt, chat_request, start_chat_call
 from .protocol import ChatCompletionRequest
 from .request_parts import Body
-from .vllm_fields import TOOLS
 from .responses import STREAM_HEADERS, collected
+from .tool_parsers import StreamParser
 
 BILLING_HEADER = "x-anthropic-billing-header"      # Claude Code's per-request hash (vLLM drops it: prefix caching)
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 499: "invalid_request_error", 500: "api_error",
                503: "overloaded_error"}
-TOOL_BLOCKS = ("tool_use", "tool_result", "tool_reference", "server_tool_use", "web_search_tool_result",
-               "mcp_tool_use", "mcp_tool_result")
+SERVER_TOOL_BLOCKS = ("server_tool_use", "web_search_tool_result", "mcp_tool_use", "mcp_tool_result")
 SKIPPED_BLOCKS = ("thinking", "redacted_thinking")     # a client sends its earlier answers back whole
 
 
@@ -52,7 +55,7 @@ class AnthropicBlock(Body):
     cache_control: Optional[dict[str, Any]] = None     # a prompt-caching hint (prefix caching here is automatic)
     citations: Optional[Any] = None
     source: Optional[Any] = None         # an image's or document's (refused by name, not logged as unknown first)
-    id: Optional[str] = None             # tool blocks' (refused by name)
+    id: Optional[str] = None             # tool_use and tool_result blocks'
     name: Optional[str] = None
     input: Optional[Any] = None
     tool_use_id: Optional[str] = None
@@ -125,16 +128,15 @@ def error_response(exc: ApiError) -> JSONResponse:
 
 
 def _block_text(block: AnthropicBlock, where: str) -> str | None:
-    """A block's text; None for a block that is skipped (an empty text too, as vLLM's); refused: tool and media
-    blocks."""
+    """A block's text; None for a block that is skipped (an empty text too, as vLLM's, and the tool blocks
+    ``_tool_parts`` reads); refused: server tool and media blocks."""
     if block.type == "text":
         return block.text or None
-    if block.type in SKIPPED_BLOCKS:
+    if block.type in SKIPPED_BLOCKS or block.type in ("tool_use", "tool_result", "tool_reference"):
         return None
-    if block.type in TOOL_BLOCKS:
-        raise ApiError(400, f"{where} is a {block.type!r} block: tool calling is not supported by this server "
-                            "(vLLM parses tool calls with model-specific parsers); send the tool's text as a text "
-                            "block instead", param=where)
+    if block.type in SERVER_TOOL_BLOCKS:
+        raise ApiError(400, f"{where} is a {block.type!r} block: server and MCP tools are not run by this server; "
+                            "send the result as a text block", param=where)
     raise ApiError(400, f"{where} is a {block.type!r} block: this server runs text-only models, whose messages take "
                         "'text' blocks only", param=where)
 
@@ -143,6 +145,34 @@ def _texts(content, where: str, system: bool = False) -> list[str]:
     """The texts of a message's content (a system message's without Claude Code's billing header)."""
     texts = [content] if isinstance(content, str) else [_block_text(b, f"{where}.{i}") for i, b in enumerate(content)]
     return [t for t in texts if t is not None and not (system and t.startswith(BILLING_HEADER))]
+
+
+def _tool_parts(message: AnthropicMessage, where: str) -> tuple[list[dict], list[dict]]:
+    """(the chat tool_calls of an assistant's tool_use blocks, the tool messages of a user's tool_result blocks),
+    as vLLM converts them: a call's input as JSON arguments, a result's text blocks joined by newlines."""
+    calls, results = [], []
+    for i, block in enumerate([] if isinstance(message.content, str) else message.content):
+        if block.type == "tool_use":
+            calls.append({"id": block.id or "", "type": "function",
+                          "function": {"name": block.name or "", "arguments": json.dumps(block.input or {})}})
+        elif block.type == "tool_result":
+            results.append({"role": "tool", "tool_call_id": block.tool_use_id or "",
+                            "content": _result_text(block.content, f"{where}.{i}.content")})
+    return (calls, []) if message.role == "assistant" else ([], results)
+
+
+def _result_text(content, where: str) -> str:
+    if isinstance(content, str) or content is None:
+        return content or ""
+    texts = []
+    for j, item in enumerate(content if isinstance(content, list) else []):
+        kind = item.get("type") if isinstance(item, dict) else None
+        if kind == "text":
+            texts.append(item.get("text") or "")
+        elif kind not in ("tool_reference", None):
+            raise ApiError(400, f"{where}.{j} is a {kind!r} block: this server runs text-only models; a tool result "
+                                "takes 'text' blocks", param=f"{where}.{j}")
+    return "\n".join(texts)
 
 
 def takes_system_first(state) -> bool:
@@ -176,11 +206,13 @@ def chat_messages(req: _Common, state) -> list[dict]:
                 system += texts
             elif "".join(texts):
                 out.append({"role": "system", "content": "".join(texts)})
-        elif m.role == "user" and not texts and not isinstance(m.content, str):
+            continue
+        calls, results = _tool_parts(m, f"messages.{i}.content")
+        out += results                                 # a user's tool results come before its text, as vLLM's
+        if m.role == "user" and not texts and not isinstance(m.content, str):
             continue                                   # vLLM drops a user turn left without content
-        else:
-            content = texts[0] if len(texts) == 1 else [{"type": "text", "text": t} for t in texts] or None
-            out.append({"role": m.role, "content": content})
+        content = texts[0] if len(texts) == 1 else [{"type": "text", "text": t} for t in texts] or None
+        out.append({"role": m.role, "content": content, **({"tool_calls": calls} if calls else {})})
     return ([{"role": "system", "content": "".join(system)}] if system else []) + out
 
 
@@ -188,11 +220,15 @@ def to_chat(req: _Common, state, stream: bool = False) -> ChatCompletionRequest:
     """``req`` as the chat completion vLLM makes of it, checked as the chat endpoint checks one."""
     chat = {"model": req.model, "messages": chat_messages(req, state)}
     if req.tools:
-        if req.tool_choice is None or req.tool_choice.type != "none":
-            raise ApiError(400, f"tools are not supported unless tool_choice is {{\"type\": \"none\"}}: {TOOLS}",
-                           param="tools")
-        chat.update(tool_choice="none", tools=[{"type": "function", "function": {   # the template sees them, as vLLM's
-            "name": t.name, "description": t.description, "parameters": t.input_schema}} for t in req.tools])
+        chat["tools"] = [{"type": "function", "function": {"name": t.name, "description": t.description,
+                                                           "parameters": t.input_schema,
+                                                           **({"strict": t.strict} if t.strict is not None else {})}}
+                         for t in req.tools]
+    choice = req.tool_choice
+    if choice is not None:
+        chat["tool_choice"] = ({"type": "function", "function": {"name": choice.name}} if choice.type == "tool" else
+                               {"auto": "auto", "any": "required", "none": "none"}[choice.type])
+        chat["parallel_tool_calls"] = not choice.disable_parallel_tool_use
     if req.chat_template_kwargs:
         chat["chat_template_kwargs"] = req.chat_template_kwargs
     thinking = req.thinking.type if req.thinking else None
@@ -213,13 +249,28 @@ def to_chat(req: _Common, state, stream: bool = False) -> ChatCompletionRequest:
     return chat_request(chat, state)
 
 
-def stop_reason(reason: str | None, stop: str | int | None) -> tuple[str | None, str | None]:
-    """Anthropic's (stop_reason, stop_sequence) for the chat answer's finish reason and vLLM's stop reason."""
+def stop_reason(reason: str | None, stop: str | int | None, tool_used: bool = False,
+                tool_complete: bool = False) -> tuple[str | None, str | None]:
+    """Anthropic's (stop_reason, stop_sequence) for the chat answer's finish reason and vLLM's stop reason, as
+    vLLM maps them: max_tokens first; tool_use where the calls are complete (whole JSON arguments), else a stop
+    string's stop_sequence, else tool_use where a call was made (a named one ends "stop"), else end_turn."""
     if reason == "length":
         return "max_tokens", None
-    if reason != "stop":
+    if reason not in ("stop", "tool_calls"):
         return None, None
-    return ("stop_sequence", stop) if isinstance(stop, str) else ("end_turn", None)
+    if tool_complete:
+        return "tool_use", None
+    if isinstance(stop, str):
+        return "stop_sequence", stop
+    return ("tool_use", None) if reason == "tool_calls" or tool_used else ("end_turn", None)
+
+
+def content_blocks(fields: dict) -> list[dict]:
+    """A chat message's content and tool calls as Anthropic's blocks (one empty text block for none, as vLLM's)."""
+    blocks = [{"type": "text", "text": fields["content"]}] if fields.get("content") else []
+    blocks += [{"type": "tool_use", "id": c["id"], "name": c["function"]["name"],
+                "input": json.loads(c["function"]["arguments"])} for c in fields.get("tool_calls") or []]
+    return blocks or [{"type": "text", "text": ""}]
 
 
 def usage(call) -> dict:
@@ -257,36 +308,102 @@ async def messages(request: Request):
         return error_response_of(exc, "on /v1/messages")
     if got is None:
         return Response(status_code=499)
-    reason, sequence = stop_reason(got.reasons[0], got.stop_reasons[0])
-    return JSONResponse({"id": message_id, "type": "message", "role": "assistant",
-                         "content": [{"type": "text", "text": got.texts[0]}], "model": state.name,
-                         "stop_reason": reason, "stop_sequence": sequence, "usage": usage(call)})
+    tools = call.options.tools
+    fields, finish = tools.answer(got.texts[0], got.reasons[0]) if tools is not None else \
+        ({"content": got.texts[0]}, got.reasons[0])
+    called = bool(fields.get("tool_calls"))
+    reason, sequence = stop_reason(finish, got.stop_reasons[0], called, called)
+    blocks = content_blocks(fields) if tools is not None else [{"type": "text", "text": got.texts[0]}]
+    return JSONResponse({"id": message_id, "type": "message", "role": "assistant", "content": blocks,
+                         "model": state.name, "stop_reason": reason, "stop_sequence": sequence, "usage": usage(call)})
 
 
 def event(kind: str, body: dict) -> str:
     return f"event: {kind}\ndata: {json.dumps({'type': kind, **body}, ensure_ascii=False)}\n\n"
 
 
+class Blocks:
+    """The content blocks of one streamed answer, as vLLM's stream converter opens and closes them: text deltas
+    go to a text block (text that comes while a tool_use block is open waits for it to close), each call opens a
+    tool_use block (its id and name, ``input: {}``) whose arguments follow as ``input_json_delta``s."""
+
+    def __init__(self):
+        self.index, self.kind, self.pending, self.arguments = -1, None, [], []
+        self.tool_used = False
+
+    def _start(self, block: dict) -> list[str]:
+        self.index, self.kind = self.index + 1, block["type"]
+        return [event("content_block_start", {"index": self.index, "content_block": block})]
+
+    def stop(self) -> list[str]:
+        """Close the open block (and send the text that waited for a tool_use block to close)."""
+        out = [event("content_block_stop", {"index": self.index})] if self.kind else []
+        self.kind = None
+        if self.pending:
+            text, self.pending = "".join(self.pending), []
+            out += self.text(text) + self.stop()
+        return out
+
+    def text(self, text: str) -> list[str]:
+        if not text:
+            return []
+        if self.kind == "tool_use":
+            self.pending.append(text)
+            return []
+        out = [] if self.kind == "text" else self.stop() + self._start({"type": "text", "text": ""})
+        return out + [event("content_block_delta", {"index": self.index, "delta": {"type": "text_delta", "text": text}})]
+
+    def call(self, delta: dict) -> list[str]:
+        """One chat tool-call delta: a name opens a tool_use block, arguments extend it."""
+        out = []
+        function = delta.get("function") or {}
+        if function.get("name") is not None:
+            out += self.stop() + self._start({"type": "tool_use", "id": delta["id"], "name": function["name"],
+                                              "input": {}})
+            self.tool_used, self.arguments = True, []
+        if function.get("arguments") and self.kind == "tool_use":
+            self.arguments.append(function["arguments"])
+            out.append(event("content_block_delta", {"index": self.index, "delta": {
+                "type": "input_json_delta", "partial_json": function["arguments"]}}))
+        return out
+
+    def complete(self) -> bool:
+        """The last call's arguments are whole JSON (a call cut short must not run: vLLM's rule)."""
+        try:
+            json.loads("".join(self.arguments))
+            return self.tool_used
+        except ValueError:
+            return False
+
+
 async def events(call, message_id: str, model: str):
-    """Anthropic's event stream of one answer (its text block opened with the first text: an empty answer has
-    none, as vLLM's stream)."""
+    """Anthropic's event stream of one answer (a text block opened with the first text: an empty answer has
+    none, as vLLM's stream; a tool_use block per call where the request has tool calling)."""
     try:
         yield event("message_start", {"message": {
             "id": message_id, "type": "message", "role": "assistant", "content": [], "model": model,
             "stop_reason": None, "stop_sequence": None,
             "usage": {"input_tokens": call.prompt_tokens, "output_tokens": 0}}})
         reason = sequence = None
-        opened = False
+        tools, blocks = call.options.tools, Blocks()
+        parser = StreamParser(tools.parser) if tools is not None else None
         async for d in call.deltas():
-            if d.text:
-                if not opened:
-                    opened = True
-                    yield event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
-                yield event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": d.text}})
+            out = ({"content": d.text} if parser is None else parser.feed(d.text)) or {}
+            if d.reason and parser is not None:
+                for key, value in (parser.finish() or {}).items():
+                    out[key] = out.get(key, "" if key == "content" else []) + value
+            for piece in blocks.text(out.get("content") or ""):
+                yield piece
+            for delta in out.get("tool_calls") or []:
+                if tools.single and delta["index"] != 0:
+                    continue
+                for piece in blocks.call(delta):
+                    yield piece
             if d.reason:
-                reason, sequence = stop_reason(d.reason, d.stop_reason)
-        if opened:
-            yield event("content_block_stop", {"index": 0})
+                finish = tools.stream_reason(parser.called, d.reason) if tools is not None else d.reason
+                reason, sequence = stop_reason(finish, d.stop_reason, blocks.tool_used, blocks.complete())
+        for piece in blocks.stop():
+            yield piece
         yield event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
                                       "usage": usage(call)})
         yield event("message_stop", {})

@@ -140,10 +140,10 @@ def test_inline_system_messages_kept_or_merged():
 @pytest.mark.parametrize("body, status, words", [
     ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "url"}}]}]},
      400, "text-only"),
-    ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t"}]}]},
-     400, "tool calling"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "server_tool_use", "id": "t"}]}]},
+     400, "server and MCP tools"),
     ({"max_tokens": 5, "messages": [{"role": "user", "content": "w3"}], "tools": [{"name": "f", "input_schema": {}}]},
-     400, "tools are not supported"),
+     400, "requires --enable-auto-tool-choice"),          # tool calling needs the flags (test_tool_calls.py)
     ({"max_tokens": 5, "messages": [{"role": "user", "content": "w3"}],
       "thinking": {"type": "enabled", "budget_tokens": 2048}}, 400, "reasoning parser"),
     ({"messages": [{"role": "user", "content": "w3"}]}, 400, "max_tokens"),
@@ -453,7 +453,7 @@ def test_official_clients_read_both_apis():
             final = stream.get_final_message()
         assert streamed == final.content[0].text == m.content[0].text
         assert a.messages.count_tokens(model=MODEL, messages=messages).input_tokens == m.usage.input_tokens
-        with pytest.raises(anthropic.BadRequestError, match="tools are not supported"):
+        with pytest.raises(anthropic.BadRequestError, match="requires --enable-auto-tool-choice"):
             a.messages.create(model=MODEL, max_tokens=4, messages=messages, tools=[{"name": "f", "input_schema": {}}])
         o = openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0)
         r = o.responses.create(model=MODEL, input="w10 w11", max_output_tokens=4, temperature=0)

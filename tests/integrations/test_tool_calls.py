@@ -330,3 +330,79 @@ def test_grammars_take_calls_and_refuse_others(which, request):
             except RuntimeError:
                 taken = False
             assert taken == takes, (parser, mode, answer)
+
+
+# --- Anthropic's Messages API: tool_use blocks, as vLLM converts them ---
+
+# Anthropic's requests take no logit_bias: the schema asks llguidance for compact JSON instead (its x-guidance option)
+ANTHROPIC_WEATHER = {"name": "get_weather", "strict": True, "input_schema": {
+    **WEATHER["function"]["parameters"], "x-guidance": {"whitespace_flexible": False}}}
+
+
+def anthropic_events(text: str) -> list[tuple[str, dict]]:
+    out = []
+    for block in filter(None, text.split("\n\n")):
+        lines = dict(line.split(": ", 1) for line in block.split("\n"))
+        out.append((lines["event"], json.loads(lines["data"])))
+    return out
+
+
+def test_anthropic_tool_use_whole_and_streamed(hermes):
+    body = {"model": "tiny", "max_tokens": 200, "messages": MESSAGES, "temperature": 0,
+            "tools": [ANTHROPIC_WEATHER], "tool_choice": {"type": "tool", "name": "get_weather"}}
+    r = hermes.post("/v1/messages", json=body)
+    assert r.status_code == 200, r.json()
+    got = r.json()
+    (block,) = got["content"]
+    assert block["type"] == "tool_use" and block["name"] == "get_weather" and block["id"].startswith("chatcmpl-tool-")
+    jsonschema.validate(block["input"], SCHEMAS["get_weather"])
+    assert got["stop_reason"] == "tool_use" and got["stop_sequence"] is None
+    chat = ask(hermes, tools=[{"type": "function", "function": {"name": "get_weather", "strict": True,
+                                                                "parameters": ANTHROPIC_WEATHER["input_schema"]}}],
+               tool_choice={"type": "function", "function": {"name": "get_weather"}}, logit_bias=None)
+    assert json.loads(chat.json()["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"]) == block["input"]
+    stream = anthropic_events(hermes.post("/v1/messages", json={**body, "stream": True}).text)
+    names = [name for name, _ in stream]
+    assert names[:2] == ["message_start", "content_block_start"] and names[-3:] == [
+        "content_block_stop", "message_delta", "message_stop"]
+    start = stream[1][1]["content_block"]
+    assert (start["type"], start["name"], start["input"]) == ("tool_use", "get_weather", {})
+    partial = "".join(d["delta"]["partial_json"] for n, d in stream if n == "content_block_delta")
+    assert all(d["delta"]["type"] == "input_json_delta" for n, d in stream if n == "content_block_delta")
+    assert json.loads(partial) == block["input"] and stream[-2][1]["delta"]["stop_reason"] == "tool_use"
+
+
+def test_anthropic_history_with_tool_use_and_result_is_the_chat_one(hermes):
+    """An assistant's tool_use and the user's tool_result render as chat's tool_calls and tool message."""
+    anthropic_messages = MESSAGES + [
+        {"role": "assistant", "content": [{"type": "text", "text": "Checking."},
+                                          {"type": "tool_use", "id": "c1", "name": "get_weather",
+                                           "input": {"city": "Paris", "days": 2}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c1",
+                                      "content": [{"type": "text", "text": "sunny"}]}]}]
+    chat_messages = MESSAGES + [
+        {"role": "assistant", "content": "Checking.", "tool_calls": [{"id": "c1", "type": "function", "function": {
+            "name": "get_weather", "arguments": json.dumps({"city": "Paris", "days": 2})}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    counted = hermes.post("/v1/messages/count_tokens", json={"model": "tiny", "messages": anthropic_messages,
+                                                             "tools": [ANTHROPIC_WEATHER]})
+    assert counted.status_code == 200, counted.json()
+    tokens = hermes.post("/tokenize", json={"model": "tiny", "messages": chat_messages, "tools": [WEATHER]}).json()
+    assert counted.json()["input_tokens"] == tokens["count"]
+    assert "<r id=c1>sunny</r>" in byte_chat_tokenizer().decode(tokens["tokens"])
+
+
+def test_anthropic_client_reads_tool_use():
+    anthropic = pytest.importorskip("anthropic")
+    from live_server import running
+
+    with running(tool_app("hermes")) as url:
+        client = anthropic.Anthropic(base_url=url, api_key="k", max_retries=0)
+        kw = dict(model="tiny", max_tokens=200, messages=MESSAGES, tools=[ANTHROPIC_WEATHER],
+                  tool_choice={"type": "any", "disable_parallel_tool_use": True}, extra_body={"temperature": 0})
+        message = client.messages.create(**kw)
+        uses = [b for b in message.content if b.type == "tool_use"]
+        assert uses and message.stop_reason == "tool_use"
+        with client.messages.stream(**kw) as stream:
+            final = stream.get_final_message()
+        assert [(b.name, b.input) for b in final.content if b.type == "tool_use"] == [(b.name, b.input) for b in uses]
