@@ -232,9 +232,12 @@ async def whole(request: Request, call: ApiCall, reply: Reply) -> Response:
     fmt = formatter(call)
     choices = [{**reply.shape.choice(k, texts[k], reasons[k], fmt, deltas[k], call.options.role),
                 "stop_reason": stop_reasons[k]} for k in range(call.choices)]
-    if call.options.tools is not None:         # the text read for tool calls (chat)
+    if call.options.tools is not None:         # the generated text read for tool calls (chat); an echo goes first
         for k, choice in enumerate(choices):
-            fields, choice["finish_reason"] = call.options.tools.answer(texts[k], reasons[k])
+            echo = sum(d[3] for d in deltas[k] if d[4])
+            fields, choice["finish_reason"] = call.options.tools.answer(texts[k][echo:], reasons[k])
+            if echo:
+                fields["content"] = texts[k][:echo] + (fields["content"] or "")
             choice["message"] = {"role": choice["message"]["role"], **fields}
     extra = {}
     if call.options.return_token_ids:   # vLLM's: a choice's ids; the prompt's on each completion choice, beside chat's

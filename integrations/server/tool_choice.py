@@ -112,10 +112,11 @@ class ToolUse:
     def _forms(self, name: str) -> list[tuple[str, str]]:
         """(begin, end) of a call of ``name``, as vLLM's structural tags spell them: hermes with or without
         newlines inside the tags, llama3_json one form."""
+        name = json.dumps(name, ensure_ascii=False)      # as the model writes it in JSON (OpenAI's names need no escape)
         if self.parser == HERMES:
-            return [(f'{HERMES_START}\n{{"name": "{name}", "arguments": ', f"}}\n{HERMES_END}"),
-                    (f'{HERMES_START}{{"name": "{name}", "arguments": ', f"}}{HERMES_END}")]
-        return [(f'{{"name": "{name}", "parameters": ', "}")]
+            return [(f'{HERMES_START}\n{{"name": {name}, "arguments": ', f"}}\n{HERMES_END}"),
+                    (f'{HERMES_START}{{"name": {name}, "arguments": ', f"}}{HERMES_END}")]
+        return [(f'{{"name": {name}, "parameters": ', "}")]
 
     def _call(self, function: dict, begin: str, end: str) -> str:
         """One call in lark: ``begin``, the arguments (the parameters' schema where the tool is strict, else any

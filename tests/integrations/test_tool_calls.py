@@ -406,3 +406,15 @@ def test_anthropic_client_reads_tool_use():
         with client.messages.stream(**kw) as stream:
             final = stream.get_final_message()
         assert [(b.name, b.input) for b in final.content if b.type == "tool_use"] == [(b.name, b.input) for b in uses]
+
+
+def test_an_echo_goes_before_the_content_and_is_not_read_for_calls(hermes):
+    """vLLM's chat echo (the last message's text, where it has the answer's role) is put before the content after
+    the answer is read for calls: a call written in the echoed message is no call of this answer."""
+    messages = MESSAGES + [{"role": "assistant", "content": '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'}]
+    r = ask(hermes, messages=messages, tools=[WEATHER], echo=True, add_generation_prompt=False,
+            continue_final_message=True, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert r.status_code == 200, r.json()
+    message = r.json()["choices"][0]["message"]
+    assert message["content"] == messages[-1]["content"]
+    assert [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather"]
