@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
 import threading
 import time
@@ -34,3 +35,12 @@ def running(app, timeout: float = 120.0):
         sock.close()
         assert not thread.is_alive(), "uvicorn did not stop"
         assert not app.state.worker.alive, "the engine thread was left behind"
+
+
+def sse(text: str) -> list[tuple[str, dict]]:
+    """(event name, data) of each named server-sent event (Anthropic's and OpenAI Responses' streams)."""
+    events = []
+    for block in filter(None, text.split("\n\n")):
+        lines = dict(line.split(": ", 1) for line in block.split("\n"))
+        events.append((lines["event"], json.loads(lines["data"])))
+    return events

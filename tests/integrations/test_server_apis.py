@@ -6,7 +6,6 @@ Structured output through both (a real tokenizer) is in test_structured_output.p
 """
 from __future__ import annotations
 
-import json
 
 import pytest
 
@@ -18,7 +17,7 @@ from starlette.testclient import TestClient  # noqa: E402
 
 from hf_paged.integrations.server import create_app  # noqa: E402
 from hf_paged.integrations.server.anthropic_api import stop_reason, system_first  # noqa: E402
-from live_server import running  # noqa: E402
+from live_server import running, sse  # noqa: E402
 from tiny_models import CHAT_TEMPLATE, chat_word_tokenizer, make_model  # noqa: E402
 
 MODEL = "tiny"
@@ -41,15 +40,6 @@ def chat(client, messages, **fields) -> dict:
     r = client.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, **GREEDY, **fields})
     assert r.status_code == 200, r.json()
     return r.json()
-
-
-def sse(text: str) -> list[tuple[str, dict]]:
-    """(event name, data) of each server-sent event."""
-    events = []
-    for block in filter(None, text.split("\n\n")):
-        lines = dict(line.split(": ", 1) for line in block.split("\n"))
-        events.append((lines["event"], json.loads(lines["data"])))
-    return events
 
 
 # --- Anthropic's Messages ---

@@ -22,6 +22,7 @@ from starlette.testclient import TestClient  # noqa: E402
 from hf_paged.integrations.server import create_app  # noqa: E402
 from hf_paged.integrations.server.tool_choice import ToolUse  # noqa: E402
 from hf_paged.integrations.server.tool_parsers import StreamParser, parse  # noqa: E402
+from live_server import sse  # noqa: E402
 from tiny_models import make_model  # noqa: E402
 
 FIXTURES = json.loads((pathlib.Path(__file__).parents[1] / "fixtures" / "vllm_tool_parsers.json").read_text())
@@ -339,14 +340,6 @@ ANTHROPIC_WEATHER = {"name": "get_weather", "strict": True, "input_schema": {
     **WEATHER["function"]["parameters"], "x-guidance": {"whitespace_flexible": False}}}
 
 
-def anthropic_events(text: str) -> list[tuple[str, dict]]:
-    out = []
-    for block in filter(None, text.split("\n\n")):
-        lines = dict(line.split(": ", 1) for line in block.split("\n"))
-        out.append((lines["event"], json.loads(lines["data"])))
-    return out
-
-
 def test_anthropic_tool_use_whole_and_streamed(hermes):
     body = {"model": "tiny", "max_tokens": 200, "messages": MESSAGES, "temperature": 0,
             "tools": [ANTHROPIC_WEATHER], "tool_choice": {"type": "tool", "name": "get_weather"}}
@@ -361,7 +354,7 @@ def test_anthropic_tool_use_whole_and_streamed(hermes):
                                                                 "parameters": ANTHROPIC_WEATHER["input_schema"]}}],
                tool_choice={"type": "function", "function": {"name": "get_weather"}}, logit_bias=None)
     assert json.loads(chat.json()["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"]) == block["input"]
-    stream = anthropic_events(hermes.post("/v1/messages", json={**body, "stream": True}).text)
+    stream = sse(hermes.post("/v1/messages", json={**body, "stream": True}).text)
     names = [name for name, _ in stream]
     assert names[:2] == ["message_start", "content_block_start"] and names[-3:] == [
         "content_block_stop", "message_delta", "message_stop"]
