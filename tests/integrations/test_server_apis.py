@@ -6,7 +6,6 @@ Structured output through both (a real tokenizer) is in test_structured_output.p
 """
 from __future__ import annotations
 
-
 import pytest
 
 pytest.importorskip("fastapi")
