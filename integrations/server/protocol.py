@@ -83,9 +83,10 @@ def tool_shape_error(tools: list | None) -> Optional[tuple[str, str]]:
     """(param, message) for the first tool that is not an OpenAI function tool, or None."""
     for i, tool in enumerate(tools or []):
         f = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(f, dict) or tool.get("type", "function") != "function" or not isinstance(f.get("name"), str):
+        if not isinstance(f, dict) or tool.get("type", "function") != "function" or not isinstance(f.get("name"), str) \
+                or not isinstance(f.get("parameters", {}), (dict, type(None))):
             return f"tools.{i}", ("a tool is {\"type\": \"function\", \"function\": {\"name\": ..., "
-                                  "\"description\": ..., \"parameters\": {...}}}")
+                                  "\"description\": ..., \"parameters\": {...}}} (parameters a JSON schema object)")
     return None
 
 
@@ -207,12 +208,18 @@ class ChatMessage(Body):
                                  for call in self.tool_calls]
         return out
 
-    def tool_calls_error(self) -> Optional[str]:
-        for call in self.tool_calls or []:
-            if not isinstance(call, dict) or call.get("type", "function") != "function" \
-                    or not isinstance(call.get("function"), dict) or not isinstance(call["function"].get("name"), str):
-                return ("an assistant's tool_calls are {\"id\": ..., \"type\": \"function\", \"function\": "
-                        "{\"name\": ..., \"arguments\": \"<JSON text>\"}}")
+    def tool_calls_error(self) -> Optional[tuple[str, str]]:
+        """(the field, why) of a tool-calling field vLLM's message schema refuses, or None: an assistant's call
+        needs its id, name and JSON-text arguments; a tool result its text."""
+        for j, call in enumerate(self.tool_calls or []):
+            function = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(function, dict) or call.get("type", "function") != "function" \
+                    or not isinstance(call.get("id"), str) or not isinstance(function.get("name"), str) \
+                    or not isinstance(function.get("arguments"), str):
+                return f"tool_calls.{j}", ("an assistant's tool_calls are {\"id\": ..., \"type\": \"function\", "
+                                           "\"function\": {\"name\": ..., \"arguments\": \"<JSON text>\"}}")
+        if self.role == "tool" and self.content is None:
+            return "content", "a tool message needs its content (the tool's result as text)"
         return None
 
     def text(self) -> str:
@@ -261,8 +268,9 @@ class ChatCompletionRequest(_Sampling):
             return "continue_final_message", ("continue_final_message and add_generation_prompt cannot both "
                                               "be true (set add_generation_prompt=false)")
         for i, m in enumerate(self.messages):
-            if m.tool_calls_error():
-                return f"messages.{i}.tool_calls", m.tool_calls_error()
+            refused = m.tool_calls_error()
+            if refused:
+                return f"messages.{i}.{refused[0]}", refused[1]
         clash = sorted(RESERVED_TEMPLATE_KWARGS & set(self.chat_template_kwargs or {}))
         if clash:
             return "chat_template_kwargs", f"chat_template_kwargs may not set {clash}: the server sets them"

@@ -124,7 +124,8 @@ async def respond(request: Request, call: ApiCall, reply: Reply, stream: bool, i
 
 def tool_delta(choice: dict, parser: StreamParser, text: str, tools) -> dict | None:
     """A chat chunk's choice with its text read for tool calls (``parser``: the choice's), or None where it has
-    nothing to send (no finish reason, no content, no call yet): vLLM skips such chunks."""
+    nothing to send (no finish reason, no content, no call yet, no log-probabilities): vLLM skips such chunks, and
+    sends one with an empty delta where it carries log-probabilities."""
     out = parser.feed(text) or {}
     if choice["finish_reason"]:
         for key, value in (parser.finish() or {}).items():
@@ -134,7 +135,7 @@ def tool_delta(choice: dict, parser: StreamParser, text: str, tools) -> dict | N
         out["tool_calls"] = [c for c in out["tool_calls"] if c["index"] == 0]
         if not out["tool_calls"]:
             del out["tool_calls"]
-    if not out and not choice["finish_reason"]:
+    if not out and not choice["finish_reason"] and not choice["logprobs"]:
         return None
     choice["delta"] = out
     return choice
@@ -158,7 +159,10 @@ async def events(call: ApiCall, reply: Reply, include_usage: bool):
             at = sent[d.index] if d.prompt else offsets[d.index]
             choice = reply.shape.delta(d.index, d.text, d.reason, fmt, d.tokens, d.entries, at, d.prompt)
             if parsers is not None and not d.prompt:
-                choice = tool_delta(choice, parsers[d.index], d.text, tools)
+                held = tool_delta(choice, parsers[d.index], d.text, tools)
+                if held is None and call.options.return_token_ids:       # the ids go out, as vLLM's
+                    choice["delta"], held = {}, choice
+                choice = held
                 if choice is None:            # text held back (a call being written): nothing to send yet
                     offsets[d.index] = at + fmt.text_length(d.tokens, d.entries)
                     sent[d.index] += len(d.text)

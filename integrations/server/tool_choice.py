@@ -37,6 +37,9 @@ def choice_error(tools, choice) -> tuple[str, str] | None:
         return "tool_choice", (f"Invalid value for `tool_choice`: {choice}! Only named tools, \"none\", \"auto\" or "
                                "\"required\" are supported.")
     if isinstance(choice, dict):
+        if choice.get("type", "function") != "function":
+            return "tool_choice.type", (f"Invalid value for `tool_choice`: type {choice.get('type')!r}! Only named "
+                                        f"function tools are supported. {NAMED_USAGE}")
         function = choice.get("function")
         if not isinstance(function, dict):
             return "tool_choice.function", f"Invalid value for `function`: `{function}` in `tool_choice`! {NAMED_USAGE}"
@@ -66,9 +69,9 @@ class ToolUse:
         """(the chat message's ``content`` / ``tool_calls``, the finish reason) for a whole answer, as vLLM's."""
         parsed = self.read(text)
         calls = parsed.calls[:1] if self.single else parsed.calls
-        if self.mode != "auto":
+        if self.mode != "auto":         # (no calls parsed: vLLM's message has no tool_calls key)
             reason = "tool_calls" if self.mode == "required" and engine_reason == "stop" else engine_reason
-            return {"content": parsed.content or "", "tool_calls": calls}, reason
+            return {"content": parsed.content or "", **({"tool_calls": calls} if calls else {})}, reason
         if calls:
             return {"content": parsed.content, "tool_calls": calls}, "tool_calls"
         return {"content": parsed.content}, engine_reason

@@ -27,7 +27,11 @@ def call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().hex}"                     # vLLM's make_tool_call_id
 
 
-def tool_call(name: str, arguments: str) -> dict:
+def tool_call(name, arguments: str) -> dict:
+    """A call; a ``name`` that is no string raises TypeError, as vLLM's call model refuses it (the parser then
+    leaves the whole text as content)."""
+    if not isinstance(name, str):
+        raise TypeError(f"a tool call's name must be a string, not {type(name).__name__}")
     return {"id": call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
 
 

@@ -276,7 +276,7 @@ def test_probes_and_refusals(client):
     assert full.json()["error"]["param"] == "prompt"
     tool = client.post("/v1/chat/completions", json={"model": MODEL, "messages": [
         {"role": "user", "content": "w5"}, {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function"}]}]})
-    assert tool.status_code == 400 and tool.json()["error"]["param"] == "messages.1.tool_calls"   # no function
+    assert tool.status_code == 400 and tool.json()["error"]["param"] == "messages.1.tool_calls.0"   # no function
     assert "tool_calls are" in tool.json()["error"]["message"]
     many = client.post("/v1/completions", json={"model": MODEL, "prompt": "w5", "n": 2, "max_tokens": 2,
                                                 "temperature": 0})

@@ -153,7 +153,10 @@ def test_answer_rules_are_vllms():
     assert auto.answer("  \n" + call, "stop")[0]["content"] is None           # blank beside calls: none
     assert auto.answer("no call", "length") == ({"content": "no call"}, "length")
     assert required.answer(call, "stop")[1] == "tool_calls" and required.answer(call, "length")[1] == "length"
-    assert required.answer("  ", "stop")[0] == {"content": "", "tool_calls": []}
+    assert required.answer("  ", "stop")[0] == {"content": ""}                    # no call: no tool_calls key
+    for bad in ('<tool_call>{"name": null, "arguments": {}}</tool_call>', '<tool_call>{"name": 5, "arguments": {}}'):
+        assert auto.answer(bad, "stop") == ({"content": bad}, "stop")              # vLLM: the text, no call
+    assert parse("llama3_json", '{"name": 5, "parameters": {}}').calls == []
     fields, reason = named.answer(call, "stop")
     assert (fields["content"], reason, len(fields["tool_calls"])) == ("", "stop", 1)    # named: "stop", content ""
     single = ToolUse("hermes", "required", (WEATHER,), None, single=True)
@@ -224,7 +227,7 @@ def test_history_with_calls_and_results_reaches_the_template(hermes):
     assert ask(hermes, messages=messages, tools=[WEATHER], max_tokens=3).status_code == 200
     bad = MESSAGES + [{"role": "assistant", "tool_calls": [{"type": "function", "function": {"arguments": "{}"}}]}]
     r = ask(hermes, messages=bad)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "messages.1.tool_calls"
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages.1.tool_calls.0"
 
 
 @pytest.mark.parametrize("fields, param, words", [
@@ -234,8 +237,16 @@ def test_history_with_calls_and_results_reaches_the_template(hermes):
     (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice",
      "does not match any"),
     (dict(tools=[WEATHER], tool_choice={"type": "function"}), "tool_choice.function", "Invalid value for `function`"),
-    (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}},
-          response_format={"type": "json_object"}), "response_format", "both constrain"),
+    (dict(tools=[WEATHER], tool_choice={"type": "custom", "function": {"name": "get_weather"}}), "tool_choice.type",
+     "Only named function tools"),
+    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": "x"}}]), "tools.0", "JSON schema object"),
+    (dict(tools=[WEATHER], messages=MESSAGES + [{"role": "assistant", "tool_calls": [
+        {"type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]}]), "messages.1.tool_calls.0", "id"),
+    (dict(tools=[WEATHER], messages=MESSAGES + [{"role": "assistant", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": {}}}]}]),
+     "messages.1.tool_calls.0", "JSON text"),
+    (dict(tools=[WEATHER], messages=MESSAGES + [{"role": "tool", "tool_call_id": "c", "content": None}]),
+     "messages.1.content", "needs its content"),
 ])
 def test_refusals_are_vllms(hermes, fields, param, words):
     r = ask(hermes, **fields)
@@ -411,3 +422,17 @@ def test_an_echo_goes_before_the_content_and_is_not_read_for_calls(hermes):
     message = r.json()["choices"][0]["message"]
     assert message["content"] == messages[-1]["content"]
     assert [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather"]
+
+
+def test_a_stream_keeps_every_tokens_logprobs_and_ids_while_a_call_is_written(hermes):
+    """Text held back (a call being written) sends no content, but its tokens' log-probabilities and ids still
+    go out, in chunks with an empty delta (vLLM's): the stream carries as many as the whole answer."""
+    fields = dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                  logprobs=True, top_logprobs=2, return_token_ids=True)
+    whole = ask(hermes, **fields).json()["choices"][0]
+    chunks = events(hermes, **fields)
+    entries = [e for c in chunks for ch in c["choices"] for e in ((ch.get("logprobs") or {}).get("content") or [])]
+    ids = [t for c in chunks for ch in c["choices"] for t in (ch.get("token_ids") or [])]
+    assert len(entries) == len(whole["logprobs"]["content"]) and ids == whole["token_ids"]
+    assert [(n, json.loads(a)) for n, a in streamed_calls(chunks)[1]] == [
+        (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in whole["message"]["tool_calls"]]
