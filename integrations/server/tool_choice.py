@@ -22,6 +22,7 @@ from hf_paged.engine.structured import StructuredOutput, closed_objects
 from .errors import ApiError
 from .tool_parsers import HERMES, HERMES_END, HERMES_START, Parsed, parse
 
+MAX_STRICT_TOOLS = 1000        # each a row item of llguidance's parser, which takes at most 2,000
 NAMED_USAGE = 'Correct usage: `{"type": "function", "function": {"name": "my_function"}}`'
 
 
@@ -90,43 +91,56 @@ class ToolUse:
         return "tool_calls" if called and self.mode != "named" and engine_reason == "stop" else engine_reason
 
     def grammar(self) -> StructuredOutput | None:
-        """The constraint on the answer, or None (auto without a strict tool, calls in parallel allowed)."""
+        """The constraint on the answer, or None (auto without a strict tool, calls in parallel allowed). A call
+        is written as vLLM's structural tags write it (hermes: ``<tool_call>``, optionally a newline, ``{"name":
+        NAME, "arguments": ARGS}``, the same newline, ``</tool_call>``; llama3_json: ``{"name": NAME,
+        "parameters": ARGS}``). The tools without a schema of their own share one rule (their names one
+        terminal: llguidance's parser takes at most 2,000 alternatives in a row), each strict tool has its own."""
         strict_any = any(t["function"].get("strict") is True for t in self.tools)
         if self.mode == "auto" and not strict_any and not self.single:
             return None
-        tools = [t["function"] for t in self.tools if self.mode != "named" or t["function"]["name"] == self.name]
-        trigger = HERMES_START if self.parser == HERMES else '{"name": '
-        if self.mode == "named" or (self.mode == "required" and self.parser == HERMES):      # calls only
-            calls = " | ".join(self._call(f, begin, end) for f in tools for begin, end in self._forms(f["name"]))
-            return StructuredOutput(grammar=f"start: {'call+' if self.mode == 'required' and not self.single else 'call'}"
-                                            f"\ncall: {calls}\n")
+        functions = [t["function"] for t in self.tools if self.mode != "named" or t["function"]["name"] == self.name]
+        hermes = self.parser == HERMES
+        opening = json.dumps('{"name": ')
+        if hermes:                  # after <tool_call>: the body, with a newline on both sides or on neither
+            body = f'{opening} fn "}}"'
+            rest, trigger = f'("\\n" {body} "\\n" | {body}) {_lark(HERMES_END, self.tokens)}', HERMES_START
+            call = f"{_lark(HERMES_START, self.tokens)} {rest}"
+        else:                       # after {"name": (the trigger)
+            rest, trigger = 'fn "}"', '{"name": '
+            call = f"{opening} {rest}"
+        rules = f"fn: {self._names_and_arguments(functions)}\n"
+        if self.mode == "named" or (self.mode == "required" and hermes):       # calls only
+            many = "+" if self.mode == "required" and not self.single else ""
+            return StructuredOutput(grammar=f"start: call{many}\ncall: {call}\n{rules}")
         # text with calls in it, each opened by the trigger (at least one for "required"), as llguidance's
         # StructTag writes it: a trigger that is one token of its own cannot occur inside text
         tags = ("tag+" if self.mode == "required" else "tag*") if not self.single else \
                ("tag" if self.mode == "required" else "tag?")
-        rest = " | ".join(self._call(f, begin[len(trigger):], end) for f in tools for begin, end in self._forms(f["name"]))
         if trigger in self.tokens:
             text, opened = "TEXT: /(?s:.*)/", f"TEXT {trigger}"
         else:
             text = f"TEXT: /(?s:.*)/ & ~/(?s:.*{_regex(trigger)}.*)/\ntrig[lazy]: /(?s:.*)/ {json.dumps(trigger)}"
             opened = "trig"       # lazy: ends at the trigger's first occurrence
-        return StructuredOutput(grammar=f"start: {tags} tail\ntail: TEXT\n{text}\ntag: {opened} ({rest})\n")
+        return StructuredOutput(grammar=f"start: {tags} tail\ntail: TEXT\n{text}\ntag: {opened} {rest}\n{rules}")
 
-    def _forms(self, name: str) -> list[tuple[str, str]]:
-        """(begin, end) of a call of ``name``, as vLLM's structural tags spell them: hermes with or without
-        newlines inside the tags, llama3_json one form."""
-        name = json.dumps(name, ensure_ascii=False)      # as the model writes it in JSON (OpenAI's names need no escape)
-        if self.parser == HERMES:
-            return [(f'{HERMES_START}\n{{"name": {name}, "arguments": ', f"}}\n{HERMES_END}"),
-                    (f'{HERMES_START}{{"name": {name}, "arguments": ', f"}}{HERMES_END}")]
-        return [(f'{{"name": {name}, "parameters": ', "}")]
-
-    def _call(self, function: dict, begin: str, end: str) -> str:
-        """One call in lark: ``begin``, the arguments (the parameters' schema where the tool is strict, else any
-        JSON, as vLLM's), ``end``."""
-        strict = function.get("strict") is True and function.get("parameters") is not None
-        arguments = closed_objects(function["parameters"]) if strict else {}
-        return f"{_lark(begin, self.tokens)} %json {json.dumps(arguments)} {_lark(end, self.tokens)}"
+    def _names_and_arguments(self, functions: list[dict]) -> str:
+        """Lark for ``NAME, "arguments": ARGS`` (llama3_json: ``"parameters"``) of any of ``functions``: the
+        strict ones' arguments their parameters' schema, the others' any JSON (vLLM's)."""
+        key = json.dumps(", " + json.dumps("arguments" if self.parser == HERMES else "parameters") + ": ")
+        strict = [f for f in functions if f.get("strict") is True and f.get("parameters") is not None]
+        if len(strict) > MAX_STRICT_TOOLS:
+            raise ApiError(400, f"{len(strict)} strict tools: a grammar of calls takes at most {MAX_STRICT_TOOLS} "
+                                "(each strict tool's arguments are a rule of their own); leave \"strict\" out of the "
+                                "others", param="tools", code="invalid_request")
+        loose = [f["name"] for f in functions if f not in strict]
+        alternatives = [f"{json.dumps(json.dumps(f['name'], ensure_ascii=False))} {key} "
+                        f"%json {json.dumps(closed_objects(f['parameters']))}" for f in strict]
+        if loose:
+            names = " | ".join(json.dumps(json.dumps(n, ensure_ascii=False)) for n in dict.fromkeys(loose))
+            alternatives.append(f"loose {key} %json {{}}")
+            return " | ".join(alternatives) + f"\nloose: LOOSE\nLOOSE: {names}"
+        return " | ".join(alternatives)
 
 
 def _lark(text: str, tokens: frozenset) -> str:

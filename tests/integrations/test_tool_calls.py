@@ -436,3 +436,27 @@ def test_a_stream_keeps_every_tokens_logprobs_and_ids_while_a_call_is_written(he
     assert len(entries) == len(whole["logprobs"]["content"]) and ids == whole["token_ids"]
     assert [(n, json.loads(a)) for n, a in streamed_calls(chunks)[1]] == [
         (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in whole["message"]["tool_calls"]]
+
+
+def test_thousands_of_tools_compile_and_strict_ones_are_bounded(request):
+    """Tools without a schema of their own share one rule (their names one terminal), so 3,000 compile (a flat
+    rule of two forms per tool passed llguidance's 2,000 alternatives at 999 and made no call); each strict tool
+    is a rule of its own, at most MAX_STRICT_TOOLS, beyond which the request is refused naming the knob."""
+    from hf_paged.engine.structured import GrammarCompiler
+    from hf_paged.integrations.server.errors import ApiError
+    from hf_paged.integrations.server.tool_choice import MAX_STRICT_TOOLS
+
+    tok = byte_chat_tokenizer()
+    compiler = GrammarCompiler(tok, len(tok), frozenset([tok.eos_token_id]))
+
+    def tools(n, strict):
+        return tuple({"type": "function", "function": {"name": f"t{i}", "strict": strict, "parameters": {
+            "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}} for i in range(n))
+    for n, strict in ((3000, False), (MAX_STRICT_TOOLS, True)):
+        use = ToolUse("hermes", "required", tools(n, strict), tokens=frozenset(["<tool_call>"]))   # an added token
+        matcher = compiler.compile(use.grammar()).matcher()
+        for token in tok(f'<tool_call>{{"name": "t{n - 1}", "arguments": {{"x": 3}}}}</tool_call>')["input_ids"]:
+            matcher.accept(token)
+        assert matcher.is_accepting
+    with pytest.raises(ApiError, match=f"at most {MAX_STRICT_TOOLS}"):
+        ToolUse("hermes", "required", tools(MAX_STRICT_TOOLS + 1, True)).grammar()
