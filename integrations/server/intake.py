@@ -11,6 +11,8 @@ config's where it sets them (``defaults``); a neutral value leaves its key out.
 """
 from __future__ import annotations
 
+import logging
+
 from fastapi import Request
 from pydantic import ValidationError
 
@@ -27,6 +29,8 @@ from .state import ServerState
 from .tool_choice import ToolUse, tool_use
 from .token_settings import (asked_prompt_logprobs, bad_words_ids, generated_logprobs, in_vocab, logit_bias,
                              logprob_counts, token_list)
+
+log = logging.getLogger("hf_paged.server")
 
 
 async def read_request(request: Request, schema, state: ServerState):
@@ -243,11 +247,15 @@ async def engine_settings(state, req, max_tokens: int, tools: ToolUse | None = N
     settings = generation_settings(req, max_tokens, state)
     asked = structured_spec(req)
     calls = tools.grammar() if tools is not None else None
-    if calls is not None and asked is not None and tools.mode != "required":
-        raise ApiError(400, f"{asked[0]} and tool_choice={tools.name or tools.mode!r} (with strict tools or "
-                            "parallel_tool_calls=false: a grammar of calls) both constrain the answer; send one",
-                       param=asked[0], code="invalid_request")
-    if calls is not None:             # "required" overrides a structured output, as vLLM's
+    if calls is not None and asked is not None:       # vLLM's rules for both
+        if tools.mode != "auto":                      # a call is forced: the structured output is ignored
+            log.warning("%s is ignored: tool_choice %r forces a tool call (as vLLM)", asked[0], tools.name or tools.mode)
+        elif any(t["function"].get("strict") is True for t in tools.tools):
+            either = tools.either(asked[1])            # calls, or the asked format
+            calls = either if either is not None else None
+        else:                                          # auto, one call at most, no strict tool: the format alone
+            calls = None
+    if calls is not None:
         asked = ("tools", calls)
     if asked is not None:
         settings["structured_output"] = await compile_structured(state.engine, *asked)

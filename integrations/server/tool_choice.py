@@ -15,9 +15,9 @@ tool's ``parameters`` where the tool is strict (else any JSON), as vLLM's struct
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from hf_paged.engine.structured import StructuredOutput, closed_objects
+from hf_paged.engine.structured import StructuredOutput, ascii_digits, closed_objects
 
 from .errors import ApiError
 from .tool_parsers import HERMES, HERMES_END, HERMES_START, Parsed, parse
@@ -124,6 +124,16 @@ class ToolUse:
             opened = "trig"       # lazy: ends at the trigger's first occurrence
         return StructuredOutput(grammar=f"start: {tags} tail\ntail: TEXT\n{text}\ntag: {opened} {rest}\n{rules}")
 
+    def either(self, asked: StructuredOutput) -> StructuredOutput | None:
+        """Under "auto" with a strict tool, a request's structured output as vLLM combines them: calls (as under
+        "required") or the asked format. None where the format's kind does not combine (a lark or GBNF grammar:
+        then the format applies alone, as vLLM's where its backend cannot combine them)."""
+        fmt = _format_rule(asked)
+        if fmt is None:
+            return None
+        calls = replace(self, mode="required").grammar().grammar.replace("start:", "calls:", 1)
+        return StructuredOutput(grammar=f"start: calls | fmt\n{fmt}\n{calls}")
+
     def _names_and_arguments(self, functions: list[dict]) -> str:
         """Lark for ``NAME, "arguments": ARGS`` (llama3_json: ``"parameters"``) of any of ``functions``: the
         strict ones' arguments their parameters' schema, the others' any JSON (vLLM's)."""
@@ -141,6 +151,21 @@ class ToolUse:
             alternatives.append(f"loose {key} %json {{}}")
             return " | ".join(alternatives) + f"\nloose: LOOSE\nLOOSE: {names}"
         return " | ".join(alternatives)
+
+
+def _format_rule(asked: StructuredOutput) -> str | None:
+    """``asked`` as a lark rule ``fmt`` (JSON schemas closed as the json kind closes them), or None for a grammar."""
+    kind = asked.kind
+    if kind == "json":
+        schema = json.loads(asked.json) if isinstance(asked.json, str) else asked.json
+        return f"fmt: %json {json.dumps(closed_objects(schema))}"
+    if kind == "json_object":
+        return 'fmt: %json {"type": "object"}'
+    if kind == "choice":
+        return "fmt: FMT\nFMT: " + " | ".join(json.dumps(c) for c in asked.choice)
+    if kind == "regex":
+        return "fmt: FMT\nFMT: /" + ascii_digits(asked.regex).replace("/", "\\/") + "/"
+    return None
 
 
 def _lark(text: str, tokens: frozenset) -> str:

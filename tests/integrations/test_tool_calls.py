@@ -460,3 +460,50 @@ def test_thousands_of_tools_compile_and_strict_ones_are_bounded(request):
         assert matcher.is_accepting
     with pytest.raises(ApiError, match=f"at most {MAX_STRICT_TOOLS}"):
         ToolUse("hermes", "required", tools(MAX_STRICT_TOOLS + 1, True)).grammar()
+
+
+def test_structured_output_beside_tools_as_vllm_combines_them(hermes):
+    """A forced call ignores the request's structured output; auto with a strict tool answers calls or the
+    format (an openai-agents Agent with tools and an output type sends both); auto with one call at most and no
+    strict tool answers the format."""
+    named = ask(hermes, tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                response_format={"type": "json_object"})
+    assert named.status_code == 200 and len(named.json()["choices"][0]["message"]["tool_calls"]) == 1
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    both = ask(hermes, tools=[WEATHER], response_format={"type": "json_schema", "json_schema": {
+        "name": "out", "schema": schema}}, max_tokens=300, logit_bias={**NO_SPACES, "257": -100})
+    message = both.json()["choices"][0]["message"]
+    if message.get("tool_calls"):
+        check_call(message["tool_calls"][0])
+    else:
+        jsonschema.validate(json.loads(message["content"]), schema)
+    loose = {"type": "function", "function": {"name": "f"}}
+    alone = ask(hermes, tools=[loose], parallel_tool_calls=False, response_format={"type": "json_schema",
+                                                                                  "json_schema": {"name": "out", "schema": schema}})
+    assert "tool_calls" not in alone.json()["choices"][0]["message"]
+    jsonschema.validate(json.loads(alone.json()["choices"][0]["message"]["content"]), schema)
+
+
+def test_auto_with_a_strict_tool_or_a_format_takes_either():
+    """The combined grammar takes a call or the format, nothing else."""
+    from hf_paged.engine.structured import GrammarCompiler, StructuredOutput
+
+    tok = byte_chat_tokenizer()
+    compiler = GrammarCompiler(tok, len(tok), frozenset([tok.eos_token_id]))
+    use = ToolUse("hermes", "auto", (WEATHER,), tokens=frozenset(["<tool_call>"]))
+    for asked, fine, wrong in ((StructuredOutput(json={"type": "object", "properties": {"ok": {"type": "boolean"}}}),
+                                '{"ok": true}', '{"no": 1}'),
+                               (StructuredOutput(choice=("yes", "no")), "no", "maybe"),
+                               (StructuredOutput(regex=r"\d{3}/x"), "123/x", "12/x")):
+        grammar = compiler.compile(use.either(asked))
+        for text, takes in ((fine, True), (wrong, False), ('<tool_call>{"name": "get_weather", "arguments": '
+                                                           '{"city": "Rome", "days": 2}}</tool_call>', True)):
+            matcher = grammar.matcher()
+            try:
+                for token in tok(text)["input_ids"]:
+                    matcher.accept(token)
+                taken = matcher.is_accepting
+            except RuntimeError:
+                taken = False
+            assert taken == takes, (asked, text)
+    assert use.either(StructuredOutput(grammar='start: "x"')) is None          # a grammar: the format alone
