@@ -8,14 +8,18 @@ message next to it, as vLLM's) in order; a last assistant item that is
 ``in_progress`` or ``incomplete`` is continued rather than answered; ``max_output_tokens`` as max_tokens;
 ``text.format`` as a ``response_format``; ``include: ["message.output_text.logprobs"]`` with ``top_logprobs`` as
 chat logprobs; ``reasoning.effort`` as ``reasoning_effort``; ``truncation: "auto"`` as truncate_prompt_tokens
--1; function ``tools`` with ``tool_choice: "none"`` as chat's (the template sees them); vLLM's sampling fields
-as they are. ``store`` has no effect (vLLM's default); ``previous_response_id`` answers 404 and ``background``
-400, as vLLM's do without ``VLLM_ENABLE_RESPONSES_API_STORE``. Other tool use, tool items and images are refused
-by name. The answer is one ``message`` output item with one ``output_text`` part (none for an empty text,
-and streamed no item at all, as vLLM's), ``status`` "incomplete" with
+-1; function ``tools`` and ``tool_choice`` (auto, required, none, ``{"type": "function", "name": ...}``) as
+chat's, ``function_call`` input items as the assistant's tool calls (joined to the assistant message before them,
+as vLLM's) and ``function_call_output`` items as tool messages (tool calling needs the chat endpoint's flags);
+vLLM's sampling fields as they are. ``store`` has no effect (vLLM's default); ``previous_response_id`` answers
+404 and ``background`` 400, as vLLM's do without ``VLLM_ENABLE_RESPONSES_API_STORE``. Hosted and custom tools,
+their items and images are refused by name. The answer is one ``message`` output item with one
+``output_text`` part (none for an empty text, and streamed no item at all, as vLLM's), then a ``function_call``
+item per call (where calls were made, the message only if it has text), ``status`` "incomplete" with
 ``incomplete_details.reason`` "max_output_tokens" where the length ended it, or the event stream vLLM sends
 (response.created, .in_progress, .output_item.added, .content_part.added, .output_text.delta...,
-.output_text.done, .content_part.done, .output_item.done, response.completed).
+.output_text.done, .content_part.done, .output_item.done; per call .output_item.added,
+.function_call_arguments.delta..., .function_call_arguments.done, .output_item.done; response.completed).
 """
 from __future__ import annotations
 
@@ -34,12 +38,11 @@ from .intake import chat_request, start_chat_call
 from .protocol import ChatCompletionRequest
 from .request_parts import Body, StructuredOutputsParams
 from .responses import STREAM_HEADERS, collected, formatter
-from .vllm_fields import TOOLS
+from .tool_parsers import StreamParser
 
 LOGPROBS = "message.output_text.logprobs"
 TEXT_PARTS = ("input_text", "output_text", "text")
-TOOL_ITEMS = ("function_call", "function_call_output", "custom_tool_call", "custom_tool_call_output",
-              "mcp_call", "web_search_call", "file_search_call", "computer_call", "computer_call_output",
+TOOL_ITEMS = ("custom_tool_call", "custom_tool_call_output", "mcp_call", "web_search_call", "file_search_call", "computer_call", "computer_call_output",
               "code_interpreter_call", "local_shell_call", "local_shell_call_output", "image_generation_call")
 # the chat fields whose values pass through unchanged (vLLM's sampling fields of the Responses request)
 PASSED = ("model", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
@@ -62,6 +65,11 @@ class InputItem(Body):
     id: Optional[str] = None
     summary: Optional[list[Any]] = None        # a reasoning item's (dropped)
     encrypted_content: Optional[str] = None
+    call_id: Optional[str] = None              # function_call and function_call_output items'
+    name: Optional[str] = None
+    arguments: Optional[str] = None
+    output: Optional[Any] = None
+    namespace: Optional[str] = None
 
 
 class TextFormat(Body):
@@ -141,6 +149,22 @@ def input_messages(items: list[InputItem]) -> list[dict]:
                 thinking.append(True)
             thinking[-1] = True
             continue
+        if item.type == "function_call":         # joined to the assistant message before it, as vLLM's
+            call = _tool_call(item, i)
+            if before:
+                messages[-1].setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                thinking.append(False)
+            continue
+        if item.type == "function_call_output":
+            if not isinstance(item.call_id, str):
+                raise ApiError(400, f"input.{i}: a function_call_output item needs its call_id", param=f"input.{i}")
+            output = item.output if isinstance(item.output, str) else "\n".join(
+                p.get("text", "") for p in item.output or [] if isinstance(p, dict) and p.get("type") in TEXT_PARTS)
+            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": output})
+            thinking.append(False)
+            continue
         message = _item_message(item, i)
         if message["role"] == "assistant" and before and messages[-1]["content"] is None:
             messages[-1]["content"] = message["content"]
@@ -150,15 +174,23 @@ def input_messages(items: list[InputItem]) -> list[dict]:
     return messages
 
 
+def _tool_call(item: InputItem, i: int) -> dict:
+    """A function_call input item as a chat tool call (a namespaced tool's name written namespace.name)."""
+    if not (isinstance(item.call_id, str) and isinstance(item.name, str) and isinstance(item.arguments, str)):
+        raise ApiError(400, f"input.{i}: a function_call item needs call_id, name and arguments (a JSON text)",
+                       param=f"input.{i}")
+    name = f"{item.namespace}.{item.name}" if item.namespace else item.name
+    return {"id": item.call_id, "type": "function", "function": {"name": name, "arguments": item.arguments}}
+
+
 def _item_message(item: InputItem, i: int) -> dict:
     """The chat message of input item ``i`` (not a reasoning item)."""
     kind = item.type or "message"
     where = f"input.{i}"
     if kind in TOOL_ITEMS or item.role == "tool":
-        what = f"a {kind!r} item" if kind in TOOL_ITEMS else "a tool result"
-        raise ApiError(400, f"{where} is {what}: tool calling is answered on /v1/chat/completions (with "
-                            "--enable-auto-tool-choice --tool-call-parser), not on this API; send the text as a "
-                            "message", param=where)
+        what = f"a {kind!r} item" if kind in TOOL_ITEMS else "a message of role 'tool'"
+        raise ApiError(400, f"{where} is {what}: this API takes function tools only, their calls as function_call "
+                            "items and their results as function_call_output items", param=where)
     if kind != "message" or item.role is None:
         raise ApiError(400, f"{where}: an item of type {kind!r} is not supported (messages with a role and text "
                             "only; item references need a response store, which this server does not keep)",
@@ -178,9 +210,11 @@ def _item_message(item: InputItem, i: int) -> dict:
 
 def to_chat(req: ResponsesRequest, state) -> ChatCompletionRequest:
     """``req`` as the chat completion vLLM renders it, checked as the chat endpoint checks one."""
-    if req.tools and (req.tool_choice != "none" or any(t.get("type") != "function" for t in req.tools)):
-        raise ApiError(400, "tools are not supported unless they are function tools and tool_choice is \"none\" "
-                            f"(then the chat template sees them): {TOOLS}", param="tools")
+    for i, tool in enumerate(req.tools or []):
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            raise ApiError(400, f"tools.{i} is a {kind!r} tool: this server runs function tools only (hosted, MCP and "
+                                "custom tools are not run here)", param=f"tools.{i}")
     if req.previous_response_id is not None:
         raise ApiError(404, f"Response with id '{req.previous_response_id}' not found. (this server stores no "
                             "responses, as vLLM without VLLM_ENABLE_RESPONSES_API_STORE: send the conversation "
@@ -197,9 +231,10 @@ def to_chat(req: ResponsesRequest, state) -> ChatCompletionRequest:
     partial = last is not None and ((last.type or "message") == "reasoning" or last.role == "assistant") \
         and last.status in ("in_progress", "incomplete")
     chat = {name: getattr(req, name) for name in PASSED}
-    if req.tools:                      # tool_choice "none": the template sees them in chat's form, as vLLM's
-        chat.update(tool_choice="none", tools=[{"type": "function", "function": {
-            k: v for k, v in t.items() if k != "type"}} for t in req.tools])
+    if req.tools:                      # chat's form: the template sees them, the parser reads the calls
+        chat.update(tools=[{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}}
+                           for t in req.tools], tool_choice=_chat_tool_choice(req.tool_choice),
+                    parallel_tool_calls=req.parallel_tool_calls)
     chat.update(messages=messages, max_tokens=req.max_output_tokens, stream=bool(req.stream),
                 continue_final_message=partial, add_generation_prompt=not partial)
     if req.include and LOGPROBS in req.include:
@@ -215,6 +250,16 @@ def to_chat(req: ResponsesRequest, state) -> ChatCompletionRequest:
     if req.truncation == "auto":
         chat["truncate_prompt_tokens"] = -1
     return chat_request(chat, state)
+
+
+def _chat_tool_choice(choice):
+    """The Responses API's tool_choice as chat's (a function named at the top level, not under "function")."""
+    if isinstance(choice, dict):
+        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+            raise ApiError(400, f"tool_choice {json.dumps(choice)[:80]}: only \"auto\", \"required\", \"none\" or "
+                                "{\"type\": \"function\", \"name\": ...} (function tools)", param="tool_choice")
+        return {"type": "function", "function": {"name": choice["name"]}}
+    return choice
 
 
 class Answer:
@@ -238,7 +283,8 @@ class Answer:
                 "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
                 "instructions": req.instructions, "metadata": req.metadata, "model": self.model, "output": output,
                 "parallel_tool_calls": req.parallel_tool_calls if req.parallel_tool_calls is not None else True,
-                "temperature": self.temperature, "tool_choice": "none", "tools": req.tools or [], "top_p": self.top_p,
+                "temperature": self.temperature, "tool_choice": req.tool_choice if req.tools else "none",
+                "tools": req.tools or [], "top_p": self.top_p,
                 "background": bool(req.background), "max_output_tokens": self.max_tokens,
                 "max_tool_calls": req.max_tool_calls, "previous_response_id": None,
                 "reasoning": req.reasoning.model_dump() if req.reasoning else None, "service_tier": req.service_tier,
@@ -257,6 +303,12 @@ class Answer:
 
     def item(self, status: str, content: list) -> dict:
         return {"id": self.item_id, "type": "message", "status": status, "role": "assistant", "content": content}
+
+    @staticmethod
+    def function_call(item_id: str, call: dict, status: str) -> dict:
+        """A function_call output item of a chat tool call (its id the call_id, vLLM's)."""
+        return {"id": item_id, "type": "function_call", "call_id": call["id"], "name": call["function"]["name"],
+                "arguments": call["function"]["arguments"], "status": status}
 
 
 def _status(reason: str | None) -> str:
@@ -292,13 +344,22 @@ async def create(request: Request):
     if answer.logprobs is not None:
         fmt = formatter(call)
         logprobs = fmt.chat([t for d in got.deltas[0] for t in d[0]], [e for d in got.deltas[0] for e in d[1]])
-    text = got.texts[0]
+    text, tools = got.texts[0], call.options.tools
+    calls = []
+    if tools is not None:
+        fields, _ = tools.answer(text, got.reasons[0])
+        text, calls = fields.get("content") or "", fields.get("tool_calls") or []
     output = [answer.item("completed", [answer.part(text, logprobs)] if text else [])]      # (vLLM's: no part)
+    if calls:                          # the message only where it has text (vLLM's output items with calls)
+        output = (output if text else []) + [answer.function_call("fc_" + uuid.uuid4().hex, c, "completed")
+                                             for c in calls]
     return JSONResponse(answer.body(_status(got.reasons[0]), output, answer.usage()))
 
 
 async def events(answer: Answer):
-    """vLLM's event stream of one response (each event numbered by ``sequence_number``)."""
+    """vLLM's event stream of one response (each event numbered by ``sequence_number``): the message item opens
+    with the first text; with tool calling, each call closes what is open and opens a function_call item whose
+    arguments stream as they are written."""
     number = -1
 
     def event(kind: str, **body) -> str:
@@ -306,29 +367,70 @@ async def events(answer: Answer):
         number += 1
         return f"event: {kind}\ndata: {json.dumps({'type': kind, **body, 'sequence_number': number})}\n\n"
 
-    call, where = answer.call, dict(item_id=answer.item_id, output_index=0, content_index=0)
+    call, tools = answer.call, answer.call.options.tools
+    parser = StreamParser(tools.parser) if tools is not None else None
+    output: list[dict] = []
+    text = logprobs = open_call = None          # the open message's text and logprobs, or the open call's item
+
+    def close() -> list[str]:
+        nonlocal text, logprobs, open_call
+        out = []
+        if text is not None:
+            where = dict(item_id=answer.item_id, output_index=len(output), content_index=0)
+            part = answer.part(text, logprobs if answer.logprobs is not None else None)
+            output.append(answer.item("completed", [part]))
+            out += [event("response.output_text.done", **where, text=text, logprobs=logprobs),
+                    event("response.content_part.done", **where, part=part),
+                    event("response.output_item.done", output_index=len(output) - 1, item=output[-1])]
+        if open_call is not None:
+            item = {**open_call, "status": "completed"}
+            output.append(item)
+            out += [event("response.function_call_arguments.done", output_index=len(output) - 1, item_id=item["id"],
+                          arguments=item["arguments"], name=item["name"]),
+                    event("response.output_item.done", output_index=len(output) - 1, item=item)]
+        text = logprobs = open_call = None
+        return out
+
     try:
         opening = answer.body("in_progress", [], None)
         yield event("response.created", response=opening)
         yield event("response.in_progress", response=opening)
-        fmt, text, logprobs, reason = formatter(call), "", [], None
+        fmt, reason = formatter(call), None
         async for d in call.deltas():
             reason = d.reason or reason
-            if not d.text:
-                continue
-            if not text:               # the item opens with the first text (an empty answer has none: vLLM's)
-                yield event("response.output_item.added", output_index=0, item=answer.item("in_progress", []))
-                yield event("response.content_part.added", **where, part=answer.part("", []))
-            chunk = fmt.chat(d.tokens, d.entries) if answer.logprobs is not None else []
-            text, logprobs = text + d.text, logprobs + chunk
-            yield event("response.output_text.delta", **where, delta=d.text, logprobs=chunk)
-        output = []
-        if text:
-            part = answer.part(text, logprobs if answer.logprobs is not None else None)
-            yield event("response.output_text.done", **where, text=text, logprobs=logprobs)
-            yield event("response.content_part.done", **where, part=part)
-            output = [answer.item("completed", [part])]
-            yield event("response.output_item.done", output_index=0, item=output[0])
+            out = {"content": d.text} if parser is None else (parser.feed(d.text) or {})
+            if parser is not None and d.reason:
+                for key, value in (parser.finish() or {}).items():
+                    out[key] = out.get(key, "" if key == "content" else []) + value
+            if out.get("content"):
+                if open_call is not None:
+                    for e in close():
+                        yield e
+                where = dict(item_id=answer.item_id, output_index=len(output), content_index=0)
+                if text is None:       # the item opens with the first text (an empty answer has none: vLLM's)
+                    text, logprobs = "", []
+                    yield event("response.output_item.added", output_index=len(output),
+                                item=answer.item("in_progress", []))
+                    yield event("response.content_part.added", **where, part=answer.part("", []))
+                chunk = fmt.chat(d.tokens, d.entries) if answer.logprobs is not None else []
+                text, logprobs = text + out["content"], logprobs + chunk
+                yield event("response.output_text.delta", **where, delta=out["content"], logprobs=chunk)
+            for delta in out.get("tool_calls") or []:
+                if tools.single and delta["index"] > 0:
+                    continue
+                function = delta.get("function") or {}
+                if function.get("name") is not None:
+                    for e in close():
+                        yield e
+                    open_call = answer.function_call("fc_" + uuid.uuid4().hex, {
+                        "id": delta["id"], "function": {"name": function["name"], "arguments": ""}}, "in_progress")
+                    yield event("response.output_item.added", output_index=len(output), item=open_call)
+                if function.get("arguments") and open_call is not None:
+                    open_call["arguments"] += function["arguments"]
+                    yield event("response.function_call_arguments.delta", output_index=len(output),
+                                item_id=open_call["id"], delta=function["arguments"])
+        for e in close():
+            yield e
         yield event("response.completed", response=answer.body(_status(reason), output, answer.usage()))
     except Exception as exc:
         exc = as_api_error(exc)

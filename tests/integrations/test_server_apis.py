@@ -306,8 +306,9 @@ def test_responses_stream_events(client):
     ({"input": "w3", "background": True}, 400, "background"),
     ({"input": "w3", "background": True, "store": False}, 400, "background"),
     ({"input": []}, 400, "input"),
-    ({"input": "w3", "tools": [{"type": "function", "name": "f"}]}, 400, "tools"),
-    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "w3"}]}, 400, "input.0"),
+    ({"input": "w3", "tools": [{"type": "function", "name": "f"}]}, 400, "tool_choice"),   # auto: needs the flags
+    ({"input": "w3", "tools": [{"type": "web_search"}], "tool_choice": "none"}, 400, "tools.0"),
+    ({"input": [{"type": "custom_tool_call", "call_id": "c", "name": "f", "input": "w3"}]}, 400, "input.0"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400, "input.0.content.0"),
     ({"input": "w3", "text": {"format": {"type": "json_object"}}, "structured_outputs": {"regex": "w3"}}, 400,
      "structured_outputs"),

@@ -507,3 +507,71 @@ def test_auto_with_a_strict_tool_or_a_format_takes_either():
                 taken = False
             assert taken == takes, (asked, text)
     assert use.either(StructuredOutput(grammar='start: "x"')) is None          # a grammar: the format alone
+
+
+# --- OpenAI's Responses API: function tools, function_call items ---
+
+RESPONSES_WEATHER = {"type": "function", "name": "get_weather", "strict": True,
+                     "parameters": WEATHER["function"]["parameters"]}
+
+
+def test_responses_function_calls_whole_and_streamed(hermes):
+    body = {"model": "tiny", "input": "Weather in Paris?", "temperature": 0, "max_output_tokens": 200,
+            "logit_bias": NO_SPACES, "tools": [RESPONSES_WEATHER], "tool_choice": {"type": "function",
+                                                                                  "name": "get_weather"}}
+    r = hermes.post("/v1/responses", json=body)
+    assert r.status_code == 200, r.json()
+    got = r.json()
+    (item,) = got["output"]
+    assert item["type"] == "function_call" and item["name"] == "get_weather" and item["status"] == "completed"
+    assert item["id"].startswith("fc_") and item["call_id"].startswith("chatcmpl-tool-")
+    jsonschema.validate(json.loads(item["arguments"]), SCHEMAS["get_weather"])
+    assert got["status"] == "completed" and got["tool_choice"] == body["tool_choice"]
+    stream = sse(hermes.post("/v1/responses", json={**body, "stream": True}).text)
+    names = [n for n, _ in stream]
+    assert names[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+    assert names[-3:] == ["response.function_call_arguments.done", "response.output_item.done", "response.completed"]
+    assert set(names[3:-3]) == {"response.function_call_arguments.delta"}
+    assert [d["sequence_number"] for _, d in stream] == list(range(len(stream)))
+    deltas = "".join(d["delta"] for n, d in stream if n == "response.function_call_arguments.delta")
+    final = stream[-1][1]["response"]["output"]
+    assert json.loads(deltas) == json.loads(item["arguments"]) and final[0]["arguments"] == deltas
+    assert stream[-3][1]["arguments"] == deltas and stream[-3][1]["name"] == "get_weather"
+
+
+def test_responses_history_items_are_chats_tool_messages(hermes):
+    """function_call items join the assistant message before them; function_call_output items are tool messages."""
+    items = [{"role": "user", "content": "Weather in Paris?"},
+             {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Checking."}]},
+             {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+             {"type": "function_call_output", "call_id": "c1", "output": "sunny"}]
+    chat_messages = MESSAGES + [
+        {"role": "assistant", "content": "Checking.", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    r = hermes.post("/v1/responses", json={"model": "tiny", "input": items, "tools": [RESPONSES_WEATHER],
+                                           "tool_choice": "none", "max_output_tokens": 1, "temperature": 0})
+    assert r.status_code == 200, r.json()
+    counted = hermes.post("/tokenize", json={"model": "tiny", "messages": chat_messages, "tools": [WEATHER]}).json()
+    assert r.json()["usage"]["input_tokens"] == counted["count"]
+    bad = hermes.post("/v1/responses", json={"model": "tiny", "input": [{"type": "function_call", "name": "f"}]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "input.0"
+
+
+def test_the_openai_client_reads_function_call_items():
+    openai = pytest.importorskip("openai")
+    from live_server import running
+
+    with running(tool_app("hermes")) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        out = client.responses.create(model="tiny", input="Weather?", tools=[RESPONSES_WEATHER], temperature=0,
+                                      tool_choice="required", parallel_tool_calls=False,
+                                      extra_body={"logit_bias": NO_SPACES})
+        (call,) = [o for o in out.output if o.type == "function_call"]
+        assert call.name == "get_weather" and json.loads(call.arguments)["city"] in ("Paris", "Rome")
+        with client.responses.stream(model="tiny", input="Weather?", tools=[RESPONSES_WEATHER], temperature=0,
+                                     tool_choice="required", parallel_tool_calls=False,
+                                     extra_body={"logit_bias": NO_SPACES}) as stream:
+            final = stream.get_final_response()
+        assert [(o.name, json.loads(o.arguments)) for o in final.output if o.type == "function_call"] == [
+            (call.name, json.loads(call.arguments))]          # streamed: the model's text; whole: re-serialised
