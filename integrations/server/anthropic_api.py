@@ -351,7 +351,8 @@ class Blocks:
             self.pending.append(text)
             return []
         out = [] if self.kind == "text" else self.stop() + self._start({"type": "text", "text": ""})
-        return out + [event("content_block_delta", {"index": self.index, "delta": {"type": "text_delta", "text": text}})]
+        delta = {"type": "text_delta", "text": text}
+        return out + [event("content_block_delta", {"index": self.index, "delta": delta})]
 
     def call(self, delta: dict) -> list[str]:
         """One chat tool-call delta: a name opens a tool_use block, arguments extend it."""

@@ -18,7 +18,8 @@ class AppConfig:
     """served_model_name: the model's name in the API (default: the checkpoint's name). api_key: require
     ``Authorization: Bearer KEY`` (or ``x-api-key: KEY``) on every endpoint but /health and /ping.
     max_queue: sequences that may wait beyond the max_num_seqs the engine runs before answering 503 with
-    Retry-After (a request of n sequences takes n). shutdown_timeout: seconds to let in-flight requests finish on SIGTERM
+    Retry-After (a request of n sequences takes n). shutdown_timeout: seconds to let in-flight requests finish on
+    SIGTERM
     before cancelling them. max_body_bytes: request body limit (413 above it). generation_config: where
     unset sampling fields come from, as vLLM's flag: "auto", the model's generation config where it sets
     temperature, top_p, top_k, min_p, repetition_penalty or max_new_tokens, else vLLM's defaults (temperature

@@ -249,7 +249,8 @@ async def engine_settings(state, req, max_tokens: int, tools: ToolUse | None = N
     calls = tools.grammar() if tools is not None else None
     if calls is not None and asked is not None:       # vLLM's rules for both
         if tools.mode != "auto":                      # a call is forced: the structured output is ignored
-            log.warning("%s is ignored: tool_choice %r forces a tool call (as vLLM)", asked[0], tools.name or tools.mode)
+            log.warning("%s is ignored: tool_choice %r forces a tool call (as vLLM)", asked[0],
+                        tools.name or tools.mode)
         elif any(t["function"].get("strict") is True for t in tools.tools):
             either = tools.either(asked[1])            # calls, or the asked format
             calls = either if either is not None else None
@@ -303,7 +304,8 @@ def call_options(req, tools: ToolUse | None = None) -> CallOptions:
     return CallOptions(n=req.n, stops=req.stops(), include_stop_str_in_output=req.include_stop_str_in_output,
                        skip_special_tokens=req.skip_special_tokens and (tools is None or tools.parser != "hermes"),
                        tools=tools, logprobs=generated_logprobs(req, chat)[0],
-                       echo=bool(chat_echo(req) if chat else req.echo), max_tokens_zero=not chat and req.max_tokens == 0,
+                       echo=bool(chat_echo(req) if chat else req.echo),
+                       max_tokens_zero=not chat and req.max_tokens == 0,
                        prompt_logprobs=asked_prompt_logprobs(req, chat), chat=chat,
                        role=answer_role(req) if chat else "",
                        return_tokens_as_token_ids=bool(req.return_tokens_as_token_ids),

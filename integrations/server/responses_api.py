@@ -42,8 +42,9 @@ from .tool_parsers import StreamParser
 
 LOGPROBS = "message.output_text.logprobs"
 TEXT_PARTS = ("input_text", "output_text", "text")
-TOOL_ITEMS = ("custom_tool_call", "custom_tool_call_output", "mcp_call", "web_search_call", "file_search_call", "computer_call", "computer_call_output",
-              "code_interpreter_call", "local_shell_call", "local_shell_call_output", "image_generation_call")
+TOOL_ITEMS = ("custom_tool_call", "custom_tool_call_output", "mcp_call", "web_search_call", "file_search_call",
+              "computer_call", "computer_call_output", "code_interpreter_call", "local_shell_call",
+              "local_shell_call_output", "image_generation_call")
 # the chat fields whose values pass through unchanged (vLLM's sampling fields of the Responses request)
 PASSED = ("model", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
           "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "include_stop_str_in_output",

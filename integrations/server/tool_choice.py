@@ -29,7 +29,8 @@ NAMED_USAGE = 'Correct usage: `{"type": "function", "function": {"name": "my_fun
 def choice_error(tools, choice) -> tuple[str, str] | None:
     """vLLM's ``check_tool_usage`` (what any server refuses): (param, message), or None."""
     if tools == []:
-        return "tools", "`tools` must not be an empty array. Either provide at least one tool or omit the field entirely."
+        return "tools", ("`tools` must not be an empty array. Either provide at least one tool or omit the field "
+                         "entirely.")
     if choice is None or choice == "none":
         return None
     if tools is None:
@@ -48,7 +49,8 @@ def choice_error(tools, choice) -> tuple[str, str] | None:
             return "tool_choice.function.name", f"Expected field `name` in `function` in `tool_choice`! {NAMED_USAGE}"
         name = function["name"]
         if not isinstance(name, str) or not name:
-            return "tool_choice.function.name", f"Invalid `name` in `function`: `{name}` in `tool_choice`! {NAMED_USAGE}"
+            return "tool_choice.function.name", (f"Invalid `name` in `function`: `{name}` in `tool_choice`! "
+                                                 f"{NAMED_USAGE}")
         if all(tool["function"]["name"] != name for tool in tools):
             return "tool_choice", "The tool specified in `tool_choice` does not match any of the specified `tools`"
     return None

@@ -34,7 +34,8 @@ TEMPLATE = (
     "{% if m['tool_calls'] %}{% for c in m['tool_calls'] %}<tool_call>{{ {'name': c['function']['name'], "
     "'arguments': c['function']['arguments']} | tojson }}</tool_call>{% endfor %}"
     "{% elif m['role'] == 'tool' %}<r id={{ m['tool_call_id'] }}>{{ m['content'] }}</r>"
-    "{% else %}{{ m['content'] }}{% endif %}" + EOS_TEXT + "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
+    "{% else %}{{ m['content'] }}{% endif %}" + EOS_TEXT +
+    "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
 WEATHER = {"type": "function", "function": {"name": "get_weather", "strict": True, "parameters": {
     "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}, "days": {"type": "integer", "minimum": 1,
                                                                                "maximum": 9}},
@@ -241,7 +242,8 @@ def test_history_with_calls_and_results_reaches_the_template(hermes):
      "Only named function tools"),
     (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": "x"}}]), "tools.0", "JSON schema object"),
     (dict(tools=[WEATHER], messages=MESSAGES + [{"role": "assistant", "tool_calls": [
-        {"type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]}]), "messages.1.tool_calls.0", "id"),
+        {"type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]}]),
+     "messages.1.tool_calls.0", "id"),
     (dict(tools=[WEATHER], messages=MESSAGES + [{"role": "assistant", "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": {}}}]}]),
      "messages.1.tool_calls.0", "JSON text"),
@@ -415,7 +417,8 @@ def test_anthropic_client_reads_tool_use():
 def test_an_echo_goes_before_the_content_and_is_not_read_for_calls(hermes):
     """vLLM's chat echo (the last message's text, where it has the answer's role) is put before the content after
     the answer is read for calls: a call written in the echoed message is no call of this answer."""
-    messages = MESSAGES + [{"role": "assistant", "content": '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'}]
+    echoed = '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+    messages = MESSAGES + [{"role": "assistant", "content": echoed}]
     r = ask(hermes, messages=messages, tools=[WEATHER], echo=True, add_generation_prompt=False,
             continue_final_message=True, tool_choice={"type": "function", "function": {"name": "get_weather"}})
     assert r.status_code == 200, r.json()
@@ -478,8 +481,8 @@ def test_structured_output_beside_tools_as_vllm_combines_them(hermes):
     else:
         jsonschema.validate(json.loads(message["content"]), schema)
     loose = {"type": "function", "function": {"name": "f"}}
-    alone = ask(hermes, tools=[loose], parallel_tool_calls=False, response_format={"type": "json_schema",
-                                                                                  "json_schema": {"name": "out", "schema": schema}})
+    alone = ask(hermes, tools=[loose], parallel_tool_calls=False,
+                response_format={"type": "json_schema", "json_schema": {"name": "out", "schema": schema}})
     assert "tool_calls" not in alone.json()["choices"][0]["message"]
     jsonschema.validate(json.loads(alone.json()["choices"][0]["message"]["content"]), schema)
 
