@@ -41,6 +41,7 @@ from .responses import STREAM_HEADERS, collected, formatter
 from .tool_parsers import StreamParser
 
 LOGPROBS = "message.output_text.logprobs"
+NAMESPACE_SEPARATOR = "__"        # a namespaced function's flat name: namespace__name (vLLM's)
 TEXT_PARTS = ("input_text", "output_text", "text")
 TOOL_ITEMS = ("custom_tool_call", "custom_tool_call_output", "mcp_call", "web_search_call", "file_search_call",
               "computer_call", "computer_call_output", "code_interpreter_call", "local_shell_call",
@@ -161,8 +162,7 @@ def input_messages(items: list[InputItem]) -> list[dict]:
         if item.type == "function_call_output":
             if not isinstance(item.call_id, str):
                 raise ApiError(400, f"input.{i}: a function_call_output item needs its call_id", param=f"input.{i}")
-            output = item.output if isinstance(item.output, str) else "\n".join(
-                p.get("text", "") for p in item.output or [] if isinstance(p, dict) and p.get("type") in TEXT_PARTS)
+            output = item.output if isinstance(item.output, str) else _output_text(item.output, i)
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": output})
             thinking.append(False)
             continue
@@ -175,12 +175,31 @@ def input_messages(items: list[InputItem]) -> list[dict]:
     return messages
 
 
+def _output_text(parts, i: int) -> str:
+    """A function_call_output's parts as text (joined by newlines); an image or a file is refused, as the model
+    is text-only (vLLM refuses them too)."""
+    texts = []
+    for j, part in enumerate(parts if isinstance(parts, list) else []):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in TEXT_PARTS:
+            raise ApiError(400, f"input.{i}.output.{j} has type {kind!r}: this server runs text-only models, whose "
+                                f"tool results take parts of type {' / '.join(TEXT_PARTS)} only",
+                           param=f"input.{i}.output.{j}")
+        texts.append(part.get("text") or "")
+    return "\n".join(texts)
+
+
+def flat_name(namespace: str | None, name: str) -> str:
+    """A namespaced function's name as the template and the parser see it: ``namespace__name`` (vLLM's)."""
+    return f"{namespace}{NAMESPACE_SEPARATOR}{name}" if namespace else name
+
+
 def _tool_call(item: InputItem, i: int) -> dict:
-    """A function_call input item as a chat tool call (a namespaced tool's name written namespace.name)."""
+    """A function_call input item as a chat tool call (a namespaced tool's name flattened, ``flat_name``)."""
     if not (isinstance(item.call_id, str) and isinstance(item.name, str) and isinstance(item.arguments, str)):
         raise ApiError(400, f"input.{i}: a function_call item needs call_id, name and arguments (a JSON text)",
                        param=f"input.{i}")
-    name = f"{item.namespace}.{item.name}" if item.namespace else item.name
+    name = flat_name(item.namespace, item.name)
     return {"id": item.call_id, "type": "function", "function": {"name": name, "arguments": item.arguments}}
 
 
@@ -211,11 +230,7 @@ def _item_message(item: InputItem, i: int) -> dict:
 
 def to_chat(req: ResponsesRequest, state) -> ChatCompletionRequest:
     """``req`` as the chat completion vLLM renders it, checked as the chat endpoint checks one."""
-    for i, tool in enumerate(req.tools or []):
-        if not isinstance(tool, dict) or tool.get("type") != "function":
-            kind = tool.get("type") if isinstance(tool, dict) else None
-            raise ApiError(400, f"tools.{i} is a {kind!r} tool: this server runs function tools only (hosted, MCP and "
-                                "custom tools are not run here)", param=f"tools.{i}")
+    functions = function_tools(req.tools)
     if req.previous_response_id is not None:
         raise ApiError(404, f"Response with id '{req.previous_response_id}' not found. (this server stores no "
                             "responses, as vLLM without VLLM_ENABLE_RESPONSES_API_STORE: send the conversation "
@@ -232,10 +247,9 @@ def to_chat(req: ResponsesRequest, state) -> ChatCompletionRequest:
     partial = last is not None and ((last.type or "message") == "reasoning" or last.role == "assistant") \
         and last.status in ("in_progress", "incomplete")
     chat = {name: getattr(req, name) for name in PASSED}
-    if req.tools:                      # chat's form: the template sees them, the parser reads the calls
-        chat.update(tools=[{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}}
-                           for t in req.tools], tool_choice=_chat_tool_choice(req.tool_choice),
-                    parallel_tool_calls=req.parallel_tool_calls)
+    if functions:                      # chat's form: the template sees them, the parser reads the calls
+        chat.update(tools=[{"type": "function", "function": f} for f in functions.values()],
+                    tool_choice=_chat_tool_choice(req.tool_choice), parallel_tool_calls=req.parallel_tool_calls)
     chat.update(messages=messages, max_tokens=req.max_output_tokens, stream=bool(req.stream),
                 continue_final_message=partial, add_generation_prompt=not partial)
     if req.include and LOGPROBS in req.include:
@@ -251,6 +265,24 @@ def to_chat(req: ResponsesRequest, state) -> ChatCompletionRequest:
     if req.truncation == "auto":
         chat["truncate_prompt_tokens"] = -1
     return chat_request(chat, state)
+
+
+def function_tools(tools: list | None) -> dict[str, dict]:
+    """The request's function tools as chat functions, by the name the model calls them: a ``namespace`` tool's
+    functions flattened to ``namespace__name`` (vLLM's). Hosted, MCP and custom tools are refused by name."""
+    out = {}
+    for i, tool in enumerate(tools or []):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        inner = tool.get("tools") if kind == "namespace" else [tool]
+        if kind not in ("function", "namespace") or not isinstance(inner, list) or \
+                any(not isinstance(t, dict) or t.get("type") != "function" for t in inner):
+            raise ApiError(400, f"tools.{i} is a {kind!r} tool: this server runs function tools (alone or in a "
+                                "namespace) only; hosted, MCP and custom tools are not run here", param=f"tools.{i}")
+        for t in inner:
+            function = {k: v for k, v in t.items() if k != "type"}
+            function["name"] = flat_name(tool.get("name") if kind == "namespace" else None, str(t.get("name")))
+            out[function["name"]] = function
+    return out
 
 
 def _chat_tool_choice(choice):
@@ -305,11 +337,19 @@ class Answer:
     def item(self, status: str, content: list) -> dict:
         return {"id": self.item_id, "type": "message", "status": status, "role": "assistant", "content": content}
 
-    @staticmethod
-    def function_call(item_id: str, call: dict, status: str) -> dict:
-        """A function_call output item of a chat tool call (its id the call_id, vLLM's)."""
-        return {"id": item_id, "type": "function_call", "call_id": call["id"], "name": call["function"]["name"],
-                "arguments": call["function"]["arguments"], "status": status}
+    def function_call(self, item_id: str, call: dict, status: str) -> dict:
+        """A function_call output item of a chat tool call (its id the call_id; a namespaced function's name and
+        namespace apart again, vLLM's)."""
+        name, namespace = call["function"]["name"], None
+        for tool in self.req.tools or []:
+            prefix = f"{tool.get('name')}{NAMESPACE_SEPARATOR}"
+            if tool.get("type") == "namespace" and name.startswith(prefix) and \
+                    any(t.get("name") == name[len(prefix):] for t in tool.get("tools") or []):
+                name, namespace = name[len(prefix):], tool["name"]
+                break
+        return {"id": item_id, "type": "function_call", "call_id": call["id"], "name": name,
+                "arguments": call["function"]["arguments"], "status": status,
+                **({"namespace": namespace} if namespace else {})}
 
 
 def _status(reason: str | None) -> str:

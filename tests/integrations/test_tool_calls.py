@@ -578,3 +578,33 @@ def test_the_openai_client_reads_function_call_items():
             final = stream.get_final_response()
         assert [(o.name, json.loads(o.arguments)) for o in final.output if o.type == "function_call"] == [
             (call.name, json.loads(call.arguments))]          # streamed: the model's text; whole: re-serialised
+
+
+def test_responses_namespaced_functions_and_non_text_results(hermes):
+    """A ``namespace`` tool's functions are called by their flat name ``namespace__name`` (the template's and the
+    parser's, vLLM's), answered with name and namespace apart; a function_call item's namespace is flattened the
+    same way; a tool result with an image is refused (text-only model)."""
+    inner = {k: v for k, v in RESPONSES_WEATHER.items()}
+    body = {"model": "tiny", "input": "Weather?", "temperature": 0, "max_output_tokens": 200, "logit_bias": NO_SPACES,
+            "tools": [{"type": "namespace", "name": "wx", "tools": [inner]}],
+            "tool_choice": {"type": "function", "name": "wx__get_weather"}}
+    r = hermes.post("/v1/responses", json=body)
+    assert r.status_code == 200, r.json()
+    (item,) = r.json()["output"]
+    assert (item["name"], item["namespace"]) == ("get_weather", "wx")
+    stream = sse(hermes.post("/v1/responses", json={**body, "stream": True}).text)
+    added = [d["item"] for n, d in stream if n == "response.output_item.added"]
+    assert [(a["name"], a["namespace"]) for a in added] == [("get_weather", "wx")]
+    history = [{"role": "user", "content": "Weather?"},
+               {"type": "function_call", "call_id": "c1", "namespace": "wx", "name": "get_weather", "arguments": "{}"}]
+    flat = [{"role": "user", "content": "Weather?"},
+            {"type": "function_call", "call_id": "c1", "name": "wx__get_weather", "arguments": "{}"}]
+    counts = [hermes.post("/v1/responses", json={"model": "tiny", "input": h, "max_output_tokens": 1, "temperature": 0,
+                                                 "tools": body["tools"], "tool_choice": "none"}).json()
+              for h in (history, flat)]
+    assert counts[0]["usage"]["input_tokens"] == counts[1]["usage"]["input_tokens"]
+    assert counts[0]["output"] == [] or counts[0]["output"][0]["content"] == counts[1]["output"][0]["content"]
+    image = {"type": "function_call_output", "call_id": "c1", "output": [
+        {"type": "input_text", "text": "x"}, {"type": "input_image", "image_url": "data:image/png;base64,AA=="}]}
+    r = hermes.post("/v1/responses", json={"model": "tiny", "input": history + [image], "max_output_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input.2.output.1"
