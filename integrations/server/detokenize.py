@@ -10,7 +10,8 @@ character and the concatenation of the deltas is the whole text (checked again a
 ``TextStream`` adds OpenAI's stop sequences: the text is cut before the first stop string (after it
 with vLLM's ``include_stop_str_in_output``), and while
 the sequence runs the last ``len(longest stop) - 1`` characters are held back, since they may begin one
-(the rule lives in ``hf_paged.engine.stop_strings``, which the engine's stop strings use too).
+(the rule lives in ``hf_paged.engine.stop_strings``, which the engine's stop strings use too); nothing is held
+back where the stop string stays in the text (``include_stop_str_in_output``: vLLM's detokenizer too).
 
 As vLLM's, the decoding starts from the prompt's last tokens (``context``), whose text is not emitted
 (``hf_paged.engine.continuation``: decoded alone, a SentencePiece tokenizer's first new token would lose
@@ -105,7 +106,8 @@ class TextStream:
         if not last_stop or self.include_stop:
             self.text += self.detok.add(token)
         self._cut()
-        end = len(self.text) if self.stopped else max(self.sent, len(self.text) - self.stop.hold)
+        hold = 0 if self.include_stop else self.stop.hold     # a stop string kept needs no retraction
+        end = len(self.text) if self.stopped else max(self.sent, len(self.text) - hold)
         delta, self.sent = self.text[self.sent:end], end
         return delta
 

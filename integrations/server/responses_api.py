@@ -352,6 +352,12 @@ class Answer:
                 **({"namespace": namespace} if namespace else {})}
 
 
+def _without_bytes(entry: dict) -> dict:
+    """A stream delta's logprob entry: token, logprob and top_logprobs without ``bytes`` (the delta event's type)."""
+    return {"token": entry["token"], "logprob": entry["logprob"],
+            "top_logprobs": [{"token": t["token"], "logprob": t["logprob"]} for t in entry.get("top_logprobs") or []]}
+
+
 def _status(reason: str | None) -> str:
     return "incomplete" if reason == "length" else "cancelled" if reason == "abort" else "completed"
 
@@ -420,7 +426,7 @@ async def events(answer: Answer):
             where = dict(item_id=answer.item_id, output_index=len(output), content_index=0)
             part = answer.part(text, logprobs if answer.logprobs is not None else None)
             output.append(answer.item("completed", [part]))
-            out += [event("response.output_text.done", **where, text=text, logprobs=logprobs),
+            out += [event("response.output_text.done", **where, text=text, logprobs=[]),   # (vLLM's: [])
                     event("response.content_part.done", **where, part=part),
                     event("response.output_item.done", output_index=len(output) - 1, item=output[-1])]
         if open_call is not None:
@@ -455,7 +461,8 @@ async def events(answer: Answer):
                     yield event("response.content_part.added", **where, part=answer.part("", []))
                 chunk = fmt.chat(d.tokens, d.entries) if answer.logprobs is not None else []
                 text, logprobs = text + out["content"], logprobs + chunk
-                yield event("response.output_text.delta", **where, delta=out["content"], logprobs=chunk)
+                yield event("response.output_text.delta", **where, delta=out["content"],
+                            logprobs=[_without_bytes(e) for e in chunk])
             for delta in out.get("tool_calls") or []:
                 if tools.single and delta["index"] > 0:
                     continue

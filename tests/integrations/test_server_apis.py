@@ -270,6 +270,14 @@ def test_responses_text_input_logprobs_and_completed_status(client):
     stopped = client.post("/v1/responses", json={**body, "stop": [" " + words[1]]}).json()
     assert stopped["status"] == "completed" and stopped["incomplete_details"] is None
     assert stopped["output"][0]["content"][0]["text"] == " " + words[0]
+    # streamed, vLLM's shapes: delta entries without bytes (the delta event's type), the text's done event [],
+    # the part whole
+    events = sse(client.post("/v1/responses", json={**body, "stream": True}).text)
+    deltas = [e for n, d in events if n == "response.output_text.delta" for e in d["logprobs"]]
+    assert deltas == [{"token": e["token"], "logprob": e["logprob"], "top_logprobs": [
+        {"token": t["token"], "logprob": t["logprob"]} for t in e["top_logprobs"]]} for e in part["logprobs"]]
+    assert [d["logprobs"] for n, d in events if n == "response.output_text.done"] == [[]]
+    assert [d["part"]["logprobs"] for n, d in events if n == "response.content_part.done"] == [part["logprobs"]]
 
 
 def test_responses_continue_a_partial_answer(client):

@@ -106,6 +106,17 @@ def test_min_tokens_holds_stop_strings_back():
     assert StopStrings(("w8 w7",)).in_tail(tok, seq[:5], 3, min_tokens=2)
 
 
+def test_a_stop_string_kept_in_the_text_holds_nothing_back():
+    """With include_stop_str_in_output nothing needs retracting: each token's text goes out as it comes (vLLM's
+    detokenizer holds nothing back then); without it, len(stop) - 1 characters wait."""
+    tok = word_tokenizer()
+    kept = TextStream(tok, stop=("w9 zzz",), context=[5, 6], include_stop=True)
+    assert [kept.add(t) for t in (7, 8)] == [" w7", " w8"]
+    held = TextStream(tok, stop=("w9 zzz",), context=[5, 6])
+    assert "".join(held.add(t) for t in (7, 8)) == " w7 w8"[:-5]
+    assert held.finish() == " w7 w8"[-5:]
+
+
 def test_the_token_that_stopped_a_sequence_leaves_its_text_out():
     tok = word_tokenizer()
     assert streamed(TextStream(tok, skip_special_tokens=False, context=[5]), [7, EOS], last_stop=True) == " w7"
