@@ -252,8 +252,7 @@ async def engine_settings(state, req, max_tokens: int, tools: ToolUse | None = N
             log.warning("%s is ignored: tool_choice %r forces a tool call (as vLLM)", asked[0],
                         tools.name or tools.mode)
         elif any(t["function"].get("strict") is True for t in tools.tools):
-            either = tools.either(asked[1])            # calls, or the asked format
-            calls = either if either is not None else None
+            calls = tools.either(asked[1])             # calls, or the asked format (None: the format alone)
         else:                                          # auto, one call at most, no strict tool: the format alone
             calls = None
     if calls is not None:
