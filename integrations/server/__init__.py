@@ -10,7 +10,9 @@ Modules: ``config`` (AppConfig, ServeConfig: the defaults),
 token ids and sampling settings), ``call`` (one API call's engine requests), ``worker`` (the background
 engine thread; no web imports), ``detokenize`` (incremental text that never emits a broken character;
 no web imports), ``responses`` (whole or streamed answers), ``errors`` (OpenAI-style error bodies),
-``protocol`` (the request schemas), ``metrics`` (Prometheus, one registry per app), ``main``
+``protocol`` (the request schemas), ``tool_choice`` (what a request's tools ask: the grammar of calls, the
+answer's message) and ``tool_parsers`` (calls read out of text, whole or streamed; no web imports),
+``metrics`` (Prometheus, one registry per app), ``main``
 (``serve``: load, build, run uvicorn). FastAPI, uvicorn and prometheus_client (the ``serve`` extra) are
 imported only by the modules that need them, and only when this package is asked for.
 """
