@@ -196,8 +196,8 @@ def _attach_prefix(store, cache, args: tuple, kwargs: dict, generation_config, m
     """Give a fresh cache the prompt columns the model's prefix store holds (see cache.prefix_store).
     Not for calls whose outputs would show the skipped columns (per-layer outputs of the prefill), that
     start from embeddings or give their own position_ids (the blocks hold keys rotated at the positions of the
-    call that wrote them; the store matches tokens only), whose padding generate would infer from pad tokens, that decode with a
-    candidate generator (assisted, prompt-lookup: their first forward feeds the whole prompt whatever
+    call that wrote them; the store matches tokens only), whose padding generate would infer from pad tokens,
+    that decode with a candidate generator (assisted, prompt-lookup: their first forward feeds the whole prompt whatever
     the cache holds), that chunk their prefill on a transformers whose chunks start at column 0, or whose
     prompts reach past where a length-dependent RoPE changes its frequencies (blocks computed under other
     frequencies than this call's would be reused; ``introspect.length_dependent_rope``)."""

@@ -342,9 +342,8 @@ class PagedCache(KVPools):
         if attention_mask.shape[1] != expected:
             # generate continuing from a returned cache in a mode that feeds the prompt again from column 0
             # (assisted generation, prompt lookup; chunked prefill before transformers 5.24) passes the mask of
-            # the sequence it feeds, not of the sequence the cache would then hold
-            refed = columns and attention_mask.shape[1] < expected and (
-                attention_mask.shape[1] == q_len or attention_mask.shape[1] > columns)
+            # what this forward feeds, not of the sequence the cache would then hold
+            refed = columns and attention_mask.shape[1] == q_len
             hint = (" This forward feeds columns the cache holds again: generate does that when it continues from "
                     "a returned cache with assistant_model / prompt_lookup_num_tokens, or with prefill_chunk_size "
                     "before transformers 5.24 (the default path then attends over those columns twice). Start such a "

@@ -313,8 +313,7 @@ async def messages(request: Request):
         ({"content": got.texts[0]}, got.reasons[0])
     called = bool(fields.get("tool_calls"))
     reason, sequence = stop_reason(finish, got.stop_reasons[0], called, called)
-    blocks = content_blocks(fields) if tools is not None else [{"type": "text", "text": got.texts[0]}]
-    return JSONResponse({"id": message_id, "type": "message", "role": "assistant", "content": blocks,
+    return JSONResponse({"id": message_id, "type": "message", "role": "assistant", "content": content_blocks(fields),
                          "model": state.name, "stop_reason": reason, "stop_sequence": sequence, "usage": usage(call)})
 
 
@@ -389,15 +388,10 @@ async def events(call, message_id: str, model: str):
         tools, blocks = call.options.tools, Blocks()
         parser = StreamParser(tools.parser) if tools is not None else None
         async for d in call.deltas():
-            out = ({"content": d.text} if parser is None else parser.feed(d.text)) or {}
-            if d.reason and parser is not None:
-                for key, value in (parser.finish() or {}).items():
-                    out[key] = out.get(key, "" if key == "content" else []) + value
+            out = {"content": d.text} if parser is None else tools.streamed(parser, d.text, last=bool(d.reason))
             for piece in blocks.text(out.get("content") or ""):
                 yield piece
             for delta in out.get("tool_calls") or []:
-                if tools.single and delta["index"] != 0:
-                    continue
                 for piece in blocks.call(delta):
                     yield piece
             if d.reason:

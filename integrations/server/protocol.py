@@ -68,15 +68,24 @@ def template_tools(tools: list | None) -> list[dict] | None:
     return out
 
 
-def _arguments(arguments):
-    """A call's arguments as a template reads them: an object (a JSON text parsed; empty or malformed: {})."""
-    if isinstance(arguments, dict):
-        return arguments
+def _arguments(arguments: str):
+    """A call's arguments (a JSON text: ``tool_calls_error``) as a template reads them: an object (empty or
+    malformed: {}, as vLLM's)."""
     try:
-        parsed = json.loads(arguments) if isinstance(arguments, str) and arguments else {}
+        parsed = json.loads(arguments) if arguments else {}
     except ValueError:
         parsed = {}
     return parsed if isinstance(parsed, dict) else {}
+
+
+def messages_error(messages: list) -> Optional[tuple[str, str]]:
+    """(param, message) for the first message whose tool-calling fields vLLM's schema refuses
+    (``ChatMessage.tool_calls_error``), or None: checked wherever messages reach the template."""
+    for i, m in enumerate(messages):
+        refused = m.tool_calls_error()
+        if refused:
+            return f"messages.{i}.{refused[0]}", refused[1]
+    return None
 
 
 def tool_shape_error(tools: list | None) -> Optional[tuple[str, str]]:
@@ -267,10 +276,9 @@ class ChatCompletionRequest(_Sampling):
         if self.continue_final_message and self.add_generation_prompt:
             return "continue_final_message", ("continue_final_message and add_generation_prompt cannot both "
                                               "be true (set add_generation_prompt=false)")
-        for i, m in enumerate(self.messages):
-            refused = m.tool_calls_error()
-            if refused:
-                return f"messages.{i}.{refused[0]}", refused[1]
+        refused = messages_error(self.messages)
+        if refused:
+            return refused
         clash = sorted(RESERVED_TEMPLATE_KWARGS & set(self.chat_template_kwargs or {}))
         if clash:
             return "chat_template_kwargs", f"chat_template_kwargs may not set {clash}: the server sets them"

@@ -126,15 +126,9 @@ def tool_delta(choice: dict, parser: StreamParser, text: str, tools) -> dict | N
     """A chat chunk's choice with its text read for tool calls (``parser``: the choice's), or None where it has
     nothing to send (no finish reason, no content, no call yet, no log-probabilities): vLLM skips such chunks, and
     sends one with an empty delta where it carries log-probabilities."""
-    out = parser.feed(text) or {}
+    out = tools.streamed(parser, text, last=bool(choice["finish_reason"]))
     if choice["finish_reason"]:
-        for key, value in (parser.finish() or {}).items():
-            out[key] = out.get(key, "" if key == "content" else []) + value
         choice["finish_reason"] = tools.stream_reason(parser.called, choice["finish_reason"])
-    if tools.single and "tool_calls" in out:          # parallel_tool_calls=false: the first call only (vLLM's)
-        out["tool_calls"] = [c for c in out["tool_calls"] if c["index"] == 0]
-        if not out["tool_calls"]:
-            del out["tool_calls"]
     if not out and not choice["finish_reason"] and not choice["logprobs"]:
         return None
     choice["delta"] = out

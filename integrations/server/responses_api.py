@@ -445,10 +445,7 @@ async def events(answer: Answer):
         fmt, reason = formatter(call), None
         async for d in call.deltas():
             reason = d.reason or reason
-            out = {"content": d.text} if parser is None else (parser.feed(d.text) or {})
-            if parser is not None and d.reason:
-                for key, value in (parser.finish() or {}).items():
-                    out[key] = out.get(key, "" if key == "content" else []) + value
+            out = {"content": d.text} if parser is None else tools.streamed(parser, d.text, last=bool(d.reason))
             if out.get("content"):
                 if open_call is not None:
                     for e in close():
@@ -464,8 +461,6 @@ async def events(answer: Answer):
                 yield event("response.output_text.delta", **where, delta=out["content"],
                             logprobs=[_without_bytes(e) for e in chunk])
             for delta in out.get("tool_calls") or []:
-                if tools.single and delta["index"] > 0:
-                    continue
                 function = delta.get("function") or {}
                 if function.get("name") is not None:
                     for e in close():

@@ -14,7 +14,7 @@ from pydantic_core import from_json
 from .body import parse, read_body
 from .errors import ApiError
 from .intake import chat_text, check_ids, model_checked, tokenize
-from .protocol import RESERVED_TEMPLATE_KWARGS, ChatMessage, tool_shape_error
+from .protocol import RESERVED_TEMPLATE_KWARGS, ChatMessage, messages_error, tool_shape_error
 from .request_parts import Body
 from .state import ServerState
 
@@ -46,7 +46,7 @@ class DetokenizeRequest(Body):
 
 def chat_checked(req: TokenizeChatRequest) -> TokenizeChatRequest:
     """What /v1/chat/completions refuses among these fields, refused alike."""
-    shape = tool_shape_error(req.tools)          # tools are rendered as a chat with tool_choice "none" renders them
+    shape = tool_shape_error(req.tools) or messages_error(req.messages)   # as a chat renders them
     if shape:
         raise ApiError(400, shape[1], param=shape[0])
     if req.continue_final_message and req.add_generation_prompt:

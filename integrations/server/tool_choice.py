@@ -88,6 +88,20 @@ class ToolUse:
             return Parsed(parsed.calls, None if blank else parsed.content)
         return Parsed([], None if blank and self.mode != "auto" else parsed.content)
 
+    def streamed(self, parser, text: str, last: bool) -> dict:
+        """What ``text`` adds to a streamed answer read by ``parser`` (``tool_parsers.StreamParser``): its
+        ``content`` and ``tool_calls`` deltas, with what the parser held back where ``text`` is the last; with
+        ``single``, the first call's deltas only (vLLM's)."""
+        out = parser.feed(text) or {}
+        if last:
+            for key, value in (parser.finish() or {}).items():
+                out[key] = out.get(key, "" if key == "content" else []) + value
+        if self.single and "tool_calls" in out:
+            out["tool_calls"] = [c for c in out["tool_calls"] if c["index"] == 0]
+            if not out["tool_calls"]:
+                del out["tool_calls"]
+        return out
+
     def stream_reason(self, called: bool, engine_reason: str | None) -> str | None:
         """A stream's finish reason: "tool_calls" where calls were streamed and the choice is not named."""
         return "tool_calls" if called and self.mode != "named" and engine_reason == "stop" else engine_reason

@@ -229,6 +229,8 @@ def test_history_with_calls_and_results_reaches_the_template(hermes):
     bad = MESSAGES + [{"role": "assistant", "tool_calls": [{"type": "function", "function": {"arguments": "{}"}}]}]
     r = ask(hermes, messages=bad)
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages.1.tool_calls.0"
+    r = hermes.post("/tokenize", json={"model": "tiny", "messages": bad})          # refused there alike
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages.1.tool_calls.0"
 
 
 @pytest.mark.parametrize("fields, param, words", [
