@@ -183,6 +183,41 @@ def _eos_words(eos_token_ids, words: int) -> torch.Tensor:
     return torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in row], dtype=torch.int32)
 
 
+def _text_tokenizer(llg, tokenizer, vocab_size: int, eos: list[int]):
+    """llguidance's tokenizer over ``vocab_size`` ids in which only the tokenizer's *special* added tokens are
+    special, as Hugging Face reads them (``decode(skip_special_tokens=True)`` keeps the others' text).
+
+    llguidance's own ``from_tokenizer`` marks every added token special, Qwen's ``<tool_call>`` and ``<think>``
+    too: a grammar's text never matches them, yet its forced-text path tokenizes the text into them, so the
+    mask allowed a token that ``consume_token`` refused (a choice or regex starting "<tool_call>" ended after it).
+    Here the others are text, and grammar text is tokenized with the special tokens split into pieces (text
+    is text; a special token is reachable only by llguidance's token reference, ``<|im_end|>`` in lark)."""
+    from copy import copy  # noqa: PLC0415
+
+    base = llg.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)
+    backend = copy(tokenizer.backend_tokenizer)
+    backend.no_padding()
+    backend.no_truncation()
+    backend.encode_special_tokens = True
+    text = {i for i, t in backend.get_added_tokens_decoder().items() if not t.special}
+    special = [i for i in range(vocab_size) if base.is_special_token(i) and i not in text]   # ids past the tokenizer too
+
+    class Wrapper:                      # llguidance.TokenizerWrapper's fields and call
+        eos_token_id = eos[0]
+        bos_token_id = None
+        tokens = [base.decode_bytes([i]) for i in range(vocab_size)]
+        special_token_ids = special
+
+        def __call__(self, data: bytes) -> list[int]:
+            try:
+                return backend.encode(data.decode("utf-8"), add_special_tokens=False).ids
+            except UnicodeDecodeError as bad:      # an incomplete UTF-8 tail: its bytes greedily
+                return (backend.encode(data[:bad.start].decode("utf-8"), add_special_tokens=False).ids
+                        + base.greedy_tokenize(data[bad.start:]))
+
+    return llg.LLTokenizer(llg.TokenizerWrapper(Wrapper()), n_vocab=vocab_size, eos_token=eos)
+
+
 class GrammarCompiler:
     """Compiles :class:`StructuredOutput` specs for one model; build once per engine.
 
@@ -204,8 +239,7 @@ class GrammarCompiler:
         self.vocab_size = int(vocab_size)
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         try:
-            self._tokenizer = llg.hf.from_tokenizer(tokenizer, n_vocab=self.vocab_size,
-                                                    eos_token=sorted(self.eos_token_ids))
+            self._tokenizer = _text_tokenizer(llg, tokenizer, self.vocab_size, sorted(self.eos_token_ids))
         except (ValueError, TypeError, AttributeError) as exc:
             raise StructuredOutputUnavailable(
                 f"structured output cannot use this tokenizer ({type(tokenizer).__name__}): llguidance reads "

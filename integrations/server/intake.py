@@ -293,7 +293,7 @@ def chat_tools(state: ServerState, req) -> ToolUse | None:
     """A chat request's tool calling (``tool_choice.tool_use``: None without it), with the server's flags."""
     if not isinstance(req, ChatCompletionRequest):
         return None
-    return tool_use(req, state.config.tool_call_parser, state.config.enable_auto_tool_choice, state.tokenizer)
+    return tool_use(req, state.config.tool_call_parser, state.config.enable_auto_tool_choice)
 
 
 def call_options(req, tools: ToolUse | None = None) -> CallOptions:

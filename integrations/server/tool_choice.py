@@ -60,13 +60,12 @@ def choice_error(tools, choice) -> tuple[str, str] | None:
 class ToolUse:
     """A request's tool calling: ``parser`` (a tool_parsers kind), ``mode`` "auto", "required" or "named"
     (``name``: the function), ``tools`` (OpenAI function tools), ``single``: parallel_tool_calls is false
-    (one call answered, the first); ``tokens``: the parser's tags the tokenizer has as one token each."""
+    (one call answered, the first)."""
     parser: str
     mode: str
     tools: tuple
     name: str | None = None
     single: bool = False
-    tokens: frozenset = frozenset()
 
     def answer(self, text: str, engine_reason: str | None) -> tuple[dict, str | None]:
         """(the chat message's ``content`` / ``tool_calls``, the finish reason) for a whole answer, as vLLM's."""
@@ -120,8 +119,8 @@ class ToolUse:
         opening = json.dumps('{"name": ')
         if hermes:                  # after <tool_call>: the body, with a newline on both sides or on neither
             body = f'{opening} fn "}}"'
-            rest, trigger = f'("\\n" {body} "\\n" | {body}) {_lark(HERMES_END, self.tokens)}', HERMES_START
-            call = f"{_lark(HERMES_START, self.tokens)} {rest}"
+            rest, trigger = f'("\\n" {body} "\\n" | {body}) {json.dumps(HERMES_END)}', HERMES_START
+            call = f"{json.dumps(HERMES_START)} {rest}"
         else:                       # after {"name": (the trigger)
             rest, trigger = 'fn "}"', '{"name": '
             call = f"{opening} {rest}"
@@ -130,15 +129,11 @@ class ToolUse:
             many = "+" if self.mode == "required" and not self.single else ""
             return StructuredOutput(grammar=f"start: call{many}\ncall: {call}\n{rules}")
         # text with calls in it, each opened by the trigger (at least one for "required"), as llguidance's
-        # StructTag writes it: a trigger that is one token of its own cannot occur inside text
+        # StructTag writes it; the text before a call is lazy: it ends at the trigger's first occurrence
         tags = ("tag+" if self.mode == "required" else "tag*") if not self.single else \
                ("tag" if self.mode == "required" else "tag?")
-        if trigger in self.tokens:
-            text, opened = "TEXT: /(?s:.*)/", f"TEXT {trigger}"
-        else:
-            text = f"TEXT: /(?s:.*)/ & ~/(?s:.*{_regex(trigger)}.*)/\ntrig[lazy]: /(?s:.*)/ {json.dumps(trigger)}"
-            opened = "trig"       # lazy: ends at the trigger's first occurrence
-        return StructuredOutput(grammar=f"start: {tags} tail\ntail: TEXT\n{text}\ntag: {opened} {rest}\n{rules}")
+        text = f"TEXT: /(?s:.*)/ & ~/(?s:.*{_regex(trigger)}.*)/\ntrig[lazy]: /(?s:.*)/ {json.dumps(trigger)}"
+        return StructuredOutput(grammar=f"start: {tags} tail\ntail: TEXT\n{text}\ntag: trig {rest}\n{rules}")
 
     def either(self, asked: StructuredOutput) -> StructuredOutput | None:
         """Under "auto" with a strict tool, a request's structured output as vLLM combines them: calls (as under
@@ -184,28 +179,12 @@ def _format_rule(asked: StructuredOutput) -> str | None:
     return None
 
 
-def _lark(text: str, tokens: frozenset) -> str:
-    """``text`` as lark: quoted strings, and ``tokens`` (tags the tokenizer has as one added token each) as
-    llguidance's token references: llguidance reads added tokens as special, which no quoted text matches."""
-    parts, pos = [], 0
-    while pos < len(text):
-        at = min(((text.find(t, pos), t) for t in tokens if text.find(t, pos) >= 0), default=None)
-        if at is None:
-            parts.append(json.dumps(text[pos:]))
-            break
-        if at[0] > pos:
-            parts.append(json.dumps(text[pos:at[0]]))
-        parts.append(at[1])
-        pos = at[0] + len(at[1])
-    return " ".join(parts) if parts else '""'
-
-
 def _regex(text: str) -> str:
     """``text`` as a literal in a lark regex (Rust syntax; ``/`` ends the regex)."""
     return "".join("\\" + c if c in "\\.+*?()|[]{}^$#&-~/" else c for c in text)
 
 
-def tool_use(req, parser: str | None, enabled: bool, tokenizer) -> ToolUse | None:
+def tool_use(req, parser: str | None, enabled: bool) -> ToolUse | None:
     """The request's tool calling (None: tool_choice "none" or no tools), or a 400 where the server was not
     started for it (vLLM's words: ``--enable-auto-tool-choice``, ``--tool-call-parser``)."""
     choice = req.tool_choice if req.tool_choice is not None else ("auto" if req.tools else None)
@@ -219,7 +198,4 @@ def tool_use(req, parser: str | None, enabled: bool, tokenizer) -> ToolUse | Non
         raise ApiError(400, f"tool_choice={what} requires --tool-call-parser to be set (and --enable-auto-tool-choice)",
                        param="tool_choice", code="unsupported")
     named = choice["function"]["name"] if isinstance(choice, dict) else None
-    added = tokenizer.get_added_vocab() if hasattr(tokenizer, "get_added_vocab") else {}
-    tokens = frozenset(t for t in (HERMES_START, HERMES_END) if parser == HERMES and t in added)
-    return ToolUse(parser, "named" if named else choice, tuple(req.tools), named, req.parallel_tool_calls is False,
-                   tokens)
+    return ToolUse(parser, "named" if named else choice, tuple(req.tools), named, req.parallel_tool_calls is False)

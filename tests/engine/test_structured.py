@@ -199,6 +199,39 @@ def test_ids_beyond_the_tokenizer_are_masked(tokenizer):
     assert torch.isfinite(logits[0, :len(tokenizer)]).sum() > len(tokenizer) // 2
 
 
+@pytest.mark.parametrize("spec, text", [
+    (StructuredOutput(choice=("<tool_call>ab", "xyz")), "<tool_call>ab"),
+    (StructuredOutput(regex="<tool_call>[a-c]+"), "<tool_call>cab"),
+    (StructuredOutput(json={"enum": ["<tool_call>1", "2"]}), '"<tool_call>1"'),
+    (StructuredOutput(grammar='start: "say <|im_end|> <tool_call>" /[0-9]/'), "say <|im_end|> <tool_call>7"),
+])
+def test_added_tokens_are_text_unless_special(tokenizer, spec, text):
+    """An added token that is not special (Qwen's ``<tool_call>``, ``<think>``) is text: a grammar's text takes it
+    as that token (or spelled in pieces where the text is not forced), and every token the mask allows,
+    ``accept`` takes (llguidance's own tokenizer reads every added token as special: its mask allowed
+    ``<tool_call>`` where the grammar's text began with it, and consuming it then failed). A special token's text (``<|im_end|>``) is text too: never
+    the special token, which a lark grammar reaches only by its reference."""
+    import copy
+
+    tok = copy.deepcopy(tokenizer)
+    tok.add_tokens(["<tool_call>"])
+    tag = tok.convert_tokens_to_ids("<tool_call>")
+    compiler = GrammarCompiler(tok, len(tok), frozenset({EOS}))
+    grammar = compiler.compile(spec)
+    one = tok(text, split_special_tokens=True)["input_ids"]         # "<|im_end|>" as text
+    assert tag in one and EOS not in one
+    matcher = grammar.matcher()
+    for token in one:
+        allowed = _allowed(compiler, matcher)
+        assert token in allowed
+        for other in allowed.tolist()[:64]:              # what the mask allows is what accept takes
+            matcher.copy().accept(other)
+        matcher.accept(token)
+    assert matcher.is_accepting
+    reference = compiler.compile(StructuredOutput(grammar='start: <|im_end|> "x"')).matcher()
+    assert _allowed(compiler, reference).tolist() == [EOS]
+
+
 def test_rows_without_a_matcher_are_untouched(compiler, tokenizer):
     torch.manual_seed(0)
     logits = torch.randn(4, compiler.vocab_size)

@@ -48,6 +48,8 @@ MESSAGES = [{"role": "user", "content": "Weather in Paris?"}]
 # A random model inside JSON would write optional whitespace forever (any amount is valid JSON): biased away
 # here, where the grammar leaves a choice (where it forces a space or newline, that is the only token allowed)
 NO_SPACES = {str(i): -100 for i in (197, 198, 201, 220)}       # tab, newline, carriage return, space
+# ... and where another call may open, away from it: "<tool_call>" (one token) and "<" (its first piece)
+NO_MORE_CALLS = {**NO_SPACES, "257": -100, "27": -100}
 
 
 def byte_chat_tokenizer():
@@ -184,7 +186,7 @@ def test_named_function_is_one_valid_call(hermes):
 def test_required_is_calls_and_streams_the_same(hermes):
     # a random model would open call after call up to max_tokens (the last one cut, and then, as vLLM's parser
     # reads it, no call at all): <tool_call> biased away where EOS may come instead
-    fields = dict(tools=[WEATHER, TIME], tool_choice="required", max_tokens=300, logit_bias={**NO_SPACES, "257": -100})
+    fields = dict(tools=[WEATHER, TIME], tool_choice="required", max_tokens=300, logit_bias=NO_MORE_CALLS)
     r = ask(hermes, **fields)
     assert r.status_code == 200, r.json()
     choice = r.json()["choices"][0]
@@ -300,7 +302,7 @@ def test_the_openai_client_reads_the_calls():
         call = out.choices[0].message.tool_calls[0]
         assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] in ("Paris", "Rome")
         with client.chat.completions.stream(model="tiny", messages=MESSAGES, tools=[WEATHER], temperature=0,
-                                            logit_bias={**NO_SPACES, "257": -100}, tool_choice="required") as stream:
+                                            logit_bias=NO_MORE_CALLS, tool_choice="required") as stream:
             final = stream.get_final_completion()
         calls = final.choices[0].message.tool_calls
         assert len(calls) == 1 and calls[0].function.name == "get_weather"
@@ -322,8 +324,8 @@ GRAMMAR_CASES = {     # (parser, mode): [(answer, whether the grammar takes it w
 @pytest.mark.parametrize("which", ["added tags", "smollm2"])
 def test_grammars_take_calls_and_refuse_others(which, request):
     """Each mode's grammar (strict tools: auto constrains too) against whole answers, through the engine's
-    compiler: with a tokenizer whose ``<tool_call>`` is one added token (Qwen's; llguidance reads it as special,
-    so the grammar names the token) and with one that spells it in bytes (SmolLM2's)."""
+    compiler: with a tokenizer whose ``<tool_call>`` is one added token that is not special (Qwen's: text, which
+    the grammar takes as that token or spelled in pieces) and with one that spells it in bytes (SmolLM2's)."""
     from hf_paged.engine.structured import GrammarCompiler
 
     loose = {"type": "function", "function": {"name": "f"}}
@@ -331,21 +333,24 @@ def test_grammars_take_calls_and_refuse_others(which, request):
     assert ToolUse("hermes", "auto", (loose,), single=True).grammar() is not None  # at most one call: constrained
     tok = byte_chat_tokenizer() if which == "added tags" else request.getfixturevalue("smollm2_tokenizer")
     compiler = GrammarCompiler(tok, len(tok), frozenset([tok.eos_token_id]))
+    assert ("<tool_call>" in tok.get_added_vocab()) == (which == "added tags")
+
+    def ids(text):
+        return tok(text, add_special_tokens=False)["input_ids"]
     for (parser, mode), answers in GRAMMAR_CASES.items():
-        added = tok.get_added_vocab()
-        tokens = frozenset(t for t in ("<tool_call>", "</tool_call>") if parser == "hermes" and t in added)
-        assert bool(tokens) == (which == "added tags" and parser == "hermes")
-        use = ToolUse(parser, mode, (WEATHER, TIME), "get_weather" if mode == "named" else None, tokens=tokens)
+        use = ToolUse(parser, mode, (WEATHER, TIME), "get_weather" if mode == "named" else None)
         grammar = compiler.compile(use.grammar())
         for answer, takes in answers:
-            matcher = grammar.matcher()
-            try:
-                for token in tok(answer, add_special_tokens=False)["input_ids"]:
-                    matcher.accept(token)
-                taken = matcher.is_accepting
-            except RuntimeError:
-                taken = False
-            assert taken == takes, (parser, mode, answer)
+            parts = answer.split("<tool_call>")      # the tag as the tokenizer writes it, and in two pieces
+            for tag in (ids("<tool_call>"), ids("<") + ids("tool_call>")):
+                matcher = grammar.matcher()
+                try:
+                    for token in ids(parts[0]) + [t for part in parts[1:] for t in tag + ids(part)]:
+                        matcher.accept(token)
+                    taken = matcher.is_accepting
+                except RuntimeError:
+                    taken = False
+                assert taken == takes, (parser, mode, answer, tag)
 
 
 # --- Anthropic's Messages API: tool_use blocks, as vLLM converts them ---
@@ -458,7 +463,7 @@ def test_thousands_of_tools_compile_and_strict_ones_are_bounded(request):
         return tuple({"type": "function", "function": {"name": f"t{i}", "strict": strict, "parameters": {
             "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}} for i in range(n))
     for n, strict in ((3000, False), (MAX_STRICT_TOOLS, True)):
-        use = ToolUse("hermes", "required", tools(n, strict), tokens=frozenset(["<tool_call>"]))   # an added token
+        use = ToolUse("hermes", "required", tools(n, strict))   # <tool_call>: an added token of this tokenizer
         matcher = compiler.compile(use.grammar()).matcher()
         for token in tok(f'<tool_call>{{"name": "t{n - 1}", "arguments": {{"x": 3}}}}</tool_call>')["input_ids"]:
             matcher.accept(token)
@@ -476,7 +481,7 @@ def test_structured_output_beside_tools_as_vllm_combines_them(hermes):
     assert named.status_code == 200 and len(named.json()["choices"][0]["message"]["tool_calls"]) == 1
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
     both = ask(hermes, tools=[WEATHER], response_format={"type": "json_schema", "json_schema": {
-        "name": "out", "schema": schema}}, max_tokens=300, logit_bias={**NO_SPACES, "257": -100})
+        "name": "out", "schema": schema}}, max_tokens=300, logit_bias=NO_MORE_CALLS)
     message = both.json()["choices"][0]["message"]
     if message.get("tool_calls"):
         check_call(message["tool_calls"][0])
@@ -495,7 +500,7 @@ def test_auto_with_a_strict_tool_or_a_format_takes_either():
 
     tok = byte_chat_tokenizer()
     compiler = GrammarCompiler(tok, len(tok), frozenset([tok.eos_token_id]))
-    use = ToolUse("hermes", "auto", (WEATHER,), tokens=frozenset(["<tool_call>"]))
+    use = ToolUse("hermes", "auto", (WEATHER,))
     for asked, fine, wrong in ((StructuredOutput(json={"type": "object", "properties": {"ok": {"type": "boolean"}}}),
                                 '{"ok": true}', '{"no": 1}'),
                                (StructuredOutput(choice=("yes", "no")), "no", "maybe"),
