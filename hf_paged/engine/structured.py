@@ -51,7 +51,9 @@ class StructuredOutput:
     - ``grammar``: llguidance's lark syntax; GBNF (``root ::= ...`` rules) is converted to lark first
       (llguidance's own ``gbnf_to_lark``: its lark parser alone rejects ``::=``).
     JSON may have whitespace wherever JSON allows it, as vLLM's default; ``disable_any_whitespace`` (vLLM's
-    option) makes it compact: ``", "`` and ``": "`` separators, no other whitespace.
+    option) makes it compact: ``", "`` and ``": "`` separators, no other whitespace. ``after_token``: the grammar
+    waits for this token id (a reasoning model's ``</think>``, as vLLM's reasoning parsers gate structured
+    output): nothing is masked until the sequence generates it, and the grammar applies from the next token.
     """
     json: object = None
     json_object: bool = False
@@ -59,6 +61,7 @@ class StructuredOutput:
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
     disable_any_whitespace: bool = False
+    after_token: int | None = None
 
     def _set(self) -> list[str]:
         return [k for k in KINDS
@@ -71,6 +74,8 @@ class StructuredOutput:
             raise ValueError(f"structured output needs exactly one of {', '.join(KINDS)}; got "
                              f"{', '.join(kinds) if kinds else 'none'}")
         kind = kinds[0]
+        if self.after_token is not None and (not isinstance(self.after_token, int) or self.after_token < 0):
+            raise ValueError(f"structured output after_token must be a token id, got {self.after_token!r}")
         value = getattr(self, kind)
         if kind == "choice":
             if not isinstance(value, (list, tuple)) or not value or not all(isinstance(c, str) for c in value):
@@ -253,10 +258,15 @@ class GrammarCompiler:
         self._lock = threading.Lock()
 
     def compile(self, spec: StructuredOutput) -> Grammar:
-        """The compiled grammar of ``spec`` (the same object for an equal spec while cached).
+        """The compiled grammar of ``spec`` (the same object for an equal spec while cached; with
+        ``after_token``, a gated view of it).
 
         Raises ValueError naming the kind, with llguidance's reason, for a spec it cannot compile.
         """
+        grammar = self._compiled(spec)
+        return grammar if spec.after_token is None else Grammar(self, grammar.kind, grammar._template, spec.after_token)
+
+    def _compiled(self, spec: StructuredOutput) -> Grammar:
         key = spec.cache_key()
         with self._lock:
             grammar = self._cache.get(key)
@@ -298,28 +308,37 @@ class GrammarCompiler:
 
 
 class Grammar:
-    """One compiled spec; immutable, shared by every sequence (and thread) that uses it."""
+    """One compiled spec; immutable, shared by every sequence (and thread) that uses it. ``after_token``: its
+    matchers wait for that token before the grammar applies (``StructuredOutput.after_token``)."""
 
-    def __init__(self, compiler: GrammarCompiler, kind: str, template):
+    def __init__(self, compiler: GrammarCompiler, kind: str, template, after_token: int | None = None):
         self.kind = kind
         self.compiler = compiler
+        self.after_token = after_token
         self._template = template     # never advanced: only deep-copied
 
     def matcher(self) -> GrammarMatcher:
         """A fresh matcher for one sequence, at the grammar's start (a deep copy: microseconds)."""
-        return GrammarMatcher(self, self._template.deep_copy())
+        return GrammarMatcher(self, self._template.deep_copy(), self.after_token)
 
 
 class GrammarMatcher:
-    """One sequence's position in its grammar. Not thread-safe: only the engine thread touches it."""
+    """One sequence's position in its grammar. Not thread-safe: only the engine thread touches it.
+    ``waiting``: the token it waits for before the grammar applies (None: it applies)."""
 
-    def __init__(self, grammar: Grammar, matcher):
+    def __init__(self, grammar: Grammar, matcher, waiting: int | None = None):
         self.grammar = grammar
         self._matcher = matcher
+        self.waiting = waiting
 
     def accept(self, token: int) -> None:
         """Advance by one sampled token; RuntimeError (with llguidance's reason) if the grammar refuses
-        it, after which the matcher stays refused (``is_finished``). An EOS id after the end is a no-op."""
+        it, after which the matcher stays refused (``is_finished``). An EOS id after the end is a no-op.
+        While waiting, any token is taken; the awaited one ends the wait."""
+        if self.waiting is not None:
+            if token == self.waiting:
+                self.waiting = None
+            return
         if self._matcher.is_stopped() and token in self.grammar.compiler.eos_token_ids:
             return
         if not self._matcher.consume_token(int(token)):
@@ -329,21 +348,21 @@ class GrammarMatcher:
     @property
     def is_finished(self) -> bool:
         """True once the sequence must end: nothing can follow (or EOS was accepted, or it erred)."""
-        return self._matcher.is_stopped()
+        return self.waiting is None and self._matcher.is_stopped()
 
     @property
     def is_accepting(self) -> bool:
         """True when the output so far is complete (EOS allowed now), finished or not."""
-        return self._matcher.is_accepting()
+        return self.waiting is None and self._matcher.is_accepting()
 
     def copy(self) -> GrammarMatcher:
         """An independent matcher at the same position (llguidance deep copy), for forked sequences."""
-        return GrammarMatcher(self.grammar, self._matcher.deep_copy())
+        return GrammarMatcher(self.grammar, self._matcher.deep_copy(), self.waiting)
 
 
 def apply_masks(logits: torch.Tensor, matchers: list[GrammarMatcher | None]) -> None:
     """Set to -inf, in place, every token a row's matcher disallows; rows whose matcher is None stay as
-    they are. ``logits``: float [S, V] with V the compiler's ``vocab_size``, on any device; all matchers
+    they are, and so do rows whose matcher waits (``GrammarMatcher.waiting``). ``logits``: float [S, V] with V the compiler's ``vocab_size``, on any device; all matchers
     come from one :class:`GrammarCompiler`.
 
     One int32 bitmask [rows with a matcher, ceil(V / 32)] is allocated on the CPU and filled by
@@ -353,7 +372,7 @@ def apply_masks(logits: torch.Tensor, matchers: list[GrammarMatcher | None]) -> 
     """
     if len(matchers) != logits.shape[0]:
         raise ValueError(f"{len(matchers)} matchers for {logits.shape[0]} logit rows")
-    rows = [i for i, m in enumerate(matchers) if m is not None]
+    rows = [i for i, m in enumerate(matchers) if m is not None and m.waiting is None]
     if not rows:
         return
     compiler = matchers[rows[0]].grammar.compiler

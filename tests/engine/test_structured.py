@@ -167,6 +167,32 @@ def test_json_whitespace_is_free_unless_disabled(compiler, tokenizer):
     assert StructuredOutput(regex="a", disable_any_whitespace=True).cache_key() == ("regex", "a", False)
 
 
+def test_a_gated_grammar_waits_for_its_token(compiler, tokenizer):
+    """``after_token`` (a reasoning model's ``</think>``): nothing is masked and any token taken until that token,
+    which the grammar does not see; then the grammar applies, and copies keep where they are."""
+    end = tokenizer.encode("}", add_special_tokens=False)[0]            # stands for </think>
+    spec = StructuredOutput(choice=("yes", "no"), after_token=end)
+    assert spec.cache_key() == StructuredOutput(choice=("yes", "no")).cache_key()     # one compiled grammar
+    matcher = compiler.compile(spec).matcher()
+    everything = torch.arange(compiler.vocab_size)
+    for token in tokenizer.encode("I think maybe", add_special_tokens=False):
+        assert torch.equal(_allowed(compiler, matcher), everything)
+        assert not matcher.is_finished and not matcher.is_accepting
+        matcher.accept(token)
+    waiting = matcher.copy()
+    matcher.accept(end)
+    assert matcher.waiting is None and waiting.waiting == end
+    allowed = _allowed(compiler, matcher).tolist()
+    assert 0 < len(allowed) < 10 and tokenizer.encode("yes", add_special_tokens=False)[0] in allowed
+    with pytest.raises(RuntimeError):
+        matcher.copy().accept(tokenizer.encode("maybe", add_special_tokens=False)[0])
+    for token in tokenizer.encode("no", add_special_tokens=False):
+        matcher.accept(token)
+    assert matcher.is_finished and torch.equal(_allowed(compiler, waiting), everything)
+    with pytest.raises(ValueError, match="after_token must be a token id"):
+        StructuredOutput(regex="a", after_token=-1).validate()
+
+
 def test_logprobs_under_a_grammar_are_over_what_it_allows(compiler):
     """As vLLM (which masks the logits before its sampler reads them): a constrained sequence's log-probabilities
     are the raw logits' with the grammar's mask, so a choice's confidence is among the choices."""
