@@ -17,7 +17,7 @@ import sys
 from dataclasses import MISSING, fields
 
 from .engine import EngineConfig
-from .integrations.server.config import TOOL_CALL_PARSERS, ServeConfig, field_docs
+from .integrations.server.config import REASONING_PARSERS, TOOL_CALL_PARSERS, ServeConfig, field_docs
 from .integrations.server.loading import DTYPES
 from .integrations.weight_quant import SCHEMES
 from .kv_formats import KV_CACHE_DTYPES
@@ -93,6 +93,7 @@ SERVE_FLAGS = [
     (ServeConfig, "generation_config", dict(choices=["auto", "vllm"])),
     (ServeConfig, "enable_auto_tool_choice", dict(action="store_true")),
     (ServeConfig, "tool_call_parser", dict(choices=list(TOOL_CALL_PARSERS))),
+    (ServeConfig, "reasoning_parser", dict(choices=list(REASONING_PARSERS))),
     (ServeConfig, "trust_remote_code", dict(action="store_true")),
     (ServeConfig, "log_level", dict(choices=LOG_LEVELS)),
 ]

@@ -5,16 +5,19 @@ A request becomes a chat completion the way vLLM converts it (``to_chat``): the 
 blocks joined, Claude Code's per-request ``x-anthropic-billing-header`` block left out) as the first system
 message; ``system`` messages in the list kept in place, or merged into the first one where the chat template
 takes a system message only first (vLLM renders [system, user, system, user] to find out); text blocks as text
-parts; ``thinking`` blocks of earlier answers dropped (no reasoning parser here); ``stop_sequences`` as
+parts; an assistant's ``thinking`` blocks joined as its ``reasoning`` (signatures unchecked, ``redacted_thinking``
+dropped, as vLLM's); ``stop_sequences`` as
 ``stop``; ``output_config.format`` as a JSON-schema ``response_format``; ``thinking: {"type": "disabled"}`` as
 ``reasoning_effort: "none"``; ``tools`` as OpenAI function tools and ``tool_choice`` auto / any / tool / none as
 chat's auto / required / named / none (``disable_parallel_tool_use`` as ``parallel_tool_calls: false``); an
 assistant's ``tool_use`` blocks as its ``tool_calls``, a user's ``tool_result`` blocks as ``tool`` messages before
 the user's text. Tool calling needs the chat endpoint's flags (``--enable-auto-tool-choice
 --tool-call-parser``). Server and MCP tool blocks and images are refused by name. The answer is Anthropic's
-message (text, then a ``tool_use`` block per call; ``stop_reason`` end_turn / max_tokens / stop_sequence /
-tool_use, as vLLM maps them) or its event stream (message_start; text and tool_use blocks, each started, its
-deltas (``text_delta``, ``input_json_delta``) and stopped, none for an empty text, as vLLM's; message_delta with
+message (a ``thinking`` block where a reasoning parser split thinking off, with a random signature as vLLM's;
+text, then a ``tool_use`` block per call; ``stop_reason`` end_turn / max_tokens / stop_sequence /
+tool_use, as vLLM maps them) or its event stream (message_start; thinking, text and tool_use blocks, each started,
+its deltas (``thinking_delta`` and a ``signature_delta`` before it stops, ``text_delta``, ``input_json_delta``) and
+stopped, none for an empty text, as vLLM's; message_delta with
 the stop reason and usage; message_stop). Errors answer Anthropic's body ``{"type": "error", "error": {"type",
 "message"}}``.
 """
@@ -35,15 +38,15 @@ from .errors import ApiError, as_api_error
 from .intake import chat_prompt, chat_request, start_chat_call
 from .protocol import ChatCompletionRequest
 from .request_parts import Body
-from .responses import STREAM_HEADERS, collected
-from .tool_parsers import StreamParser
+from .responses import STREAM_HEADERS, AnswerStream, answer_fields, collected
 
 BILLING_HEADER = "x-anthropic-billing-header"      # Claude Code's per-request hash (vLLM drops it: prefix caching)
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 499: "invalid_request_error", 500: "api_error",
                503: "overloaded_error"}
 SERVER_TOOL_BLOCKS = ("server_tool_use", "web_search_tool_result", "mcp_tool_use", "mcp_tool_result")
-SKIPPED_BLOCKS = ("thinking", "redacted_thinking")     # a client sends its earlier answers back whole
+SKIPPED_BLOCKS = ("thinking", "redacted_thinking")     # a client sends its earlier answers back whole (thinking: read
+                                                       # as the assistant's reasoning, not as text)
 
 
 class AnthropicBlock(Body):
@@ -212,7 +215,10 @@ def chat_messages(req: _Common, state) -> list[dict]:
         if m.role == "user" and not texts and not isinstance(m.content, str):
             continue                                   # vLLM drops a user turn left without content
         content = texts[0] if len(texts) == 1 else [{"type": "text", "text": t} for t in texts] or None
-        out.append({"role": m.role, "content": content, **({"tool_calls": calls} if calls else {})})
+        thinking = [b.thinking or "" for b in m.content if b.type == "thinking"] \
+            if m.role == "assistant" and not isinstance(m.content, str) else []
+        out.append({"role": m.role, "content": content, **({"tool_calls": calls} if calls else {}),
+                    **({"reasoning": "".join(thinking)} if thinking else {})})
     return ([{"role": "system", "content": "".join(system)}] if system else []) + out
 
 
@@ -266,8 +272,11 @@ def stop_reason(reason: str | None, stop: str | int | None, tool_used: bool = Fa
 
 
 def content_blocks(fields: dict) -> list[dict]:
-    """A chat message's content and tool calls as Anthropic's blocks (one empty text block for none, as vLLM's)."""
-    blocks = [{"type": "text", "text": fields["content"]}] if fields.get("content") else []
+    """A chat message's reasoning, content and tool calls as Anthropic's blocks (one empty text block for none, as
+    vLLM's; a thinking block's signature is random, as vLLM's, which checks none)."""
+    blocks = [{"type": "thinking", "thinking": fields["reasoning"], "signature": uuid.uuid4().hex}] \
+        if fields.get("reasoning") else []
+    blocks += [{"type": "text", "text": fields["content"]}] if fields.get("content") else []
     blocks += [{"type": "tool_use", "id": c["id"], "name": c["function"]["name"],
                 "input": json.loads(c["function"]["arguments"])} for c in fields.get("tool_calls") or []]
     return blocks or [{"type": "text", "text": ""}]
@@ -308,9 +317,7 @@ async def messages(request: Request):
         return error_response_of(exc, "on /v1/messages")
     if got is None:
         return Response(status_code=499)
-    tools = call.options.tools
-    fields, finish = tools.answer(got.texts[0], got.reasons[0]) if tools is not None else \
-        ({"content": got.texts[0]}, got.reasons[0])
+    fields, finish = answer_fields(call.options, got.texts[0], got.reasons[0])
     called = bool(fields.get("tool_calls"))
     reason, sequence = stop_reason(finish, got.stop_reasons[0], called, called)
     return JSONResponse({"id": message_id, "type": "message", "role": "assistant", "content": content_blocks(fields),
@@ -322,9 +329,10 @@ def event(kind: str, body: dict) -> str:
 
 
 class Blocks:
-    """The content blocks of one streamed answer, as vLLM's stream converter opens and closes them: text deltas
-    go to a text block (text that comes while a tool_use block is open waits for it to close), each call opens a
-    tool_use block (its id and name, ``input: {}``) whose arguments follow as ``input_json_delta``s."""
+    """The content blocks of one streamed answer, as vLLM's stream converter opens and closes them: thinking goes
+    to a thinking block (closed with a random signature's ``signature_delta``), text deltas to a text block (text
+    that comes while a tool_use block is open waits for it to close), each call opens a tool_use block (its id and
+    name, ``input: {}``) whose arguments follow as ``input_json_delta``s."""
 
     def __init__(self):
         self.index, self.kind, self.pending, self.arguments = -1, None, [], []
@@ -336,7 +344,9 @@ class Blocks:
 
     def stop(self) -> list[str]:
         """Close the open block (and send the text that waited for a tool_use block to close)."""
-        out = [event("content_block_stop", {"index": self.index})] if self.kind else []
+        out = [event("content_block_delta", {"index": self.index, "delta": {
+            "type": "signature_delta", "signature": uuid.uuid4().hex}})] if self.kind == "thinking" else []
+        out += [event("content_block_stop", {"index": self.index})] if self.kind else []
         self.kind = None
         if self.pending:
             text, self.pending = "".join(self.pending), []
@@ -352,6 +362,13 @@ class Blocks:
         out = [] if self.kind == "text" else self.stop() + self._start({"type": "text", "text": ""})
         delta = {"type": "text_delta", "text": text}
         return out + [event("content_block_delta", {"index": self.index, "delta": delta})]
+
+    def thinking(self, text: str) -> list[str]:
+        if not text:
+            return []
+        out = [] if self.kind == "thinking" else self.stop() + self._start({"type": "thinking", "thinking": ""})
+        return out + [event("content_block_delta", {"index": self.index,
+                                                    "delta": {"type": "thinking_delta", "thinking": text}})]
 
     def call(self, delta: dict) -> list[str]:
         """One chat tool-call delta: a name opens a tool_use block, arguments extend it."""
@@ -386,16 +403,18 @@ async def events(call, message_id: str, model: str):
             "usage": {"input_tokens": call.prompt_tokens, "output_tokens": 0}}})
         reason = sequence = None
         tools, blocks = call.options.tools, Blocks()
-        parser = StreamParser(tools.parser) if tools is not None else None
+        reader = AnswerStream(call.options, call.prompts[0])
         async for d in call.deltas():
-            out = {"content": d.text} if parser is None else tools.streamed(parser, d.text, last=bool(d.reason))
+            out = reader.feed(d.text, d.ids, last=bool(d.reason))
+            for piece in blocks.thinking(out.get("reasoning") or ""):
+                yield piece
             for piece in blocks.text(out.get("content") or ""):
                 yield piece
             for delta in out.get("tool_calls") or []:
                 for piece in blocks.call(delta):
                     yield piece
             if d.reason:
-                finish = tools.stream_reason(parser.called, d.reason) if tools is not None else d.reason
+                finish = tools.stream_reason(reader.called, d.reason) if tools is not None else d.reason
                 reason, sequence = stop_reason(finish, d.stop_reason, blocks.tool_used, blocks.complete())
         for piece in blocks.stop():
             yield piece

@@ -74,6 +74,7 @@ class ApiCall:
         self.cached_tokens = [0] * len(prompts)          # per prompt: its tokens the prefix cache held (when done)
         self.completion_tokens = 0
         self.choice_tokens = [0] * (len(prompts) * self.n)     # completion tokens per choice
+        self.answer_ids = [[] for _ in range(len(prompts) * self.n)]   # per choice, with a reasoning parser: its ids
         self.params = params
         self.part_size = worker.engine.config.max_num_seqs
         parts = engine_parts(params, self.part_size)
@@ -152,6 +153,8 @@ class ApiCall:
         tokens, entries = self.pending[i, j]
         self.pending[i, j] = ([], [])
         ids, self.pending_ids[i, j] = self.pending_ids[i, j], []
+        if self.options.reasoning is not None:
+            self.answer_ids[i * self.n + j] += ids
         return Delta(i * self.n + j, text, reason, tokens, entries, ids=ids)
 
     def _token(self, i: int, j: int, event) -> Delta | None:
@@ -195,7 +198,12 @@ class ApiCall:
             self.worker.cancel(handle)
 
     def usage(self, choice: int | None = None) -> dict:
-        """The call's usage, or (vLLM's continuous usage) one choice's so far: its prompt and its tokens."""
+        """The call's usage, or (vLLM's continuous usage) one choice's so far: its prompt and its tokens; with a
+        reasoning parser, vLLM's ``completion_tokens_details.reasoning_tokens`` too."""
         prompt, completion = ((self.prompt_tokens, self.completion_tokens) if choice is None else
                               (len(self.prompts[choice // self.n]), self.choice_tokens[choice]))
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        out = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        if self.options.reasoning is not None:
+            ids = self.answer_ids if choice is None else [self.answer_ids[choice]]
+            out["completion_tokens_details"] = {"reasoning_tokens": sum(map(self.options.reasoning.count, ids))}
+        return out

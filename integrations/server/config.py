@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields
 
 MiB = 2**20
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")      # --tool-call-parser: how tool_parsers reads calls
+REASONING_PARSERS = ("deepseek_r1", "qwen3")        # --reasoning-parser: how reasoning.py splits off thinking
 
 
 @dataclass(frozen=True)
@@ -26,7 +27,9 @@ class AppConfig:
     1.0); "vllm", vLLM's defaults only. enable_auto_tool_choice: answer tool calls (chat completions' tools
     with tool_choice auto, required or a named function), read out of the model's text by tool_call_parser, as
     vLLM's flags of these names. tool_call_parser: how the model writes a call: hermes (Qwen 2.5 / 3, Hermes)
-    or llama3_json (Llama 3.1+)."""
+    or llama3_json (Llama 3.1+). reasoning_parser: how a reasoning model's thinking (``<think>...</think>``) is
+    split off its answer into the message's ``reasoning`` (vLLM's flag): deepseek_r1 (DeepSeek-R1 and its
+    Llama / Qwen distills) or qwen3 (Qwen3, QwQ); structured output then applies after the thinking."""
     served_model_name: str | None = None
     api_key: str | None = None
     max_queue: int = 256
@@ -35,6 +38,7 @@ class AppConfig:
     generation_config: str = "auto"
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
 
     def validate(self) -> None:
         if not isinstance(self.max_queue, int) or self.max_queue < 1:
@@ -46,6 +50,9 @@ class AppConfig:
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got "
                              f"{self.tool_call_parser!r}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got "
+                             f"{self.reasoning_parser!r}")
         if self.enable_auto_tool_choice and not self.tool_call_parser:
             raise ValueError("enable_auto_tool_choice (--enable-auto-tool-choice) needs tool_call_parser "
                              f"(--tool-call-parser: {' or '.join(TOOL_CALL_PARSERS)})")

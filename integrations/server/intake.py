@@ -25,6 +25,7 @@ from .errors import ApiError
 from .guided import compile_structured, structured_spec
 from .options import CallOptions
 from .protocol import TEMPLATE_FLAGS, ChatCompletionRequest, CompletionRequest, template_tools
+from .reasoning import Reasoner
 from .state import ServerState
 from .tool_choice import ToolUse, tool_use
 from .token_settings import (asked_prompt_logprobs, bad_words_ids, generated_logprobs, in_vocab, logit_bias,
@@ -113,6 +114,17 @@ def echo_texts(req: CompletionRequest) -> list[str | None]:
     return [t if isinstance(t, str) and req.truncate_prompt_tokens is None else None for t in texts]
 
 
+def template_options(req) -> dict:
+    """The chat template's options a request sets: its ``chat_template_kwargs`` and, as vLLM passes them, its
+    ``reasoning_effort`` and ``enable_thinking`` (off for effort "none") where those leave them unset."""
+    kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items() if k not in TEMPLATE_FLAGS}
+    effort = getattr(req, "reasoning_effort", None)
+    if effort is not None:
+        kwargs.setdefault("reasoning_effort", effort)
+        kwargs.setdefault("enable_thinking", effort != "none")
+    return kwargs
+
+
 def chat_text(state: ServerState, req) -> str:
     """``req.messages`` through the tokenizer's chat template, with the assistant's turn opened (or the
     last message continued) and vLLM's template options applied (``req``: a chat completion or a
@@ -122,11 +134,7 @@ def chat_text(state: ServerState, req) -> str:
         raise ApiError(400, "this model's tokenizer has no chat template; use /v1/completions",
                        param="messages", code="no_chat_template")
     messages = developer_as_system([m.template_message() for m in req.messages], str(tokenizer.chat_template))
-    kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items() if k not in TEMPLATE_FLAGS}
-    effort = getattr(req, "reasoning_effort", None)
-    if effort is not None:                               # as vLLM passes it to the template
-        kwargs.setdefault("reasoning_effort", effort)
-        kwargs.setdefault("enable_thinking", effort != "none")
+    kwargs = template_options(req)
     tools = template_tools(getattr(req, "tools", None))
     if tools:                          # whatever the tool_choice, the template sees them, as vLLM's
         kwargs["tools"] = tools
@@ -242,8 +250,10 @@ def generation_settings(req, max_tokens: int, state) -> dict:
     return settings
 
 
-async def engine_settings(state, req, max_tokens: int, tools: ToolUse | None = None) -> dict:
-    """``generation_settings`` plus ``structured_output``: the request's grammar (or its tool calls'), compiled."""
+async def engine_settings(state, req, max_tokens: int, tools: ToolUse | None = None,
+                          after_token: int | None = None) -> dict:
+    """``generation_settings`` plus ``structured_output``: the request's grammar (or its tool calls'), compiled;
+    ``after_token``: the grammar waits for it (a reasoning model's end of thinking)."""
     settings = generation_settings(req, max_tokens, state)
     asked = structured_spec(req)
     calls = tools.grammar() if tools is not None else None
@@ -258,21 +268,23 @@ async def engine_settings(state, req, max_tokens: int, tools: ToolUse | None = N
     if calls is not None:
         asked = ("tools", calls)
     if asked is not None:
-        settings["structured_output"] = await compile_structured(state.engine, *asked)
+        settings["structured_output"] = await compile_structured(state.engine, *asked, after_token=after_token)
     return settings
 
 
 async def sampling_params(state: ServerState, req, prompts: list[list[int]], max_tokens: int | None,
-                          tools: ToolUse | None = None):
+                          tools: ToolUse | None = None, reasoner: Reasoner | None = None):
     """The engine's SamplingParams for every prompt of ``req`` (400 for what ``generate`` refuses); ``tools``:
-    the chat request's tool calling (``chat_tools``)."""
+    the chat request's tool calling (``chat_tools``); ``reasoner``: its reasoning parser (``chat_reasoner``): a
+    grammar then waits for the end of thinking, as vLLM's, unless the prompt ended it or include_reasoning is false."""
     given = max_tokens is not None
     max_tokens = context_checked(prompts, max_tokens, state.max_model_len, state.engine.model_len)
     if max_tokens == 0:        # echo only: counted as 0 (vLLM's check), the engine runs one token the answer drops
         max_tokens = 1
     if not given and state.defaults.max_tokens is not None:    # vLLM: the generation config's max_new_tokens
         max_tokens = min(max_tokens, state.defaults.max_tokens)   # where the request gives no max_tokens
-    settings = await engine_settings(state, req, max_tokens, tools)
+    waits = reasoner is not None and req.include_reasoning and not reasoner.ended(prompts[0])
+    settings = await engine_settings(state, req, max_tokens, tools, reasoner.parser.end if waits else None)
     if req.n > 1 and not settings["do_sample"]:          # generate refuses it in its own words
         why = "temperature is 0" if req.temperature is not None else "no temperature was given and the model's " \
             "generation config sets temperature 0"
@@ -296,13 +308,21 @@ def chat_tools(state: ServerState, req) -> ToolUse | None:
     return tool_use(req, state.config.tool_call_parser, state.config.enable_auto_tool_choice)
 
 
-def call_options(req, tools: ToolUse | None = None) -> CallOptions:
+def chat_reasoner(state: ServerState, req) -> Reasoner | None:
+    """A chat request's reasoning parser (None without ``--reasoning-parser``), with its template's options."""
+    if not isinstance(req, ChatCompletionRequest) or state.reasoning is None:
+        return None
+    return state.reasoning.for_request(template_options(req))
+
+
+def call_options(req, tools: ToolUse | None = None, reasoner: Reasoner | None = None) -> CallOptions:
     """How ``req``'s answer is rendered (the engine's settings aside); ``tools``: its tool calling. hermes
     keeps special tokens in the text, as vLLM's parser asks (a model may mark ``<tool_call>`` special)."""
     chat = isinstance(req, ChatCompletionRequest)
     return CallOptions(n=req.n, stops=req.stops(), include_stop_str_in_output=req.include_stop_str_in_output,
                        skip_special_tokens=req.skip_special_tokens and (tools is None or tools.parser != "hermes"),
-                       tools=tools, logprobs=generated_logprobs(req, chat)[0],
+                       tools=tools, reasoning=reasoner, include_reasoning=not chat or req.include_reasoning,
+                       logprobs=generated_logprobs(req, chat)[0],
                        echo=bool(chat_echo(req) if chat else req.echo),
                        max_tokens_zero=not chat and req.max_tokens == 0,
                        prompt_logprobs=asked_prompt_logprobs(req, chat), chat=chat,
@@ -327,9 +347,9 @@ def chat_request(fields: dict, state: ServerState) -> ChatCompletionRequest:
 async def api_call(state: ServerState, req, prompts: list[list[int]], texts=None) -> ApiCall:
     """The call that runs ``prompts`` with ``req``'s settings (not submitted yet); ``texts``: the prompts' texts
     an echo answers (None where the ids are decoded)."""
-    tools = chat_tools(state, req)
-    params = await sampling_params(state, req, prompts, requested_max_tokens(req), tools)
-    return ApiCall(state.worker, state.tokenizer, prompts, params, call_options(req, tools), texts)
+    tools, reasoner = chat_tools(state, req), chat_reasoner(state, req)
+    params = await sampling_params(state, req, prompts, requested_max_tokens(req), tools, reasoner)
+    return ApiCall(state.worker, state.tokenizer, prompts, params, call_options(req, tools, reasoner), texts)
 
 
 async def start_chat_call(state: ServerState, req: ChatCompletionRequest) -> ApiCall:

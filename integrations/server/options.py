@@ -19,7 +19,9 @@ class CallOptions:
     continuous_usage: vLLM's ``stream_options.continuous_usage_stats``: every chunk carries its choice's usage.
     role: a chat answer's role (``intake.answer_role``). return_token_ids: vLLM's, each choice carries its
     token ids (all of them: an EOS or stop token too) and the prompt's ids. tools: a chat answer's tool
-    calling (``tool_choice.ToolUse``), None without it: its text is read for calls."""
+    calling (``tool_choice.ToolUse``), None without it: its text is read for calls. reasoning: a chat answer's
+    reasoning parser (``reasoning.Reasoner``), None without one; include_reasoning: vLLM's (false: the thinking,
+    its log-probabilities and token ids are left out)."""
     n: int = 1
     stops: tuple[str, ...] = ()
     include_stop_str_in_output: bool = False
@@ -35,3 +37,5 @@ class CallOptions:
     continuous_usage: bool = False
     role: str = ""
     tools: object = None
+    reasoning: object = None
+    include_reasoning: bool = True

@@ -203,12 +203,18 @@ class ChatMessage(Body):
     name: Optional[str] = None
     tool_call_id: Optional[str] = None          # a tool result's call (the template sees it)
     tool_calls: Optional[list[Any]] = None      # an assistant's calls (the template sees them: ``template_message``)
+    reasoning: Optional[str] = None             # an assistant's thinking (vLLM's field; reasoning_content its old name)
+    reasoning_content: Optional[str] = None
 
     def template_message(self) -> dict:
         """The message as a chat template reads it (vLLM's form): text content; an assistant's tool calls with
         their arguments as objects (vLLM's ``_postprocess_messages``: a JSON text parsed, an empty or
-        malformed one as {}); a tool result's tool_call_id."""
+        malformed one as {}); a tool result's tool_call_id; an assistant's thinking as both ``reasoning`` and
+        ``reasoning_content`` (the template picks; ``reasoning`` wins where both are sent)."""
         out = {"role": self.role, "content": self.text(), **({"name": self.name} if self.name else {})}
+        thinking = self.reasoning if self.reasoning is not None else self.reasoning_content
+        if self.role == "assistant" and thinking is not None:
+            out["reasoning"] = out["reasoning_content"] = thinking
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
         if self.tool_calls:

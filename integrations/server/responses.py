@@ -122,13 +122,63 @@ async def respond(request: Request, call: ApiCall, reply: Reply, stream: bool, i
     return await whole(request, call, reply)
 
 
-def tool_delta(choice: dict, parser: StreamParser, text: str, tools) -> dict | None:
-    """A chat chunk's choice with its text read for tool calls (``parser``: the choice's), or None where it has
-    nothing to send (no finish reason, no content, no call yet, no log-probabilities): vLLM skips such chunks, and
-    sends one with an empty delta where it carries log-probabilities."""
-    out = tools.streamed(parser, text, last=bool(choice["finish_reason"]))
-    if choice["finish_reason"]:
-        choice["finish_reason"] = tools.stream_reason(parser.called, choice["finish_reason"])
+def answer_fields(options, text: str, reason: str | None) -> tuple[dict, str | None]:
+    """A chat answer's message fields and finish reason: its thinking split off (a reasoning parser: vLLM's
+    ``reasoning``, None where include_reasoning is false), the rest read for tool calls."""
+    reasoning = None
+    if options.reasoning is not None:
+        reasoning, text = options.reasoning.split(text)
+    if options.tools is not None and text is not None:
+        fields, reason = options.tools.answer(text, reason)
+    else:
+        fields = {"content": text}
+    if options.reasoning is not None:
+        fields["reasoning"] = reasoning if options.include_reasoning else None
+    return fields, reason
+
+
+class AnswerStream:
+    """One streamed chat choice read for its thinking (a reasoning parser, from ``prompt``'s end) and then for tool
+    calls: ``feed`` gives a delta's fields (``reasoning``, ``content``, ``tool_calls``; {} for none)."""
+
+    def __init__(self, options, prompt: list[int]):
+        self.options = options
+        self.thinking = options.reasoning.stream(prompt, options.include_reasoning) \
+            if options.reasoning is not None else None
+        self.parser = StreamParser(options.tools.parser) if options.tools is not None else None
+
+    @property
+    def called(self) -> bool:
+        return self.parser is not None and self.parser.called
+
+    def feed(self, text: str, ids: list[int], last: bool) -> dict:
+        out = {}
+        if self.thinking is not None:
+            reasoning, text = self.thinking.feed(text, ids, last)
+            if reasoning is not None:
+                out["reasoning"] = reasoning
+        if self.parser is not None:
+            out.update(self.options.tools.streamed(self.parser, text or "", last))
+        elif text or (text is not None and self.thinking is not None):    # (after thinking, "" too: vLLM's)
+            out["content"] = text
+        return out
+
+
+def read_delta(choice: dict, reader: AnswerStream, text: str, ids: list[int]) -> dict | None:
+    """A chat chunk's choice with its text read (``reader``: the choice's), or None where it has nothing to send (no
+    finish reason, no field, no log-probabilities): vLLM skips such chunks, and sends one with an empty delta where
+    it carries log-probabilities. Without include_reasoning (vLLM's), no thinking, log-probabilities or token ids
+    go out, and content carries ``"reasoning": null``."""
+    options = reader.options
+    out = reader.feed(text, ids, last=bool(choice["finish_reason"]))
+    if choice["finish_reason"] and options.tools is not None:
+        choice["finish_reason"] = options.tools.stream_reason(reader.called, choice["finish_reason"])
+    if not options.include_reasoning:
+        choice["logprobs"] = None
+        if options.reasoning is not None and out:
+            out["reasoning"] = None
+        if not out.get("content") and not out.get("tool_calls"):     # nothing left to send: vLLM drops it
+            out = {}
     if not out and not choice["finish_reason"] and not choice["logprobs"]:
         return None
     choice["delta"] = out
@@ -147,14 +197,15 @@ async def events(call: ApiCall, reply: Reply, include_usage: bool):
             yield reply.chunk([choice], include_usage, call.usage(choice["index"]) if continuous else None, **extra)
         fmt, sent, first = formatter(call), [0] * call.choices, set()
         offsets = [0] * call.choices          # where each choice's next generated token's text starts
-        tools = call.options.tools
-        parsers = [StreamParser(tools.parser) for _ in range(call.choices)] if tools is not None else None
+        options = call.options
+        readers = [AnswerStream(options, call.prompts[k // call.n]) for k in range(call.choices)] \
+            if options.tools is not None or options.reasoning is not None else None
         async for d in call.deltas():
             at = sent[d.index] if d.prompt else offsets[d.index]
             choice = reply.shape.delta(d.index, d.text, d.reason, fmt, d.tokens, d.entries, at, d.prompt)
-            if parsers is not None and not d.prompt:
-                held = tool_delta(choice, parsers[d.index], d.text, tools)
-                if held is None and call.options.return_token_ids:       # the ids go out, as vLLM's
+            if readers is not None and not d.prompt:
+                held = read_delta(choice, readers[d.index], d.text, d.ids)
+                if held is None and options.return_token_ids and options.include_reasoning:   # ids go out, as vLLM's
                     choice["delta"], held = {}, choice
                 choice = held
                 if choice is None:            # text held back (a call being written): nothing to send yet
@@ -162,12 +213,12 @@ async def events(call: ApiCall, reply: Reply, include_usage: bool):
                     sent[d.index] += len(d.text)
                     continue
             choice["stop_reason"] = d.stop_reason
-            if call.options.return_token_ids:
-                choice["token_ids"] = d.ids
+            if options.return_token_ids:
+                choice["token_ids"] = d.ids if options.include_reasoning else None
             if d.index not in first and reply.shape is COMPLETION:
                 first.add(d.index)
                 with_prompt_logprobs(choice, call, d.index)
-                if call.options.return_token_ids:
+                if options.return_token_ids:
                     choice["prompt_token_ids"] = call.prompts[d.index // call.n]
             sent[d.index] += len(d.text)
             offsets[d.index] = sent[d.index] if d.prompt else at + fmt.text_length(d.tokens, d.entries)
@@ -230,17 +281,20 @@ async def whole(request: Request, call: ApiCall, reply: Reply) -> Response:
     fmt = formatter(call)
     choices = [{**reply.shape.choice(k, texts[k], reasons[k], fmt, deltas[k], call.options.role),
                 "stop_reason": stop_reasons[k]} for k in range(call.choices)]
-    if call.options.tools is not None:         # the generated text read for tool calls (chat); an echo goes first
+    options = call.options
+    if options.tools is not None or options.reasoning is not None:   # the generated text read (chat); an echo first
         for k, choice in enumerate(choices):
             echo = sum(d[3] for d in deltas[k] if d[4])
-            fields, choice["finish_reason"] = call.options.tools.answer(texts[k][echo:], reasons[k])
+            fields, choice["finish_reason"] = answer_fields(options, texts[k][echo:], reasons[k])
             if echo:
                 fields["content"] = texts[k][:echo] + (fields["content"] or "")
             choice["message"] = {"role": choice["message"]["role"], **fields}
+            if not options.include_reasoning:
+                choice["logprobs"] = None
     extra = {}
-    if call.options.return_token_ids:   # vLLM's: a choice's ids; the prompt's on each completion choice, beside chat's
+    if options.return_token_ids:   # vLLM's: a choice's ids; the prompt's on each completion choice, beside chat's
         for k, choice in enumerate(choices):
-            choice["token_ids"] = ids[k]
+            choice["token_ids"] = ids[k] if options.include_reasoning else None
             if reply.shape is COMPLETION:
                 choice["prompt_token_ids"] = call.prompts[k // call.n]
         if reply.shape is not COMPLETION:

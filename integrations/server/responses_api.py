@@ -37,8 +37,7 @@ from .errors import ApiError, as_api_error, error_response
 from .intake import chat_request, start_chat_call
 from .protocol import ChatCompletionRequest
 from .request_parts import Body, StructuredOutputsParams
-from .responses import STREAM_HEADERS, collected, formatter
-from .tool_parsers import StreamParser
+from .responses import STREAM_HEADERS, AnswerStream, answer_fields, collected, formatter
 
 LOGPROBS = "message.output_text.logprobs"
 NAMESPACE_SEPARATOR = "__"        # a namespaced function's flat name: namespace__name (vLLM's)
@@ -49,7 +48,7 @@ TOOL_ITEMS = ("custom_tool_call", "custom_tool_call_output", "mcp_call", "web_se
 # the chat fields whose values pass through unchanged (vLLM's sampling fields of the Responses request)
 PASSED = ("model", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
           "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "include_stop_str_in_output",
-          "skip_special_tokens", "structured_outputs", "chat_template_kwargs")
+          "skip_special_tokens", "structured_outputs", "chat_template_kwargs", "include_reasoning")
 
 
 class InputPart(Body):
@@ -65,7 +64,7 @@ class InputItem(Body):
     content: Optional[Union[str, list[InputPart]]] = None
     status: Optional[str] = None
     id: Optional[str] = None
-    summary: Optional[list[Any]] = None        # a reasoning item's (dropped)
+    summary: Optional[list[Any]] = None        # a reasoning item's (read where it has no content)
     encrypted_content: Optional[str] = None
     call_id: Optional[str] = None              # function_call and function_call_output items'
     name: Optional[str] = None
@@ -133,13 +132,15 @@ class ResponsesRequest(Body):
     skip_special_tokens: bool = True
     structured_outputs: Optional[StructuredOutputsParams] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    include_reasoning: Optional[bool] = None   # vLLM's: false leaves the reasoning item out
     request_id: Optional[str] = None           # vLLM's: the response's id when given
 
 
 def input_messages(items: list[InputItem]) -> list[dict]:
     """The chat messages of the input items, as vLLM's ``construct_chat_messages_with_tool_call`` makes them: a
-    reasoning item is an assistant turn (its text is not the template's content), folded into the assistant
-    message just before it, else opening one that the next assistant message's text fills."""
+    reasoning item is an assistant turn's ``reasoning`` (its first reasoning_text part, else its first summary's
+    text), folded into the assistant message just before it, else opening one that the next assistant message's
+    text fills."""
     messages, thinking = [], []         # thinking[k]: message k is an assistant turn that holds a reasoning item
     for i, item in enumerate(items):
         before = len(messages) and messages[-1]["role"] == "assistant"
@@ -150,6 +151,7 @@ def input_messages(items: list[InputItem]) -> list[dict]:
                 messages.append({"role": "assistant", "content": None})
                 thinking.append(True)
             thinking[-1] = True
+            messages[-1]["reasoning"] = _reasoning_text(item)
             continue
         if item.type == "function_call":         # joined to the assistant message before it, as vLLM's
             call = _tool_call(item, i)
@@ -173,6 +175,15 @@ def input_messages(items: list[InputItem]) -> list[dict]:
         messages.append(message)
         thinking.append(False)
     return messages
+
+
+def _reasoning_text(item: InputItem) -> str:
+    """A reasoning input item's text (vLLM's: its first content part's, else its first summary's, else none)."""
+    parts = item.content if isinstance(item.content, list) else []
+    if parts:
+        return parts[0].text or ""
+    first = (item.summary or [None])[0]
+    return (first.get("text") if isinstance(first, dict) else None) or ""
 
 
 def _output_text(parts, i: int) -> str:
@@ -328,7 +339,8 @@ class Answer:
         u = self.call.usage()
         cached = sum(self.call.cached_tokens)          # prompt tokens the prefix cache held
         return {"input_tokens": u["prompt_tokens"], "input_tokens_details": {"cached_tokens": cached},
-                "output_tokens": u["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+                "output_tokens": u["completion_tokens"], "output_tokens_details": {
+                    "reasoning_tokens": u.get("completion_tokens_details", {}).get("reasoning_tokens", 0)},
                 "total_tokens": u["total_tokens"]}
 
     def part(self, text: str, logprobs: list | None) -> dict:
@@ -336,6 +348,11 @@ class Answer:
 
     def item(self, status: str, content: list) -> dict:
         return {"id": self.item_id, "type": "message", "status": status, "role": "assistant", "content": content}
+
+    def reasoning(self, item_id: str, text: str | None, status: str | None) -> dict:
+        """A reasoning output item (vLLM's: its text one reasoning_text part, no summary; None: none yet)."""
+        return {"id": item_id, "type": "reasoning", "summary": [], "encrypted_content": None, "status": status,
+                "content": None if text is None else [{"type": "reasoning_text", "text": text}]}
 
     def function_call(self, item_id: str, call: dict, status: str) -> dict:
         """A function_call output item of a chat tool call (its id the call_id; a namespaced function's name and
@@ -391,15 +408,14 @@ async def create(request: Request):
     if answer.logprobs is not None:
         fmt = formatter(call)
         logprobs = fmt.chat([t for d in got.deltas[0] for t in d[0]], [e for d in got.deltas[0] for e in d[1]])
-    text, tools = got.texts[0], call.options.tools
-    calls = []
-    if tools is not None:
-        fields, _ = tools.answer(text, got.reasons[0])
-        text, calls = fields.get("content") or "", fields.get("tool_calls") or []
+    fields, _ = answer_fields(call.options, got.texts[0], got.reasons[0])
+    text, calls, thinking = fields.get("content") or "", fields.get("tool_calls") or [], fields.get("reasoning")
     output = [answer.item("completed", [answer.part(text, logprobs)] if text else [])]      # (vLLM's: no part)
-    if calls:                          # the message only where it has text (vLLM's output items with calls)
+    if calls or thinking:       # the message only where it has text (vLLM's output items with calls or reasoning)
         output = (output if text else []) + [answer.function_call("fc_" + uuid.uuid4().hex, c, "completed")
                                              for c in calls]
+    if thinking:
+        output.insert(0, answer.reasoning("rs_" + uuid.uuid4().hex, thinking, None))
     return JSONResponse(answer.body(_status(got.reasons[0]), output, answer.usage()))
 
 
@@ -414,14 +430,23 @@ async def events(answer: Answer):
         number += 1
         return f"event: {kind}\ndata: {json.dumps({'type': kind, **body, 'sequence_number': number})}\n\n"
 
-    call, tools = answer.call, answer.call.options.tools
-    parser = StreamParser(tools.parser) if tools is not None else None
+    call = answer.call
+    reader = AnswerStream(call.options, call.prompts[0])
     output: list[dict] = []
     text = logprobs = open_call = None          # the open message's text and logprobs, or the open call's item
+    thinking = thinking_id = None               # the open reasoning item's text and id
 
     def close() -> list[str]:
-        nonlocal text, logprobs, open_call
+        nonlocal text, logprobs, open_call, thinking
         out = []
+        if thinking is not None:
+            where = dict(item_id=thinking_id, output_index=len(output), content_index=0)
+            part = {"type": "reasoning_text", "text": thinking}
+            output.append(answer.reasoning(thinking_id, thinking, "completed"))
+            out += [event("response.reasoning_text.done", **where, text=thinking),
+                    event("response.content_part.done", **where, part=part),
+                    event("response.output_item.done", output_index=len(output) - 1, item=output[-1])]
+            thinking = None
         if text is not None:
             where = dict(item_id=answer.item_id, output_index=len(output), content_index=0)
             part = answer.part(text, logprobs if answer.logprobs is not None else None)
@@ -445,9 +470,21 @@ async def events(answer: Answer):
         fmt, reason = formatter(call), None
         async for d in call.deltas():
             reason = d.reason or reason
-            out = {"content": d.text} if parser is None else tools.streamed(parser, d.text, last=bool(d.reason))
+            out = reader.feed(d.text, d.ids, last=bool(d.reason))
+            if out.get("reasoning"):
+                if thinking is None:   # a reasoning item opens with the first thinking, closing what is open
+                    for e in close():
+                        yield e
+                    thinking, thinking_id = "", "rs_" + uuid.uuid4().hex
+                    yield event("response.output_item.added", output_index=len(output),
+                                item=answer.reasoning(thinking_id, None, "in_progress"))
+                    yield event("response.content_part.added", item_id=thinking_id, output_index=len(output),
+                                content_index=0, part={"type": "reasoning_text", "text": ""})
+                thinking += out["reasoning"]
+                yield event("response.reasoning_text.delta", item_id=thinking_id, output_index=len(output),
+                            content_index=0, delta=out["reasoning"])
             if out.get("content"):
-                if open_call is not None:
+                if open_call is not None or thinking is not None:
                     for e in close():
                         yield e
                 where = dict(item_id=answer.item_id, output_index=len(output), content_index=0)

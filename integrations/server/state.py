@@ -16,6 +16,7 @@ from hf_paged.engine import Engine
 
 from .config import AppConfig
 from .defaults import SamplingDefaults, server_generation_config
+from .reasoning import Reasoning
 from .metrics import Metrics
 from .worker import EngineWorker
 
@@ -26,7 +27,8 @@ log = logging.getLogger("hf_paged.server")
 class ServerState:
     """config: the app's settings. name: the model's name in the API. engine: the Engine (touched only by
     ``worker``'s thread). created: when the app was built (``/v1/models``' ``created``). defaults: what a
-    request leaves unset (``defaults.SamplingDefaults``); base: the generation config requests resolve on."""
+    request leaves unset (``defaults.SamplingDefaults``); base: the generation config requests resolve on.
+    reasoning: the reasoning parser (``reasoning.Reasoning``, None without ``--reasoning-parser``)."""
     config: AppConfig
     name: str
     model: object
@@ -36,6 +38,7 @@ class ServerState:
     metrics: Metrics
     defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
     base: object = None
+    reasoning: object = None
     created: int = field(default_factory=lambda: int(time.time()))
     # Whether the chat template takes a system message only first (anthropic_api.system_first): probed once
     system_first: bool | None = None
@@ -50,6 +53,7 @@ class ServerState:
         if tokenizer is None:
             raise ValueError("the server needs a tokenizer (pass one to create_app)")
         name = config.served_model_name or getattr(model.config, "_name_or_path", None) or "model"
+        reasoning = Reasoning.of(config.reasoning_parser, tokenizer) if config.reasoning_parser else None
         engine = Engine(model, tokenizer, **engine_knobs)
         fit_context(engine, asked=engine_knobs.get("max_model_len"))
         metrics = Metrics(name)
@@ -60,7 +64,7 @@ class ServerState:
             log.info("unset sampling fields default to the model's generation config (--generation-config auto;"
                      " 'vllm' ignores it): %s", defaults.overridden())
         return cls(config, name, model, tokenizer, engine, worker, metrics, defaults,
-                   server_generation_config(generation_config))
+                   server_generation_config(generation_config), reasoning)
 
     @property
     def max_model_len(self) -> int:

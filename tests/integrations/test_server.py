@@ -328,7 +328,8 @@ def test_api_key():
 SERVE_FLAGS = {"host", "port", "api_key", "served_model_name", "dtype", "quantization", "gpu_memory_utilization",
                "max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size", "enable_prefix_caching",
                "kv_cache_dtype", "kv_cache_memory_bytes", "max_logprobs", "max_queue", "shutdown_timeout", "max_body_bytes",
-               "generation_config", "enable_auto_tool_choice", "tool_call_parser", "trust_remote_code", "log_level"}
+               "generation_config", "enable_auto_tool_choice", "tool_call_parser", "reasoning_parser",
+               "trust_remote_code", "log_level"}
 
 
 def test_cli_flags_take_names_and_defaults_from_the_configs():
@@ -340,11 +341,13 @@ def test_cli_flags_take_names_and_defaults_from_the_configs():
     assert {name: args[name] for name in SERVE_FLAGS} == {name: defaults[name] for name in SERVE_FLAGS}
     given = vars(parser.parse_args(["serve", "m", "--no-enable-prefix-caching", "--kv-cache-memory-bytes", "256M",
                                     "--max-body-bytes", "1GiB", "--max-num-seqs", "3", "--dtype", "half",
-                                    "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]))
+                                    "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                                    "--reasoning-parser", "qwen3"]))
     assert (given["enable_prefix_caching"], given["kv_cache_memory_bytes"], given["max_body_bytes"],
-            given["max_num_seqs"], given["dtype"], given["enable_auto_tool_choice"], given["tool_call_parser"]) \
-        == (False, 256 * 2**20, 2**30, 3, "half", True, "hermes")
-    for bad in (["--max-num-seqs", "0"], ["--kv-cache-memory-bytes", "lots"], ["--dtype", "int3"]):
+            given["max_num_seqs"], given["dtype"], given["enable_auto_tool_choice"], given["tool_call_parser"],
+            given["reasoning_parser"]) == (False, 256 * 2**20, 2**30, 3, "half", True, "hermes", "qwen3")
+    for bad in (["--max-num-seqs", "0"], ["--kv-cache-memory-bytes", "lots"], ["--dtype", "int3"],
+                ["--reasoning-parser", "granite"]):
         with pytest.raises(SystemExit):
             parser.parse_args(["serve", "m", *bad])
 
