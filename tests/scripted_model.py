@@ -45,6 +45,7 @@ def scripted_model(tok, start: int, script: list[str]):
     hidden = -(-vocab // 64) * 64                 # one-hot embeddings: one dimension per token
     model = make_model("llama", vocab_size=vocab, hidden_size=hidden, num_attention_heads=hidden // 64,
                        num_key_value_heads=hidden // 64, num_hidden_layers=1, intermediate_size=64,
+                       max_position_embeddings=4096,
                        eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id)
     model.generation_config.eos_token_id = model.generation_config.pad_token_id = tok.eos_token_id
     with torch.no_grad():

@@ -6,7 +6,8 @@ Order, as ``GenerationMixin._get_logits_processor`` builds it and vLLM's sampler
     sequence_bias, repetition_penalty, bad_words_ids, min-new-tokens (EOS and stop_token_ids masked)
     logit_bias (OpenAI: added to the logit), presence_penalty / frequency_penalty (OpenAI's
     definition over the tokens generated so far: logit -= count * frequency + (count > 0) * presence),
-    allowed_token_ids (every other token masked), the structured-output grammar's token mask,
+    allowed_token_ids (every other token masked), a spent thinking budget (only its end token left), the
+    structured-output grammar's token mask,
     then, when sampling, the warpers: temperature, top_k, top_p, min_p (``sampler.warpers``).
 
 transformers' processors read ``input_ids`` = prompt + generated tokens of the sequence (generate's
@@ -60,7 +61,27 @@ def process_row(scores: torch.Tensor, seq, chain: list) -> torch.Tensor:
         masked = torch.full_like(scores, -float("inf"))
         masked[:, keep] = scores[:, keep]
         scores = masked
+    if params.thinking_budget is not None and thinking_spent(seq.token_ids, *params.thinking_budget):
+        end = params.thinking_budget[1]
+        forced = torch.full_like(scores, -float("inf"))
+        forced[:, end] = scores[:, end] if torch.isfinite(scores[0, end]) else 0.0
+        scores = forced
     return scores
 
 
-__all__ = ["generate_processors", "openai_penalties", "process_row"]
+def thinking_spent(token_ids: list[int], start: int, end: int, budget: int) -> bool:
+    """Whether ``token_ids`` (prompt and output) are thinking with ``budget`` tokens spent: ``budget`` tokens or
+    more follow the last ``start``, with no ``end`` after it (vLLM's thinking_token_budget; the prompt's tokens
+    after an opened ``<think>`` count too)."""
+    last = _last(token_ids, start)
+    return last >= 0 and _last(token_ids, end) < last and len(token_ids) - last - 1 >= budget
+
+
+def _last(ids: list[int], token: int) -> int:
+    try:
+        return len(ids) - 1 - ids[::-1].index(token)
+    except ValueError:
+        return -1
+
+
+__all__ = ["generate_processors", "openai_penalties", "process_row", "thinking_spent"]

@@ -59,6 +59,8 @@ class SamplingParams:
     logprobs: int | None = None                 # top-k log-probabilities per new token (0: the chosen one only)
     prompt_logprobs: int | None = None          # the same for every prompt token (the first has none)
     structured_output: object = None            # a compiled hf_paged.engine.structured.Grammar
+    thinking_budget: tuple | None = None        # (start id, end id, n): vLLM's thinking_token_budget, at most n
+                                                # tokens after the last start with no end since; then end is forced
 
     # cached: read per new token / per sampling row (the dataclass is frozen, so they never go stale)
     @functools.cached_property
@@ -71,7 +73,8 @@ class SamplingParams:
         """Whether anything but temperature / top-k / top-p / min-new-tokens changes the logits."""
         return (self.repetition_penalty != 1.0 or bool(self.bad_words_ids) or bool(self.sequence_bias)
                 or bool(self.presence_penalty) or bool(self.frequency_penalty) or bool(self.logit_bias)
-                or self.allowed_token_ids is not None or self.structured_output is not None)
+                or self.allowed_token_ids is not None or self.structured_output is not None
+                or self.thinking_budget is not None)
 
     def new_tokens_for(self, prompt_len: int, max_position_embeddings: int | None = None,
                        max_model_len: int | None = None) -> tuple[int, int]:

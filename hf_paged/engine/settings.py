@@ -34,7 +34,8 @@ UNSUPPORTED = dict(num_beams=1, num_beam_groups=1, no_repeat_ngram_size=0,
 # vLLM's SamplingParams names that generate spells otherwise (named in the refusal of an unknown setting)
 VLLM_RENAMES = {"max_tokens": "max_new_tokens", "n": "num_return_sequences", "stop": "stop_strings"}
 ENGINE_ONLY = ("seed", "ignore_eos", "min_tokens", "presence_penalty", "frequency_penalty", "logit_bias",
-               "allowed_token_ids", "stop_token_ids", "logprobs", "prompt_logprobs", "structured_output")
+               "allowed_token_ids", "stop_token_ids", "logprobs", "prompt_logprobs", "structured_output",
+               "thinking_budget")
 
 
 def merged_generation_config(model_generation_config, generation_config=None, **kwargs):
@@ -162,6 +163,11 @@ def vllm_settings(given: dict) -> dict:
     out["logprobs"] = _count("logprobs", given.get("logprobs"))
     out["prompt_logprobs"] = _count("prompt_logprobs", given.get("prompt_logprobs"))
     out["structured_output"] = given.get("structured_output")
+    budget = given.get("thinking_budget")
+    if budget is not None and not (isinstance(budget, tuple) and len(budget) == 3
+                                   and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in budget)):
+        raise ValueError(f"thinking_budget must be (start token id, end token id, tokens >= 0), got {budget!r}")
+    out["thinking_budget"] = budget
     return out
 
 

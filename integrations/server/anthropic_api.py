@@ -8,7 +8,8 @@ takes a system message only first (vLLM renders [system, user, system, user] to 
 parts; an assistant's ``thinking`` blocks joined as its ``reasoning`` (signatures unchecked, ``redacted_thinking``
 dropped, as vLLM's); ``stop_sequences`` as
 ``stop``; ``output_config.format`` as a JSON-schema ``response_format``; ``thinking: {"type": "disabled"}`` as
-``reasoning_effort: "none"``; ``tools`` as OpenAI function tools and ``tool_choice`` auto / any / tool / none as
+``reasoning_effort: "none"``, ``{"type": "enabled", "budget_tokens": N}`` as vLLM's ``thinking_token_budget``
+(``--reasoning-parser``: at most N thinking tokens, then ``</think>``); ``tools`` as OpenAI function tools and ``tool_choice`` auto / any / tool / none as
 chat's auto / required / named / none (``disable_parallel_tool_use`` as ``parallel_tool_calls: false``); an
 assistant's ``tool_use`` blocks as its ``tool_calls``, a user's ``tool_result`` blocks as ``tool`` messages before
 the user's text. Tool calling needs the chat endpoint's flags (``--enable-auto-tool-choice
@@ -238,9 +239,13 @@ def to_chat(req: _Common, state, stream: bool = False) -> ChatCompletionRequest:
     if req.chat_template_kwargs:
         chat["chat_template_kwargs"] = req.chat_template_kwargs
     thinking = req.thinking.type if req.thinking else None
-    if thinking == "enabled":
-        raise ApiError(400, "thinking type 'enabled' (a thinking budget) needs a reasoning parser, which this "
-                            "server does not have; leave thinking out or set it 'disabled'", param="thinking.type")
+    if thinking == "enabled":                       # vLLM's thinking_token_budget (it needs --reasoning-parser)
+        budget = req.thinking.budget_tokens
+        if not isinstance(budget, int) or budget < 1024:
+            raise ApiError(400, "thinking.budget_tokens must be an integer >= 1024", param="thinking.budget_tokens")
+        if isinstance(req, MessagesRequest) and budget >= req.max_tokens:
+            raise ApiError(400, "thinking.budget_tokens must be less than max_tokens", param="thinking.budget_tokens")
+        chat["thinking_token_budget"] = budget
     if thinking == "disabled":
         chat["reasoning_effort"] = "none"
     config = req.output_config

@@ -285,6 +285,17 @@ async def sampling_params(state: ServerState, req, prompts: list[list[int]], max
         max_tokens = min(max_tokens, state.defaults.max_tokens)   # where the request gives no max_tokens
     waits = reasoner is not None and req.include_reasoning and not reasoner.ended(prompts[0])
     settings = await engine_settings(state, req, max_tokens, tools, reasoner.parser.end if waits else None)
+    budget = getattr(req, "thinking_token_budget", None)
+    if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < -1):
+        raise ApiError(400, "`thinking_token_budget` must be a non-negative integer or -1 for unlimited.",
+                       param="thinking_token_budget")
+    if budget is not None and budget != -1:          # vLLM's words where no reasoning parser marks the thinking
+        if state.reasoning is None:
+            raise ApiError(400, "thinking_token_budget is set but reasoning_config is not configured. Please set "
+                                "--reasoning-parser and/or --reasoning-config to use thinking_token_budget.",
+                           param="thinking_token_budget")
+        if state.reasoning.start is not None and state.reasoning.end is not None:   # (else ignored, as vLLM's)
+            settings["thinking_budget"] = (state.reasoning.start, state.reasoning.end, budget)
     if req.n > 1 and not settings["do_sample"]:          # generate refuses it in its own words
         why = "temperature is 0" if req.temperature is not None else "no temperature was given and the model's " \
             "generation config sets temperature 0"

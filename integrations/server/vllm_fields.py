@@ -39,7 +39,6 @@ NEUTRAL_ONLY = {
     "ec_transfer_params": "disaggregated serving (encoder-cache transfer) is not implemented",
     "vllm_xargs": "vLLM's custom-extension arguments have no counterpart in this server",
     "repetition_detection": "repetition detection is not implemented",
-    "thinking_token_budget": "thinking budgets need a reasoning parser, which this server does not have",
     "logits_processors": "custom logits processors cannot be loaded by this server",
     "structural_tag": "structural tags are not implemented; use structured_outputs json, regex, choice or grammar",
     "guided_whitespace_pattern": "a custom JSON whitespace pattern is not implemented",
@@ -56,7 +55,6 @@ IGNORED = {
     "return_mm_kwargs": "vLLM reads it on its /render endpoints only",
     "stream_interval": "a batching hint for streamed chunks; each token is sent as it comes",
     "guided_decoding_backend": "one grammar backend here; the constraint is the same",
-    "include_reasoning": "no reasoning parser: the whole text is the content",
 }
 # implemented fields (the rest of each schema), for the record and the test that every field is placed
 IMPLEMENTED = {
@@ -68,21 +66,19 @@ IMPLEMENTED = {
     "add_special_tokens", "response_format", "structured_outputs", "guided_json", "guided_regex",
     "guided_choice", "guided_grammar", "return_tokens_as_token_ids", "return_token_ids", "add_generation_prompt",
     "continue_final_message", "documents", "chat_template_kwargs", "reasoning_effort", "tools", "tool_choice",
-    "parallel_tool_calls",
+    "parallel_tool_calls", "include_reasoning", "thinking_token_budget",
 }
 
 
 def is_neutral(req, name: str) -> bool:
     """``name``'s value leaves the answer as if it were absent: None, the field's default, empty, false
     for a flag whose default is unset; for
-    best_of, n; for thinking_token_budget, -1 (unlimited)."""
+    best_of, n."""
     value = getattr(req, name)
     if value is None or (isinstance(value, (str, list, dict)) and not value):
         return True
     if name == "best_of":
         return value == req.n
-    if name == "thinking_token_budget":
-        return value == -1
     if name == "repetition_detection":
         return value.max_pattern_size == 0
     default = type(req).model_fields[name].get_default(call_default_factory=True)
@@ -142,6 +138,6 @@ class VllmSampling(Body):
     ec_transfer_params: Optional[dict[str, Any]] = None
     vllm_xargs: Optional[dict[str, Any]] = None
     repetition_detection: Optional[RepetitionDetection] = None
-    thinking_token_budget: Optional[int] = Field(None, ge=-1)
+    thinking_token_budget: Optional[Any] = None     # checked in intake (vLLM's words)
     stream_interval: Optional[int] = Field(None, ge=1)
     logits_processors: Optional[list[Any]] = None

@@ -87,8 +87,9 @@ MESSAGES = [{"role": "user", "content": "hi"}]
 def server(script, parser="deepseek_r1", **config):
     tok = byte_tokenizer(script, TEMPLATE)
     model = scripted_model(tok, tok.convert_tokens_to_ids(tok.tokenize("\n"))[0], script)
-    app = create_app(model, tok, served_model_name="tiny", num_blocks=64, max_num_seqs=4, block_size=16,
-                     max_model_len=256, reasoning_parser=parser, **config)
+    config = {"num_blocks": 64, "max_model_len": 256, **config}
+    app = create_app(model, tok, served_model_name="tiny", max_num_seqs=4, block_size=16, reasoning_parser=parser,
+                     **config)
     return TestClient(app, raise_server_exceptions=False)
 
 
@@ -221,3 +222,34 @@ def test_responses_reasoning_items():
         assert [o["type"] for o in done] == ["reasoning", "message"] and done[0]["status"] == "completed"
         r = client.post("/v1/responses", json={**body, "include_reasoning": False}).json()
         assert [o["type"] for o in r["output"]] == ["message"]
+
+
+def test_thinking_token_budget_forces_the_end_of_thinking():
+    """vLLM's thinking_token_budget: at most that many thinking tokens, then </think> is forced (the script would
+    think three tokens); -1 is no limit; it needs a reasoning parser; Anthropic's thinking budget is the same."""
+    script = ["<think>", "a", "b", "c", "</think>", "Done!"]
+    with server(script, num_blocks=160, max_model_len=2560) as client:
+        for budget, thought in ((1, "a"), (0, ""), (2, "ab"), (-1, "abc"), (5, "abc")):
+            message = chat(client, thinking_token_budget=budget)["choices"][0]["message"]
+            assert (message["reasoning"], message["content"]) == (thought, "Done!"), budget
+        for bad in (-2, 1.5, True):
+            r = client.post("/v1/chat/completions", json={"model": "tiny", "messages": MESSAGES,
+                                                          "thinking_token_budget": bad})
+            assert r.status_code == 400 and "non-negative integer or -1" in r.json()["error"]["message"]
+        body = {"model": "tiny", "messages": MESSAGES, "temperature": 0, "max_tokens": 2000,
+                "thinking": {"type": "enabled", "budget_tokens": 1024}}
+        assert client.post("/v1/messages", json=body).json()["content"][0]["thinking"] == "abc"
+        r = client.post("/v1/messages", json={**body, "max_tokens": 1024})
+        assert r.status_code == 400 and "less than max_tokens" in r.json()["error"]["message"]
+    with server(script, parser=None) as client:
+        r = client.post("/v1/chat/completions", json={"model": "tiny", "messages": MESSAGES, "thinking_token_budget": 4})
+        assert r.status_code == 400 and "--reasoning-parser" in r.json()["error"]["message"]
+
+
+def test_thinking_spent_counts_from_the_last_opened_thinking():
+    from hf_paged.engine.processors import thinking_spent
+    S, E = 7, 8
+    assert not thinking_spent([1, 2, 3], S, E, 0)                 # never thinking
+    assert thinking_spent([1, S], S, E, 0) and not thinking_spent([1, S], S, E, 1)
+    assert thinking_spent([S, 1, 2], S, E, 2) and not thinking_spent([S, 1, 2, E, 3], S, E, 0)
+    assert thinking_spent([S, 1, E, S, 4, 5], S, E, 2) and not thinking_spent([S, 1, E, S, 4, 5], S, E, 3)
