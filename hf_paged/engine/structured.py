@@ -53,7 +53,8 @@ class StructuredOutput:
     JSON may have whitespace wherever JSON allows it, as vLLM's default; ``disable_any_whitespace`` (vLLM's
     option) makes it compact: ``", "`` and ``": "`` separators, no other whitespace. ``after_token``: the grammar
     waits for this token id (a reasoning model's ``</think>``, as vLLM's reasoning parsers gate structured
-    output): nothing is masked until the sequence generates it, and the grammar applies from the next token.
+    output): nothing is masked until the sequence generates it, and the grammar applies from the next token;
+    ``from_token``: a token that ends the wait too, taken as the grammar's first (qwen3's ``<tool_call>``).
     """
     json: object = None
     json_object: bool = False
@@ -62,6 +63,7 @@ class StructuredOutput:
     grammar: str | None = None
     disable_any_whitespace: bool = False
     after_token: int | None = None
+    from_token: int | None = None
 
     def _set(self) -> list[str]:
         return [k for k in KINDS
@@ -74,8 +76,10 @@ class StructuredOutput:
             raise ValueError(f"structured output needs exactly one of {', '.join(KINDS)}; got "
                              f"{', '.join(kinds) if kinds else 'none'}")
         kind = kinds[0]
-        if self.after_token is not None and (not isinstance(self.after_token, int) or self.after_token < 0):
-            raise ValueError(f"structured output after_token must be a token id, got {self.after_token!r}")
+        for name in ("after_token", "from_token"):
+            token = getattr(self, name)
+            if token is not None and (not isinstance(token, int) or isinstance(token, bool) or token < 0):
+                raise ValueError(f"structured output {name} must be a token id, got {token!r}")
         value = getattr(self, kind)
         if kind == "choice":
             if not isinstance(value, (list, tuple)) or not value or not all(isinstance(c, str) for c in value):
@@ -264,7 +268,9 @@ class GrammarCompiler:
         Raises ValueError naming the kind, with llguidance's reason, for a spec it cannot compile.
         """
         grammar = self._compiled(spec)
-        return grammar if spec.after_token is None else Grammar(self, grammar.kind, grammar._template, spec.after_token)
+        if spec.after_token is None and spec.from_token is None:
+            return grammar
+        return Grammar(self, grammar.kind, grammar._template, (spec.after_token, spec.from_token))
 
     def _compiled(self, spec: StructuredOutput) -> Grammar:
         key = spec.cache_key()
@@ -308,25 +314,25 @@ class GrammarCompiler:
 
 
 class Grammar:
-    """One compiled spec; immutable, shared by every sequence (and thread) that uses it. ``after_token``: its
-    matchers wait for that token before the grammar applies (``StructuredOutput.after_token``)."""
+    """One compiled spec; immutable, shared by every sequence (and thread) that uses it. ``wait``: (after, from)
+    tokens its matchers wait for before the grammar applies (``StructuredOutput.after_token`` / ``from_token``)."""
 
-    def __init__(self, compiler: GrammarCompiler, kind: str, template, after_token: int | None = None):
+    def __init__(self, compiler: GrammarCompiler, kind: str, template, wait: tuple | None = None):
         self.kind = kind
         self.compiler = compiler
-        self.after_token = after_token
+        self.wait = wait
         self._template = template     # never advanced: only deep-copied
 
     def matcher(self) -> GrammarMatcher:
         """A fresh matcher for one sequence, at the grammar's start (a deep copy: microseconds)."""
-        return GrammarMatcher(self, self._template.deep_copy(), self.after_token)
+        return GrammarMatcher(self, self._template.deep_copy(), self.wait)
 
 
 class GrammarMatcher:
     """One sequence's position in its grammar. Not thread-safe: only the engine thread touches it.
-    ``waiting``: the token it waits for before the grammar applies (None: it applies)."""
+    ``waiting``: the (after, from) tokens it waits for before the grammar applies (None: it applies)."""
 
-    def __init__(self, grammar: Grammar, matcher, waiting: int | None = None):
+    def __init__(self, grammar: Grammar, matcher, waiting: tuple | None = None):
         self.grammar = grammar
         self._matcher = matcher
         self.waiting = waiting
@@ -334,11 +340,14 @@ class GrammarMatcher:
     def accept(self, token: int) -> None:
         """Advance by one sampled token; RuntimeError (with llguidance's reason) if the grammar refuses
         it, after which the matcher stays refused (``is_finished``). An EOS id after the end is a no-op.
-        While waiting, any token is taken; the awaited one ends the wait."""
+        While waiting, any token is taken; an awaited one ends the wait (the ``from`` one is the grammar's first)."""
         if self.waiting is not None:
-            if token == self.waiting:
-                self.waiting = None
-            return
+            after, first = self.waiting
+            if token not in (after, first):
+                return
+            self.waiting = None
+            if token == after:
+                return
         if self._matcher.is_stopped() and token in self.grammar.compiler.eos_token_ids:
             return
         if not self._matcher.consume_token(int(token)):

@@ -250,10 +250,9 @@ def generation_settings(req, max_tokens: int, state) -> dict:
     return settings
 
 
-async def engine_settings(state, req, max_tokens: int, tools: ToolUse | None = None,
-                          after_token: int | None = None) -> dict:
+async def engine_settings(state, req, max_tokens: int, tools: ToolUse | None = None, thinking=None) -> dict:
     """``generation_settings`` plus ``structured_output``: the request's grammar (or its tool calls'), compiled;
-    ``after_token``: the grammar waits for it (a reasoning model's end of thinking)."""
+    ``thinking``: a ``reasoning.Reasoning`` whose end of thinking the grammar waits for."""
     settings = generation_settings(req, max_tokens, state)
     asked = structured_spec(req)
     calls = tools.grammar() if tools is not None else None
@@ -268,23 +267,27 @@ async def engine_settings(state, req, max_tokens: int, tools: ToolUse | None = N
     if calls is not None:
         asked = ("tools", calls)
     if asked is not None:
-        settings["structured_output"] = await compile_structured(state.engine, *asked, after_token=after_token)
+        gate = {} if thinking is None else {"after_token": thinking.end,
+                                            "from_token": thinking.tool if thinking.kind == "qwen3" else None}
+        settings["structured_output"] = await compile_structured(state.engine, *asked, **gate)
     return settings
 
 
 async def sampling_params(state: ServerState, req, prompts: list[list[int]], max_tokens: int | None,
                           tools: ToolUse | None = None, reasoner: Reasoner | None = None):
     """The engine's SamplingParams for every prompt of ``req`` (400 for what ``generate`` refuses); ``tools``:
-    the chat request's tool calling (``chat_tools``); ``reasoner``: its reasoning parser (``chat_reasoner``): a
-    grammar then waits for the end of thinking, as vLLM's, unless the prompt ended it or include_reasoning is false."""
+    the chat request's tool calling (``chat_tools``); ``reasoner``: its reasoning parser (``chat_reasoner``). With a
+    reasoning parser a grammar waits for the end of thinking, as vLLM's (completions' too), unless every prompt ended
+    it or include_reasoning is false; qwen3's ``<tool_call>`` ends the wait too, and the grammar takes it."""
     given = max_tokens is not None
     max_tokens = context_checked(prompts, max_tokens, state.max_model_len, state.engine.model_len)
     if max_tokens == 0:        # echo only: counted as 0 (vLLM's check), the engine runs one token the answer drops
         max_tokens = 1
     if not given and state.defaults.max_tokens is not None:    # vLLM: the generation config's max_new_tokens
         max_tokens = min(max_tokens, state.defaults.max_tokens)   # where the request gives no max_tokens
-    waits = reasoner is not None and req.include_reasoning and not reasoner.ended(prompts[0])
-    settings = await engine_settings(state, req, max_tokens, tools, reasoner.parser.end if waits else None)
+    gate = reasoner or (state.reasoning.for_request({}) if state.reasoning is not None else None)
+    waits = gate is not None and getattr(req, "include_reasoning", True) and not all(map(gate.ended, prompts))
+    settings = await engine_settings(state, req, max_tokens, tools, gate.parser if waits else None)
     budget = getattr(req, "thinking_token_budget", None)
     if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < -1):
         raise ApiError(400, "`thinking_token_budget` must be a non-negative integer or -1 for unlimited.",

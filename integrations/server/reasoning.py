@@ -146,7 +146,7 @@ class ReasoningStream:
             reasoning, content = self._deepseek(text, ids)
             self.ended = parser.end in ids
         else:
-            reasoning, content = self._qwen3(text, last)
+            reasoning, content = self._qwen3(text, ids, last)
         self.seen += ids
         if not self.include:
             reasoning = None
@@ -166,22 +166,26 @@ class ReasoningStream:
             return text[:end], text[end + len(END):] or None
         return text, None
 
-    def _qwen3(self, text: str, last: bool) -> tuple[str | None, str | None]:
-        """qwen3's streamed thinking: markers read as in ``split``; text that may begin a marker waits (to the
-        end of the stream, where it goes out as thinking)."""
+    def _qwen3(self, text: str, ids: list[int], last: bool) -> tuple[str | None, str | None]:
+        """qwen3's streamed thinking: markers read as in ``split``, but an end (``</think>``, ``<tool_call>``) only
+        once its token came (vLLM's stream reads token ids: the text spelled in pieces is thinking); text that may
+        begin a marker waits (to the end of the stream, where it goes out as thinking)."""
+        p, came = self.reasoner.parser, set(self.seen) | set(ids)
         pending = self.held + text
         self.held = ""
         if not last:
             keep = _partial_marker(pending)
             pending, self.held = pending[:len(pending) - keep], pending[len(pending) - keep:]
-        reasoning, content, ended = _qwen3(pending, self.reasoner.parser.specials, streaming=True)
+        ends = {m for m, token in ((END, p.end), (TOOL, p.tool)) if token is None or token in came}
+        reasoning, content, ended = _qwen3(pending, p.specials, streaming=True, ends=ends)
         self.ended = ended
         return reasoning or None, content or None
 
 
-def _qwen3(text: str, specials: tuple, streaming: bool = False):
+def _qwen3(text: str, specials: tuple, streaming: bool = False, ends=(END, TOOL)):
     """(reasoning, content) of qwen3's state machine over ``text`` starting in thinking (and, streaming, whether
-    thinking ended: after the end the text passes as it is, as vLLM's stream passes it)."""
+    thinking ended: after the end the text passes as it is, as vLLM's stream passes it); ``ends``: the end markers
+    that end thinking (the others are thinking's text)."""
     reasoning, content, pos, thinking = [], [], 0, True
     markers = (START, END, TOOL) + specials
     while pos < len(text):
@@ -192,7 +196,9 @@ def _qwen3(text: str, specials: tuple, streaming: bool = False):
         at, marker = min(hits, key=lambda h: (h[0], -len(h[1]))) if hits else (len(text), "")
         (reasoning if thinking else content).append(text[pos:at])
         pos = at + len(marker)
-        if marker == END and thinking:
+        if thinking and marker in (END, TOOL) and marker not in ends:
+            reasoning.append(marker)
+        elif marker == END and thinking:
             thinking = False
         elif marker == TOOL:
             if thinking:

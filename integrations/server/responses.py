@@ -128,8 +128,8 @@ def answer_fields(options, text: str, reason: str | None) -> tuple[dict, str | N
     reasoning = None
     if options.reasoning is not None:
         reasoning, text = options.reasoning.split(text)
-    if options.tools is not None and text is not None:
-        fields, reason = options.tools.answer(text, reason)
+    if options.tools is not None and (text is not None or options.tools.mode != "auto"):
+        fields, reason = options.tools.answer(text or "", reason)     # (a forced choice: content "", vLLM's)
     else:
         fields = {"content": text}
     if options.reasoning is not None:

@@ -181,7 +181,7 @@ def test_a_gated_grammar_waits_for_its_token(compiler, tokenizer):
         matcher.accept(token)
     waiting = matcher.copy()
     matcher.accept(end)
-    assert matcher.waiting is None and waiting.waiting == end
+    assert matcher.waiting is None and waiting.waiting == (end, None)
     allowed = _allowed(compiler, matcher).tolist()
     assert 0 < len(allowed) < 10 and tokenizer.encode("yes", add_special_tokens=False)[0] in allowed
     with pytest.raises(RuntimeError):
@@ -191,6 +191,13 @@ def test_a_gated_grammar_waits_for_its_token(compiler, tokenizer):
     assert matcher.is_finished and torch.equal(_allowed(compiler, waiting), everything)
     with pytest.raises(ValueError, match="after_token must be a token id"):
         StructuredOutput(regex="a", after_token=-1).validate()
+    # from_token (qwen3's <tool_call>) ends the wait too, and is the grammar's first token
+    yes = tokenizer.encode("yes", add_special_tokens=False)
+    opened = compiler.compile(StructuredOutput(choice=("yes", "no"), after_token=end, from_token=yes[0])).matcher()
+    opened.accept(tokenizer.encode("x", add_special_tokens=False)[0])
+    for token in yes:
+        opened.accept(token)
+    assert opened.waiting is None and opened.is_accepting
 
 
 def test_logprobs_under_a_grammar_are_over_what_it_allows(compiler):

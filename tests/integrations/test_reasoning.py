@@ -253,3 +253,32 @@ def test_thinking_spent_counts_from_the_last_opened_thinking():
     assert thinking_spent([1, S], S, E, 0) and not thinking_spent([1, S], S, E, 1)
     assert thinking_spent([S, 1, 2], S, E, 2) and not thinking_spent([S, 1, 2, E, 3], S, E, 0)
     assert thinking_spent([S, 1, E, S, 4, 5], S, E, 2) and not thinking_spent([S, 1, E, S, 4, 5], S, E, 3)
+
+
+def test_a_forced_tool_choice_with_only_thinking_answers_as_vllms():
+    """Under tool_choice "required" an answer that never leaves its thinking has content "" and finish_reason
+    "tool_calls" (vLLM's rule for forced choices), not null and "stop"."""
+    with server(["<think>", "Need weather."], enable_auto_tool_choice=True, tool_call_parser="hermes") as client:
+        choice = chat(client, tools=[WEATHER], tool_choice="required")["choices"][0]
+        assert (choice["message"]["content"], choice["message"]["reasoning"], choice["finish_reason"]) == \
+            ("", "Need weather.", "tool_calls")
+
+
+def test_completions_grammar_waits_for_the_thinking_too():
+    """vLLM gates every request's grammar by the reasoning parser, completions' too (their text is not split)."""
+    with server(["<think>", "Plan it.", "</think>", "yes"]) as client:
+        prompt = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+        r = client.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 20,
+                                                 "temperature": 0, "structured_outputs": {"choice": ["yes", "no"]}})
+        assert r.json()["choices"][0]["text"] == "<think>Plan it.</think>yes"
+
+
+def test_qwen3_streams_end_the_thinking_at_the_marker_token_only():
+    """``</think>`` spelled in pieces is thinking's text in a stream (vLLM's stream reads token ids); the whole
+    answer reads text, as vLLM's, and drops the second ``</think>``."""
+    script = ["<think>", "a <", "b", "</thi", "nk>", "c", "</think>", "d"]
+    with server(script, "qwen3") as client:
+        message = chat(client)["choices"][0]["message"]
+        assert (message["reasoning"], message["content"]) == ("a <b", "cd")
+        chunks = chat(client, stream=True)
+        assert (joined(chunks, "reasoning"), joined(chunks, "content")) == ("a <b</think>c", "d")
