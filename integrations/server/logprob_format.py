@@ -5,7 +5,8 @@
   each token's text to its logprob: the token itself and the ``k`` most likely (``k + 1`` entries, or
   ``k`` when it is among them), as vLLM's; ``text_offset`` counts characters from the start of the
   choice's text (lm-eval reads ``token_logprobs`` and ``top_logprobs``);
-- chat ``logprobs.content[]``: ``{"token", "logprob", "bytes", "top_logprobs": [the k most likely, by rank]}``;
+- chat ``logprobs.content[]``: ``{"token", "logprob", "bytes", "top_logprobs": [k: the chosen token, then the
+  most likely by rank]}`` (vLLM's order: the same as by rank wherever the chosen token is the most likely);
 - vLLM's ``prompt_logprobs``: ``[None, {"<id>": {"logprob", "rank", "decoded_token"}}, ...]``.
 
 ``-inf`` (a token the model gives no chance) is written -9999.0, as vLLM writes it: JSON has no infinity.
@@ -64,9 +65,11 @@ class LogprobFormat:
             out["top_logprobs"].append({self.text(t, lp): clamp(lp.logprob) for t, lp in self._top(token, entry)})
         return out
 
-    def _chat_item(self, token: int, logprob) -> dict:
+    def _chat_item(self, token: int, logprob, chosen: bool = False) -> dict:
+        """One chat item; the chosen token's ``bytes`` are its own text's even as ``token_id:N`` (vLLM's)."""
         text = self.text(token, logprob)
-        return {"token": text, "logprob": clamp(logprob.logprob), "bytes": list(text.encode("utf-8"))}
+        own = logprob.decoded_token if chosen and self.as_ids and logprob.decoded_token is not None else text
+        return {"token": text, "logprob": clamp(logprob.logprob), "bytes": list(own.encode("utf-8"))}
 
     @staticmethod
     def merged(pieces: list[dict]) -> dict:
@@ -78,12 +81,12 @@ class LogprobFormat:
         return out
 
     def chat(self, tokens: list[int], entries: list) -> list[dict]:
-        """Chat's ``logprobs.content`` items for ``tokens``."""
+        """Chat's ``logprobs.content`` items for ``tokens``; ``top_logprobs``: the first k of the chosen token and
+        then the others by rank (vLLM's: a sampled token outside the top k comes first and the k-th goes)."""
         items = []
         for token, entry in zip(tokens, entries):
-            item = self._chat_item(token, entry[token])
-            ranked = sorted(entry.items(), key=lambda x: x[1].rank)[:self.k or 0]
-            item["top_logprobs"] = [self._chat_item(t, lp) for t, lp in ranked]
+            item = self._chat_item(token, entry[token], chosen=True)
+            item["top_logprobs"] = [self._chat_item(t, lp) for t, lp in self._top(token, entry)[:self.k or 0]]
             items.append(item)
         return items
 

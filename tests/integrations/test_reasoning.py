@@ -232,6 +232,11 @@ def test_thinking_token_budget_forces_the_end_of_thinking():
         for budget, thought in ((1, "a"), (0, ""), (2, "ab"), (-1, "abc"), (5, "abc")):
             message = chat(client, thinking_token_budget=budget)["choices"][0]["message"]
             assert (message["reasoning"], message["content"]) == (thought, "Done!"), budget
+        # the forced </think> is not the model's choice: vLLM lists the chosen token first in top_logprobs
+        body = chat(client, thinking_token_budget=1, logprobs=True, top_logprobs=2)
+        items = body["choices"][0]["logprobs"]["content"]
+        assert [t["token"] for t in items[2]["top_logprobs"]] == ["</think>", "b"]
+        assert [t["token"] for t in items[1]["top_logprobs"]][0] == "a"
         for bad in (-2, 1.5, True):
             r = client.post("/v1/chat/completions", json={"model": "tiny", "messages": MESSAGES,
                                                           "thinking_token_budget": bad})
