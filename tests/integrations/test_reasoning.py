@@ -287,3 +287,13 @@ def test_qwen3_streams_end_the_thinking_at_the_marker_token_only():
         assert (message["reasoning"], message["content"]) == ("a <b", "cd")
         chunks = chat(client, stream=True)
         assert (joined(chunks, "reasoning"), joined(chunks, "content")) == ("a <b</think>c", "d")
+
+
+def test_token_ids_as_tokens_keep_their_texts_bytes():
+    """vLLM's return_tokens_as_token_ids: a chat item's token is "token_id:N", its bytes its own text's."""
+    with server(THINK) as client:
+        items = chat(client, logprobs=True, top_logprobs=1, return_tokens_as_token_ids=True)["choices"][0]
+        first = items["logprobs"]["content"][1]
+        tok = client.app.state.server.tokenizer
+        assert first["token"] == f"token_id:{tok.convert_tokens_to_ids('Plan it.')}"
+        assert bytes(first["bytes"]) == b"Plan it." and first["top_logprobs"][0]["token"] == first["token"]
