@@ -135,7 +135,7 @@ class ReasoningStream:
     reasoner: Reasoner
     ended: bool = False
     include: bool = True
-    seen: list = field(default_factory=list)       # the answer's ids before this delta
+    came: set = field(default_factory=set)         # the marker ids among the answer's ids before this delta
     held: str = ""                                 # qwen3: text that may begin a marker
 
     def feed(self, text: str, ids: list[int], last: bool = False) -> tuple[str | None, str | None]:
@@ -147,7 +147,8 @@ class ReasoningStream:
             self.ended = parser.end in ids
         else:
             reasoning, content = self._qwen3(text, ids, last)
-        self.seen += ids
+        p = self.reasoner.parser
+        self.came |= {t for t in ids if t in (p.start, p.end, p.tool)}
         if not self.include:
             reasoning = None
         return reasoning, content
@@ -158,7 +159,7 @@ class ReasoningStream:
         p = self.reasoner.parser
         if len(ids) == 1 and ids[0] in (p.start, p.end):
             return None, None
-        if p.start not in self.seen and p.start in ids and p.end in ids:
+        if p.start not in self.came and p.start in ids and p.end in ids:
             start, end = text.find(START), text.find(END)
             return text[start + len(START):end], text[end + len(END):] or None
         end = text.find(END)
@@ -170,7 +171,7 @@ class ReasoningStream:
         """qwen3's streamed thinking: markers read as in ``split``, but an end (``</think>``, ``<tool_call>``) only
         once its token came (vLLM's stream reads token ids: the text spelled in pieces is thinking); text that may
         begin a marker waits (to the end of the stream, where it goes out as thinking)."""
-        p, came = self.reasoner.parser, set(self.seen) | set(ids)
+        p, came = self.reasoner.parser, self.came | set(ids)
         pending = self.held + text
         self.held = ""
         if not last:
