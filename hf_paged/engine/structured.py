@@ -209,7 +209,8 @@ def _text_tokenizer(llg, tokenizer, vocab_size: int, eos: list[int]):
     backend.no_truncation()
     backend.encode_special_tokens = True
     text = {i for i, t in backend.get_added_tokens_decoder().items() if not t.special}
-    special = [i for i in range(vocab_size) if base.is_special_token(i) and i not in text]   # ids past the tokenizer too
+    # llguidance's special ids less the text ones (ids past the tokenizer's stay special: never allowed)
+    special = [i for i in range(vocab_size) if base.is_special_token(i) and i not in text]
 
     class Wrapper:                      # llguidance.TokenizerWrapper's fields and call
         eos_token_id = eos[0]
@@ -371,8 +372,8 @@ class GrammarMatcher:
 
 def apply_masks(logits: torch.Tensor, matchers: list[GrammarMatcher | None]) -> None:
     """Set to -inf, in place, every token a row's matcher disallows; rows whose matcher is None stay as
-    they are, and so do rows whose matcher waits (``GrammarMatcher.waiting``). ``logits``: float [S, V] with V the compiler's ``vocab_size``, on any device; all matchers
-    come from one :class:`GrammarCompiler`.
+    they are, and so do rows whose matcher waits (``GrammarMatcher.waiting``). ``logits``: float [S, V] with V
+    the compiler's ``vocab_size``, on any device; all matchers come from one :class:`GrammarCompiler`.
 
     One int32 bitmask [rows with a matcher, ceil(V / 32)] is allocated on the CPU and filled by
     llguidance's thread pool (finished matchers get the EOS-only row), copied to ``logits``' device and

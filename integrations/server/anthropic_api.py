@@ -2,25 +2,23 @@
 (clients: the ``anthropic`` SDK, Claude Code and agents written against it, pointed at this server).
 
 A request becomes a chat completion the way vLLM converts it (``to_chat``): the top-level ``system`` (its text
-blocks joined, Claude Code's per-request ``x-anthropic-billing-header`` block left out) as the first system
-message; ``system`` messages in the list kept in place, or merged into the first one where the chat template
-takes a system message only first (vLLM renders [system, user, system, user] to find out); text blocks as text
-parts; an assistant's ``thinking`` blocks joined as its ``reasoning`` (signatures unchecked, ``redacted_thinking``
-dropped, as vLLM's); ``stop_sequences`` as
-``stop``; ``output_config.format`` as a JSON-schema ``response_format``; ``thinking: {"type": "disabled"}`` as
-``reasoning_effort: "none"``, ``{"type": "enabled", "budget_tokens": N}`` as vLLM's ``thinking_token_budget``
-(``--reasoning-parser``: at most N thinking tokens, then ``</think>``); ``tools`` as OpenAI function tools and ``tool_choice`` auto / any / tool / none as
-chat's auto / required / named / none (``disable_parallel_tool_use`` as ``parallel_tool_calls: false``); an
-assistant's ``tool_use`` blocks as its ``tool_calls``, a user's ``tool_result`` blocks as ``tool`` messages before
-the user's text. Tool calling needs the chat endpoint's flags (``--enable-auto-tool-choice
---tool-call-parser``). Server and MCP tool blocks and images are refused by name. The answer is Anthropic's
-message (a ``thinking`` block where a reasoning parser split thinking off, with a random signature as vLLM's;
-text, then a ``tool_use`` block per call; ``stop_reason`` end_turn / max_tokens / stop_sequence /
-tool_use, as vLLM maps them) or its event stream (message_start; thinking, text and tool_use blocks, each started,
-its deltas (``thinking_delta`` and a ``signature_delta`` before it stops, ``text_delta``, ``input_json_delta``) and
-stopped, none for an empty text, as vLLM's; message_delta with
-the stop reason and usage; message_stop). Errors answer Anthropic's body ``{"type": "error", "error": {"type",
-"message"}}``.
+blocks joined, Claude Code's per-request ``x-anthropic-billing-header`` block left out) as the first system message;
+``system`` messages in the list kept in place, or merged into the first one where the chat template takes a system
+message only first (vLLM renders [system, user, system, user] to find out); text blocks as text parts; an
+assistant's ``thinking`` blocks joined as its ``reasoning`` (signatures unchecked, ``redacted_thinking`` dropped, as
+vLLM's); ``stop_sequences`` as ``stop``; ``output_config.format`` as a JSON-schema ``response_format``; ``thinking:
+{"type": "disabled"}`` as ``reasoning_effort: "none"``, ``{"type": "enabled", "budget_tokens": N}`` as vLLM's
+``thinking_token_budget`` (``--reasoning-parser``: at most N thinking tokens, then ``</think>``); ``tools`` as
+OpenAI function tools and ``tool_choice`` auto / any / tool / none as chat's auto / required / named / none
+(``disable_parallel_tool_use`` as ``parallel_tool_calls: false``); an assistant's ``tool_use`` blocks as its
+``tool_calls``, a user's ``tool_result`` blocks as ``tool`` messages before the user's text. Tool calling needs the
+chat endpoint's flags (``--enable-auto-tool-choice --tool-call-parser``). Server and MCP tool blocks and images are
+refused by name. The answer is Anthropic's message (a ``thinking`` block where a reasoning parser split thinking
+off, with a random signature as vLLM's; text, then a ``tool_use`` block per call; ``stop_reason`` end_turn /
+max_tokens / stop_sequence / tool_use, as vLLM maps them) or its event stream (message_start; thinking, text and
+tool_use blocks, each started, its deltas (``thinking_delta`` and a ``signature_delta`` before it stops,
+``text_delta``, ``input_json_delta``) and stopped, none for an empty text, as vLLM's; message_delta with the stop
+reason and usage; message_stop). Errors answer Anthropic's body ``{"type": "error", "error": {"type", "message"}}``.
 """
 from __future__ import annotations
 

@@ -80,8 +80,9 @@ def structured_spec(req) -> Optional[tuple[str, StructuredOutput]]:
 async def compile_structured(engine, param: str, spec: StructuredOutput, after_token: int | None = None,
                              from_token: int | None = None):
     """``engine.compile_grammar(spec)`` in a worker thread (compiling a schema can take long; the event
-    loop serves other requests meanwhile), waiting for ``after_token`` / ``from_token`` where given; its ValueError is a 400 ``invalid_grammar``, or ``unsupported`` where
-    no grammar could compile (StructuredOutputUnavailable: no tokenizer, or one llguidance cannot read)."""
+    loop serves other requests meanwhile), waiting for ``after_token`` / ``from_token`` where given; its ValueError
+    is a 400 ``invalid_grammar``, or ``unsupported`` where no grammar could compile (StructuredOutputUnavailable: no
+    tokenizer, or one llguidance cannot read)."""
     compile_grammar = getattr(engine, "compile_grammar", None)
     if compile_grammar is None:            # an engine without a grammar compiler (e.g. a stand-in)
         raise ApiError(400, "structured output needs the engine's grammar compiler (Engine.compile_grammar), "

@@ -242,8 +242,8 @@ def test_added_tokens_are_text_unless_special(tokenizer, spec, text):
     """An added token that is not special (Qwen's ``<tool_call>``, ``<think>``) is text: a grammar's text takes it
     as that token (or spelled in pieces where the text is not forced), and every token the mask allows,
     ``accept`` takes (llguidance's own tokenizer reads every added token as special: its mask allowed
-    ``<tool_call>`` where the grammar's text began with it, and consuming it then failed). A special token's text (``<|im_end|>``) is text too: never
-    the special token, which a lark grammar reaches only by its reference."""
+    ``<tool_call>`` where the grammar's text began with it, and consuming it then failed). A special token's text
+    (``<|im_end|>``) is text too: never the special token, which a lark grammar reaches only by its reference."""
     import copy
 
     tok = copy.deepcopy(tokenizer)
