@@ -134,7 +134,7 @@ def test_inline_system_messages_kept_or_merged():
     ({"max_tokens": 5, "messages": [{"role": "user", "content": "w3"}], "tools": [{"name": "f", "input_schema": {}}]},
      400, "requires --enable-auto-tool-choice"),          # tool calling needs the flags (test_tool_calls.py)
     ({"max_tokens": 5, "messages": [{"role": "user", "content": "w3"}],
-      "thinking": {"type": "enabled", "budget_tokens": 2048}}, 400, "reasoning parser"),
+      "thinking": {"type": "enabled", "budget_tokens": 2048}}, 400, "less than max_tokens"),   # (vLLM's check first)
     ({"messages": [{"role": "user", "content": "w3"}]}, 400, "max_tokens"),
     ({"max_tokens": 0, "messages": [{"role": "user", "content": "w3"}]}, 400, "max_tokens"),
     ({"max_tokens": 5, "messages": []}, 400, "messages"),

@@ -52,7 +52,8 @@ def fake_state(compile_grammar=None):
     if compile_grammar is not None:
         engine.compile_grammar = compile_grammar
     return SimpleNamespace(vocab_size=VOCAB, tokenizer=word_tokenizer(), max_model_len=128, name="tiny",
-                           engine=engine, worker=SimpleNamespace(capacity=24), defaults=SamplingDefaults())
+                           engine=engine, worker=SimpleNamespace(capacity=24), defaults=SamplingDefaults(),
+                           reasoning=None)
 
 
 def request(body: dict, chat: bool = False):
@@ -191,7 +192,6 @@ def test_bad_words_follow_vllms_rule():
     ({"structural_tag": "{}"}, True, "structural_tag", []),
     ({"guided_whitespace_pattern": " "}, False, "guided_whitespace_pattern", []),
     ({"repetition_detection": {"max_pattern_size": 4, "min_count": 2}}, False, "repetition_detection", []),
-    ({"thinking_token_budget": 10}, True, "thinking_token_budget", []),
     ({"vllm_xargs": {"a": 1}}, False, "vllm_xargs", []),
     ({"stream": True, "prompt_logprobs": 1}, False, "prompt_logprobs", ["stream"]),
     ({"truncate_prompt_tokens": 0}, False, "truncate_prompt_tokens", []),
