@@ -12,7 +12,7 @@ engine thread; no web imports), ``detokenize`` (incremental text that never emit
 no web imports), ``responses`` (whole or streamed answers), ``errors`` (OpenAI-style error bodies),
 ``protocol`` (the request schemas), ``tool_choice`` (what a request's tools ask: the grammar of calls, the
 answer's message) and ``tool_parsers`` (calls read out of text, whole or streamed; no web imports),
-``metrics`` (Prometheus, one registry per app), ``main``
+``reasoning`` (a reasoning model's thinking split off its answer, whole or streamed; no web imports), ``metrics`` (Prometheus, one registry per app), ``main``
 (``serve``: load, build, run uvicorn). FastAPI, uvicorn and prometheus_client (the ``serve`` extra) are
 imported only by the modules that need them, and only when this package is asked for.
 """
